@@ -1,0 +1,364 @@
+// simt runtime: the fiber scheduler behind simt.h. See simt.h for the execution model.
+#include <sys/mman.h>
+#include <ucontext.h>
+
+#include <algorithm>
+#include <cstdlib>
+#include <memory>
+#include <random>
+#include <sstream>
+
+#include "registry.h"
+
+#if defined(__SANITIZE_ADDRESS__)
+#include <sanitizer/common_interface_defs.h>
+#define SIMT_ASAN 1
+#else
+#define SIMT_ASAN 0
+#endif
+
+namespace simt {
+
+namespace {
+
+// Sanitizer builds use far more stack per frame.
+constexpr size_t kStackBytes = SIMT_ASAN ? (512u << 10) : (128u << 10);
+
+enum State { kRunnable, kAtBarrier, kAtWarp, kExited };
+
+}  // namespace
+
+struct Thread {
+  dim3 tid;
+  int index = 0;
+  int lane = 0;
+  int warp = 0;
+  State state = kRunnable;
+  ucontext_t ctx;
+  char* stack = nullptr;
+  // Pending warp op.
+  const char* warp_op = nullptr;
+  unsigned warp_mask = 0;
+  uint64_t exchanged[kWarpSize];
+  // Pending block barrier.
+  int bar_result = 0;
+#if SIMT_ASAN
+  void* fake_stack = nullptr;
+#endif
+};
+
+namespace {
+
+struct Warp {
+  unsigned existing = 0;  // lanes that exist in this (possibly partial) warp
+  unsigned arrived = 0;
+  uint64_t slots[kWarpSize];
+};
+
+struct BlockState {
+  std::vector<Thread> threads;
+  std::vector<Warp> warps;
+  std::vector<int> runq;
+  size_t runq_head = 0;
+  int live = 0;
+  int bar_arrived = 0;
+  int bar_kind = -1;
+  int bar_accum = 0;
+  dim3 block_idx, block_dim, grid_dim;
+  Thread* current = nullptr;
+  const Entry* entry = nullptr;
+  void** params = nullptr;
+  std::vector<unsigned char> smem;
+  ucontext_t sched_ctx;
+  std::string fault;  // set when a fiber faulted; the launch aborts
+  std::mt19937_64 rng;
+  uint64_t seed = 0;
+#if SIMT_ASAN
+  const void* sched_stack_bottom = nullptr;
+  size_t sched_stack_size = 0;
+  void* sched_fake_stack = nullptr;
+#endif
+};
+
+BlockState g;
+std::vector<char*> g_stacks;
+
+char* stack_for(int i) {
+  while ((int)g_stacks.size() <= i) {
+    void* p = mmap(nullptr, kStackBytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+    if (p == MAP_FAILED) throw std::runtime_error("simt: cannot map a fiber stack");
+    g_stacks.push_back(static_cast<char*>(p));
+  }
+  return g_stacks[i];
+}
+
+void make_runnable(Thread& t) {
+  t.state = kRunnable;
+  g.runq.push_back(t.index);
+}
+
+// Park the current fiber and return to the scheduler; resumes when made runnable again.
+void park() {
+  Thread* t = g.current;
+#if SIMT_ASAN
+  __sanitizer_start_switch_fiber(&t->fake_stack, g.sched_stack_bottom, g.sched_stack_size);
+#endif
+  swapcontext(&t->ctx, &g.sched_ctx);
+#if SIMT_ASAN
+  __sanitizer_finish_switch_fiber(t->fake_stack, nullptr, nullptr);
+#endif
+}
+
+std::string describe(const Thread& t) {
+  std::ostringstream s;
+  s << "thread (" << t.tid.x << "," << t.tid.y << "," << t.tid.z << ") of block (" << g.block_idx.x << ","
+    << g.block_idx.y << "," << g.block_idx.z << ")";
+  return s.str();
+}
+
+void release_barrier() {
+  int result = g.bar_kind == kBarCount ? g.bar_accum
+               : g.bar_kind == kBarOr  ? (g.bar_accum > 0)
+               : g.bar_kind == kBarAnd ? (g.bar_accum == g.bar_arrived)
+                                       : 0;
+  for (Thread& o : g.threads)
+    if (o.state == kAtBarrier) {
+      o.bar_result = result;
+      if (&o != g.current) make_runnable(o);
+      else o.state = kRunnable;
+    }
+  g.bar_arrived = 0;
+  g.bar_accum = 0;
+  g.bar_kind = -1;
+}
+
+// A lane in `mask` that exited can never arrive: that is a warp op reached by part of a warp.
+void check_warp_partners(const Warp& w, unsigned mask, const char* op) {
+  int base = g.current->warp * kWarpSize;
+  for (int l = 0; l < kWarpSize; ++l) {
+    if (!(mask >> l & 1u)) continue;
+    const Thread& o = g.threads[base + l];
+    if (o.state == kExited)
+      fault(std::string(op) + " reached by part of a warp: lane " + std::to_string(l) + " (" + describe(o) +
+            ") already exited");
+    if (o.state == kAtWarp && o.warp_mask != mask)
+      fault(std::string(op) + ": lanes of one warp wait with different masks");
+    if (o.state == kAtWarp && std::strcmp(o.warp_op, op) != 0 &&
+        !(std::strncmp(o.warp_op, "__shfl", 6) == 0 && std::strncmp(op, "__shfl", 6) == 0))
+      fault(std::string(op) + " met " + o.warp_op + " in the same warp: divergent warp ops");
+  }
+  (void)w;
+}
+
+void fiber_main() {
+  Thread* t = g.current;
+#if SIMT_ASAN
+  __sanitizer_finish_switch_fiber(nullptr, &g.sched_stack_bottom, &g.sched_stack_size);
+#endif
+  try {
+    g.entry->invoke(g.params);
+  } catch (const std::exception& e) {
+    if (g.fault.empty()) g.fault = e.what();
+  }
+  t->state = kExited;
+  g.live--;
+  if (g.fault.empty()) {
+    // Exited threads count as arrived at block barriers (as on sm_70+).
+    if (g.bar_arrived > 0 && g.bar_arrived == g.live) release_barrier();
+    // ...but never at warp ops: a waiting partner would hang on hardware.
+    const Warp& w = g.warps[t->warp];
+    int base = t->warp * kWarpSize;
+    for (int l = 0; l < kWarpSize; ++l) {
+      const Thread* o = (w.existing >> l & 1u) ? &g.threads[base + l] : nullptr;
+      if (o && o->state == kAtWarp && (o->warp_mask >> t->lane & 1u)) {
+        g.fault = std::string(o->warp_op) + " reached by part of a warp: " + describe(*t) + " exited while " +
+                  describe(*o) + " waits for it";
+        break;
+      }
+    }
+  }
+#if SIMT_ASAN
+  __sanitizer_start_switch_fiber(nullptr, g.sched_stack_bottom, g.sched_stack_size);
+#endif
+  setcontext(&g.sched_ctx);
+}
+
+int pick_next() {
+  if (g.seed == 0 || g.runq.size() - g.runq_head <= 1) return g.runq[g.runq_head++];
+  size_t n = g.runq.size() - g.runq_head;
+  size_t k = g.runq_head + (size_t)(g.rng() % n);
+  std::swap(g.runq[k], g.runq[g.runq_head]);
+  return g.runq[g.runq_head++];
+}
+
+std::string deadlock_report() {
+  std::ostringstream s;
+  int at_bar = 0, at_warp = 0;
+  const Thread* warp_waiter = nullptr;
+  const Thread* bar_waiter = nullptr;
+  for (const Thread& t : g.threads) {
+    if (t.state == kAtBarrier) { at_bar++; if (!bar_waiter) bar_waiter = &t; }
+    if (t.state == kAtWarp) { at_warp++; if (!warp_waiter) warp_waiter = &t; }
+  }
+  if (warp_waiter)
+    s << warp_waiter->warp_op << " reached by part of a warp: " << describe(*warp_waiter)
+      << " waits for lanes that are at __syncthreads or elsewhere (" << at_warp << " threads at warp ops, "
+      << at_bar << " at __syncthreads)";
+  else
+    s << "__syncthreads not reached by every live thread: " << at_bar << " of " << g.live
+      << " live threads wait, e.g. " << describe(*bar_waiter);
+  return s.str();
+}
+
+void run_block() {
+  int n = (int)g.threads.size();
+  g.runq.clear();
+  g.runq_head = 0;
+  g.live = n;
+  g.bar_arrived = 0;
+  g.bar_accum = 0;
+  g.bar_kind = -1;
+  for (Warp& w : g.warps) w.arrived = 0;
+  for (int i = 0; i < n; ++i) {
+    Thread& t = g.threads[i];
+    t.state = kRunnable;
+    t.stack = stack_for(i);
+    getcontext(&t.ctx);
+    t.ctx.uc_stack.ss_sp = t.stack;
+    t.ctx.uc_stack.ss_size = kStackBytes;
+    t.ctx.uc_link = nullptr;
+    makecontext(&t.ctx, fiber_main, 0);
+    g.runq.push_back(i);
+  }
+  while (g.runq_head < g.runq.size()) {
+    Thread& t = g.threads[pick_next()];
+    g.current = &t;
+#if SIMT_ASAN
+    __sanitizer_start_switch_fiber(&g.sched_fake_stack, t.stack, kStackBytes);
+#endif
+    swapcontext(&g.sched_ctx, &t.ctx);
+#if SIMT_ASAN
+    __sanitizer_finish_switch_fiber(g.sched_fake_stack, nullptr, nullptr);
+#endif
+    g.current = nullptr;
+    if (!g.fault.empty()) throw KernelFault(g.entry->name + ": " + g.fault);
+    // Compact the queue now and then so it does not grow without bound.
+    if (g.runq_head > 4096 && g.runq_head * 2 > g.runq.size()) {
+      g.runq.erase(g.runq.begin(), g.runq.begin() + g.runq_head);
+      g.runq_head = 0;
+    }
+  }
+  if (g.live > 0) throw KernelFault(g.entry->name + ": " + deadlock_report());
+}
+
+}  // namespace
+
+std::map<std::string, Entry>& registry() {
+  static std::map<std::string, Entry> r;
+  return r;
+}
+
+Thread* current_thread() { return g.current; }
+const dim3& thread_idx() { return g.current->tid; }
+const dim3& block_idx() { return g.block_idx; }
+const dim3& block_dim() { return g.block_dim; }
+const dim3& grid_dim() { return g.grid_dim; }
+void* dynamic_smem() { return g.smem.data(); }
+int lane_id() { return g.current->lane; }
+
+void fault(const std::string& what) {
+  if (g.current) throw KernelFault(describe(*g.current) + ": " + what);
+  throw KernelFault(what);
+}
+
+int block_barrier(BarrierKind kind, int predicate) {
+  Thread* t = g.current;
+  if (g.bar_kind >= 0 && g.bar_kind != kind)
+    fault("threads of one block wait at different __syncthreads forms");
+  g.bar_kind = kind;
+  g.bar_arrived++;
+  g.bar_accum += predicate != 0;
+  t->state = kAtBarrier;
+  if (g.bar_arrived == g.live) release_barrier();
+  else park();
+  return t->bar_result;
+}
+
+const uint64_t* warp_exchange(const char* op, unsigned mask, uint64_t value) {
+  Thread* t = g.current;
+  Warp& w = g.warps[t->warp];
+  if (!(mask >> t->lane & 1u)) fault(std::string(op) + ": the calling lane is not in the mask");
+  if (mask & ~w.existing)
+    fault(std::string(op) + ": the mask names lanes that do not exist in this warp (block of " +
+          std::to_string(g.threads.size()) + " threads)");
+  check_warp_partners(w, mask, op);
+  w.slots[t->lane] = value;
+  w.arrived |= 1u << t->lane;
+  t->warp_op = op;
+  t->warp_mask = mask;
+  t->state = kAtWarp;
+  if ((w.arrived & mask) == mask) {
+    int base = t->warp * kWarpSize;
+    for (int l = 0; l < kWarpSize; ++l) {
+      if (!(mask >> l & 1u)) continue;
+      Thread& o = g.threads[base + l];
+      for (int s = 0; s < kWarpSize; ++s) o.exchanged[s] = (mask >> s & 1u) ? w.slots[s] : 0;
+      if (&o != t) make_runnable(o);
+    }
+    w.arrived &= ~mask;
+    t->state = kRunnable;
+  } else {
+    park();
+  }
+  return t->exchanged;
+}
+
+void set_schedule(uint64_t seed) { g.seed = seed; g.rng.seed(seed); }
+uint64_t schedule_seed() { return g.seed; }
+
+void launch(const Entry& entry, dim3 grid, dim3 block, void** params, size_t shared_mem) {
+  const unsigned bd[3] = {block.x, block.y, block.z}, gd[3] = {grid.x, grid.y, grid.z};
+  const char* axis = "xyz";
+  for (int i = 0; i < 3; ++i) {
+    if (bd[i] == 0 || bd[i] > kMaxBlockDim[i])
+      throw KernelFault(entry.name + ": block." + axis[i] + "=" + std::to_string(bd[i]) + " is outside [1, " +
+                        std::to_string(kMaxBlockDim[i]) + "]");
+    if (gd[i] > kMaxGridDim[i])
+      throw KernelFault(entry.name + ": grid." + axis[i] + "=" + std::to_string(gd[i]) + " exceeds " +
+                        std::to_string(kMaxGridDim[i]));
+  }
+  size_t nthreads = (size_t)block.x * block.y * block.z;
+  if (nthreads > (size_t)kMaxThreadsPerBlock)
+    throw KernelFault(entry.name + ": a block of " + std::to_string(nthreads) + " threads exceeds 1024");
+  if (shared_mem > kMaxDynamicSmem)
+    throw KernelFault(entry.name + ": shared_mem=" + std::to_string(shared_mem) + " exceeds sm_90's " +
+                      std::to_string(kMaxDynamicSmem) + " bytes");
+  if ((size_t)grid.x * grid.y * grid.z == 0) return;
+
+  g.entry = &entry;
+  g.params = params;
+  g.fault.clear();
+  g.block_dim = block;
+  g.grid_dim = grid;
+  // Poison dynamic shared memory so a read before a write shows (0xff.. is a NaN / -1).
+  g.smem.assign(std::max<size_t>(shared_mem, 16), 0xff);
+  g.threads.assign(nthreads, Thread());
+  g.warps.assign((nthreads + kWarpSize - 1) / kWarpSize, Warp());
+  for (size_t i = 0; i < nthreads; ++i) {
+    Thread& t = g.threads[i];
+    t.index = (int)i;
+    t.lane = (int)(i % kWarpSize);
+    t.warp = (int)(i / kWarpSize);
+    t.tid = dim3((unsigned)(i % block.x), (unsigned)((i / block.x) % block.y), (unsigned)(i / ((size_t)block.x * block.y)));
+    g.warps[t.warp].existing |= 1u << t.lane;
+  }
+  for (unsigned z = 0; z < grid.z; ++z)
+    for (unsigned y = 0; y < grid.y; ++y)
+      for (unsigned x = 0; x < grid.x; ++x) {
+        g.block_idx = dim3(x, y, z);
+        run_block();
+      }
+  g.entry = nullptr;
+}
+
+}  // namespace simt

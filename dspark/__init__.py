@@ -1,0 +1,6 @@
+"""dspark: DSpark-style block-drafter speculative decoding for hybrid language models."""
+
+from .backends import Backend, backends, get_backend
+
+__version__ = "0.1.0"
+__all__ = ["Backend", "backends", "get_backend", "__version__"]

@@ -1,0 +1,86 @@
+"""Three backends, one launch plan: `numpy` (the reference), `simt` (the real kernels on the
+CPU) and `cuda` (the same kernels on a GPU through CuPy)."""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ..errors import BackendUnavailable
+from .allocator import Allocator
+
+NAMES = ("numpy", "simt", "cuda")
+
+
+@dataclass
+class Backend:
+    name: str
+    xp: object                   # the array module: numpy or cupy
+    kernels: object | None       # executor with get_function(name); None on numpy
+    alloc: Allocator = field(repr=False, default=None)
+
+    def __post_init__(self):
+        if self.alloc is None:
+            self.alloc = Allocator(self.xp)
+
+    def asarray(self, a, dtype=None):
+        return self.xp.asarray(a, dtype=dtype)
+
+    def to_host(self, a) -> np.ndarray:
+        return a.get() if hasattr(a, "get") else np.asarray(a)
+
+
+@functools.lru_cache(maxsize=None)
+def cuda_available() -> bool:
+    try:
+        import cupy
+        return cupy.cuda.runtime.getDeviceCount() > 0
+    except Exception:  # no CuPy, no driver, or no device: all mean "no GPU here"
+        return False
+
+
+@functools.lru_cache(maxsize=None)
+def simt_available() -> bool:
+    try:
+        from .simt import load_module
+        load_module()
+        return True
+    except ImportError:
+        return False
+
+
+def backends() -> list[str]:
+    out = ["numpy"]
+    if simt_available():
+        out.append("simt")
+    if cuda_available():
+        out.append("cuda")
+    return out
+
+
+@functools.lru_cache(maxsize=None)
+def _make(name: str) -> Backend:
+    if name == "numpy":
+        return Backend("numpy", np, None)
+    if name == "simt":
+        if not simt_available():
+            raise BackendUnavailable("backend 'simt' needs the compiled dspark._simt module: pip install -e .")
+        from .simt import SimtExecutor
+        return Backend("simt", np, SimtExecutor())
+    if not cuda_available():
+        raise BackendUnavailable("backend 'cuda' needs CuPy and a working GPU: pip install 'dspark[cuda12]'")
+    import cupy
+
+    from .cuda import CudaExecutor
+    return Backend("cuda", cupy, CudaExecutor())
+
+
+def get_backend(name: str | None = None) -> Backend:
+    """The named backend, or the default: `cuda` when a GPU works, else `numpy`."""
+    if name is None:
+        name = "cuda" if cuda_available() else "numpy"
+    if name not in NAMES:
+        raise ValueError(f"backend={name!r}: expected one of {', '.join(NAMES)}")
+    return _make(name)

@@ -1,0 +1,84 @@
+"""The `simt` executor: csrc/ kernels compiled for the host, one fiber per CUDA thread.
+
+`get_function(name)` returns a callable with CuPy's RawKernel convention. Set
+DSPARK_SIMT_ASAN=1 (with libasan preloaded, see `simt_build.asan_env`) to load an
+AddressSanitizer build, and DSPARK_SIMT_SCHEDULE=<seed> (or `schedule(seed)`) to run threads in
+a random order between barriers.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import struct
+
+import numpy as np
+
+from ..errors import KernelArgumentError
+from ..kernel_sources import Signature, load_json
+from .launch import check_args, check_launch
+
+
+def load_module():
+    if os.environ.get("DSPARK_SIMT_ASAN") == "1":
+        from .simt_build import load_asan_module
+        return load_asan_module()
+    from .. import _simt
+    return _simt
+
+
+class SimtKernel:
+    def __init__(self, module, sig: Signature):
+        self._module = module
+        self.signature = sig
+        self.name = sig.name
+
+    def __call__(self, grid, block, args, shared_mem=0):
+        sig = self.signature
+        g, b, smem = check_launch(sig, grid, block, args, shared_mem)
+        check_args(sig, args, np.ndarray)
+        slots = []
+        for p, a in zip(sig.params, args):
+            if p.code == "ptr":
+                slots.append(struct.pack("<Q", 0 if a is None else a.ctypes.data))
+            else:
+                slots.append(a.tobytes().ljust(8, b"\0"))
+        self._module.launch(self.name, g, b, b"".join(slots), smem)
+
+
+class SimtExecutor:
+    name = "simt"
+
+    def __init__(self):
+        self._module = load_module()
+        self.signatures = load_json()
+        self.asan = bool(self._module.asan)
+        seed = os.environ.get("DSPARK_SIMT_SCHEDULE")
+        if seed:
+            self._module.set_schedule(int(seed))
+        self._cache: dict[str, SimtKernel] = {}
+
+    def get_function(self, name: str) -> SimtKernel:
+        if name not in self._cache:
+            if name not in self.signatures:
+                raise KernelArgumentError(f"no kernel named {name!r} in csrc/")
+            self._cache[name] = SimtKernel(self._module, self.signatures[name])
+        return self._cache[name]
+
+    def compiled_kernels(self) -> dict[str, list]:
+        """name -> parameter types as the host compiler deduced them."""
+        return self._module.kernels()
+
+    @contextlib.contextmanager
+    def schedule(self, seed: int):
+        """Run threads in a random order (from `seed`) between barriers inside the block."""
+        old = self._module.schedule_seed()
+        self._module.set_schedule(int(seed))
+        try:
+            yield
+        finally:
+            self._module.set_schedule(old)
+
+    @property
+    def fault_type(self):
+        return self._module.KernelFault

@@ -1,0 +1,38 @@
+"""One exception type per kind of mistake. Each also derives from the matching builtin, so
+callers can catch `ValueError` / `TypeError` as usual."""
+
+
+class DsparkError(Exception):
+    """Base of every error dspark raises on purpose."""
+
+
+class ShapeError(DsparkError, ValueError):
+    """An array has the wrong rank or extent."""
+
+
+class DTypeError(DsparkError, TypeError):
+    """An array or scalar has the wrong dtype."""
+
+
+class TokenRangeError(DsparkError, ValueError):
+    """A token id is outside the vocabulary."""
+
+
+class CapacityError(DsparkError, ValueError):
+    """A position, length or byte count exceeds what the buffer, context or budget holds."""
+
+
+class NonFiniteError(DsparkError, ValueError):
+    """NaN (or Inf where it is not allowed) in logits or other inputs."""
+
+
+class StateError(DsparkError, RuntimeError):
+    """The call is not valid in the object's current state (finished, demoted, mid-round...)."""
+
+
+class KernelArgumentError(DsparkError, TypeError):
+    """A kernel launch argument does not match the C++ parameter type, or a bad launch shape."""
+
+
+class BackendUnavailable(DsparkError, RuntimeError):
+    """The requested backend cannot run on this machine."""

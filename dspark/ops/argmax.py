@@ -1,0 +1,108 @@
+"""Row argmax and the fused greedy accept (kernels: csrc/argmax.cu).
+
+Ties go to the lowest index. A NaN is never chosen: it is flagged per row and the op raises
+NonFiniteError naming the row. The NumPy functions here are the reference the kernels are tested
+against, and the numpy backend's implementation.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..dtypes import suffix, to_f32
+from ..errors import NonFiniteError
+from .checks import require_dtype, require_indptr, require_ndim, require_shape
+
+
+# ---- NumPy reference ------------------------------------------------------------------------
+def argmax_rows_ref(logits: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(index [rows] int32, nan_flag [rows] int32); index -1 only for an all-NaN row."""
+    x = to_f32(logits)
+    nan = np.isnan(x)
+    idx = np.where(nan, -np.inf, x).argmax(axis=1).astype(np.int32) if x.shape[1] else np.full(x.shape[0], -1, np.int32)
+    idx[nan.all(axis=1)] = -1
+    return idx, nan.any(axis=1).astype(np.int32)
+
+
+def greedy_accept_ref(logits, cand, col_indptr) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(m [B], next [B], nan_flag [B]); walks each session's columns until the first mismatch."""
+    B = len(col_indptr) - 1
+    m = np.full(B, -1, np.int32)
+    nxt = np.full(B, -1, np.int32)
+    flag = np.zeros(B, np.int32)
+    for b in range(B):
+        c0, c1 = int(col_indptr[b]), int(col_indptr[b + 1])
+        for j in range(c1 - c0):
+            idx, nan = argmax_rows_ref(logits[c0 + j : c0 + j + 1])
+            flag[b] |= nan[0]
+            if j == c1 - c0 - 1 or idx[0] != cand[c0 + j + 1]:
+                m[b], nxt[b] = j, idx[0]
+                break
+    return m, nxt, flag
+
+
+# ---- launch plan ----------------------------------------------------------------------------
+def block_threads(vocab: int) -> int:
+    """Threads per row: enough warps to cover the row once, at most 1024."""
+    return max(32, min(1024, -(-vocab // 32) * 32))
+
+
+def _raise_on_nan(flag, what: str, unit: str) -> None:
+    bad = np.flatnonzero(flag)
+    if bad.size:
+        raise NonFiniteError(f"{what}: {unit} {bad[0]} contains NaN ({bad.size} {unit}s in all)")
+
+
+def argmax_rows(be, logits, out=None):
+    """Row argmax of `logits` [rows, V] (f32/f16/bf16) -> int32 [rows]."""
+    require_ndim(logits, 2, "logits", "[rows, V]")
+    suf = suffix(logits.dtype, "logits")
+    rows, vocab = logits.shape
+    if out is None:
+        out = be.xp.empty(rows, be.xp.int32)
+    require_shape(out, (rows,), "out")
+    require_dtype(out, np.int32, "out")
+    if be.kernels is None:
+        idx, flag = argmax_rows_ref(logits)
+        out[...] = idx
+    else:
+        flag = be.xp.empty(rows, be.xp.int32)
+        if rows:
+            fn = be.kernels.get_function(f"argmax_rows_{suf}")
+            fn((rows,), (block_threads(vocab),), (logits, np.int32(rows), np.int32(vocab), out, flag))
+    _raise_on_nan(be.to_host(flag), "logits", "row")
+    return out
+
+
+def greedy_accept(be, logits, cand, col_indptr, m_out=None, next_out=None):
+    """Greedy accept over ragged verify columns -> (m [B], next [B]) int32.
+
+    `cand` [cols] holds each session's [anchor, d_1 .. d_{vt-1}]; `logits` [cols, V] its
+    verify columns; `col_indptr` [B+1] splits the columns by session.
+    """
+    require_ndim(logits, 2, "logits", "[cols, V]")
+    suf = suffix(logits.dtype, "logits")
+    cols, vocab = logits.shape
+    require_ndim(cand, 1, "cand", "[cols]")
+    require_dtype(cand, np.int32, "cand")
+    require_shape(cand, (cols,), "cand")
+    host_indptr = be.to_host(col_indptr)
+    require_indptr(host_indptr, "col_indptr", cols)
+    B = host_indptr.shape[0] - 1
+    xp = be.xp
+    m_out = xp.empty(B, xp.int32) if m_out is None else m_out
+    next_out = xp.empty(B, xp.int32) if next_out is None else next_out
+    for name, a in (("m_out", m_out), ("next_out", next_out)):
+        require_shape(a, (B,), name)
+        require_dtype(a, np.int32, name)
+    if be.kernels is None:
+        m, nxt, flag = greedy_accept_ref(logits, cand, host_indptr)
+        m_out[...], next_out[...] = m, nxt
+    else:
+        flag = xp.empty(B, xp.int32)
+        if B:
+            fn = be.kernels.get_function(f"greedy_accept_{suf}")
+            fn((B,), (block_threads(vocab),),
+               (logits, cand, col_indptr, np.int32(vocab), m_out, next_out, flag))
+    _raise_on_nan(be.to_host(flag), "logits", "session")
+    return m_out, next_out

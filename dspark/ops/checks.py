@@ -1,0 +1,33 @@
+"""Validation shared by the ops: clear errors that name the argument and the expectation."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..errors import DTypeError, ShapeError
+
+
+def require_ndim(a, ndim: int, what: str, layout: str) -> None:
+    if getattr(a, "ndim", None) != ndim:
+        shape = getattr(a, "shape", type(a).__name__)
+        raise ShapeError(f"{what} has shape {shape}: expected {ndim} dims {layout}")
+
+
+def require_dtype(a, dtype, what: str) -> None:
+    if a.dtype != np.dtype(dtype):
+        raise DTypeError(f"{what} has dtype {a.dtype}: expected {np.dtype(dtype)}")
+
+
+def require_shape(a, shape: tuple, what: str) -> None:
+    if tuple(a.shape) != tuple(shape):
+        raise ShapeError(f"{what} has shape {tuple(a.shape)}: expected {tuple(shape)}")
+
+
+def require_indptr(indptr: np.ndarray, what: str, total: int) -> None:
+    """A CSR row pointer: int32, starts at 0, non-decreasing, ends at `total`."""
+    require_ndim(indptr, 1, what, "[B+1]")
+    require_dtype(indptr, np.int32, what)
+    if indptr.shape[0] < 1 or int(indptr[0]) != 0 or int(indptr[-1]) != total:
+        raise ShapeError(f"{what} must start at 0 and end at {total}, got {np.asarray(indptr).tolist()[:8]}...")
+    if np.any(np.diff(indptr) < 0):
+        raise ShapeError(f"{what} must be non-decreasing")

@@ -1,0 +1,60 @@
+"""Build dspark: the Python package plus dspark._simt, the csrc/ kernels compiled for the host."""
+
+import importlib.util
+import sys
+from pathlib import Path
+
+from pybind11.setup_helpers import Pybind11Extension
+from setuptools import find_packages, setup
+from setuptools.command.build_ext import build_ext
+
+ROOT = Path(__file__).resolve().parent
+
+
+def _kernel_sources():
+    spec = importlib.util.spec_from_file_location("_ks", ROOT / "dspark" / "kernel_sources.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # dataclasses look their module up while the file executes
+    spec.loader.exec_module(mod)
+    return mod
+
+
+class BuildSimt(build_ext):
+    """Generate the per-family registration units and the signature table, then compile."""
+
+    def run(self):
+        ks = _kernel_sources()
+        gen = Path(self.build_temp) / "simt_gen"
+        ks.write_json(ks.scan(ROOT / "csrc"))
+        for ext in self.extensions:
+            if ext.name == "dspark._simt":
+                ext.sources = [str(p) for p in ks.simt_sources(gen, ROOT / "csrc")]
+        super().run()
+
+
+setup(
+    name="dspark",
+    version="0.1.0",
+    description="DSpark-style block-drafter speculative decoding kernels for hybrid language models",
+    packages=find_packages(include=["dspark", "dspark.*"]),
+    package_data={"dspark": ["_kernels.json"]},
+    python_requires=">=3.10",
+    install_requires=["numpy>=1.24", "ml_dtypes>=0.3", "safetensors>=0.4", "nvtx>=0.2.10"],
+    extras_require={
+        "cuda12": ["cupy-cuda12x>=13.0", "nvidia-cuda-nvrtc-cu12>=12.0"],
+        "cuda13": ["cupy-cuda13x>=13.6"],
+        "test": ["pytest>=7.4", "hypothesis>=6.90", "nvidia-cuda-nvrtc-cu12>=12.0", "scipy>=1.10"],
+        "train": ["torch==2.13.0"],
+    },
+    ext_modules=[
+        Pybind11Extension(
+            "dspark._simt",
+            sources=["csrc/simt/runtime.cpp"],  # replaced by BuildSimt.run
+            include_dirs=["csrc"],
+            extra_compile_args=["-O2", "-DDSPARK_SIMT", "-ffp-contract=off"],
+            cxx_std=17,
+        )
+    ],
+    cmdclass={"build_ext": BuildSimt},
+    entry_points={"console_scripts": ["dspark=dspark.cli:main"]},
+)

@@ -1,0 +1,66 @@
+"""Shared fixtures: backends, fresh random inputs, and output poisoning."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+
+import dspark
+from dspark.backends import cuda_available
+
+NO_GPU = "no CUDA device (CuPy with a working GPU) on this machine"
+
+
+@pytest.fixture(scope="session")
+def simt():
+    if "simt" not in dspark.backends():
+        if os.environ.get("CI") == "true":
+            pytest.fail("the simt backend must be built in CI")
+        pytest.skip("dspark._simt is not built")
+    return dspark.get_backend("simt")
+
+
+@pytest.fixture(scope="session")
+def numpy_backend():
+    return dspark.get_backend("numpy")
+
+
+@pytest.fixture(scope="session")
+def cuda():
+    if not cuda_available():
+        pytest.skip(NO_GPU)
+    return dspark.get_backend("cuda")
+
+
+@pytest.fixture(params=["simt", "cuda"])
+def kernel_backend(request):
+    """Every backend that executes the csrc/ kernels: simt always, cuda when a GPU works."""
+    return request.getfixturevalue(request.param)
+
+
+@pytest.fixture(params=["numpy", "simt", "cuda"])
+def any_backend(request):
+    """All three backends: the NumPy reference and both kernel executors."""
+    name = {"numpy": "numpy_backend"}.get(request.param, request.param)
+    return request.getfixturevalue(name)
+
+
+@pytest.fixture
+def rng(request):
+    """Fresh random inputs per test, reproducible from the printed seed."""
+    seed = int.from_bytes(os.urandom(4), "little")
+    print(f"rng seed {seed} for {request.node.name}")
+    return np.random.default_rng(seed)
+
+
+def poison(xp, shape, dtype):
+    """An output buffer whose unwritten elements show: NaN for floats, 0xA5A5.. for ints."""
+    dtype = np.dtype(dtype)
+    a = xp.empty(shape, dtype=dtype)
+    if dtype.kind == "f" or dtype.name == "bfloat16":
+        a[...] = np.nan
+    else:
+        a.view(np.uint8)[...] = 0xA5
+    return a
