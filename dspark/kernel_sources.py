@@ -103,10 +103,10 @@ def parse_signatures(path: Path) -> list[Signature]:
     return out
 
 
-def scan(root: Path | None = None) -> dict[str, Signature]:
-    """name -> Signature over every csrc/*.cu; a duplicated entry name is an error."""
+def scan(root: Path | None = None, files: list[Path] | None = None) -> dict[str, Signature]:
+    """name -> Signature over csrc/*.cu (or `files`); a duplicated entry name is an error."""
     sigs: dict[str, Signature] = {}
-    for f in kernel_files(root):
+    for f in files if files is not None else kernel_files(root):
         for s in parse_signatures(f):
             if s.name in sigs:
                 raise ValueError(f"kernel {s.name} is defined in both {sigs[s.name].source} and {s.source}")
@@ -126,12 +126,11 @@ def load_json(path: Path = SIGNATURES_JSON) -> dict[str, Signature]:
 SIMT_CXXFLAGS = ["-std=c++17", "-O2", "-DDSPARK_SIMT", "-ffp-contract=off", "-fvisibility=hidden"]
 
 
-def write_registration_units(gen_dir: Path, root: Path | None = None) -> list[Path]:
+def write_registration_units(gen_dir: Path, files: list[Path]) -> list[Path]:
     """Write one registration unit per kernel family into gen_dir; return their paths."""
-    root = root or csrc_dir()
     gen_dir.mkdir(parents=True, exist_ok=True)
     out = []
-    for f in kernel_files(root):
+    for f in files:
         unit = gen_dir / (f.stem + "_simt.cpp")
         text = registration_unit(f, parse_signatures(f))
         if not unit.exists() or unit.read_text() != text:
@@ -140,11 +139,11 @@ def write_registration_units(gen_dir: Path, root: Path | None = None) -> list[Pa
     return out
 
 
-def simt_sources(gen_dir: Path, root: Path | None = None) -> list[Path]:
-    """Every host translation unit of the dspark._simt module."""
+def simt_sources(gen_dir: Path, root: Path | None = None, files: list[Path] | None = None) -> list[Path]:
+    """Every host translation unit of the dspark._simt module (all families, or `files`)."""
     root = root or csrc_dir()
     return [root / "simt" / "runtime.cpp", root / "bindings" / "simt_module.cpp",
-            *write_registration_units(gen_dir, root)]
+            *write_registration_units(gen_dir, files if files is not None else kernel_files(root))]
 
 
 def registration_unit(source: Path, sigs: list[Signature]) -> str:

@@ -1,8 +1,7 @@
 """The `simt` executor: csrc/ kernels compiled for the host, one fiber per CUDA thread.
 
-`get_function(name)` returns a callable with CuPy's RawKernel convention. Set
-DSPARK_SIMT_ASAN=1 (with libasan preloaded, see `simt_build.asan_env`) to load an
-AddressSanitizer build, and DSPARK_SIMT_SCHEDULE=<seed> (or `schedule(seed)`) to run threads in
+`get_function(name)` returns a callable with CuPy's RawKernel convention. Run under
+`simt_build.asan_env()` to load an AddressSanitizer build, and DSPARK_SIMT_SCHEDULE=<seed> (or `schedule(seed)`) to run threads in
 a random order between barriers.
 """
 
@@ -11,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import os
 import struct
+from pathlib import Path
 
 import numpy as np
 
@@ -20,11 +20,21 @@ from .launch import check_args, check_launch
 
 
 def load_module():
+    """The installed dspark._simt, or the out-of-tree build named by DSPARK_SIMT_MODULE."""
+    from .simt_build import MODULE_ENV, load_module_at
+    path = os.environ.get(MODULE_ENV)
+    if path:
+        return load_module_at(path)
     if os.environ.get("DSPARK_SIMT_ASAN") == "1":
-        from .simt_build import load_asan_module
-        return load_asan_module()
+        raise ImportError(f"DSPARK_SIMT_ASAN=1 needs {MODULE_ENV}: run the process with simt_build.asan_env()")
     from .. import _simt
     return _simt
+
+
+def signatures_for(module) -> dict[str, Signature]:
+    """The signature table built with this module (a private build carries its own)."""
+    beside = Path(module.__file__).with_name("_kernels.json")
+    return load_json(beside) if beside.is_file() else load_json()
 
 
 class SimtKernel:
@@ -51,7 +61,7 @@ class SimtExecutor:
 
     def __init__(self):
         self._module = load_module()
-        self.signatures = load_json()
+        self.signatures = signatures_for(self._module)
         self.asan = bool(self._module.asan)
         seed = os.environ.get("DSPARK_SIMT_SCHEDULE")
         if seed:
