@@ -31,6 +31,17 @@ class Backend:
     def to_host(self, a) -> np.ndarray:
         return a.get() if hasattr(a, "get") else np.asarray(a)
 
+    def address(self, a) -> int:
+        """The address of an array's first element (0 for None), as kernels see it."""
+        if a is None:
+            return 0
+        return int(a.data.ptr) if self.name == "cuda" else int(a.ctypes.data)
+
+    def pointer_table(self, arrays) -> object:
+        """A uint64 array of element addresses, for `const T* const*` kernel parameters. The
+        caller keeps `arrays` alive for as long as the table is used."""
+        return self.xp.asarray(np.array([self.address(a) for a in arrays], dtype=np.uint64))
+
 
 @functools.lru_cache(maxsize=None)
 def cuda_available() -> bool:

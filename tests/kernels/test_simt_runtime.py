@@ -1,16 +1,12 @@
 """The simt runtime: each primitive against NumPy, the debug modes, and the argument checks."""
 
-import os
-import subprocess
-import sys
-import textwrap
-
 import numpy as np
 import pytest
 
 from dspark.errors import KernelArgumentError
 from dspark.kernel_sources import load_json, scan
 from tests.conftest import poison
+from tests.kernels.asan import assert_clean, run_asan
 
 i32, f32 = np.int32, np.float32
 
@@ -169,21 +165,22 @@ def test_signature_table_is_current():
     assert scan() == load_json()
 
 
-ASAN_SCRIPT = textwrap.dedent("""
-    import numpy as np, dspark
-    be = dspark.get_backend("simt")
-    assert be.kernels.asan
-    out = np.zeros(30, np.float32)
-    be.kernels.get_function("selftest_oob_write")((1,), (32,), (out, np.int32(30)))
-    print("NOT CAUGHT")
-""")
-
-
 def test_asan_build_catches_out_of_bounds():
-    from dspark.backends.simt_build import asan_env
-    env = asan_env()
-    r = subprocess.run([sys.executable, "-c", ASAN_SCRIPT], env=env, capture_output=True, text=True, timeout=900)
+    r = run_asan("""
+        out = np.zeros(30, np.float32)
+        be.kernels.get_function("selftest_oob_write")((1,), (32,), (out, np.int32(30)))
+        print("NOT CAUGHT")
+    """, families=["selftest"])
     assert "NOT CAUGHT" not in r.stdout
     assert r.returncode != 0
     assert "heap-buffer-overflow" in r.stderr, r.stderr[-3000:]
     assert "selftest_oob_write" in r.stderr
+
+
+def test_asan_build_passes_a_correct_kernel():
+    assert_clean(run_asan("""
+        x = np.arange(100, dtype=np.float32)
+        out = np.zeros(100, np.float32)
+        be.kernels.get_function("selftest_shift")((1,), (128,), (x, out, np.int32(100)))
+        assert out[5] == 4
+    """, families=["selftest"]))
