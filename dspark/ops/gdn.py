@@ -1,0 +1,219 @@
+"""The gated delta-rule scan of the gdn mixer (kernel: csrc/gdn_scan.cu, helpers csrc/gdn.cuh).
+
+Per session, per head, per token (column) t of the projected input `mixed` [cols, C], with
+C = H*(2*dk + dv) channels laid out [q | k | v]:
+
+    x     = SiLU(causal depthwise conv, width 4, over [conv window (3 previous inputs), mixed_t])
+    q, k  = L2-normalised per head (eps 1e-6 inside the sqrt); q also scaled by 1/sqrt(dk)
+    alpha = exp(-exp(A_log) * softplus(a_t + dt_bias)),   beta = sigmoid(b_t)
+    S     = alpha * S (I - beta k k^T) + beta v k^T        (S: f32 [dv, dk] per head)
+    o_t   = S q
+
+evaluated in one fixed order (csrc/gdn.cuh): S <- alpha S; u = S k; S <- S + (beta (v - u)) k^T;
+o = S q, each dot product summed the kernel's way (`lane_columns`, then an xor butterfly).
+
+One op serves decode (t = 1), verify (t = vt, with per-column checkpoints for rollback), replay
+(t = keep) and prefill. Nothing in the arithmetic depends on how many columns or sessions share a
+launch, so a verify column is bitwise equal to the decode step at the same position, on every
+backend. The NumPy functions here are the numpy backend's implementation and the kernel's oracle:
+they follow its order step by step, so the two differ only where exp/log1p differ in the last
+bit between libraries (and by FMA contraction on a GPU); tests compare them at 1e-5.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..errors import CapacityError, ShapeError
+from .checks import require_dtype, require_indptr, require_ndim, require_shape
+from .snapshot import require_table, require_tensor
+
+F32 = np.float32
+SUPPORTED_DK = (16, 32, 64, 128)
+MAX_THREADS = 512
+TAPS = 4                # causal conv width
+WINDOW = TAPS - 1       # previous inputs kept per channel, oldest first
+NORM_EPS = F32(1e-6)
+SOFTPLUS_THRESHOLD = F32(20)
+
+
+# ---- the kernel's layout, shared by the launch plan and the reference's summation order ------
+def tile(dk: int) -> tuple[int, int]:
+    """(lanes per state row, state columns per thread) of the kernel's GdnTile<dk>."""
+    cols = min(dk, 32)
+    return dk // cols, cols
+
+
+def lane_columns(dk: int) -> np.ndarray:
+    """[lanes, cols]: the state column that lane p of a row adds at step m = 4 g + e of its
+    dot products, 4 (p + lanes g) + e (float4 groups interleaved across the row's lanes)."""
+    lanes, cols = tile(dk)
+    g, e = np.divmod(np.arange(cols), 4)
+    return 4 * (np.arange(lanes)[:, None] + lanes * g[None, :]) + e[None, :]
+
+
+def block_threads(dk: int, dv: int) -> int:
+    """One thread per (state row, lane), rounded up to whole warps."""
+    return -(-dv * tile(dk)[0] // 32) * 32
+
+
+def channels(heads: int, dk: int, dv: int) -> int:
+    return heads * (2 * dk + dv)
+
+
+def scan_plan(heads: int, dk: int, dv: int) -> tuple[str, int, int]:
+    """(kernel name, threads per block, dynamic shared bytes) for one head of [dv, dk]."""
+    if not isinstance(dk, (int, np.integer)) or dk not in SUPPORTED_DK:
+        raise ShapeError(f"dk={dk}: expected one of {', '.join(map(str, SUPPORTED_DK))}")
+    if not (isinstance(heads, (int, np.integer)) and heads >= 1):
+        raise ShapeError(f"heads={heads!r}: expected an int >= 1")
+    if not (isinstance(dv, (int, np.integer)) and dv >= 1):
+        raise ShapeError(f"dv={dv!r}: expected an int >= 1")
+    threads = block_threads(dk, dv)
+    if threads > MAX_THREADS:
+        raise CapacityError(f"dv={dv} with dk={dk} needs {threads} threads per head: expected "
+                            f"dv <= {MAX_THREADS // tile(dk)[0]}")
+    return f"gdn_scan_dk{int(dk)}_f32", threads, (2 * dk + dv) * 4
+
+
+# ---- NumPy reference ------------------------------------------------------------------------
+def gdn_gates_ref(a, b, A_log, dt_bias) -> tuple[np.ndarray, np.ndarray]:
+    """(alpha, beta), each shaped like `a` [..., H]."""
+    with np.errstate(over="ignore"):
+        x = a + dt_bias
+        softplus = np.where(x > SOFTPLUS_THRESHOLD, x, np.log1p(np.exp(x)))
+        return np.exp(-(np.exp(A_log) * softplus)), F32(1) / (F32(1) + np.exp(-b))
+
+
+def conv_silu_ref(window, weight, x) -> tuple[np.ndarray, np.ndarray]:
+    """(SiLU(conv) [N, C], shifted window [N, C, 3]) for windows [N, C, 3] and inputs [N, C]."""
+    y = weight[:, 0] * window[..., 0] + weight[:, 1] * window[..., 1] + weight[:, 2] * window[..., 2] \
+        + weight[:, 3] * x
+    with np.errstate(over="ignore"):
+        act = y / (F32(1) + np.exp(-y))
+    return act, np.concatenate([window[..., 1:], x[..., None]], axis=-1)
+
+
+def _butterfly(p: np.ndarray, lanes: int) -> np.ndarray:
+    """Every lane's value after the xor butterfly over the last axis (`lanes` wide)."""
+    lane = np.arange(lanes)
+    o = lanes // 2
+    while o:
+        p = p + p[..., lane ^ o]
+        o //= 2
+    return p
+
+
+def l2norm_ref(x, scale) -> np.ndarray:
+    """(x * 1/sqrt(sum x^2 + eps)) * scale over the last axis, summed as one warp does: lane l
+    adds x[l], x[l+32], ... in order, then the butterfly."""
+    n = x.shape[-1]
+    padded = np.zeros(x.shape[:-1] + (-(-n // 32) * 32,), F32)
+    padded[..., :n] = x
+    padded = padded.reshape(x.shape[:-1] + (-1, 32))
+    ss = np.zeros(x.shape[:-1] + (32,), F32)
+    for r in range(padded.shape[-2]):
+        ss = ss + padded[..., r, :] * padded[..., r, :]
+    inv = F32(1) / np.sqrt(_butterfly(ss, 32)[..., :1] + NORM_EPS)
+    return x * inv * scale
+
+
+def _row_dot(St, xt) -> np.ndarray:
+    """sum_j S[..., i, j] x[j] as the kernel sums it: per lane over its columns in step order,
+    then the butterfly over the row's lanes. St [..., dv, lanes, cols], xt [..., 1, lanes, cols]."""
+    # accumulate adds strictly in order like the kernel's loop; "+ 0" turns an all-(-0) sum into
+    # the +0 that the kernel's 0-initialised accumulator gives: the same sum, bit for bit.
+    p = np.add.accumulate(St * xt, axis=-1)[..., -1] + F32(0)
+    return _butterfly(p, St.shape[-2])[..., 0]
+
+
+def delta_rule_ref(St, q, k, v, alpha, beta) -> tuple[np.ndarray, np.ndarray]:
+    """One token for N sessions: (new St, o [N, H, dv]). St [N, H, dv, lanes, cols] is the state in
+    the kernel's thread layout (S[..., lane_columns(dk)]); q, k [N, H, dk]; v [N, H, dv]; alpha,
+    beta [N, H]."""
+    idx = lane_columns(q.shape[-1])
+    kt, qt = k[..., None, :][..., idx], q[..., None, :][..., idx]  # [N, H, 1, lanes, cols]
+    St = St * alpha[..., None, None, None]
+    u = _row_dot(St, kt)
+    delta = beta[..., None] * (v - u)
+    St = St + delta[..., None, None] * kt
+    return St, _row_dot(St, qt)
+
+
+def gdn_scan_ref(mixed, a, b, conv_weight, A_log, dt_bias, states, conv_windows, col_indptr, heads, dk, dv,
+                 out, state_ckpt=None, conv_ckpt=None) -> None:
+    """The scan on host arrays, in place. Sessions advance together one column at a time (those
+    with columns left), each column computed exactly as one decode step."""
+    t = np.diff(col_indptr)
+    if not t.size or not t.max():
+        return
+    idx = lane_columns(dk)
+    St = np.stack(states)[..., idx]  # [B, H, dv, lanes, cols]
+    W = np.stack(conv_windows)       # [B, C, 3]
+    q_scale = F32(1) / np.sqrt(F32(dk))
+    hk = heads * dk
+    for j in range(int(t.max())):
+        sel = np.flatnonzero(t > j)
+        cols = col_indptr[sel] + j
+        x, W[sel] = conv_silu_ref(W[sel], conv_weight, mixed[cols])
+        if conv_ckpt is not None:
+            conv_ckpt[cols] = W[sel]
+        q = l2norm_ref(x[:, :hk].reshape(-1, heads, dk), q_scale)
+        k = l2norm_ref(x[:, hk:2 * hk].reshape(-1, heads, dk), F32(1))
+        v = x[:, 2 * hk:].reshape(-1, heads, dv)
+        alpha, beta = gdn_gates_ref(a[cols], b[cols], A_log, dt_bias)
+        St[sel], out[cols] = delta_rule_ref(St[sel], q, k, v, alpha, beta)
+        if state_ckpt is not None:
+            S = np.empty((len(sel), heads, dv, dk), F32)
+            S[..., idx] = St[sel]
+            state_ckpt[cols] = S
+    for s in np.flatnonzero(t):
+        states[s][..., idx] = St[s]
+        conv_windows[s][...] = W[s]
+
+
+# ---- op ---------------------------------------------------------------------------------------
+def gdn_scan(be, mixed, a, b, conv_weight, A_log, dt_bias, states, conv_windows, col_indptr, *,
+             heads, dk, dv, out=None, state_ckpt=None, conv_ckpt=None):
+    """Run each session's columns of one gdn layer through the recurrence -> out [cols, H, dv] f32.
+
+    mixed [cols, C], a and b [cols, H], conv_weight [C, 4], A_log and dt_bias [H]: f32, with
+    C = H*(2*dk + dv). col_indptr int32 [B+1] (host or device) gives session s the columns
+    col_indptr[s] .. col_indptr[s+1]; a session with none is left alone. states: B arrays
+    [H, dv, dk] and conv_windows: B arrays [C, 3] (the 3 previous inputs, oldest first), f32,
+    updated in place. state_ckpt [cols, H, dv, dk] and conv_ckpt [cols, C, 3], when given,
+    receive the state and the window after every column (for checkpoint_select).
+    dk in {16, 32, 64, 128}; dv <= 512 / lanes(dk) (128 for dk = 128).
+    """
+    name, threads, smem = scan_plan(heads, dk, dv)
+    C = channels(heads, dk, dv)
+    require_ndim(mixed, 2, "mixed", "[cols, C]")
+    cols = mixed.shape[0]
+    for arg, what, shape in ((mixed, "mixed", (cols, C)), (a, "a", (cols, heads)), (b, "b", (cols, heads)),
+                             (conv_weight, "conv_weight", (C, TAPS)), (A_log, "A_log", (heads,)),
+                             (dt_bias, "dt_bias", (heads,))):
+        require_shape(arg, shape, what)
+        require_dtype(arg, np.float32, what)
+    host_indptr = be.to_host(col_indptr)
+    require_indptr(host_indptr, "col_indptr", cols)
+    B = host_indptr.shape[0] - 1
+    states = require_table(be, states, "states", B, (heads, dv, dk), align=16)
+    conv_windows = require_table(be, conv_windows, "conv_windows", B, (C, WINDOW))
+    if out is None:
+        out = be.xp.empty((cols, heads, dv), be.xp.float32)
+    outputs = [(out, "out", (cols, heads, dv), 4)]
+    if state_ckpt is not None:
+        outputs.append((state_ckpt, "state_ckpt", (cols, heads, dv, dk), 16))
+    if conv_ckpt is not None:
+        outputs.append((conv_ckpt, "conv_ckpt", (cols, C, WINDOW), 4))
+    for arg, what, shape, align in outputs:
+        require_tensor(be, arg, what, shape, align=align)
+    if be.kernels is None:
+        gdn_scan_ref(mixed, a, b, conv_weight, A_log, dt_bias, states, conv_windows, host_indptr, heads, dk, dv,
+                     out, state_ckpt, conv_ckpt)
+    elif cols:
+        fn = be.kernels.get_function(name)
+        fn((heads, B), (threads,),
+           (mixed, a, b, conv_weight, A_log, dt_bias, be.pointer_table(states), be.pointer_table(conv_windows),
+            be.asarray(col_indptr), np.int32(heads), np.int32(dv), out, state_ckpt, conv_ckpt), shared_mem=smem)
+    return out

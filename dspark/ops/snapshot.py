@@ -1,0 +1,165 @@
+"""Snapshot, restore and checkpoint select of recurrent state (kernels: csrc/snapshot.cu).
+
+A hybrid trunk's gdn layers carry state that a length truncation cannot undo: the delta-rule
+matrix state [H, dv, dk] and the conv window [C, 3] of every session. After a partial accept
+(keep < vt) it must be exactly the state after `keep` verify columns. Two ways, bitwise equal:
+
+1. `snapshot_save` before the verify, then `snapshot_restore` and replay the `keep` kept columns
+   with `gdn_scan` (dspark/ops/gdn.py);
+2. run the verify with per-column checkpoints and `checkpoint_select` column keep - 1.
+
+Every op here is one launch for every tensor of every session, through pointer tables. The NumPy
+functions are plain copies: the numpy backend's implementation and the oracle.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..errors import CapacityError, DTypeError, KernelArgumentError, ShapeError, StateError
+from .checks import require_dtype, require_indptr, require_ndim, require_shape
+
+COPY_THREADS = 256
+COPY_CHUNK = COPY_THREADS * 4 * 4  # floats per block: four float4 steps per thread
+MAX_CHUNKS = 65535                 # grid.y limit; the copy loop strides over the rest
+
+
+def copy_grid(tensors: int, largest: int) -> tuple[int, int]:
+    """(tensors, chunks): one grid column per tensor, enough blocks for the largest one."""
+    return tensors, max(1, min(MAX_CHUNKS, -(-largest // COPY_CHUNK)))
+
+
+def require_tensor(be, a, what: str, shape: tuple | None = None, writable: bool = True, align: int = 4) -> None:
+    """A recurrent tensor a kernel indexes densely: an f32 array of the backend, C-contiguous,
+    writable when written, of `shape` when given, starting at a multiple of `align` bytes
+    (kernels that move float4 need 16)."""
+    if not isinstance(a, be.xp.ndarray):
+        raise DTypeError(f"{what} is a {type(a).__name__}: expected a {be.xp.__name__}.ndarray")
+    require_dtype(a, np.float32, what)
+    if shape is not None:
+        require_shape(a, shape, what)
+    if not a.flags.c_contiguous:
+        raise KernelArgumentError(f"{what} is not C-contiguous: expected a dense array")
+    if writable and not a.flags.writeable:
+        raise KernelArgumentError(f"{what} is read-only: expected a writable array")
+    if be.address(a) % align:
+        raise KernelArgumentError(f"{what} starts at an address that is not {align}-byte aligned")
+
+
+def require_table(be, arrays, what: str, count: int | None = None, shape: tuple | None = None,
+                  writable: bool = True, align: int = 4) -> list:
+    """The arrays behind a `float* const*` pointer table: a list (of `count`, one per session),
+    each passing require_tensor."""
+    if not isinstance(arrays, (list, tuple)):
+        raise ShapeError(f"{what} is a {type(arrays).__name__}: expected a list of arrays")
+    if count is not None and len(arrays) != count:
+        raise ShapeError(f"{what} has {len(arrays)} arrays: expected {count}, one per session")
+    for i, a in enumerate(arrays):
+        require_tensor(be, a, f"{what}[{i}]", shape, writable, align)
+    return list(arrays)
+
+
+# ---- NumPy reference ------------------------------------------------------------------------
+def checkpoint_select_ref(state_ckpt, conv_ckpt, states, conv_windows, col_indptr, keep,
+                          snap_states=None, snap_convs=None) -> None:
+    """Session b's live state <- checkpoint column col_indptr[b] + keep[b] - 1, or its snapshot
+    when keep[b] = 0 (left alone when no snapshot is given)."""
+    for b, k in enumerate(np.asarray(keep).tolist()):
+        if k >= 1:
+            col = int(col_indptr[b]) + k - 1
+            states[b][...], conv_windows[b][...] = state_ckpt[col], conv_ckpt[col]
+        elif snap_states is not None:
+            states[b][...], conv_windows[b][...] = snap_states[b], snap_convs[b]
+
+
+# ---- ops ------------------------------------------------------------------------------------
+def _copy(be, src, dst, src_name: str, dst_name: str) -> None:
+    src = require_table(be, src, src_name, writable=False)
+    dst = require_table(be, dst, dst_name, count=len(src))
+    for i, (s, d) in enumerate(zip(src, dst)):
+        if d.shape != s.shape:
+            raise ShapeError(f"{dst_name}[{i}] has shape {tuple(d.shape)}: expected {tuple(s.shape)} "
+                             f"as {src_name}[{i}]")
+    if be.kernels is None:
+        for s, d in zip(src, dst):
+            d[...] = s
+        return
+    if not src:
+        return
+    sizes = be.asarray(np.array([a.size for a in src], np.int64))
+    fn = be.kernels.get_function("snapshot_copy_f32")
+    fn(copy_grid(len(src), max(a.size for a in src)), (COPY_THREADS,),
+       (be.pointer_table(src), be.pointer_table(dst), sizes, np.int32(len(src))))
+
+
+def snapshot_save(be, live, snap) -> None:
+    """snap[i][...] = live[i] for every i, in one launch. `live` and `snap` are lists of f32
+    recurrent tensors (states and conv windows of every gdn layer of every session), paired by
+    index."""
+    _copy(be, live, snap, "live", "snap")
+
+
+def snapshot_restore(be, snap, live) -> None:
+    """live[i][...] = snap[i] for every i, in one launch (the inverse of snapshot_save)."""
+    _copy(be, snap, live, "snap", "live")
+
+
+def checkpoint_select(be, state_ckpt, conv_ckpt, states, conv_windows, col_indptr, keep, *,
+                      snap_states=None, snap_convs=None) -> None:
+    """Roll each session of one gdn layer back to the state after its first keep[b] verify columns.
+
+    `state_ckpt` [cols, H, dv, dk] and `conv_ckpt` [cols, C, 3] are the per-column checkpoints
+    of the verify (gdn_scan's state_ckpt / conv_ckpt), `col_indptr` [B+1] its columns per
+    session; `states` and `conv_windows` the B live tensors; `keep` int32 [B] in
+    [0, columns of b]. col_indptr and keep may be host or device arrays.
+
+    keep[b] >= 1 copies checkpoint column col_indptr[b] + keep[b] - 1. keep[b] = 0 keeps nothing
+    of the verify, so the state must become the one before it: the snapshot. Pass that session's
+    snapshot as snap_states / snap_convs (lists of B, like `states` / `conv_windows`; entries of
+    sessions with keep >= 1 are not read) and it is copied in the same launch. Without snapshots
+    a keep of 0 raises StateError rather than leave the post-verify state live.
+    """
+    require_ndim(state_ckpt, 4, "state_ckpt", "[cols, H, dv, dk]")
+    require_dtype(state_ckpt, np.float32, "state_ckpt")
+    require_ndim(conv_ckpt, 3, "conv_ckpt", "[cols, C, 3]")
+    require_dtype(conv_ckpt, np.float32, "conv_ckpt")
+    cols = state_ckpt.shape[0]
+    require_shape(conv_ckpt, (cols, conv_ckpt.shape[1], 3), "conv_ckpt")
+    host_indptr = be.to_host(col_indptr)
+    require_indptr(host_indptr, "col_indptr", cols)
+    B = host_indptr.shape[0] - 1
+    require_ndim(keep, 1, "keep", "[B]")
+    require_dtype(keep, np.int32, "keep")
+    require_shape(keep, (B,), "keep")
+    state_shape, conv_shape = tuple(state_ckpt.shape[1:]), tuple(conv_ckpt.shape[1:])
+    states = require_table(be, states, "states", B, state_shape)
+    conv_windows = require_table(be, conv_windows, "conv_windows", B, conv_shape)
+    if (snap_states is None) != (snap_convs is None):
+        raise ShapeError("snap_states and snap_convs go together: pass both or neither")
+    if snap_states is not None:
+        snap_states = require_table(be, snap_states, "snap_states", B, state_shape, writable=False)
+        snap_convs = require_table(be, snap_convs, "snap_convs", B, conv_shape, writable=False)
+    host_keep = be.to_host(keep)
+    t = np.diff(host_indptr)
+    bad = np.flatnonzero((host_keep < 0) | (host_keep > t))
+    if bad.size:
+        b = int(bad[0])
+        raise CapacityError(f"keep[{b}]={int(host_keep[b])} is outside [0, {int(t[b])}]: session {b} "
+                            f"has {int(t[b])} verify columns")
+    zero = np.flatnonzero(host_keep == 0)
+    if zero.size and snap_states is None:
+        b = int(zero[0])
+        raise StateError(f"keep[{b}]=0 rolls session {b} back to before the verify: pass snap_states "
+                         f"and snap_convs (the snapshot taken before it)")
+    if be.kernels is None:
+        checkpoint_select_ref(state_ckpt, conv_ckpt, states, conv_windows, host_indptr, host_keep,
+                              snap_states, snap_convs)
+        return
+    if not B:
+        return
+    state_size, conv_size = int(np.prod(state_shape)), int(np.prod(conv_shape))
+    tables = [None, None] if snap_states is None else [be.pointer_table(snap_states), be.pointer_table(snap_convs)]
+    fn = be.kernels.get_function("checkpoint_select_f32")
+    fn(copy_grid(B, state_size), (COPY_THREADS,),
+       (state_ckpt, conv_ckpt, be.pointer_table(states), be.pointer_table(conv_windows), *tables,
+        be.asarray(col_indptr), be.asarray(keep), np.int64(state_size), np.int32(conv_size)))
