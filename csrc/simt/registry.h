@@ -44,13 +44,22 @@ template <> struct ScalarCode<unsigned long> { static const char* get() { return
 template <> struct ScalarCode<float> { static const char* get() { return "<f4"; } };
 template <> struct ScalarCode<double> { static const char* get() { return "<f8"; } };
 
+// The data a pointer parameter reaches: for a pointer table (`T* const*`), the T behind the
+// table, since that is what a kernel reads or writes.
+template <typename P>
+constexpr bool data_is_const() {
+  using Q = typename std::remove_cv<P>::type;
+  if constexpr (std::is_pointer<Q>::value) return std::is_const<typename std::remove_pointer<Q>::type>::value;
+  else return std::is_const<P>::value;
+}
+
 template <typename T>
 ParamType param_type() {
   if constexpr (std::is_pointer<T>::value) {
     using P = typename std::remove_pointer<T>::type;
     int elem = 0;
     if constexpr (!std::is_void<P>::value) elem = (int)sizeof(P);
-    return ParamType{"ptr", elem, std::is_const<P>::value};
+    return ParamType{"ptr", elem, data_is_const<P>()};
   } else {
     return ParamType{ScalarCode<T>::get(), (int)sizeof(T), true};
   }

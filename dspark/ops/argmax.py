@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..dtypes import suffix, to_f32
-from ..errors import NonFiniteError
+from ..errors import NonFiniteError, ShapeError
 from .checks import require_dtype, require_indptr, require_ndim, require_shape
 
 
@@ -106,3 +106,58 @@ def greedy_accept(be, logits, cand, col_indptr, m_out=None, next_out=None):
                (logits, cand, col_indptr, np.int32(vocab), m_out, next_out, flag))
     _raise_on_nan(be.to_host(flag), "logits", "session")
     return m_out, next_out
+
+
+def markov_chain_ref(logits, w1, w2, anchors, nd: int) -> tuple[np.ndarray, np.ndarray]:
+    """(drafts [B, nd] int32, nan_flag [B] int32): x_k = argmax(logits_k + w2^T w1[x_{k-1}]).
+
+    The bias is summed over the rank in increasing order, one rounded multiply and add at a
+    time, exactly as the kernel does, so the argmax agrees bit for bit."""
+    B = len(anchors)
+    x = to_f32(logits).reshape(B, nd, -1)
+    drafts = np.zeros((B, nd), np.int32)
+    flag = np.zeros(B, np.int32)
+    prev = np.asarray(anchors, np.int64)
+    for k in range(nd):
+        emb = w1[prev]
+        bias = np.zeros((B, x.shape[2]), np.float32)
+        for i in range(w1.shape[1]):
+            bias = bias + emb[:, i : i + 1] * w2[i]
+        idx, nan = argmax_rows_ref(x[:, k] + bias)
+        drafts[:, k] = idx
+        flag |= nan
+        prev = np.maximum(idx, 0)
+    return drafts, flag
+
+
+def markov_chain(be, logits, w1, w2, anchors, nd: int, out=None):
+    """The drafter's greedy Markov chain over slot logits [B*nd, V] -> drafts [B, nd] int32."""
+    require_ndim(logits, 2, "logits", "[B*nd, V]")
+    suf = suffix(logits.dtype, "logits")
+    anchors = np.asarray(anchors, np.int32)
+    B, vocab = anchors.shape[0], logits.shape[1]
+    require_shape(logits, (B * nd, vocab), "logits")
+    require_ndim(w1, 2, "w1", "[V, r]")
+    rank = w1.shape[1]
+    require_shape(w1, (vocab, rank), "w1")
+    require_shape(w2, (rank, vocab), "w2")
+    require_dtype(w1, np.float32, "w1")
+    require_dtype(w2, np.float32, "w2")
+    if np.any((anchors < 0) | (anchors >= vocab)):
+        raise ShapeError(f"anchors must lie in [0, {vocab}), got {anchors.tolist()}")
+    xp = be.xp
+    out = xp.empty((B, nd), xp.int32) if out is None else out
+    require_shape(out, (B, nd), "out")
+    require_dtype(out, np.int32, "out")
+    if be.kernels is None:
+        drafts, flag = markov_chain_ref(logits, w1, w2, anchors, nd)
+        out[...] = drafts
+    else:
+        flag = xp.empty(B, xp.int32)
+        if B and nd:
+            fn = be.kernels.get_function(f"markov_chain_{suf}")
+            fn((B,), (block_threads(vocab),),
+               (logits, w1, w2, xp.asarray(anchors), np.int32(nd), np.int32(vocab), np.int32(rank), out, flag),
+               shared_mem=4 * rank)
+    _raise_on_nan(be.to_host(flag), "logits", "session")
+    return out

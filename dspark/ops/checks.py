@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..errors import DTypeError, ShapeError
+from ..errors import DTypeError, KernelArgumentError, ShapeError
 
 
 def require_ndim(a, ndim: int, what: str, layout: str) -> None:
@@ -31,3 +31,15 @@ def require_indptr(indptr: np.ndarray, what: str, total: int) -> None:
         raise ShapeError(f"{what} must start at 0 and end at {total}, got {np.asarray(indptr).tolist()[:8]}...")
     if np.any(np.diff(indptr) < 0):
         raise ShapeError(f"{what} must be non-decreasing")
+
+
+def require_dense(be, a, what: str, *, writable: bool = False, align: int = 16) -> None:
+    """An array a kernel reaches through a pointer table (so the launcher never sees it): it must
+    be C-contiguous (kernels address it by its shape), start `align`-byte aligned (kernels that
+    move 16-byte words need 16) and be writable when the kernel writes it."""
+    if not a.flags.c_contiguous:
+        raise KernelArgumentError(f"{what} is not C-contiguous: the kernel addresses it by its shape")
+    if be.address(a) % align:
+        raise KernelArgumentError(f"{what} starts at an address that is not {align}-byte aligned")
+    if writable and not a.flags.writeable:
+        raise KernelArgumentError(f"{what} is read-only: the kernel writes it")

@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..errors import CapacityError, DTypeError, KernelArgumentError, ShapeError, StateError
-from .checks import require_dtype, require_indptr, require_ndim, require_shape
+from ..errors import CapacityError, DTypeError, ShapeError, StateError
+from .checks import require_dense, require_dtype, require_indptr, require_ndim, require_shape
 
 COPY_THREADS = 256
 COPY_CHUNK = COPY_THREADS * 4 * 4  # floats per block: four float4 steps per thread
@@ -38,12 +38,7 @@ def require_tensor(be, a, what: str, shape: tuple | None = None, writable: bool 
     require_dtype(a, np.float32, what)
     if shape is not None:
         require_shape(a, shape, what)
-    if not a.flags.c_contiguous:
-        raise KernelArgumentError(f"{what} is not C-contiguous: expected a dense array")
-    if writable and not a.flags.writeable:
-        raise KernelArgumentError(f"{what} is read-only: expected a writable array")
-    if be.address(a) % align:
-        raise KernelArgumentError(f"{what} starts at an address that is not {align}-byte aligned")
+    require_dense(be, a, what, writable=writable, align=align)
 
 
 def require_table(be, arrays, what: str, count: int | None = None, shape: tuple | None = None,

@@ -5,7 +5,8 @@ import numpy as np
 import pytest
 
 from dspark.errors import NonFiniteError, ShapeError
-from dspark.ops.argmax import argmax_rows, argmax_rows_ref, greedy_accept, greedy_accept_ref
+from dspark.ops.argmax import (argmax_rows, argmax_rows_ref, greedy_accept, greedy_accept_ref, markov_chain,
+                               markov_chain_ref)
 from tests.conftest import poison
 
 DTYPES = [np.float32, np.float16, ml_dtypes.bfloat16]
@@ -114,3 +115,42 @@ def test_greedy_accept_rejects_a_bad_indptr(kernel_backend):
         greedy_accept(kernel_backend, x, cand, np.array([0, 3], np.int32))
     with pytest.raises(ShapeError, match="non-decreasing"):
         greedy_accept(kernel_backend, x, cand, np.array([0, 3, 2, 4], np.int32))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("B,nd,vocab,rank", [(1, 1, 258, 8), (3, 8, 1000, 32), (7, 4, 33, 5), (2, 7, 4097, 16)])
+def test_markov_chain_matches_reference_exactly(kernel_backend, rng, B, nd, vocab, rank, dtype):
+    be = kernel_backend
+    logits = make_logits(rng, B * nd, vocab, dtype)
+    w1 = rng.standard_normal((vocab, rank)).astype(np.float32)
+    w2 = rng.standard_normal((rank, vocab)).astype(np.float32)
+    anchors = rng.integers(0, vocab, B).astype(np.int32)
+    out = poison(be.xp, (B, nd), np.int32)
+    markov_chain(be, be.asarray(logits), be.asarray(w1), be.asarray(w2), anchors, nd, out=out)
+    want, _ = markov_chain_ref(logits, w1, w2, anchors, nd)
+    np.testing.assert_array_equal(be.to_host(out), want)
+
+
+def test_markov_chain_follows_the_chain(numpy_backend):
+    """Slot k's bias comes from the token chosen at slot k-1 (the anchor for slot 0)."""
+    V, r = 6, 2
+    w1 = np.zeros((V, r), np.float32)
+    w2 = np.zeros((r, V), np.float32)
+    for t in range(V):  # token t pushes toward t+1 (mod V) with a strong bias
+        w1[t, t % r] = 1.0
+    w2[0, [1, 3, 5]] = 10.0
+    w2[1, [2, 4, 0]] = 10.0
+    w2[0] *= np.array([0, 1, 0, 1.01, 0, 1.02], np.float32)
+    w2[1] *= np.array([1.02, 0, 1.01, 0, 1.0, 0], np.float32)
+    logits = np.zeros((3, V), np.float32)
+    drafts = markov_chain(numpy_backend, logits, w1, w2, [0], 3)
+    assert drafts.tolist() == [[5, 0, 5]]
+
+
+def test_markov_chain_reports_nan(any_backend):
+    logits = np.zeros((4, 10), np.float32)
+    logits[2, 3] = np.nan
+    w1, w2 = np.zeros((10, 2), np.float32), np.zeros((2, 10), np.float32)
+    with pytest.raises(NonFiniteError, match="session 1 contains NaN"):
+        markov_chain(any_backend, any_backend.asarray(logits), any_backend.asarray(w1), any_backend.asarray(w2),
+                     [0, 0], 2)
