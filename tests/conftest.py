@@ -30,6 +30,8 @@ def numpy_backend():
 @pytest.fixture(scope="session")
 def cuda():
     if not cuda_available():
+        if os.environ.get("DSPARK_REQUIRE_CUDA") == "1":  # the GPU check: a skip would hide a failure
+            pytest.fail("DSPARK_REQUIRE_CUDA=1 but no CUDA device works")
         pytest.skip(NO_GPU)
     return dspark.get_backend("cuda")
 

@@ -62,6 +62,14 @@ def simt_available() -> bool:
         return False
 
 
+def array_module(a):
+    """numpy for NumPy arrays, cupy for CuPy arrays."""
+    if isinstance(a, np.ndarray):
+        return np
+    import cupy
+    return cupy.get_array_module(a)
+
+
 def backends() -> list[str]:
     out = ["numpy"]
     if simt_available():

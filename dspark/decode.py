@@ -1,0 +1,151 @@
+"""Plain batched decode: the demotion target and the exactness oracle.
+
+A `PlainBatch` steps many (cache, last) pairs together, one trunk row per sequence per step.
+`last` is the pending token: decided, not yet emitted, not yet in the cache (the same shape a
+speculative session hands over at a burst boundary). Sequences may join and leave between steps.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .errors import CapacityError, ShapeError, StateError
+from .models.cache import Cache
+from .models.trunk import HybridTrunk
+from .ops.argmax import argmax_rows
+from .params import SamplingParams
+
+_ids = itertools.count()
+
+
+@dataclass
+class PlainSequence:
+    cache: Cache
+    last: int
+    max_new_tokens: int
+    emitted: list[int] = field(default_factory=list)
+    sampling: SamplingParams | None = None  # None or temperature 0: greedy
+    draws: int = 1                          # sampled: draws so far (the boundary token was draw 0)
+    finished: bool = False
+    id: int = field(default_factory=lambda: next(_ids))
+
+
+class PlainBatch:
+    """Greedy batched decode of many sequences on one trunk."""
+
+    def __init__(self, trunk: HybridTrunk):
+        self.trunk = trunk
+        self.sequences: dict[int, PlainSequence] = {}
+
+    def join(self, cache: Cache, last: int, max_new_tokens: int, emitted: list[int] | None = None,
+             sampling: SamplingParams | None = None) -> int:
+        """Add a sequence; `emitted` is what it already produced (counted against the budget).
+        With a non-greedy `sampling`, it samples from its own Philox stream (seed, counter)."""
+        if cache.config is not self.trunk.config:
+            raise ShapeError("cache was made for another trunk config")
+        self.trunk.check_tokens(np.array([last]), "last")
+        if cache.pos >= cache.capacity:
+            raise CapacityError(f"cache is full (pos {cache.pos} of {cache.capacity})")
+        seq = PlainSequence(cache, int(last), int(max_new_tokens), list(emitted or []),
+                            None if sampling is None or sampling.greedy else sampling)
+        self.sequences[seq.id] = seq
+        self._check_done(seq)
+        return seq.id
+
+    def leave(self, seq_id: int) -> PlainSequence:
+        if seq_id not in self.sequences:
+            raise StateError(f"sequence {seq_id} is not in this batch")
+        return self.sequences.pop(seq_id)
+
+    def active(self) -> list[PlainSequence]:
+        return [s for s in self.sequences.values() if not s.finished]
+
+    def step(self, only: list[int] | None = None) -> dict[int, int]:
+        """Emit every live sequence's pending token (or only those in `only`) and decode it to
+        get the next one. Returns {sequence id: token emitted}."""
+        live = [s for s in self.active() if only is None or s.id in only]
+        if not live:
+            return {}
+        out = {}
+        for s in live:
+            s.emitted.append(s.last)
+            out[s.id] = s.last
+        todo = [s for s in live if not self._check_done(s)]
+        if todo:
+            tp = self.trunk.decode([s.cache for s in todo], [s.last for s in todo])
+            for s, t in zip(todo, pick_tokens(self.trunk.be, tp.logits, todo)):
+                s.last = int(t)
+        return out
+
+    def _check_done(self, s: PlainSequence) -> bool:
+        """Finished on EOS, budget, or a full context (no row left for the pending token)."""
+        eos = bool(s.emitted) and s.emitted[-1] == self.trunk.config.eos_id
+        if eos or len(s.emitted) >= s.max_new_tokens or s.cache.pos >= s.cache.capacity:
+            s.finished = True
+        return s.finished
+
+    def run(self) -> None:
+        while self.active():
+            self.step()
+
+
+def pick_tokens(be, logits, seqs: list[PlainSequence]) -> np.ndarray:
+    """The next token of each sequence from its logits row: argmax, or a sampled draw from the
+    sequence's own stream (which then advances)."""
+    greedy = [i for i, s in enumerate(seqs) if s.sampling is None]
+    out = np.zeros(len(seqs), np.int64)
+    if greedy:
+        rows = logits if len(greedy) == len(seqs) else logits[be.xp.asarray(greedy)]
+        out[greedy] = be.to_host(argmax_rows(be, rows))
+    sampled = [i for i in range(len(seqs)) if seqs[i].sampling is not None]
+    if sampled:
+        from .spec_sampling import sample_plain
+        out[sampled] = sample_plain(be, logits[be.xp.asarray(sampled)], [seqs[i] for i in sampled])
+    return out
+
+
+def prefill_anchor(trunk: HybridTrunk, cache: Cache, prompt_ids, sampling: SamplingParams | None = None):
+    """Prefill the prompt; return the first pending token (argmax of the boundary logits, or
+    draw 0 of the sampling stream) and the trunk pass."""
+    tp = trunk.prefill(cache, prompt_ids)
+    return first_token(trunk.be, tp.logits[-1:], sampling), tp
+
+
+def first_token(be, boundary_logits, sampling: SamplingParams | None = None) -> int:
+    """The token after the prompt from the boundary logits [1, V]."""
+    if sampling is None or sampling.greedy:
+        return int(be.to_host(argmax_rows(be, boundary_logits))[0])
+    from .spec_sampling import sample_plain
+    seq = PlainSequence(None, -1, 1, sampling=sampling, draws=0)
+    return int(sample_plain(be, boundary_logits, [seq])[0])
+
+
+def check_prompt(trunk: HybridTrunk, prompt_ids, capacity: int) -> np.ndarray:
+    p = trunk.check_tokens(prompt_ids, "prompt_ids")
+    if p.size == 0:
+        raise ShapeError("prompt_ids is empty: expected at least one token")
+    if p.size >= capacity:
+        raise CapacityError(f"prompt_ids has {p.size} tokens: the context holds {capacity} (and one more for "
+                            "the first generated token)")
+    return p
+
+
+def plain_generate(trunk: HybridTrunk, prompt_ids, max_new_tokens: int, backend=None) -> list[int]:
+    """Greedy decode of one request: the oracle the speculative path must match byte for byte."""
+    if backend is not None and backend is not trunk.be:
+        raise ValueError("backend must be the trunk's backend (load the trunk on it)")
+    cache = trunk.new_cache()
+    try:
+        p = check_prompt(trunk, prompt_ids, cache.capacity)
+        if max_new_tokens <= 0:
+            return []
+        last, _ = prefill_anchor(trunk, cache, p)
+        batch = PlainBatch(trunk)
+        sid = batch.join(cache, last, max_new_tokens)
+        batch.run()
+        return batch.leave(sid).emitted
+    finally:
+        cache.free()

@@ -1,0 +1,198 @@
+"""The hybrid trunk: embedding, blocks of [RMSNorm, mixer (gdn | attn), residual, RMSNorm, SwiGLU
+MLP, residual], final norm, LM head. Tap layers expose hidden states for the drafter.
+
+One ragged forward serves every use: `prefill` (one session, many rows), `decode` (many sessions,
+one row each) and `verify` (many sessions, vt rows each). New K/V rows go to a block scratch and
+reach the cache through one `kv_commit` launch, so verify can commit only the accepted prefix.
+Every op is row-invariant, so a verify column equals the decode step at the same position bitwise.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ..errors import CapacityError, ShapeError, TokenRangeError
+from ..ops import dense
+from ..ops.attention import attention
+from ..ops.gdn import gdn_scan
+from ..ops.kv_commit import kv_commit
+from .cache import Cache
+from .config import TrunkConfig, from_json, to_json
+from .weights import check_weights, load_tensors, random_weights, save_tensors, to_backend, trunk_spec
+
+
+@dataclass
+class GdnInputs:
+    """What one gdn layer's scan consumed in a verify pass: enough to replay any prefix."""
+    mixed: object   # [cols, C]
+    a: object       # [cols, H]
+    b: object       # [cols, H]
+
+
+@dataclass
+class TrunkPass:
+    """The result of a ragged trunk forward."""
+    logits: object                  # [rows, V] f32
+    taps: object                    # [rows, n_taps * d] f32
+    row_indptr: np.ndarray          # [B+1] host int32
+    k_blk: list = field(default_factory=list)      # per attn layer [rows, Hkv, D]: the verify scratch
+    v_blk: list = field(default_factory=list)
+    gdn_inputs: list = field(default_factory=list)  # per gdn layer, when recorded
+    state_ckpt: list = field(default_factory=list)  # per gdn layer [rows, H, dv, dk], when asked
+    conv_ckpt: list = field(default_factory=list)   # per gdn layer [rows, C, 3]
+
+
+class HybridTrunk:
+    def __init__(self, config: TrunkConfig, weights: dict[str, np.ndarray], backend):
+        check_weights(weights, trunk_spec(config), "trunk")
+        self.config = config
+        self.be = backend
+        self.host_weights = weights
+        self.w = to_backend(backend, weights)
+
+    # ---- construction and files ---------------------------------------------------------------
+    @classmethod
+    def random(cls, config: TrunkConfig, seed: int, backend) -> "HybridTrunk":
+        return cls(config, random_weights(trunk_spec(config), seed), backend)
+
+    @classmethod
+    def load(cls, directory, backend, name: str = "trunk") -> "HybridTrunk":
+        from pathlib import Path
+        d = Path(directory)
+        config = from_json(d / f"{name}.json", TrunkConfig)
+        path = next((d / f"{name}{s}" for s in (".safetensors", ".npz") if (d / f"{name}{s}").exists()), None)
+        if path is None:
+            raise FileNotFoundError(f"no {name}.safetensors or {name}.npz in {d}")
+        return cls(config, load_tensors(path), backend)
+
+    def save(self, directory, name: str = "trunk", fmt: str = "safetensors") -> None:
+        from pathlib import Path
+        d = Path(directory)
+        d.mkdir(parents=True, exist_ok=True)
+        (d / f"{name}.json").write_text(to_json(self.config))
+        save_tensors(d / f"{name}.{fmt}", self.host_weights)
+
+    def new_cache(self, capacity: int | None = None, owner: str | None = None) -> Cache:
+        return Cache(self.be, self.config, capacity, owner)
+
+    # ---- validation ---------------------------------------------------------------------------
+    def check_tokens(self, tokens, what: str) -> np.ndarray:
+        t = np.asarray(tokens)
+        if t.ndim != 1:
+            raise ShapeError(f"{what} has shape {t.shape}: expected a 1-D sequence of token ids")
+        if t.size and t.dtype.kind not in "iu":
+            raise TokenRangeError(f"{what} has dtype {t.dtype}: expected integer token ids")
+        bad = np.flatnonzero((t < 0) | (t >= self.config.vocab))
+        if bad.size:
+            i = int(bad[0])
+            raise TokenRangeError(f"{what}[{i}]={int(t[i])} is outside the vocabulary [0, {self.config.vocab})")
+        return t.astype(np.int32)
+
+    # ---- the forward --------------------------------------------------------------------------
+    def forward(self, caches: list[Cache], tokens: list, *, commit: bool, record_gdn: bool = False,
+                checkpoints: bool = False) -> TrunkPass:
+        """Run `tokens[b]` at positions caches[b].pos.. for every session b.
+
+        commit=True copies every new K/V row into the caches and advances pos (prefill, decode).
+        commit=False leaves the attention caches and pos alone (verify): the K/V rows stay in the
+        returned scratch for `commit_rows`. The gdn state always advances through every column;
+        record_gdn keeps the scan inputs for replay, checkpoints keeps the state after each column.
+        """
+        c, be, w = self.config, self.be, self.w
+        xp = be.xp
+        toks = [self.check_tokens(t, f"tokens[{b}]") for b, t in enumerate(tokens)]
+        lens = np.array([t.size for t in toks], np.int32)
+        for b, cache in enumerate(caches):
+            if cache.pos + lens[b] > cache.capacity:
+                raise CapacityError(f"tokens[{b}]: {lens[b]} rows at pos {cache.pos} exceed the cache capacity "
+                                    f"{cache.capacity}")
+        indptr = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+        pos = np.array([cache.pos for cache in caches], np.int32)
+        positions = np.concatenate([p + np.arange(n) for p, n in zip(pos, lens)]).astype(np.int64) if len(lens) else np.zeros(0, np.int64)
+        ids = xp.asarray(np.concatenate(toks) if toks else np.zeros(0, np.int32))
+        dev_indptr = xp.asarray(indptr)
+        x = w["embed"][ids]
+        out = TrunkPass(logits=None, taps=None, row_indptr=indptr)
+        taps = []
+        ia = ig = 0
+        for i, kind in enumerate(c.layers):
+            p = f"layers.{i}."
+            h = dense.rmsnorm(x, w[p + "norm1"], c.norm_eps)
+            if kind == "attn":
+                x = x + self._attention(h, p, caches, ia, pos, indptr, positions, out)
+                ia += 1
+            else:
+                x = x + self._gdn(h, p, caches, ig, dev_indptr, out, record_gdn, checkpoints)
+                ig += 1
+            h = dense.rmsnorm(x, w[p + "norm2"], c.norm_eps)
+            x = x + dense.linear(dense.swiglu(dense.linear(h, w[p + "mlp.w_gate"]), dense.linear(h, w[p + "mlp.w_up"])),
+                                 w[p + "mlp.w_down"])
+            if i in c.tap_layers:
+                taps.append(x)
+        out.taps = xp.concatenate(taps, axis=1)
+        out.logits = dense.linear(dense.rmsnorm(x, w["final_norm"], c.norm_eps), w["lm_head"])
+        if commit:
+            self.commit_rows(caches, out, lens)
+        return out
+
+    def _attention(self, h, p, caches, ia, pos, indptr, positions, out):
+        c, w = self.config, self.w
+        rows = h.shape[0]
+        q = dense.linear(h, w[p + "attn.wq"]).reshape(rows, c.attn_heads, c.head_dim)
+        k = dense.linear(h, w[p + "attn.wk"]).reshape(rows, c.attn_kv_heads, c.head_dim)
+        v = dense.linear(h, w[p + "attn.wv"]).reshape(rows, c.attn_kv_heads, c.head_dim)
+        q = dense.rope(q, positions, c.rope_theta)
+        k = dense.rope(k, positions, c.rope_theta)
+        kv_dtype = caches[0].k[ia].dtype if caches else np.float32
+        q, k, v = (a.astype(kv_dtype) for a in (q, k, v))
+        out.k_blk.append(k)
+        out.v_blk.append(v)
+        o = attention(self.be, q, k, v, [cc.k[ia] for cc in caches], [cc.v[ia] for cc in caches], pos, indptr,
+                      mode="causal")
+        return dense.linear(o.reshape(rows, -1).astype(np.float32), w[p + "attn.wo"])
+
+    def _gdn(self, h, p, caches, ig, dev_indptr, out, record, checkpoints):
+        c, w, xp = self.config, self.w, self.be.xp
+        rows, H, dv = h.shape[0], c.gdn_heads, c.gdn_dv
+        mixed = dense.linear(h, w[p + "gdn.w_qkv"])
+        a = dense.linear(h, w[p + "gdn.w_a"])
+        b = dense.linear(h, w[p + "gdn.w_b"])
+        z = dense.linear(h, w[p + "gdn.w_z"]).reshape(rows, H, dv)
+        sck = cck = None
+        if checkpoints:
+            sck = xp.empty((rows, H, dv, c.gdn_dk), np.float32)
+            cck = xp.empty((rows, c.gdn_channels, c.conv_kernel - 1), np.float32)
+            out.state_ckpt.append(sck)
+            out.conv_ckpt.append(cck)
+        if record:
+            out.gdn_inputs.append(GdnInputs(mixed, a, b))
+        o = gdn_scan(self.be, mixed, a, b, w[p + "gdn.conv"], w[p + "gdn.A_log"], w[p + "gdn.dt_bias"],
+                     [cc.state[ig] for cc in caches], [cc.conv[ig] for cc in caches], dev_indptr,
+                     heads=H, dk=c.gdn_dk, dv=dv, state_ckpt=sck, conv_ckpt=cck)
+        o = dense.rmsnorm(o, w[p + "gdn.o_norm"], c.norm_eps) * dense.silu(z)
+        return dense.linear(o.reshape(rows, H * dv), w[p + "gdn.wo"])
+
+    def commit_rows(self, caches: list[Cache], tp: TrunkPass, keep) -> None:
+        """Copy rows [0, keep[b]) of each session's scratch into its cache (all attention layers,
+        one launch) and advance pos by keep[b]."""
+        keep = np.asarray(keep, np.int32)
+        pos = np.array([cc.pos for cc in caches], np.int32)
+        if tp.k_blk:
+            kv_commit(self.be, tp.k_blk, tp.v_blk, [[cc.k[i] for cc in caches] for i in range(len(tp.k_blk))],
+                      [[cc.v[i] for cc in caches] for i in range(len(tp.v_blk))], pos, keep, tp.row_indptr)
+        for cc, n in zip(caches, keep):
+            cc.pos += int(n)
+
+    # ---- entry points used by the session layer -----------------------------------------------
+    def prefill(self, cache: Cache, tokens) -> TrunkPass:
+        return self.forward([cache], [tokens], commit=True)
+
+    def decode(self, caches: list[Cache], tokens) -> TrunkPass:
+        """One row per session."""
+        return self.forward(caches, [[t] for t in np.asarray(tokens).reshape(-1)], commit=True)
+
+    def verify(self, caches: list[Cache], cand: list, *, checkpoints: bool = True) -> TrunkPass:
+        """Ragged candidate blocks; K/V stay in the scratch, the gdn state passes every column."""
+        return self.forward(caches, cand, commit=False, record_gdn=True, checkpoints=checkpoints)

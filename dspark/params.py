@@ -1,0 +1,63 @@
+"""Request parameters: sampling filters and speculation settings."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """temperature 0 is greedy. top_k 0 and top_p 1 and min_p 0 switch those filters off."""
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    seed: int = 0
+
+    def __post_init__(self):
+        checks = [
+            ("temperature", self.temperature, self.temperature >= 0 and np.isfinite(self.temperature), ">= 0"),
+            ("top_k", self.top_k, isinstance(self.top_k, (int, np.integer)) and self.top_k >= 0, "an int >= 0"),
+            ("top_p", self.top_p, 0 < self.top_p <= 1, "in (0, 1]"),
+            ("min_p", self.min_p, 0 <= self.min_p < 1, "in [0, 1)"),
+            ("seed", self.seed, isinstance(self.seed, (int, np.integer)) and 0 <= self.seed < 2**64, "in [0, 2^64)"),
+        ]
+        for name, value, ok, want in checks:
+            if not ok:
+                raise ValueError(f"SamplingParams.{name}={value!r}: expected {want}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+VERIFY_POLICIES = ("confidence", "ladder")
+ROLLBACKS = ("checkpoint", "replay")
+
+
+@dataclass(frozen=True)
+class SpecParams:
+    max_new_tokens: int = 256
+    burst_target: int = 32
+    verify: str = "confidence"   # verify width from the confidence head, or the ladder
+    tau: float = 0.5
+    ladder_cap: int = 0          # 0: nd + 1
+    rollback: str = "checkpoint"  # per-column checkpoint select, or snapshot restore + replay
+    capture: bool = True
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+
+    def __post_init__(self):
+        if not isinstance(self.max_new_tokens, (int, np.integer)) or self.max_new_tokens < 1:
+            raise ValueError(f"SpecParams.max_new_tokens={self.max_new_tokens!r}: expected an int >= 1")
+        if not isinstance(self.burst_target, (int, np.integer)) or self.burst_target < 1:
+            raise ValueError(f"SpecParams.burst_target={self.burst_target!r}: expected an int >= 1")
+        if self.verify not in VERIFY_POLICIES:
+            raise ValueError(f"SpecParams.verify={self.verify!r}: expected one of {VERIFY_POLICIES}")
+        if self.rollback not in ROLLBACKS:
+            raise ValueError(f"SpecParams.rollback={self.rollback!r}: expected one of {ROLLBACKS}")
+        if not 0.0 <= self.tau <= 1.0:
+            raise ValueError(f"SpecParams.tau={self.tau!r}: expected a value in [0, 1]")
+        if not isinstance(self.sampling, SamplingParams):
+            raise TypeError(f"SpecParams.sampling: expected SamplingParams, got {type(self.sampling).__name__}")

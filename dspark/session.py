@@ -1,0 +1,415 @@
+"""DsparkSpecSession: one request decoded speculatively, round by round (DESIGN section 2).
+
+A round: draft -> propose -> verify width -> snapshot -> verify -> accept -> commit -> roll back
+-> ingest. `spec_round` runs one round for a batch of sessions with one drafter pass and one
+trunk pass; every op is row-invariant, so a session's tokens do not depend on the batch.
+
+Invariant at every burst boundary of an unfinished session: cache.pos == prompt rows + emitted
+tokens, and `last` (the anchor) is pending. That is what makes `into_demoted` exact.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+import numpy as np
+
+from .decode import check_prompt
+from .params import SamplingParams, SpecParams
+from .errors import StateError
+from .models.cache import Cache
+from .models.drafter import DraftKV, DsparkDrafter
+from .models.trunk import HybridTrunk
+from .ops.argmax import argmax_rows, greedy_accept, markov_chain
+from .ops.gdn import gdn_scan
+from .ops.snapshot import checkpoint_select, snapshot_restore, snapshot_save
+from .profile import phase
+from .stats import SpecStats
+
+_ids = itertools.count()
+
+
+@dataclass
+class SpecBoundaryCapture:
+    """The state at the end of the prompt: enough to start the same request again without a
+    prefill. `cache` holds the attention rows and the recurrent snapshot; `draft_kv` the draft-KV
+    ring; `boundary_logits` the trunk logits at the last prompt row."""
+    prompt: tuple[int, ...]
+    pos: int
+    cache: Cache
+    draft_kv: DraftKV
+    boundary_logits: np.ndarray
+
+    @property
+    def nbytes(self) -> int:
+        return (self.cache.nbytes() + sum(int(a.nbytes) for a in self.draft_kv.k + self.draft_kv.v)
+                + int(self.boundary_logits.nbytes))
+
+    def free(self) -> int:
+        return self.cache.free() + self.draft_kv.free()
+
+
+class DsparkSpecSession:
+    """A request decoded with DSpark speculation. Public: `cache`, `rounds`, `emitted`, `stats`."""
+
+    def __init__(self, *_, **__):
+        raise TypeError("use DsparkSpecSession.prime(trunk, drafter, prompt_ids, params) or .restore(...)")
+
+    # ---- construction -------------------------------------------------------------------------
+    @classmethod
+    def _new(cls, trunk: HybridTrunk, drafter: DsparkDrafter, params: SpecParams) -> "DsparkSpecSession":
+        if drafter.trunk is not trunk:
+            raise ValueError("drafter was built for another trunk")
+        if not isinstance(params, SpecParams):
+            raise TypeError(f"params: expected SpecParams, got {type(params).__name__}")
+        s = object.__new__(cls)
+        s.id = next(_ids)
+        s.trunk, s.drafter, s.be, s.params = trunk, drafter, trunk.be, params
+        s.owner = f"spec/{s.id}"
+        s.rounds = 0
+        s.emitted: list[int] = []
+        s.stats = SpecStats()
+        s.last = -1
+        s.prompt_len = 0
+        s.m_prev = 1
+        s._finished = None       # reason string once finished
+        s._demoted = False
+        s._in_round = False
+        s._capture = None
+        s._capture_taken = False
+        s.cache = s.kv = s.snapshot = None
+        return s
+
+    def _allocate(self) -> None:
+        self.snapshot = [self.be.alloc.empty(a.shape, a.dtype, f"{self.owner}/snapshot") for a in self.cache.recurrent()]
+        self.rng = self.be.alloc.zeros(len(STREAMS), np.uint64, f"{self.owner}/rng")
+
+    @classmethod
+    def prime(cls, trunk: HybridTrunk, drafter: DsparkDrafter, prompt_ids, params: SpecParams | None = None,
+              backend=None) -> "DsparkSpecSession":
+        """Prefill the prompt into a new cache and draft KV; take the first anchor from the
+        boundary logits. With params.capture, keep a SpecBoundaryCapture."""
+        params = params or SpecParams()
+        if backend is not None and backend is not trunk.be:
+            raise ValueError(f"backend={backend.name!r}: the trunk lives on {trunk.be.name!r}")
+        s = cls._new(trunk, drafter, params)
+        capacity = trunk.config.max_ctx
+        p = check_prompt(trunk, prompt_ids, capacity)
+        try:
+            s.cache = trunk.new_cache(owner=f"cache/{s.id}")
+            s.kv = drafter.new_kv(f"{s.owner}/draft_kv")
+            s._allocate()
+            with phase("prime"):
+                tp = trunk.prefill(s.cache, p)
+                drafter.ingest([s.kv], tp.taps, tp.row_indptr)
+            boundary = tp.logits[-1:]
+            s.last = s._first_anchor(boundary)
+            s.prompt_len = int(p.size)
+            if params.capture:
+                s._capture = SpecBoundaryCapture(tuple(int(t) for t in p), s.cache.pos,
+                                                 s.cache.copy(f"capture/{s.id}/cache"),
+                                                 s.kv.copy(f"capture/{s.id}/draft_kv"), s.be.to_host(boundary)[0])
+        except BaseException:
+            s._release_all()
+            raise
+        return s
+
+    @classmethod
+    def restore(cls, trunk: HybridTrunk, drafter: DsparkDrafter, capture: SpecBoundaryCapture,
+                params: SpecParams | None = None) -> "DsparkSpecSession":
+        """Start a request whose prompt equals `capture.prompt` from the capture instead of a
+        prefill. The output is byte-identical to a cold prime. The capture is not consumed."""
+        params = params or SpecParams()
+        s = cls._new(trunk, drafter, params)
+        try:
+            s.cache = capture.cache.copy(f"cache/{s.id}")
+            s.kv = capture.draft_kv.copy(f"{s.owner}/draft_kv")
+            s._allocate()
+            s.last = s._first_anchor(s.be.asarray(capture.boundary_logits[None, :]))
+            s.prompt_len = len(capture.prompt)
+        except BaseException:
+            s._release_all()
+            raise
+        return s
+
+    def _first_anchor(self, boundary_logits) -> int:
+        if self.params.sampling.greedy:
+            return int(self.be.to_host(argmax_rows(self.be, boundary_logits))[0])
+        from .spec_sampling import sample_boundary
+        return sample_boundary(self, boundary_logits)
+
+    # ---- the seed's surface -------------------------------------------------------------------
+    def cache_max_ctx(self) -> int:
+        return self.cache.capacity
+
+    def finished(self) -> bool:
+        return self._finished is not None
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self._finished
+
+    def pos(self) -> int:
+        return self.cache.pos
+
+    def take_prefix_capture(self) -> SpecBoundaryCapture | None:
+        """The prompt-end capture, exactly once; then None. The caller owns (and frees) it."""
+        if not self.params.capture:
+            raise StateError("take_prefix_capture: capture is off for this session (SpecParams.capture=False)")
+        cap, self._capture = self._capture, None
+        self._capture_taken = True
+        return cap
+
+    def into_demoted(self) -> tuple[Cache, int]:
+        """Hand the trunk cache and the pending anchor to plain batched decode. Frees the draft KV,
+        snapshots and RNG counters. Refuses sampled, finished, demoted and mid-round sessions and
+        leaves them intact."""
+        self._require_live("into_demoted")
+        if not self.params.sampling.greedy:
+            raise StateError("into_demoted: a sampled session cannot be demoted (its stream depends on its own "
+                             "RNG counters)")
+        if self._finished is not None:
+            raise StateError(f"into_demoted: the session is finished ({self._finished})")
+        expected = self.prompt_len + len(self.emitted)
+        if self.cache.pos != expected:  # the burst-boundary invariant; never expected to fire
+            raise StateError(f"into_demoted: cache.pos={self.cache.pos} but prompt + emitted = {expected}")
+        self._demoted = True
+        self._release_speculative()
+        cache, self.cache = self.cache, None
+        return cache, self.last
+
+    # ---- rounds and bursts --------------------------------------------------------------------
+    def round(self) -> list[int]:
+        """One round; returns the tokens it emitted."""
+        self._require_live("round")
+        return spec_round([self])[0]
+
+    def burst(self, target: int | None = None) -> list[int]:
+        """Whole rounds until at least `target` tokens (default params.burst_target) were emitted,
+        or the session finished. Returns the tokens emitted in this burst."""
+        return spec_burst([self], target)[0]
+
+    def _require_live(self, what: str) -> None:
+        if self._demoted:
+            raise StateError(f"{what}: the session was demoted; its cache belongs to the plain path now")
+        if self._in_round:
+            raise StateError(f"{what}: the session is mid-round")
+
+    def check_invariant(self) -> None:
+        """cache.pos == prompt rows + emitted, at a burst boundary of an unfinished session."""
+        if self._finished is None and not self._demoted:
+            want = self.prompt_len + len(self.emitted)
+            if self.cache.pos != want:
+                raise AssertionError(f"session {self.id}: cache.pos={self.cache.pos}, prompt + emitted = {want}")
+
+    # ---- memory -------------------------------------------------------------------------------
+    def _release_speculative(self) -> int:
+        """Free the draft KV, snapshots, RNG counters and an untaken capture."""
+        n = self.be.alloc.free_owner(f"{self.owner}/snapshot") + self.be.alloc.free_owner(f"{self.owner}/rng")
+        if self.kv is not None:
+            n += self.kv.free()
+        if self._capture is not None:
+            n += self._capture.free()
+        self.kv = self.snapshot = self._capture = None
+        return n
+
+    def _release_all(self) -> None:
+        self._release_speculative()
+        if self.cache is not None:
+            self.cache.free()
+
+    def close(self) -> None:
+        """Free everything the session still owns (a finished or abandoned request)."""
+        if not self._demoted:
+            self._release_all()
+            self.cache = None
+            self._demoted = True
+
+    def _finish(self, reason: str) -> None:
+        self._finished = reason
+
+    def _emit(self, toks: list[int]) -> list[int]:
+        self.emitted.extend(toks)
+        return toks
+
+
+# Stream tags: every purpose draws from its own Philox stream.
+STREAMS = ("boundary", "draft", "accept", "residual", "bonus")
+
+
+def _group(sessions: list[DsparkSpecSession]) -> tuple[HybridTrunk, DsparkDrafter]:
+    t, d = sessions[0].trunk, sessions[0].drafter
+    for s in sessions:
+        if s.trunk is not t or s.drafter is not d:
+            raise ValueError("sessions of one batch must share the trunk and drafter")
+        s._require_live("round")
+    return t, d
+
+
+def verify_width(s: DsparkSpecSession, conf: np.ndarray, nd: int) -> int:
+    """Columns to verify: 1 + the confident prefix (tau), or the ladder, clamped to [2, nd+1]."""
+    if s.params.verify == "confidence":
+        below = np.flatnonzero(conf < s.params.tau)
+        vt = 1 + (int(below[0]) if below.size else nd)
+        return min(max(vt, 2), nd + 1)
+    cap = min(s.params.ladder_cap or nd + 1, nd + 1)
+    return min(max(s.m_prev + 2, 3), cap)
+
+
+def spec_round(sessions: list[DsparkSpecSession]) -> list[list[int]]:
+    """One round for each unfinished session; returns the tokens each emitted (finished: [])."""
+    out = {s.id: [] for s in sessions}
+    live = [s for s in sessions if s._finished is None]
+    if not live:
+        return [out[s.id] for s in sessions]
+    trunk, drafter = _group(live)
+    # Guard: a session with no row left emits its anchor and finishes, exactly as plain decode.
+    for s in [s for s in live if s.cache.pos >= s.cache.capacity]:
+        out[s.id] = s._emit([s.last])
+        s._finish("context")
+    live = [s for s in live if s._finished is None]
+    if live:
+        for s in live:
+            s._in_round = True
+        try:
+            for s, toks in zip(live, _round(trunk, drafter, live)):
+                out[s.id] = toks
+        finally:
+            for s in live:
+                s._in_round = False
+    return [out[s.id] for s in sessions]
+
+
+def _round(trunk: HybridTrunk, drafter: DsparkDrafter, live: list[DsparkSpecSession]) -> list[list[int]]:
+    be, B = trunk.be, len(live)
+    nd = drafter.config.drafts
+    greedy = live[0].params.sampling.greedy
+    if any(s.params.sampling.greedy != greedy for s in live):
+        raise ValueError("a batch mixes greedy and sampled sessions: run them in separate rounds")
+    with phase("draft"):
+        hidden, logits = drafter.block_pass([s.kv for s in live], [s.last for s in live])
+        rows = be.xp.asarray(drafter.draft_rows(B))
+        dh, dl = hidden[rows], logits[rows]
+    with phase("propose"):
+        if greedy:
+            drafts, conf = propose_greedy(drafter, dl, dh, [s.last for s in live], nd)
+            q = None
+        else:
+            from .spec_sampling import propose_sampled
+            drafts, conf, q = propose_sampled(live, drafter, dl, dh, nd)
+    vts = [min(verify_width(s, conf[i], nd), s.cache.capacity - s.cache.pos) for i, s in enumerate(live)]
+    cands = [np.concatenate([[s.last], drafts[i, : vts[i] - 1]]).astype(np.int32) for i, s in enumerate(live)]
+    with phase("snapshot"):  # every recurrent tensor of every session, one launch
+        snapshot_save(be, [a for s in live for a in s.cache.recurrent()], [a for s in live for a in s.snapshot])
+    committed = False
+    try:
+        with phase("verify"):
+            tp = trunk.verify([s.cache for s in live], cands, checkpoints=live[0].params.rollback == "checkpoint")
+        with phase("accept"):
+            if greedy:
+                m, nxt = greedy_accept(be, tp.logits, be.asarray(np.concatenate(cands)), be.asarray(tp.row_indptr))
+                m, nxt = be.to_host(m), be.to_host(nxt)
+            else:
+                from .spec_sampling import accept_sampled
+                m, nxt = accept_sampled(live, tp, cands, q, vts)
+        keep = np.array([_cut(s, cands[i][: int(m[i]) + 1]) for i, s in enumerate(live)], np.int32)
+        with phase("commit"):
+            trunk.commit_rows([s.cache for s in live], tp, keep)
+            committed = True
+        with phase("rollback"):
+            rollback(trunk, live, tp, keep, np.array(vts, np.int32))
+    except BaseException:
+        if not committed:  # leave every session exactly as before the round
+            snapshot_restore(be, [a for s in live for a in s.snapshot], [a for s in live for a in s.cache.recurrent()])
+        raise
+    emitted = []
+    for i, s in enumerate(live):
+        toks = [int(t) for t in cands[i][: keep[i]]]
+        s.stats.record(vts[i] - 1, int(m[i]))
+        s.rounds += 1
+        s.m_prev = int(m[i])
+        emitted.append(s._emit(toks))
+        if toks and toks[-1] == trunk.config.eos_id:
+            s._finish("eos")
+        elif len(s.emitted) >= s.params.max_new_tokens:
+            s._finish("budget")
+        s.last = int(nxt[i])
+    with phase("ingest"):
+        ing = [i for i, s in enumerate(live) if s._finished is None]
+        if ing:
+            kept_rows = np.concatenate([tp.row_indptr[i] + np.arange(keep[i]) for i in ing])
+            drafter.ingest([live[i].kv for i in ing], tp.taps[be.xp.asarray(kept_rows)],
+                           np.concatenate([[0], np.cumsum(keep[ing])]).astype(np.int32))
+    return emitted
+
+
+def _cut(s: DsparkSpecSession, toks: np.ndarray) -> int:
+    """Rows to commit: the accepted tokens, cut after an EOS and at the token budget."""
+    n = len(toks)
+    eos = np.flatnonzero(toks == s.trunk.config.eos_id)
+    if eos.size:
+        n = int(eos[0]) + 1
+    return min(n, s.params.max_new_tokens - len(s.emitted))
+
+
+def rollback(trunk: HybridTrunk, live: list[DsparkSpecSession], tp, keep: np.ndarray, vts: np.ndarray) -> None:
+    """Bring each session's recurrent state to exactly `keep` columns past the round start."""
+    be = trunk.be
+    if live[0].params.rollback == "checkpoint":
+        for li in range(len(tp.state_ckpt)):
+            checkpoint_select(be, tp.state_ckpt[li], tp.conv_ckpt[li], [s.cache.state[li] for s in live],
+                              [s.cache.conv[li] for s in live], be.asarray(tp.row_indptr), keep)
+        return
+    redo = [i for i in range(len(live)) if keep[i] < vts[i]]
+    if not redo:
+        return
+    snapshot_restore(be, [a for i in redo for a in live[i].snapshot], [a for i in redo for a in live[i].cache.recurrent()])
+    replay(trunk, [live[i].cache for i in redo], tp, tp.row_indptr[redo], keep[redo])
+
+
+def replay(trunk: HybridTrunk, caches: list[Cache], tp, starts: np.ndarray, keep: np.ndarray) -> None:
+    """Re-run each gdn layer's scan over the first keep[b] recorded columns of each session."""
+    be, c = trunk.be, trunk.config
+    rows = be.xp.asarray(np.concatenate([s + np.arange(k) for s, k in zip(starts, keep)]).astype(np.int64))
+    indptr = be.asarray(np.concatenate([[0], np.cumsum(keep)]).astype(np.int32))
+    gi = 0
+    for i, kind in enumerate(c.layers):
+        if kind != "gdn":
+            continue
+        p = f"layers.{i}.gdn."
+        inp = tp.gdn_inputs[gi]
+        gdn_scan(be, inp.mixed[rows], inp.a[rows], inp.b[rows], trunk.w[p + "conv"], trunk.w[p + "A_log"],
+                 trunk.w[p + "dt_bias"], [cc.state[gi] for cc in caches], [cc.conv[gi] for cc in caches], indptr,
+                 heads=c.gdn_heads, dk=c.gdn_dk, dv=c.gdn_dv)
+        gi += 1
+
+
+def propose_greedy(drafter: DsparkDrafter, dl, dh, anchors, nd: int) -> tuple[np.ndarray, np.ndarray]:
+    """The Markov chain x_k = argmax(logits_k + W2 . W1[x_{k-1}]), x_{-1} = anchor (one fused
+    launch), then the confidence c_k of every slot. dl/dh rows are session-major [B*nd]."""
+    be = drafter.be
+    anchors = np.asarray(anchors, np.int32)
+    drafts = be.to_host(markov_chain(be, dl, drafter.w["markov.w1"], drafter.w["markov.w2"], anchors, nd))
+    prev = np.concatenate([anchors[:, None], drafts[:, :-1]], axis=1).reshape(-1)
+    emb = drafter.w["markov.w1"][be.xp.asarray(prev)]
+    conf = be.to_host(drafter.confidence(dh, emb)).reshape(len(anchors), nd)
+    return drafts, conf
+
+
+def spec_burst(sessions: list[DsparkSpecSession], target: int | None = None) -> list[list[int]]:
+    """Rounds for a batch of sessions until each emitted `target` tokens or finished."""
+    got = {s.id: [] for s in sessions}
+    want = {s.id: int(target or s.params.burst_target) for s in sessions}
+    while True:
+        todo = [s for s in sessions if s._finished is None and len(got[s.id]) < want[s.id]]
+        if not todo:
+            break
+        for s, toks in zip(todo, spec_round(todo)):
+            got[s.id].extend(toks)
+    for s in sessions:
+        s.check_invariant()
+    return [got[s.id] for s in sessions]
+
+
+__all__ = ["DsparkSpecSession", "SamplingParams", "SpecBoundaryCapture", "SpecParams", "spec_burst", "spec_round"]

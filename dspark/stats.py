@@ -1,0 +1,51 @@
+"""Speculation statistics, per session and aggregated."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class SpecStats:
+    rounds: int = 0
+    drafted: int = 0     # drafts sent to verify (vt - 1 per round)
+    accepted: int = 0    # drafts accepted (m per round)
+    verified_at: list[int] = field(default_factory=list)  # [k]: rounds that verified draft k+1
+    accepted_at: list[int] = field(default_factory=list)  # [k]: rounds that accepted draft k+1
+    histogram: list[int] = field(default_factory=list)    # [m]: rounds that accepted m drafts
+
+    def record(self, verified: int, accepted: int) -> None:
+        self.rounds += 1
+        self.drafted += verified
+        self.accepted += accepted
+        for lst, n in ((self.verified_at, verified), (self.accepted_at, verified), (self.histogram, accepted + 1)):
+            if len(lst) < n:
+                lst.extend([0] * (n - len(lst)))
+        for k in range(verified):
+            self.verified_at[k] += 1
+        for k in range(accepted):
+            self.accepted_at[k] += 1
+        self.histogram[accepted] += 1
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Tokens emitted per round: 1 + accepted / rounds (the anchor always counts)."""
+        return 1.0 + self.accepted / self.rounds if self.rounds else 0.0
+
+    @property
+    def acceptance_by_position(self) -> list[float]:
+        """[k]: fraction of the rounds that verified draft k+1 which accepted it."""
+        return [a / v if v else 0.0 for a, v in zip(self.accepted_at, self.verified_at)]
+
+    def merge(self, other: "SpecStats") -> "SpecStats":
+        out = SpecStats(self.rounds + other.rounds, self.drafted + other.drafted, self.accepted + other.accepted)
+        for name in ("verified_at", "accepted_at", "histogram"):
+            a, b = getattr(self, name), getattr(other, name)
+            n = max(len(a), len(b))
+            setattr(out, name, [(a[i] if i < len(a) else 0) + (b[i] if i < len(b) else 0) for i in range(n)])
+        return out
+
+    def summary(self) -> str:
+        pos = " ".join(f"{p:.2f}" for p in self.acceptance_by_position)
+        return (f"rounds {self.rounds}, drafted {self.drafted}, accepted {self.accepted}, "
+                f"mean accepted length {self.mean_accepted_length:.2f}, acceptance by position [{pos}]")

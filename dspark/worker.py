@@ -1,0 +1,282 @@
+"""Worker: serves many requests on one backend, speculative while the load is light.
+
+The gate (`GateConfig`): a new request gets a spec session while `active + 1 <= low`, else it
+goes to the plain batch. At a burst boundary, once `active >= high`, every live greedy spec
+session is demoted into the plain batch (one-way). Sampled sessions are never demoted;
+finished ones simply finish. The worker also owns prefix publication: after each burst it
+drains every session's prompt-end capture into the `PrefixStore`, and a new request whose prompt
+equals a published entry in its namespace restores from it instead of priming.
+
+One `step()`: admit arrivals, one burst for every spec session (greedy and sampled batched
+separately), publish captures, apply the demotion gate, then as many plain steps as a burst
+target, and report tokens. A request that fails is retired with its error; the others go on.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .decode import PlainBatch, check_prompt, first_token, prefill_anchor
+from .errors import CapacityError, DsparkError, StateError
+from .models.drafter import DsparkDrafter
+from .models.trunk import HybridTrunk
+from .prefix_store import PrefixStore
+from .session import DsparkSpecSession, SamplingParams, SpecParams, spec_burst
+from .stats import SpecStats
+
+
+@dataclass(frozen=True)
+class GateConfig:
+    low: int = 2
+    high: int = 4
+
+    def __post_init__(self):
+        for name in ("low", "high"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+                raise ValueError(f"GateConfig.{name}={v!r}: expected an int >= 0")
+
+    @property
+    def demote_at(self) -> int:
+        """`high`, or `low + 1` when high <= low (a gate must leave room to admit)."""
+        return self.high if self.high > self.low else self.low + 1
+
+
+@dataclass
+class Request:
+    id: int
+    prompt: np.ndarray
+    max_new_tokens: int
+    sampling: SamplingParams
+    namespace: str
+    mode: str = "pending"            # pending -> spec | plain -> done | failed
+    tokens: list[int] = field(default_factory=list)
+    restored: bool = False
+    demoted: bool = False
+    error: str | None = None
+    submitted_step: int = 0
+    first_token_step: int | None = None
+    done_step: int | None = None
+    session: DsparkSpecSession | None = None
+    plain_id: int | None = None
+
+
+@dataclass(frozen=True)
+class GateEvent:
+    step: int
+    request: int
+    what: str    # admit_spec, admit_plain, restore, demote, finish, fail
+
+
+class Worker:
+    def __init__(self, trunk: HybridTrunk, drafter: DsparkDrafter, gate: GateConfig | None = None,
+                 store: PrefixStore | None = None, spec: SpecParams | None = None, on_tokens=None):
+        self.trunk, self.drafter = trunk, drafter
+        self.gate = gate or GateConfig()
+        self.store = store
+        self.spec = spec or SpecParams()
+        self.on_tokens = on_tokens          # callback(request id, new tokens, finished)
+        self.plain = PlainBatch(trunk)
+        self.requests: dict[int, Request] = {}
+        self.pending: list[Request] = []
+        self.events: list[GateEvent] = []
+        self.stats = SpecStats()
+        self.steps = 0
+        self._ids = itertools.count()
+
+    # ---- intake -------------------------------------------------------------------------------
+    def submit(self, prompt_ids, max_new_tokens: int, sampling: SamplingParams | None = None,
+               namespace: str = "default") -> int:
+        """Queue a request; bad input raises here and touches nothing."""
+        if not isinstance(namespace, str):
+            raise TypeError(f"namespace={namespace!r}: expected a str, got {type(namespace).__name__}")
+        if not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens={max_new_tokens!r}: expected an int >= 1")
+        sampling = sampling or SamplingParams()
+        if not isinstance(sampling, SamplingParams):
+            raise TypeError(f"sampling: expected SamplingParams, got {type(sampling).__name__}")
+        prompt = check_prompt(self.trunk, prompt_ids, self.trunk.config.max_ctx)
+        r = Request(next(self._ids), prompt, int(max_new_tokens), sampling, namespace, submitted_step=self.steps)
+        self.requests[r.id] = r
+        self.pending.append(r)
+        return r.id
+
+    def active(self) -> int:
+        return sum(r.mode in ("spec", "plain") for r in self.requests.values())
+
+    def done(self) -> bool:
+        return not self.pending and not self.active()
+
+    # ---- the scheduling step ------------------------------------------------------------------
+    def step(self) -> None:
+        self.steps += 1
+        for r in list(self.pending):
+            self._admit(r)
+        self.pending.clear()
+        self._spec_bursts()
+        self._publish()
+        self._demote_gate()
+        self._plain_steps(self.spec.burst_target)
+
+    def run(self, max_steps: int = 1_000_000) -> None:
+        for _ in range(max_steps):
+            if self.done():
+                return
+            self.step()
+        raise StateError(f"worker did not finish within {max_steps} steps")
+
+    # ---- admission ----------------------------------------------------------------------------
+    def _admit(self, r: Request) -> None:
+        to_spec = self.active() + 1 <= self.gate.low
+        cap = self.store.lookup(r.namespace, r.prompt) if self.store is not None else None
+        try:
+            if to_spec:
+                params = SpecParams(**{**self.spec.__dict__, "max_new_tokens": r.max_new_tokens,
+                                       "sampling": r.sampling})
+                if cap is not None:
+                    r.session = DsparkSpecSession.restore(self.trunk, self.drafter, cap, params)
+                else:
+                    r.session = DsparkSpecSession.prime(self.trunk, self.drafter, r.prompt, params)
+                r.mode = "spec"
+            else:
+                self._admit_plain(r, cap)
+                r.mode = "plain"
+        except DsparkError as e:
+            self._fail(r, e)
+            return
+        r.restored = cap is not None
+        self._log(r, "admit_spec" if to_spec else "admit_plain")
+        if r.restored:
+            self._log(r, "restore")
+
+    def _admit_plain(self, r: Request, cap) -> None:
+        if cap is not None:
+            cache = cap.cache.copy(f"cache/plain{r.id}")
+            last = first_token(self.trunk.be, self.trunk.be.asarray(cap.boundary_logits[None, :]), r.sampling)
+        else:
+            cache = self.trunk.new_cache(owner=f"cache/plain{r.id}")
+            try:
+                last, tp = prefill_anchor(self.trunk, cache, r.prompt, r.sampling)
+            except BaseException:
+                cache.free()
+                raise
+        r.plain_id = self.plain.join(cache, last, r.max_new_tokens, sampling=r.sampling)
+
+    # ---- speculative bursts -------------------------------------------------------------------
+    def _spec_bursts(self) -> None:
+        spec = [r for r in self.requests.values() if r.mode == "spec"]
+        for greedy in (True, False):
+            group = [r for r in spec if r.sampling.greedy == greedy]
+            if not group:
+                continue
+            before = {r.id: len(r.session.emitted) for r in group}
+            try:
+                spec_burst([r.session for r in group])
+            except DsparkError:
+                # Find the culprit: run each session alone; the failing one is retired.
+                for r in group:
+                    try:
+                        spec_burst([r.session])
+                    except DsparkError as e:
+                        self._fail(r, e)
+            for r in group:
+                if r.mode != "spec":
+                    continue
+                self._deliver(r, r.session.emitted[before[r.id]:], r.session.finished())
+                if r.session.finished():
+                    self.stats = self.stats.merge(r.session.stats)
+                    r.session.close()
+                    self._finish(r)
+
+    def _publish(self) -> None:
+        if self.store is None:
+            return
+        for r in self.requests.values():
+            s = r.session
+            if s is None or s._demoted or not s.params.capture:
+                continue
+            cap = s.take_prefix_capture()
+            if cap is None:
+                continue
+            try:
+                self.store.publish(r.namespace, cap)
+            except CapacityError:
+                cap.free()  # larger than the whole budget: not published, the request goes on
+
+    def _demote_gate(self) -> None:
+        if self.active() < self.gate.demote_at:
+            return
+        for r in self.requests.values():
+            s = r.session
+            if r.mode != "spec" or not r.sampling.greedy or s.finished():
+                continue
+            self.stats = self.stats.merge(s.stats)
+            cache, last = s.into_demoted()
+            r.plain_id = self.plain.join(cache, last, r.max_new_tokens, list(s.emitted))
+            r.session = None
+            r.mode, r.demoted = "plain", True
+            self._log(r, "demote")
+
+    # ---- plain decode -------------------------------------------------------------------------
+    def _plain_steps(self, n: int) -> None:
+        by_plain = {r.plain_id: r for r in self.requests.values() if r.mode == "plain"}
+        for _ in range(n):
+            if not self.plain.active():
+                break
+            try:
+                out = self.plain.step()
+            except DsparkError:
+                out = self._isolate_plain_failure(by_plain)
+            for pid, tok in out.items():
+                r = by_plain[pid]
+                self._deliver(r, [tok], self.plain.sequences[pid].finished)
+        for pid, r in by_plain.items():
+            if r.mode == "plain" and self.plain.sequences[pid].finished:
+                self.plain.leave(pid).cache.free()
+                self._finish(r)
+
+    def _isolate_plain_failure(self, by_plain) -> dict[int, int]:
+        out = {}
+        for pid, r in by_plain.items():
+            seq = self.plain.sequences.get(pid)
+            if seq is None or seq.finished:
+                continue
+            try:
+                out.update(self.plain.step(only=[pid]))
+            except DsparkError as e:
+                self.plain.leave(pid).cache.free()
+                self._fail(r, e)
+        return out
+
+    # ---- bookkeeping --------------------------------------------------------------------------
+    def _deliver(self, r: Request, toks: list[int], finished: bool) -> None:
+        if not toks and not finished:
+            return
+        if toks and r.first_token_step is None:
+            r.first_token_step = self.steps
+        r.tokens.extend(toks)
+        if self.on_tokens is not None:
+            self.on_tokens(r.id, list(toks), finished)
+
+    def _finish(self, r: Request) -> None:
+        r.mode, r.done_step = "done", self.steps
+        self._log(r, "finish")
+
+    def _fail(self, r: Request, e: Exception) -> None:
+        if r.session is not None:
+            r.session.close()
+            r.session = None
+        r.mode, r.error, r.done_step = "failed", f"{type(e).__name__}: {e}", self.steps
+        self._log(r, "fail")
+
+    def _log(self, r: Request, what: str) -> None:
+        self.events.append(GateEvent(self.steps, r.id, what))
+
+    def result(self, request_id: int) -> list[int]:
+        r = self.requests[request_id]
+        if r.mode == "failed":
+            raise StateError(f"request {request_id} failed: {r.error}")
+        return list(r.tokens)

@@ -1,0 +1,166 @@
+"""The reference trunk and drafter: row invariance (bitwise), backend agreement, weight files."""
+
+import numpy as np
+import pytest
+
+from dspark.errors import DTypeError, ShapeError, TokenRangeError
+from dspark.models import DsparkDrafter, HybridTrunk
+from dspark.ops import dense
+from dspark.models.presets import TINY_TRUNK, tiny_pair as small_pair
+
+
+def prompt(rng, n, vocab=256):
+    return rng.integers(0, vocab, n).astype(np.int32)
+
+
+def test_verify_column_equals_decode_step(model_backend, rng):
+    trunk, _ = small_pair(model_backend, seed=int(rng.integers(1000)))
+    p = prompt(rng, int(rng.integers(3, 70)))
+    a, b = trunk.new_cache(), trunk.new_cache()
+    trunk.prefill(a, p)
+    trunk.prefill(b, p)
+    cand = prompt(rng, 6)
+    verify = trunk.verify([a], [cand])
+    for j, tok in enumerate(cand):
+        step = trunk.decode([b], [tok])
+        assert np.array_equal(model_backend.to_host(verify.logits[j]), model_backend.to_host(step.logits[0])), j
+        assert np.array_equal(model_backend.to_host(verify.taps[j]), model_backend.to_host(step.taps[0])), j
+    # the gdn state after all columns is the state after the same decode steps
+    for sa, sb in zip(a.recurrent(), b.recurrent()):
+        assert np.array_equal(sa, sb)
+
+
+@pytest.mark.parametrize("others", [1, 3, 7])
+def test_decode_is_the_same_alone_and_batched(model_backend, rng, others):
+    trunk, _ = small_pair(model_backend, seed=3)
+    lens = rng.integers(1, 60, others + 1)
+    prompts = [prompt(rng, int(n)) for n in lens]
+    alone, batch = trunk.new_cache(), [trunk.new_cache() for _ in prompts]
+    trunk.prefill(alone, prompts[0])
+    for c, p in zip(batch, prompts):
+        trunk.prefill(c, p)
+    order = rng.permutation(len(batch))  # the session of interest sits anywhere in the batch
+    tok = prompt(rng, len(batch))
+    solo = trunk.decode([alone], [tok[0]])
+    both = trunk.decode([batch[i] for i in order], [tok[i] for i in order])
+    row = int(np.flatnonzero(order == 0)[0])
+    assert np.array_equal(model_backend.to_host(solo.logits[0]), model_backend.to_host(both.logits[row]))
+
+
+def test_prefill_equals_token_by_token(model_backend, rng):
+    trunk, _ = small_pair(model_backend, seed=5)
+    p = prompt(rng, 37)
+    a, b = trunk.new_cache(), trunk.new_cache()
+    full = trunk.prefill(a, p)
+    for j, t in enumerate(p):
+        step = trunk.decode([b], [t])
+        assert np.array_equal(full.logits[j], step.logits[0])
+    assert a.pos == b.pos == 37
+    for x, y in zip(a.k + a.v + a.recurrent(), b.k + b.v + b.recurrent()):
+        assert np.array_equal(x, y)
+
+
+def test_simt_and_numpy_logits_agree(simt, numpy_backend, rng):
+    p = prompt(rng, 41)
+    out = []
+    for be in (numpy_backend, simt):
+        trunk, drafter = small_pair(be, seed=11)
+        cache = trunk.new_cache()
+        tp = trunk.prefill(cache, p)
+        kv = drafter.new_kv("draft/test")
+        drafter.ingest([kv], tp.taps, tp.row_indptr)
+        hidden, dl = drafter.block_pass([kv], [int(p[-1])])
+        kv.free()
+        out.append((tp.logits, dl))
+    for x, y in zip(out[0], out[1]):
+        np.testing.assert_allclose(y, x, rtol=1e-4, atol=1e-4 * float(np.abs(x).max()))
+
+
+def test_drafter_block_pass_is_the_same_alone_and_batched(model_backend, rng):
+    trunk, drafter = small_pair(model_backend, seed=7)
+    prompts = [prompt(rng, int(n)) for n in rng.integers(1, 40, 4)]
+    kvs = []
+    for i, p in enumerate(prompts):
+        c = trunk.new_cache()
+        tp = trunk.prefill(c, p)
+        kv = drafter.new_kv(f"draft/{i}")
+        drafter.ingest([kv], tp.taps, tp.row_indptr)
+        kvs.append(kv)
+    anchors = prompt(rng, 4)
+    h1, l1 = drafter.block_pass(kvs[2:3], anchors[2:3])
+    h4, l4 = drafter.block_pass(kvs, anchors)
+    b = drafter.config.block
+    assert np.array_equal(l1, l4[2 * b : 3 * b]) and np.array_equal(h1, h4[2 * b : 3 * b])
+
+
+@pytest.mark.parametrize("fmt", ["safetensors", "npz"])
+def test_save_load_round_trip_is_bitwise(numpy_backend, tmp_path, rng, fmt):
+    trunk, drafter = small_pair(numpy_backend, seed=13)
+    trunk.save(tmp_path, fmt=fmt)
+    drafter.save(tmp_path, fmt=fmt)
+    t2 = HybridTrunk.load(tmp_path, numpy_backend)
+    d2 = DsparkDrafter.load(tmp_path, t2)
+    p = prompt(rng, 20)
+    outs = []
+    for t, d in ((trunk, drafter), (t2, d2)):
+        tp = t.prefill(t.new_cache(), p)
+        kv = d.new_kv(f"draft/rt{len(outs)}")
+        d.ingest([kv], tp.taps, tp.row_indptr)
+        outs.append((tp.logits, *d.block_pass([kv], [int(p[-1])])))
+        kv.free()
+    for x, y in zip(*outs):
+        assert np.array_equal(x, y)
+    assert t2.config == trunk.config and d2.config == drafter.config
+
+
+@pytest.mark.parametrize("mutate,err,match", [
+    (lambda w: w.pop("layers.1.attn.wq"), ShapeError, "'layers.1.attn.wq' is missing"),
+    (lambda w: w.update({"layers.0.gdn.conv": np.zeros((3, 4), np.float32)}), ShapeError,
+     r"'layers.0.gdn.conv' has shape \(3, 4\)"),
+    (lambda w: w.update({"lm_head": w["lm_head"].astype(np.float16)}), DTypeError, "'lm_head' has dtype float16"),
+    (lambda w: w.update({"extra.bias": np.zeros(3, np.float32)}), ShapeError, "unexpected tensor 'extra.bias'"),
+])
+def test_bad_checkpoints_are_refused_naming_the_tensor(numpy_backend, tmp_path, mutate, err, match):
+    trunk, _ = small_pair(numpy_backend)
+    w = dict(trunk.host_weights)
+    mutate(w)
+    trunk.host_weights = w
+    trunk.save(tmp_path)
+    with pytest.raises(err, match=match):
+        HybridTrunk.load(tmp_path, numpy_backend)
+
+
+def test_bad_tokens_are_refused(numpy_backend):
+    trunk, _ = small_pair(numpy_backend)
+    c = trunk.new_cache()
+    with pytest.raises(TokenRangeError, match=r"tokens\[0\]\[2\]=258 is outside the vocabulary \[0, 258\)"):
+        trunk.prefill(c, np.array([1, 2, 258]))
+    with pytest.raises(TokenRangeError, match="expected integer token ids"):
+        trunk.prefill(c, np.array([1.0, 2.0]))
+    assert c.pos == 0
+
+
+def test_plain_batched_matmul_is_not_row_invariant_here_but_linear_is(rng):
+    """Why `dense.linear` chunks rows: this BLAS computes a lone row (GEMV) differently from the
+    same row inside a batch (GEMM). If a BLAS ever happens to agree, the test still pins that
+    `linear` is invariant and says which case it saw."""
+    K, N = TINY_TRUNK.d_model, 1024
+    w = rng.standard_normal((K, N)).astype(np.float32)
+    x = rng.standard_normal((64, K)).astype(np.float32)
+    plain_invariant = all(np.array_equal((x[:m] @ w)[0], (x[:1] @ w)[0]) for m in (2, 3, 8, 17, 64))
+    print("plain x @ W row-invariant on this BLAS:", plain_invariant)
+    full = dense.linear(x, w)
+    for m in (1, 2, 3, 7, 8, 9, 17, 64):
+        assert np.array_equal(dense.linear(x[:m], w), full[:m])
+    for i in (0, 5, 13):
+        assert np.array_equal(dense.linear(x[i : i + 1], w)[0], full[i])
+
+
+def test_norm_glue_is_row_invariant(rng):
+    x = rng.standard_normal((50, 3, 64)).astype(np.float32)
+    wt = rng.standard_normal(64).astype(np.float32)
+    full = dense.rmsnorm(x, wt, 1e-6)
+    rope_full = dense.rope(x, np.arange(50) + 100, 10000.0)
+    for i in (0, 17, 49):
+        assert np.array_equal(dense.rmsnorm(x[i : i + 1], wt, 1e-6)[0], full[i])
+        assert np.array_equal(dense.rope(x[i : i + 1], np.array([100 + i]), 10000.0)[0], rope_full[i])

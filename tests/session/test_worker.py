@@ -1,0 +1,146 @@
+"""Worker: the gate's transitions, prefix publication and restore, failure isolation, and a
+seeded simulated load whose greedy outputs must equal solo plain decode byte for byte."""
+
+import numpy as np
+import pytest
+
+from dspark.decode import plain_generate
+import dspark.worker as worker_mod
+from dspark.errors import CapacityError, NonFiniteError, TokenRangeError
+from dspark.models.presets import tiny_pair
+from dspark.prefix_store import PrefixStore
+from dspark.session import SamplingParams, SpecParams
+from dspark.worker import GateConfig, Worker
+
+
+@pytest.fixture(scope="module")
+def pair():
+    import dspark
+    return tiny_pair(dspark.get_backend("numpy"), 21)
+
+
+def prompt(rng, n):
+    return rng.integers(0, 256, n).astype(np.int32)
+
+
+def test_gate_config():
+    assert GateConfig().demote_at == 4
+    assert GateConfig(low=3, high=2).demote_at == 4  # high <= low means low + 1
+    assert GateConfig(low=0, high=1).demote_at == 1
+    for bad in (dict(low=-1), dict(high=1.5), dict(low=True)):
+        with pytest.raises(ValueError, match="GateConfig"):
+            GateConfig(**bad)
+
+
+def test_scripted_arrivals_pin_the_gate_transitions(pair):
+    """low=2, high=3: two requests get spec; the third goes plain, and once three are active at
+    a burst boundary the live greedy spec sessions are demoted. A sampled one is never demoted."""
+    trunk, drafter = pair
+    rng = np.random.default_rng(0)
+    w = Worker(trunk, drafter, GateConfig(low=2, high=3), spec=SpecParams(burst_target=4))
+    a = w.submit(prompt(rng, 9), 40)
+    b = w.submit(prompt(rng, 12), 40, SamplingParams(temperature=0.9, seed=3))
+    w.step()  # both admitted to spec (active 1 <= 2, then 2 <= 2)
+    c = w.submit(prompt(rng, 7), 40)
+    w.step()  # c: active 3 > 2 -> plain; now active 3 >= 3: a is demoted, b (sampled) is not
+    w.run()
+    got = [(e.step, e.request, e.what) for e in w.events if e.what != "finish"]
+    assert got == [(1, a, "admit_spec"), (1, b, "admit_spec"), (2, c, "admit_plain"), (2, a, "demote")]
+    assert w.requests[a].demoted and not w.requests[b].demoted
+    assert w.result(a) == plain_generate(trunk, w.requests[a].prompt, 40)
+    assert w.result(c) == plain_generate(trunk, w.requests[c].prompt, 40)
+
+
+@pytest.mark.parametrize("gate", [GateConfig(0, 1), GateConfig(2, 4), GateConfig(64, 65)])
+def test_restore_from_a_published_prefix_is_exact(pair, gate):
+    trunk, drafter = pair
+    rng = np.random.default_rng(1)
+    p = prompt(rng, 30)
+    store = PrefixStore(10 * 2**20)
+    w = Worker(trunk, drafter, gate, store=store, spec=SpecParams(burst_target=8))
+    first = w.submit(p, 25, namespace="tenant-a")
+    w.run()
+    if gate.low:  # published only by spec sessions
+        assert len(store) == 1
+    second = w.submit(p, 25, namespace="tenant-a")
+    other = w.submit(p, 25, namespace="tenant-b")
+    w.run()
+    want = plain_generate(trunk, p, 25)
+    assert w.result(first) == w.result(second) == w.result(other) == want
+    assert w.requests[second].restored == (gate.low > 0)
+    assert not w.requests[other].restored  # never across namespaces
+    store.clear()
+
+
+def test_prefix_store_budget_dedupe_and_refusals(pair):
+    trunk, drafter = pair
+    from dspark.session import DsparkSpecSession
+    rng = np.random.default_rng(2)
+    caps = []
+    for n in (10, 11, 12):
+        s = DsparkSpecSession.prime(trunk, drafter, prompt(rng, n), SpecParams())
+        caps.append(s.take_prefix_capture())
+        s.close()
+    size = caps[0].nbytes
+    store = PrefixStore(2 * size + size // 2)
+    assert store.publish("x", caps[0]) and store.publish("x", caps[1])
+    assert store.lookup("x", caps[0].prompt) is caps[0]  # caps[0] is now the most recent
+    assert store.publish("x", caps[2])  # evicts caps[1], the least recently used
+    assert store.bytes <= store.budget and len(store) == 2 and store.stats.evicted == 1
+    assert store.lookup("x", caps[1].prompt) is None and store.lookup("y", caps[0].prompt) is None
+    with pytest.raises(TypeError, match="namespace=3: expected a str"):
+        store.lookup(3, caps[0].prompt)
+    with pytest.raises(ValueError, match="budget_bytes=-1"):
+        PrefixStore(-1)
+    s = DsparkSpecSession.prime(trunk, drafter, prompt(rng, 13), SpecParams())
+    big = s.take_prefix_capture()
+    s.close()
+    with pytest.raises(CapacityError, match="exceeds the store's whole budget"):
+        PrefixStore(size // 2).publish("x", big)
+    big.free()
+    store.clear()
+
+
+def test_bad_requests_are_refused_and_others_go_on(pair):
+    trunk, drafter = pair
+    rng = np.random.default_rng(3)
+    w = Worker(trunk, drafter)
+    ok = w.submit(prompt(rng, 8), 10)
+    with pytest.raises(TokenRangeError, match=r"prompt_ids\[1\]=999"):
+        w.submit([1, 999], 10)
+    with pytest.raises(TypeError, match="namespace"):
+        w.submit([1, 2], 10, namespace=7)
+    with pytest.raises(ValueError, match="max_new_tokens=0"):
+        w.submit([1, 2], 0)
+    w.run()
+    assert w.result(ok) == plain_generate(trunk, w.requests[ok].prompt, 10)
+
+
+def test_a_failing_request_never_takes_down_the_others(pair, monkeypatch):
+    trunk, drafter = pair
+    rng = np.random.default_rng(4)
+    w = Worker(trunk, drafter, GateConfig(low=3, high=8), spec=SpecParams(burst_target=4))
+    ids = [w.submit(prompt(rng, n), 20) for n in (6, 9, 12)]
+    w.step()
+    victim = w.requests[ids[1]].session
+    orig = worker_mod.spec_burst
+
+    def burst(sessions, target=None):
+        if victim in sessions:
+            raise NonFiniteError("logits: row 0 contains NaN (injected)")
+        return orig(sessions, target)
+
+    monkeypatch.setattr(worker_mod, "spec_burst", burst)
+    w.run()
+    assert w.requests[ids[1]].mode == "failed" and "NaN" in w.requests[ids[1]].error
+    for i in (ids[0], ids[2]):
+        assert w.result(i) == plain_generate(trunk, w.requests[i].prompt, 20)
+
+
+def test_tokens_stream_through_the_callback(pair):
+    trunk, drafter = pair
+    got = {}
+    w = Worker(trunk, drafter, on_tokens=lambda rid, toks, done: got.setdefault(rid, []).extend(toks))
+    rid = w.submit([1, 2, 3], 15)
+    w.run()
+    assert got[rid] == w.result(rid)
