@@ -1,15 +1,62 @@
-"""The `dspark` command line (also `python -m dspark`)."""
+"""The `dspark` command line (also `python -m dspark`).
+
+    dspark demo       the embedded pair on a code prompt: speculative vs plain greedy, side by side
+    dspark generate   one request: prompt, sampling options, --no-spec
+    dspark info       backends, device, compiled kernels
+    dspark bench      the profiling benchmarks
+
+Errors (a bad backend, a bad option value, no GPU for --backend cuda) are one line on stderr and
+exit code 2.
+"""
 
 from __future__ import annotations
 
 import argparse
 import sys
+import time
+from dataclasses import replace
 
 from . import __version__
-from .backends import backends, cuda_available, get_backend
+from .backends import NAMES, backends, cuda_available, get_backend
+from .byte_vocab import decode, encode
 from .errors import DsparkError
 
+DEMO_PROMPT = '''import os
 
+
+def walk_python_files(root):
+    """Yield the path of every .py file below root."""
+'''
+
+
+class CliError(Exception):
+    """A user error: printed as one line, exit code 2."""
+
+
+class Parser(argparse.ArgumentParser):
+    def error(self, message):  # one clear line instead of argparse's usage block
+        raise CliError(message)
+
+
+def positive_int(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"{v} must be >= 1")
+    return v
+
+
+def backend_of(name: str | None):
+    if name is not None and name not in NAMES:
+        raise CliError(f"--backend {name!r}: expected one of {', '.join(NAMES)}")
+    if name == "cuda" and not cuda_available():
+        raise CliError("--backend cuda: no CUDA GPU works here (CuPy with a GPU is required)")
+    return get_backend(name)
+
+
+# ---- info ----------------------------------------------------------------------------------------
 def cmd_info(args) -> int:
     print(f"dspark {__version__}")
     avail = backends()
@@ -23,29 +70,169 @@ def cmd_info(args) -> int:
         print("device: no CUDA GPU; kernels run on the CPU through the simt backend")
     if "simt" in avail:
         be = get_backend("simt")
-        names = sorted(be.kernels.signatures)
-        families = sorted({s.source for s in be.kernels.signatures.values()})
-        print(f"compiled kernels (simt{', ASan' if be.kernels.asan else ''}): {len(names)} entry points "
-              f"in {len(families)} families: {', '.join(families)}")
+        sigs = be.kernels.signatures
+        families = sorted({s.source for s in sigs.values()})
+        print(f"compiled kernels (simt{', ASan' if be.kernels.asan else ''}): {len(sigs)} entry points "
+              f"in {len(families)} families")
         for fam in families:
-            entries = [n for n in names if be.kernels.signatures[n].source == fam]
-            print(f"  {fam}: {', '.join(entries)}")
+            print(f"  {fam}: {', '.join(sorted(n for n, s in sigs.items() if s.source == fam))}")
+    return 0
+
+
+# ---- generation ------------------------------------------------------------------------------------
+def load_pair(be, block: int | None):
+    from .models import DsparkDrafter, load_default
+    trunk, drafter = load_default(be)
+    if block is not None and block != drafter.config.block:
+        if block < 2:
+            raise CliError(f"--block {block}: expected at least 2")
+        drafter = DsparkDrafter(replace(drafter.config, block=block), drafter.host_weights, trunk)
+    return trunk, drafter
+
+
+def run_spec(trunk, drafter, prompt, params, progress=None):
+    """Speculative generation; returns (tokens, seconds, stats)."""
+    from .session import DsparkSpecSession
+    t0 = time.perf_counter()
+    s = DsparkSpecSession.prime(trunk, drafter, prompt, params)
+    while not s.finished():
+        s.burst()
+        if progress:
+            progress(len(s.emitted), params.max_new_tokens)
+    dt = time.perf_counter() - t0
+    out, stats = list(s.emitted), s.stats
+    s.close()
+    return out, dt, stats
+
+
+def run_plain(trunk, prompt, max_new, sampling=None, progress=None):
+    """Plain decode (greedy or sampled); returns (tokens, seconds)."""
+    from .decode import PlainBatch, prefill_anchor
+    t0 = time.perf_counter()
+    cache = trunk.new_cache()
+    last, _ = prefill_anchor(trunk, cache, prompt, sampling)
+    batch = PlainBatch(trunk)
+    sid = batch.join(cache, last, max_new, sampling=sampling)
+    while batch.active():
+        batch.step()
+        if progress and len(batch.sequences[sid].emitted) % 16 == 0:
+            progress(len(batch.sequences[sid].emitted), max_new)
+    out = batch.leave(sid).emitted
+    cache.free()
+    return out, time.perf_counter() - t0
+
+
+def progress_bar(label: str):
+    def show(done: int, total: int):
+        n = 30 * min(done, total) // max(total, 1)
+        print(f"\r{label:6s} [{'#' * n}{'.' * (30 - n)}] {done}/{total}", end="", file=sys.stderr, flush=True)
+    return show
+
+
+def end_progress():
+    print("\r" + " " * 60 + "\r", end="", file=sys.stderr, flush=True)
+
+
+def cmd_demo(args) -> int:
+    from .session import SpecParams
+    be = backend_of(args.backend)
+    trunk, drafter = load_pair(be, args.block)
+    prompt = encode(DEMO_PROMPT)
+    print(f"dspark demo: embedded pair on backend {be.name}, block {drafter.config.block}, "
+          f"{args.max_new_tokens} new tokens, greedy")
+    params = SpecParams(max_new_tokens=args.max_new_tokens)
+    run_spec(trunk, drafter, prompt[:8], replace(params, max_new_tokens=8))  # warm caches and kernels
+    spec, t_spec, stats = run_spec(trunk, drafter, prompt, params, progress_bar("spec"))
+    end_progress()
+    plain, t_plain = run_plain(trunk, prompt, args.max_new_tokens, progress=progress_bar("plain"))
+    end_progress()
+    print("---- prompt + speculative output " + "-" * 40)
+    print(DEMO_PROMPT + decode(spec))
+    print("-" * 73)
+    acc = " ".join(f"{a:.2f}" for a in stats.acceptance_by_position)
+    print(f"mean accepted length   {stats.mean_accepted_length:.2f} tokens per round ({stats.rounds} rounds)")
+    print(f"acceptance by position {acc}")
+    spec_tps, plain_tps = len(spec) / t_spec, len(plain) / t_plain
+    print(f"speculative            {spec_tps:8.1f} tokens/s")
+    print(f"plain greedy           {plain_tps:8.1f} tokens/s")
+    print(f"speedup                {spec_tps / plain_tps:8.2f}x")
+    exact = spec == plain
+    print("EXACT: speculative output is byte-identical to plain greedy decode" if exact else
+          "MISMATCH: speculative output differs from plain greedy decode")
+    return 0 if exact else 1
+
+
+def cmd_generate(args) -> int:
+    from .params import SamplingParams
+    from .session import SpecParams
+    be = backend_of(args.backend)
+    try:
+        sampling = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                                  min_p=args.min_p, seed=args.seed)
+    except ValueError as e:
+        raise CliError(str(e).replace("SamplingParams.", "--").replace("_", "-")) from None
+    trunk, drafter = load_pair(be, args.block)
+    prompt = encode(args.prompt)
+    if args.no_spec:
+        out, dt = run_plain(trunk, prompt, args.max_new_tokens, sampling)
+        note = "plain"
+    else:
+        out, dt, stats = run_spec(trunk, drafter, prompt, SpecParams(max_new_tokens=args.max_new_tokens,
+                                                                     sampling=sampling))
+        note = f"spec, mean accepted length {stats.mean_accepted_length:.2f}"
+    print(args.prompt + decode(out))
+    print(f"[{len(out)} tokens in {dt:.2f}s, {len(out) / dt:.1f} tokens/s, {note}]", file=sys.stderr)
+    return 0
+
+
+def cmd_bench(args) -> int:
+    import runpy
+    from pathlib import Path
+    script = Path(__file__).resolve().parent.parent / "profiling" / f"bench_{args.which}.py"
+    if not script.is_file():
+        raise CliError(f"bench {args.which}: {script} not found (the benchmarks live in a source checkout)")
+    sys.argv = [str(script), *args.rest]
+    runpy.run_path(str(script), run_name="__main__")
     return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="dspark", description="DSpark speculative decoding on hybrid models")
-    sub = ap.add_subparsers(dest="command", required=True)
+    ap = Parser(prog="dspark", description="DSpark speculative decoding on hybrid models")
+    ap.add_argument("--version", action="version", version=f"dspark {__version__}")
+    sub = ap.add_subparsers(dest="command", required=True, parser_class=Parser)
     sub.add_parser("info", help="backends, device, compiled kernels").set_defaults(run=cmd_info)
+
+    def common(p):
+        p.add_argument("--backend", default=None, help=f"one of {', '.join(NAMES)} (default: cuda if a GPU works, "
+                                                      "else numpy)")
+        p.add_argument("--max-new-tokens", type=positive_int, default=256)
+        p.add_argument("--block", type=positive_int, default=None, help="drafter block size (default: trained)")
+
+    demo = sub.add_parser("demo", help="speculative vs plain greedy on the embedded pair")
+    common(demo)
+    demo.set_defaults(run=cmd_demo)
+    gen = sub.add_parser("generate", help="generate from a prompt")
+    gen.add_argument("prompt")
+    common(gen)
+    gen.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+    gen.add_argument("--top-k", type=int, default=0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--min-p", type=float, default=0.0)
+    gen.add_argument("--seed", type=int, default=0)
+    gen.add_argument("--no-spec", action="store_true", help="plain decode, no speculation")
+    gen.set_defaults(run=cmd_generate)
+    bench = sub.add_parser("bench", help="run a profiling benchmark")
+    bench.add_argument("which", choices=["kernels", "attention", "worker"])
+    bench.add_argument("rest", nargs=argparse.REMAINDER, help="arguments for the benchmark")
+    bench.set_defaults(run=cmd_bench)
     return ap
 
 
 def main(argv=None) -> int:
-    ap = build_parser()
-    args = ap.parse_args(argv)
     try:
+        args = build_parser().parse_args(argv)
         return args.run(args)
-    except DsparkError as e:
+    except (CliError, DsparkError) as e:
         print(f"dspark: error: {e}", file=sys.stderr)
         return 2
 

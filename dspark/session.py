@@ -83,7 +83,8 @@ class DsparkSpecSession:
 
     def _allocate(self) -> None:
         self.snapshot = [self.be.alloc.empty(a.shape, a.dtype, f"{self.owner}/snapshot") for a in self.cache.recurrent()]
-        self.rng = self.be.alloc.zeros(len(STREAMS), np.uint64, f"{self.owner}/rng")
+        # The sampled round counter n (see dspark.spec_sampling), continued across bursts.
+        self.rng = self.be.alloc.zeros(1, np.uint64, f"{self.owner}/rng")
 
     @classmethod
     def prime(cls, trunk: HybridTrunk, drafter: DsparkDrafter, prompt_ids, params: SpecParams | None = None,
@@ -232,10 +233,6 @@ class DsparkSpecSession:
     def _emit(self, toks: list[int]) -> list[int]:
         self.emitted.extend(toks)
         return toks
-
-
-# Stream tags: every purpose draws from its own Philox stream.
-STREAMS = ("boundary", "draft", "accept", "residual", "bonus")
 
 
 def _group(sessions: list[DsparkSpecSession]) -> tuple[HybridTrunk, DsparkDrafter]:

@@ -3,6 +3,8 @@ arch), one module per kernel family, compiled on first use and cached by CuPy.""
 
 from __future__ import annotations
 
+import numpy as np
+
 from ..errors import KernelArgumentError
 from ..kernel_sources import Signature, csrc_dir, load_json
 from .launch import check_args, check_launch
@@ -22,7 +24,9 @@ class CudaKernel:
         check_args(self.signature, args, cupy.ndarray)
         if smem > 48 * 1024 and self._raw.max_dynamic_shared_size_bytes < smem:
             self._raw.max_dynamic_shared_size_bytes = smem
-        self._raw(g, b, tuple(args), shared_mem=smem)
+        # CuPy would turn None into 0xffffffff, not NULL: pass a null pointer explicitly.
+        args = tuple(np.uint64(0) if a is None else a for a in args)
+        self._raw(g, b, args, shared_mem=smem)
 
 
 class CudaExecutor:
