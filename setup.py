@@ -1,6 +1,7 @@
 """Build dspark: the Python package plus dspark._simt, the csrc/ kernels compiled for the host."""
 
 import importlib.util
+import shutil
 import sys
 from pathlib import Path
 
@@ -30,6 +31,8 @@ class BuildSimt(build_ext):
             if ext.name == "dspark._simt":
                 ext.sources = [str(p) for p in ks.simt_sources(gen, ROOT / "csrc")]
         super().run()
+        if not self.inplace:  # a wheel carries the kernel sources for NVRTC (the cuda backend)
+            shutil.copytree(ROOT / "csrc", Path(self.build_lib) / "dspark" / "_csrc", dirs_exist_ok=True)
 
 
 setup(
@@ -37,7 +40,7 @@ setup(
     version="0.1.0",
     description="DSpark-style block-drafter speculative decoding kernels for hybrid language models",
     packages=find_packages(include=["dspark", "dspark.*"]),
-    package_data={"dspark": ["_kernels.json"]},
+    package_data={"dspark": ["_kernels.json", "models/default/*"]},
     python_requires=">=3.10",
     install_requires=["numpy>=1.24", "ml_dtypes>=0.3", "safetensors>=0.4", "nvtx>=0.2.10"],
     extras_require={

@@ -144,3 +144,63 @@ def test_tokens_stream_through_the_callback(pair):
     rid = w.submit([1, 2, 3], 15)
     w.run()
     assert got[rid] == w.result(rid)
+
+
+def test_seeded_simulated_load(pair):
+    """32 requests arriving over time, greedy and sampled, 3 namespaces, repeated prompts."""
+    trunk, drafter = pair
+    be = trunk.be
+    rng = np.random.default_rng(77)
+    base_prompts = [prompt(rng, int(n)) for n in rng.integers(3, 40, 6)]
+    arrivals = []  # (step, prompt, max_new, sampling, namespace)
+    for i in range(32):
+        p = base_prompts[int(rng.integers(len(base_prompts)))]
+        sampled = rng.random() < 0.3
+        sampling = SamplingParams(temperature=0.8, top_k=20, seed=i) if sampled else SamplingParams()
+        arrivals.append((int(rng.integers(0, 12)), p, int(rng.integers(5, 30)), sampling,
+                         ("alpha", "beta", "gamma")[int(rng.integers(3))]))
+    arrivals.sort(key=lambda a: a[0])
+    before = be.alloc.owners()
+    store = PrefixStore(3 * 2**20)
+    budget_seen = []
+    w = Worker(trunk, drafter, GateConfig(low=3, high=5), store=store, spec=SpecParams(burst_target=6))
+    lookups, owner_ns = [], {}
+    real_lookup, real_publish = store.lookup, store.publish
+
+    def spy_lookup(ns, p):
+        hit = real_lookup(ns, p)
+        lookups.append((ns, tuple(p.tolist()), hit))
+        return hit
+
+    def spy_publish(ns, cap):
+        owner_ns[id(cap)] = ns
+        return real_publish(ns, cap)
+
+    store.lookup, store.publish = spy_lookup, spy_publish
+    ids = {}
+    step = 0
+    while arrivals or not w.done():
+        while arrivals and arrivals[0][0] <= step:
+            _, p, n, sampling, ns = arrivals.pop(0)
+            ids[w.submit(p, n, sampling, namespace=ns)] = (p, n, sampling, ns)
+        w.step()
+        budget_seen.append(store.bytes)
+        step += 1
+    demoted = {e.request for e in w.events if e.what == "demote"}
+    restored = {e.request for e in w.events if e.what == "restore"}
+    for rid, (p, n, sampling, ns) in ids.items():
+        r = w.requests[rid]
+        assert r.mode == "done", r.error
+        if sampling.greedy:
+            assert w.result(rid) == plain_generate(trunk, p, n), rid
+        else:
+            assert rid not in demoted
+    assert demoted and restored, "the load must exercise demotion and restore"
+    assert any(w.requests[r].sampling.greedy for r in restored)
+    assert max(budget_seen) <= store.budget and store.peak_bytes <= store.budget
+    hits = [(ns, key, hit) for ns, key, hit in lookups if hit is not None]
+    assert hits
+    for ns, key, hit in hits:  # a hit is an entry published in the same namespace, for this prompt
+        assert owner_ns[id(hit)] == ns and hit.prompt == key
+    store.clear()
+    assert be.alloc.owners() == before  # every cache, draft KV, snapshot and capture was freed

@@ -1,0 +1,58 @@
+"""The command line: the main job, generate, info, and one-line errors with exit code 2."""
+
+import pytest
+
+from dspark.cli import main
+
+
+def run(capsys, *argv):
+    rc = main(list(argv))
+    out = capsys.readouterr()
+    return rc, out.out, out.err
+
+
+def test_demo_runs_and_is_exact(capsys):
+    rc, out, _ = run(capsys, "demo", "--max-new-tokens", "24")
+    assert rc == 0, out
+    assert "mean accepted length" in out and "acceptance by position" in out and "speedup" in out
+    assert "EXACT" in out and "MISMATCH" not in out
+
+
+def test_generate_greedy_spec_equals_no_spec(capsys):
+    rc1, spec, _ = run(capsys, "generate", "def main():\n", "--max-new-tokens", "20")
+    rc2, plain, _ = run(capsys, "generate", "def main():\n", "--max-new-tokens", "20", "--no-spec")
+    assert rc1 == rc2 == 0 and spec == plain and spec.startswith("def main():\n")
+
+
+def test_generate_sampled_is_seeded(capsys):
+    args = ("generate", "import ", "--max-new-tokens", "16", "--temperature", "0.8", "--top-k", "20")
+    a = run(capsys, *args, "--seed", "1")[1]
+    b = run(capsys, *args, "--seed", "1")[1]
+    assert a == b
+
+
+def test_info(capsys):
+    rc, out, _ = run(capsys, "info")
+    assert rc == 0 and "backends: numpy" in out and "argmax.cu" in out
+
+
+@pytest.mark.parametrize("argv,match", [
+    (("demo", "--backend", "tpu"), "--backend 'tpu': expected one of numpy, simt, cuda"),
+    (("generate", "x", "--max-new-tokens", "0"), "0 must be >= 1"),
+    (("generate", "x", "--max-new-tokens", "many"), "'many' is not an integer"),
+    (("generate", "x", "--top-p", "0"), "--top-p=0.0: expected in (0, 1]"),
+    (("generate", "x", "--temperature", "-1"), "--temperature=-1.0"),
+    (("frobnicate",), "invalid choice"),
+])
+def test_errors_are_one_line_with_exit_code_2(capsys, argv, match):
+    rc, out, err = run(capsys, *argv)
+    assert rc == 2
+    assert err.count("\n") == 1 and err.startswith("dspark: error: ") and match in err, err
+
+
+def test_cuda_without_a_gpu_is_one_line(capsys):
+    from dspark.backends import cuda_available
+    if cuda_available():
+        pytest.skip("a GPU works here")
+    rc, _, err = run(capsys, "demo", "--backend", "cuda")
+    assert rc == 2 and err.count("\n") == 1 and "no CUDA GPU" in err
