@@ -21,7 +21,7 @@ from .errors import StateError
 from .models.cache import Cache
 from .models.drafter import DraftKV, DsparkDrafter
 from .models.trunk import HybridTrunk
-from .ops.argmax import argmax_rows, greedy_accept, markov_chain
+from .ops.argmax import argmax_rows, greedy_accept
 from .ops.gdn import gdn_scan
 from .ops.snapshot import checkpoint_select, snapshot_restore, snapshot_save
 from .profile import phase
@@ -279,18 +279,16 @@ def spec_round(sessions: list[DsparkSpecSession]) -> list[list[int]]:
 
 
 def _round(trunk: HybridTrunk, drafter: DsparkDrafter, live: list[DsparkSpecSession]) -> list[list[int]]:
-    be, B = trunk.be, len(live)
+    be = trunk.be
     nd = drafter.config.drafts
     greedy = live[0].params.sampling.greedy
     if any(s.params.sampling.greedy != greedy for s in live):
         raise ValueError("a batch mixes greedy and sampled sessions: run them in separate rounds")
     with phase("draft"):
-        hidden, logits = drafter.block_pass([s.kv for s in live], [s.last for s in live])
-        rows = be.xp.asarray(drafter.draft_rows(B))
-        dh, dl = hidden[rows], logits[rows]
+        dh, dl = drafter.draft([s.kv for s in live], [s.last for s in live])
     with phase("propose"):
         if greedy:
-            drafts, conf = propose_greedy(drafter, dl, dh, [s.last for s in live], nd)
+            drafts, conf = drafter.propose_greedy(dh, dl, [s.last for s in live])
             q = None
         else:
             from .spec_sampling import propose_sampled
@@ -380,18 +378,6 @@ def replay(trunk: HybridTrunk, caches: list[Cache], tp, starts: np.ndarray, keep
                  trunk.w[p + "dt_bias"], [cc.state[gi] for cc in caches], [cc.conv[gi] for cc in caches], indptr,
                  heads=c.gdn_heads, dk=c.gdn_dk, dv=c.gdn_dv)
         gi += 1
-
-
-def propose_greedy(drafter: DsparkDrafter, dl, dh, anchors, nd: int) -> tuple[np.ndarray, np.ndarray]:
-    """The Markov chain x_k = argmax(logits_k + W2 . W1[x_{k-1}]), x_{-1} = anchor (one fused
-    launch), then the confidence c_k of every slot. dl/dh rows are session-major [B*nd]."""
-    be = drafter.be
-    anchors = np.asarray(anchors, np.int32)
-    drafts = be.to_host(markov_chain(be, dl, drafter.w["markov.w1"], drafter.w["markov.w2"], anchors, nd))
-    prev = np.concatenate([anchors[:, None], drafts[:, :-1]], axis=1).reshape(-1)
-    emb = drafter.w["markov.w1"][be.xp.asarray(prev)]
-    conf = be.to_host(drafter.confidence(dh, emb)).reshape(len(anchors), nd)
-    return drafts, conf
 
 
 def spec_burst(sessions: list[DsparkSpecSession], target: int | None = None) -> list[list[int]]:

@@ -14,16 +14,15 @@ scores each slot, c_k = sigmoid(w . [h_k ; W1[x_{k-1}]] + b).
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import numpy as np
 
 from ..ops import dense
+from ..ops.argmax import markov_chain
 from ..ops.attention import attention
 from ..ops.kv_commit import kv_commit
-from .config import DrafterConfig, from_json, to_json
+from .config import DrafterConfig
 from .trunk import HybridTrunk
-from .weights import check_weights, drafter_spec, load_tensors, random_weights, save_tensors, to_backend
+from .weights import check_weights, drafter_spec, load_model, random_weights, save_model, to_backend
 
 
 class DraftKV:
@@ -66,18 +65,11 @@ class DsparkDrafter:
 
     @classmethod
     def load(cls, directory, trunk: HybridTrunk, name: str = "drafter") -> "DsparkDrafter":
-        d = Path(directory)
-        config = from_json(d / f"{name}.json", DrafterConfig)
-        path = next((d / f"{name}{s}" for s in (".safetensors", ".npz") if (d / f"{name}{s}").exists()), None)
-        if path is None:
-            raise FileNotFoundError(f"no {name}.safetensors or {name}.npz in {d}")
-        return cls(config, load_tensors(path), trunk)
+        config, tensors = load_model(directory, name, DrafterConfig)
+        return cls(config, tensors, trunk)
 
     def save(self, directory, name: str = "drafter", fmt: str = "safetensors") -> None:
-        d = Path(directory)
-        d.mkdir(parents=True, exist_ok=True)
-        (d / f"{name}.json").write_text(to_json(self.config))
-        save_tensors(d / f"{name}.{fmt}", self.host_weights)
+        save_model(directory, name, self.config, self.host_weights, fmt)
 
     def new_kv(self, owner: str) -> DraftKV:
         return DraftKV(self.be, self.config, owner)
@@ -141,6 +133,27 @@ class DsparkDrafter:
                                  w[p + "mlp.w_down"])
         hidden = dense.rmsnorm(x, tw["final_norm"], tc.norm_eps)
         return hidden, dense.linear(hidden, tw["lm_head"])
+
+    def draft(self, kvs: list[DraftKV], anchors) -> tuple[object, object]:
+        """The block pass, harvested: (hidden, logits) of the draft slots only, [B*nd, ...]
+        session-major; slot k predicts the token at pos+k+1."""
+        hidden, logits = self.block_pass(kvs, anchors)
+        rows = self.be.xp.asarray(self.draft_rows(len(kvs)))
+        return hidden[rows], logits[rows]
+
+    def propose_greedy(self, hidden, logits, anchors) -> tuple[np.ndarray, np.ndarray]:
+        """The Markov chain x_k = argmax(logits_k + W2 . W1[x_{k-1}]), x_{-1} = anchor (one fused
+        launch), then the confidence c_k of every slot. Returns host (drafts, conf) [B, nd]."""
+        be, nd = self.be, self.config.drafts
+        anchors = np.asarray(anchors, np.int32)
+        drafts = be.to_host(markov_chain(be, logits, self.w["markov.w1"], self.w["markov.w2"], anchors, nd))
+        prev = np.concatenate([anchors[:, None], drafts[:, :-1]], axis=1).reshape(-1)
+        emb = self.w["markov.w1"][be.xp.asarray(prev)]
+        return drafts, be.to_host(self.confidence(hidden, emb)).reshape(len(anchors), nd)
+
+    def propose(self, kvs: list[DraftKV], anchors) -> tuple[np.ndarray, np.ndarray]:
+        """Greedy drafts and their confidences for each session: draft, then the Markov chain."""
+        return self.propose_greedy(*self.draft(kvs, anchors), anchors)
 
     def draft_rows(self, B: int) -> np.ndarray:
         """Indices (into the B*b block rows) of the rows that are drafts, per harvest mode:

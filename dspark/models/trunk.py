@@ -19,8 +19,8 @@ from ..ops.attention import attention
 from ..ops.gdn import gdn_scan
 from ..ops.kv_commit import kv_commit
 from .cache import Cache
-from .config import TrunkConfig, from_json, to_json
-from .weights import check_weights, load_tensors, random_weights, save_tensors, to_backend, trunk_spec
+from .config import TrunkConfig
+from .weights import check_weights, load_model, random_weights, save_model, to_backend, trunk_spec
 
 
 @dataclass
@@ -54,25 +54,20 @@ class HybridTrunk:
 
     # ---- construction and files ---------------------------------------------------------------
     @classmethod
-    def random(cls, config: TrunkConfig, seed: int, backend) -> "HybridTrunk":
+    def random(cls, config: TrunkConfig, seed: int, backend=None) -> "HybridTrunk":
+        """Random weights for tests, on `backend` (default: dspark.get_backend())."""
+        if backend is None:
+            from ..backends import get_backend
+            backend = get_backend()
         return cls(config, random_weights(trunk_spec(config), seed), backend)
 
     @classmethod
     def load(cls, directory, backend, name: str = "trunk") -> "HybridTrunk":
-        from pathlib import Path
-        d = Path(directory)
-        config = from_json(d / f"{name}.json", TrunkConfig)
-        path = next((d / f"{name}{s}" for s in (".safetensors", ".npz") if (d / f"{name}{s}").exists()), None)
-        if path is None:
-            raise FileNotFoundError(f"no {name}.safetensors or {name}.npz in {d}")
-        return cls(config, load_tensors(path), backend)
+        config, tensors = load_model(directory, name, TrunkConfig)
+        return cls(config, tensors, backend)
 
     def save(self, directory, name: str = "trunk", fmt: str = "safetensors") -> None:
-        from pathlib import Path
-        d = Path(directory)
-        d.mkdir(parents=True, exist_ok=True)
-        (d / f"{name}.json").write_text(to_json(self.config))
-        save_tensors(d / f"{name}.{fmt}", self.host_weights)
+        save_model(directory, name, self.config, self.host_weights, fmt)
 
     def new_cache(self, capacity: int | None = None, owner: str | None = None) -> Cache:
         return Cache(self.be, self.config, capacity, owner)

@@ -129,6 +129,25 @@ def load_tensors(path: Path) -> dict[str, np.ndarray]:
     raise ValueError(f"path={str(path)!r}: expected a .safetensors or .npz file")
 
 
+def load_model(directory, name: str, kind):
+    """(config, tensors) from `name`.json beside `name`.safetensors or `name`.npz."""
+    from .config import from_json
+    d = Path(directory)
+    config = from_json(d / f"{name}.json", kind)
+    path = next((d / f"{name}{s}" for s in (".safetensors", ".npz") if (d / f"{name}{s}").exists()), None)
+    if path is None:
+        raise FileNotFoundError(f"no {name}.safetensors or {name}.npz in {d}")
+    return config, load_tensors(path)
+
+
+def save_model(directory, name: str, config, weights: dict[str, np.ndarray], fmt: str = "safetensors") -> None:
+    from .config import to_json
+    d = Path(directory)
+    d.mkdir(parents=True, exist_ok=True)
+    (d / f"{name}.json").write_text(to_json(config))
+    save_tensors(d / f"{name}.{fmt}", weights)
+
+
 def to_backend(be, weights: dict[str, np.ndarray]) -> dict:
     """Move weights to the backend once; owned by 'weights' in its allocator."""
     return {k: be.alloc.adopt(be.xp.array(v, dtype=np.float32), "weights") for k, v in weights.items()}
