@@ -46,7 +46,8 @@ setup(
     extras_require={
         "cuda12": ["cupy-cuda12x>=13.0", "nvidia-cuda-nvrtc-cu12>=12.0"],
         "cuda13": ["cupy-cuda13x>=13.6"],
-        "test": ["pytest>=7.4", "hypothesis>=6.90", "nvidia-cuda-nvrtc-cu12>=12.0", "scipy>=1.10"],
+        "test": ["pytest>=7.4", "hypothesis>=6.90", "nvidia-cuda-nvrtc-cu12>=12.0", "scipy>=1.10",
+                 "pybind11>=2.12"],  # pybind11: the on-demand ASan build of dspark._simt
         "train": ["torch==2.13.0"],
     },
     ext_modules=[
