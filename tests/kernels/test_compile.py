@@ -60,3 +60,11 @@ ptxas info    : Function properties for k_f32
 ptxas info    : Used 40 registers, used 1 barriers, 512 bytes smem, 380 bytes cmem[0]"""
     r = parse_ptxas(log)["k_f32"]
     assert (r.registers, r.smem, r.stack, r.spill_stores, r.spill_loads) == (40, 512, 8, 4, 4)
+
+
+def test_ptxas_report_lists_every_kernel():
+    """profiling/ptxas_report.md is regenerated whenever an entry point is added."""
+    from pathlib import Path
+    report = (Path(__file__).resolve().parents[2] / "profiling" / "ptxas_report.md").read_text()
+    missing = [n for n in load_json() if f"`{n}`" not in report]
+    assert not missing, f"rerun python profiling/ptxas_report.py: {missing} not in the report"
