@@ -39,9 +39,10 @@ $PY -m pip install -q --no-build-isolation --no-deps --no-index -e . 2>&1 | tail
 $PY -m dspark info | tee "$OUT/info.txt"
 
 step "tests with the cuda backend"
+XDIST=$($PY -c "import xdist" 2>/dev/null && echo "-n 8" || true)  # parallel when pytest-xdist is there
 set +e
-timeout 240 $PY -m pytest -q -x -p no:cacheprovider -n 8 tests -k "cuda or gpu" 2>&1 | tee "$OUT/tests.txt"
-timeout 120 $PY -m pytest -q -p no:cacheprovider -n 8 tests -k "not cuda and not gpu" 2>&1 | tail -5 | tee -a "$OUT/tests.txt"
+timeout 240 $PY -m pytest -q -p no:cacheprovider $XDIST tests -k "cuda or gpu" 2>&1 | tee "$OUT/tests.txt"
+timeout 120 $PY -m pytest -q -p no:cacheprovider $XDIST tests -k "not cuda and not gpu" 2>&1 | tail -5 | tee -a "$OUT/tests.txt"
 
 step "end-to-end gate on cuda"
 timeout 90 $PY profiling/e2e_gate.py --backend cuda --quick 2>&1 | tee "$OUT/gate.txt"

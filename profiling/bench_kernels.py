@@ -1,0 +1,434 @@
+"""Kernel benchmarks: every csrc/ kernel family at sizes named after real models.
+
+    python profiling/bench_kernels.py              # cuda when a GPU works, else the CPU sizes
+    python profiling/bench_kernels.py --cpu        # tiny sizes through the simt backend (< 20 s)
+    python profiling/bench_kernels.py --dry-run    # imports, one entry per family, the plan; times nothing
+    python profiling/bench_kernels.py --family attention gdn_scan
+
+GPU sizes: the trunk of a hybrid shaped like Qwen3-8B (36 layers as [gdn, gdn, gdn, attn]): 9
+attention layers with 8 KV heads of dim 128 and GQA 4 (32 query heads), bf16 KV; 27 gdn layers
+with 16 heads, dk = dv = 128 (Qwen3-Next's linear-attention head; gdn_scan allows dv <= 128 at
+dk = 128); vocabulary 151936 (Qwen3); contexts 4k and 32k; verify width vt = 8 (7 drafts);
+batches of 1, 8 and 32 sessions.
+
+Per call: the bytes the kernel must move at least and the flops it must do, counted from the
+shapes (each family's formulas are written out below), the time of the kernel alone
+(profiling/timing.py), achieved GB/s and GFLOP/s, and the fraction of the roofline: the longer of
+bytes / copy bandwidth and flops / f32 GEMM rate, both measured in this run (every kernel does its
+math in f32 on CUDA cores). Then ratios of rows of this same run: verify vs decode, the fused
+accept vs a plain argmax, sampling vs greedy.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import re
+import sys
+from pathlib import Path
+from typing import Callable, Iterator
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # sibling scripts, also when run by `dspark bench`
+import dspark
+from bench_attention import make_inputs as attention_inputs
+from bench_attention import storage_dtype
+from dspark.backends import cuda_available
+from dspark.dtypes import BF16, suffix
+from dspark.kernel_sources import kernel_files, scan
+from dspark.ops.argmax import argmax_rows, greedy_accept, markov_chain
+from dspark.ops.gdn import channels, gdn_scan
+from dspark.ops.kv_commit import kv_commit
+from dspark.ops.sampling import Filters, Streams, sample_filtered, speculative_accept
+from dspark.ops.snapshot import checkpoint_select, snapshot_save
+from dspark.philox import Tag
+from timing import clock_for, gpu_module, measure_ceilings, record, replay, seconds, table
+
+F32 = 4  # bytes of a float32 / int32
+
+
+@dataclasses.dataclass(frozen=True)
+class Sizes:
+    label: str
+    batches: tuple[int, ...]
+    contexts: tuple[int, ...]
+    vt: int                 # verify width: the anchor + vt - 1 drafts
+    hkv: int
+    gqa: int
+    head_dim: int
+    kv_dtype: np.dtype
+    vocab: int
+    attn_layers: int
+    gdn_layers: int
+    gdn_heads: int
+    dk: int
+    dv: int
+    markov_rank: int
+
+    @property
+    def drafts(self) -> int:
+        return self.vt - 1
+
+
+GPU = Sizes("Qwen3-8B-shaped hybrid: 9 attention layers (Hkv=8, Hq=32, D=128, bf16 KV), 27 gdn layers "
+            "(H=16, dk=dv=128), V=151936", batches=(1, 8, 32), contexts=(4096, 32768), vt=8, hkv=8, gqa=4,
+            head_dim=128, kv_dtype=BF16, vocab=151936, attn_layers=9, gdn_layers=27, gdn_heads=16, dk=128, dv=128,
+            markov_rank=32)
+CPU = Sizes("tiny (simt, CPU): 2 attention layers (Hkv=2, Hq=8, D=64, bf16 KV), 3 gdn layers (H=2, dk=dv=16), "
+            "V=1000", batches=(1, 3), contexts=(100,), vt=8, hkv=2, gqa=4, head_dim=64, kv_dtype=BF16, vocab=1000,
+            attn_layers=2, gdn_layers=3, gdn_heads=2, dk=16, dv=16, markov_rank=8)
+
+
+@dataclasses.dataclass
+class Bench:
+    """One op call on inputs made for it: what it must move and compute, and how to run it."""
+    family: str
+    case: str
+    shape: dict
+    nbytes: int
+    flops: int
+    kernels: tuple[str, ...]      # the entry points the op launches
+    op: Callable[[object], None]  # op(backend)
+
+    @property
+    def shape_text(self) -> str:
+        return " ".join(f"{k}={v}" for k, v in self.shape.items())
+
+
+# ---- inputs on the backend ------------------------------------------------------------------------
+_RNG = np.random.default_rng(0)
+
+
+def randn(be, shape, dtype=np.float32, scale=1.0):
+    """Standard normal * scale, generated where the arrays live (gigabytes of caches on a GPU)."""
+    xp = be.xp
+    x = _RNG.standard_normal(shape, np.float32) if xp is np else xp.random.standard_normal(shape, dtype=np.float32)
+    return (x * np.float32(scale)).astype(dtype)
+
+
+def uniform(be, shape):
+    xp = be.xp
+    return _RNG.random(shape, np.float32) if xp is np else xp.random.random(shape, dtype=np.float32)
+
+
+def indptr(counts) -> np.ndarray:
+    return np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
+
+
+# ---- argmax: argmax_rows, greedy_accept, markov_chain ------------------------------------------------
+def argmax_benches(be, s: Sizes) -> Iterator[Bench]:
+    V, vt, nd, r = s.vocab, s.vt, s.drafts, s.markov_rank
+    for B in s.batches:
+        # Decode: one f32 logits row per session; read once, write index and NaN flag.
+        logits = randn(be, (B, V))
+        out = be.xp.empty(B, np.int32)
+        yield Bench("argmax", "argmax_rows", {"B": B, "rows": B}, B * V * F32 + 2 * B * F32, 0,
+                    ("argmax_rows_f32",), lambda b, x=logits, o=out: argmax_rows(b, x, out=o))
+
+        # Verify: every draft accepted (the worst case: all vt columns of each session are read).
+        cols = B * vt
+        logits = randn(be, (cols, V))
+        best = be.to_host(logits.argmax(axis=1)).astype(np.int32)
+        ptr = indptr([vt] * B)
+        cand = np.roll(best, 1)  # cand[c0 + j + 1] = argmax of column c0 + j: a full accept
+        cand[ptr[:-1]] = 0
+        cand, dptr = be.asarray(cand), be.asarray(ptr)
+        m, nxt = be.xp.empty(B, np.int32), be.xp.empty(B, np.int32)
+        nbytes = cols * V * F32 + cols * F32 + (B + 1) * F32 + 3 * B * F32  # logits, cand, indptr, m/next/flag
+        yield Bench("argmax", "greedy_accept", {"B": B, "vt": vt}, nbytes, 0, ("greedy_accept_f32",),
+                    lambda b, x=logits, c=cand, p=dptr, m=m, n=nxt: greedy_accept(b, x, c, p, m_out=m, next_out=n))
+
+        # Markov chain over nd slots: slot k adds w2^T w1[x_{k-1}] (r multiply-adds per entry).
+        logits = randn(be, (B * nd, V))
+        w1, w2 = randn(be, (V, r), scale=0.1), randn(be, (r, V), scale=0.1)
+        anchors = _RNG.integers(0, V, B).astype(np.int32)
+        drafts = be.xp.empty((B, nd), np.int32)
+        nbytes = (B * nd * V * F32        # slot logits
+                  + r * V * F32           # w2 (every slot reads all of it: from L2 after the first)
+                  + B * nd * r * F32      # the w1 rows of the chosen tokens
+                  + B * nd * F32 + 2 * B * F32)  # drafts, anchors, NaN flags
+        yield Bench("argmax", "markov_chain", {"B": B, "slots": nd, "r": r}, nbytes, 2 * B * nd * r * V,
+                    ("markov_chain_f32",),
+                    lambda b, x=logits, w1=w1, w2=w2, a=anchors, o=drafts: markov_chain(b, x, w1, w2, a, nd, out=o))
+
+
+# ---- attention: decode (1 row) and verify (vt rows) per session ----------------------------------------
+def attention_benches(be, s: Sizes) -> Iterator[Bench]:
+    """Bytes and flops as profiling/bench_attention.py counts them: each session's committed K and V
+    read once per kv head, the block's K/V, q and out; 4 D flops per (row, query head, visible key)."""
+    name = f"attention_{suffix(s.kv_dtype, 'kv')}_d{s.head_dim}"
+    for B in s.batches:
+        for ctx in s.contexts:
+            for case, vt in (("decode", 1), ("verify", s.vt)):
+                x = attention_inputs(be, B, ctx, vt, s.hkv, s.gqa, s.head_dim, s.kv_dtype)
+                yield Bench("attention", case, {"B": B, "ctx": ctx, "vt": vt}, x.bytes, x.flops, (name,), x.op)
+
+
+# ---- kv_commit: the accepted rows of every attention layer, one launch ----------------------------------
+def kv_commit_benches(be, s: Sizes) -> Iterator[Bench]:
+    L, pos0, keep = s.attn_layers, s.contexts[0], s.vt  # a full accept commits all vt rows
+    isz = np.dtype(s.kv_dtype).itemsize
+    for B in s.batches:
+        rows = B * s.vt
+        blk = [[randn(be, (rows, s.hkv, s.head_dim), s.kv_dtype) for _ in range(L)] for _ in "kv"]
+        caches = [[[be.xp.zeros((s.hkv, pos0 + s.vt, s.head_dim), s.kv_dtype) for _ in range(B)] for _ in range(L)]
+                  for _ in "kv"]
+        pos, keeps, ptr = np.full(B, pos0, np.int32), np.full(B, keep, np.int32), indptr([s.vt] * B)
+        # read from the scratch and written to the cache: K and V, every layer, keep rows per session
+        nbytes = 2 * 2 * L * B * keep * s.hkv * s.head_dim * isz
+        yield Bench("kv_commit", "commit", {"B": B, "layers": L, "keep": keep}, nbytes, 0, ("kv_commit_rows",),
+                    lambda b, k=blk[0], v=blk[1], kc=caches[0], vc=caches[1], p=pos, n=keeps, i=ptr:
+                    kv_commit(b, k, v, kc, vc, p, n, i))
+
+
+# ---- gdn_scan: decode (t = 1) and verify (t = vt, per-column checkpoints), one layer ----------------------
+def gdn_scan_benches(be, s: Sizes) -> Iterator[Bench]:
+    H, dk, dv = s.gdn_heads, s.dk, s.dv
+    C = channels(H, dk, dv)
+    state, window = H * dv * dk, 3 * C  # floats per session
+    conv_w, A_log = randn(be, (C, 4), scale=0.5), be.asarray(np.log(_RNG.uniform(1, 16, H)).astype(np.float32))
+    dt_bias = be.asarray(np.full(H, -4.0, np.float32))  # softplus(a - 4): decays near 1, as trained models
+    for B in s.batches:
+        for case, t, ckpt in (("decode", 1, False), ("verify", s.vt, True)):
+            cols = B * t
+            mixed, a, b_gate = randn(be, (cols, C)), randn(be, (cols, H)), randn(be, (cols, H), scale=2.0)
+            states = [randn(be, (H, dv, dk), scale=0.3) for _ in range(B)]
+            windows = [randn(be, (C, 3)) for _ in range(B)]
+            out = be.xp.empty((cols, H, dv), np.float32)
+            sck = be.xp.empty((cols, H, dv, dk), np.float32) if ckpt else None
+            cck = be.xp.empty((cols, C, 3), np.float32) if ckpt else None
+            ptr = be.asarray(indptr([t] * B))
+            nbytes = F32 * (cols * (C + 2 * H)             # mixed, a, b
+                            + 4 * C + 2 * H                # conv weight, A_log, dt_bias
+                            + 2 * B * (state + window)     # state and conv window, read and written
+                            + cols * H * dv                # out
+                            + (cols * (state + window) if ckpt else 0))  # checkpoints after every column
+            # per column: 7 dv dk per head (decay S 1, u = S k 2, S += (beta (v - u)) k^T 2,
+            # o = S q 2) and the width-4 causal conv, 8 per channel
+            flops = cols * (H * 7 * dv * dk + 8 * C)
+            yield Bench("gdn_scan", case, {"B": B, "t": t, "H": H, "dk": dk, "dv": dv}, nbytes, flops,
+                        (f"gdn_scan_dk{dk}_f32",),
+                        lambda b, x=(mixed, a, b_gate), st=states, w=windows, p=ptr, o=out, sc=sck, cc=cck:
+                        gdn_scan(b, *x, conv_w, A_log, dt_bias, st, w, p, heads=H, dk=dk, dv=dv, out=o,
+                                 state_ckpt=sc, conv_ckpt=cc))
+
+
+# ---- snapshot: save every recurrent tensor; checkpoint select of one layer -------------------------------
+def snapshot_benches(be, s: Sizes) -> Iterator[Bench]:
+    H, dk, dv, G = s.gdn_heads, s.dk, s.dv, s.gdn_layers
+    C = channels(H, dk, dv)
+    state, window = H * dv * dk, 3 * C
+    xp = be.xp
+    for B in s.batches:
+        live = [xp.zeros(shape, np.float32) for _ in range(B * G) for shape in ((H, dv, dk), (C, 3))]
+        snap = [xp.empty_like(a) for a in live]
+        # every state and conv window of every gdn layer and session, read and written once
+        yield Bench("snapshot", "snapshot_save", {"B": B, "layers": G}, 2 * B * G * (state + window) * F32, 0,
+                    ("snapshot_copy_f32",), lambda b, src=live, dst=snap: snapshot_save(b, src, dst))
+        del live, snap
+
+        cols, keep = B * s.vt, s.vt // 2  # a partial accept
+        sck, cck = xp.zeros((cols, H, dv, dk), np.float32), xp.zeros((cols, C, 3), np.float32)
+        states = [xp.empty((H, dv, dk), np.float32) for _ in range(B)]
+        windows = [xp.empty((C, 3), np.float32) for _ in range(B)]
+        ptr, keeps = be.asarray(indptr([s.vt] * B)), be.asarray(np.full(B, keep, np.int32))
+        # one layer (the op runs per gdn layer): the kept column's checkpoint read, the live state written
+        yield Bench("snapshot", "checkpoint_select", {"B": B, "vt": s.vt, "keep": keep},
+                    2 * B * (state + window) * F32, 0, ("checkpoint_select_f32",),
+                    lambda b, a=sck, c=cck, st=states, w=windows, p=ptr, k=keeps:
+                    checkpoint_select(b, a, c, st, w, p, k))
+
+
+# ---- sampling: filtered draws and the speculative accept -------------------------------------------------
+SAMPLE_FILTERS = (("sample T=1", dict(temperature=1.0)),
+                  ("sample top-k/p", dict(temperature=0.7, top_k=50, top_p=0.9)))
+
+
+def sampling_benches(be, s: Sizes) -> Iterator[Bench]:
+    V, nd = s.vocab, s.drafts
+    for B in s.batches:
+        logits = randn(be, (B, V), scale=3.0)
+        streams = Streams.full(B, seed=_RNG.integers(0, 2**63, B, dtype=np.uint64), counter=7, tag=Tag.DECODE)
+        streams = Streams(*(be.asarray(a) for a in (streams.seed, streams.counter, streams.stream)))
+        token, prob = be.xp.empty(B, np.int32), be.xp.empty(B, np.float32)
+        for case, settings in SAMPLE_FILTERS:
+            f = Filters.full(B, **settings)
+            f = Filters(*(be.asarray(a) for a in (f.temperature, f.top_k, f.top_p, f.min_p)))
+            # the row read (the least: the kernel's filter passes re-read it), per-row settings and
+            # stream words (4 x 4 + 2 x 8 + 4 bytes) in, token and prob out
+            nbytes = B * V * F32 + B * (16 + 16 + 4) + 2 * B * F32
+            yield Bench("sampling", case, {"B": B, "V": V}, nbytes, 0, ("sample_filtered_f32",),
+                        lambda b, x=logits, f=f, s=streams, t=token, p=prob:
+                        sample_filtered(b, x, f, s, "gumbel", t, p))
+
+        # nd drafts per session against filtered distributions q (drafter) and p (target).
+        q, p = uniform(be, (B * nd, V)), uniform(be, (B * (nd + 1), V))
+        q /= q.sum(axis=1, keepdims=True)
+        p /= p.sum(axis=1, keepdims=True)
+        drafts = be.asarray(_RNG.integers(0, V, B * nd).astype(np.int32))
+        dptr = be.asarray(indptr([nd] * B))
+        seed, counter = be.asarray(np.arange(B, dtype=np.uint64)), be.asarray(np.full(B, 3, np.uint64))
+        outs = [be.xp.empty(B, np.int32) for _ in range(3)]
+        # per session: q(d_j) and p(d_j) and the draft for each test, then one target row and one
+        # drafter row for the residual draw (a bonus reads only the target row)
+        nbytes = B * (nd * 3 * F32 + 2 * V * F32) + (B + 1) * F32 + B * 16 + 3 * B * F32
+        yield Bench("sampling", "spec_accept", {"B": B, "drafts": nd, "V": V}, nbytes, 0, ("spec_accept_f32",),
+                    lambda b, d=drafts, i=dptr, q=q, p=p, s=seed, c=counter, o=outs:
+                    speculative_accept(b, d, i, q, p, s, c, *o))
+
+
+FAMILIES: dict[str, Callable[[object, Sizes], Iterator[Bench]]] = {
+    "argmax": argmax_benches,
+    "attention": attention_benches,
+    "kv_commit": kv_commit_benches,
+    "gdn_scan": gdn_scan_benches,
+    "snapshot": snapshot_benches,
+    "sampling": sampling_benches,
+}
+NOT_BENCHMARKED = {"selftest"}  # csrc/selftest.cu: the simt runtime's own checks
+
+# Ratios of two rows of one run, paired by the shape keys given.
+RATIOS = (
+    ("verify / decode", ("attention", "verify"), ("attention", "decode"), ("B", "ctx")),
+    ("verify+checkpoints / decode", ("gdn_scan", "verify"), ("gdn_scan", "decode"), ("B",)),
+    ("greedy_accept / argmax_rows", ("argmax", "greedy_accept"), ("argmax", "argmax_rows"), ("B",)),
+    ("markov_chain / argmax_rows", ("argmax", "markov_chain"), ("argmax", "argmax_rows"), ("B",)),
+    ("sample top-k/p / argmax_rows", ("sampling", "sample top-k/p"), ("argmax", "argmax_rows"), ("B",)),
+    ("spec_accept / greedy_accept", ("sampling", "spec_accept"), ("argmax", "greedy_accept"), ("B",)),
+    ("snapshot_save / checkpoint_select", ("snapshot", "snapshot_save"), ("snapshot", "checkpoint_select"), ("B",)),
+)
+
+
+@dataclasses.dataclass
+class Result:
+    bench: Bench
+    time: float
+
+
+def amount(x: float) -> str:
+    """3-4 significant digits without exponents; "-" for nothing."""
+    if x == 0:
+        return "-"
+    return f"{x:,.0f}" if x >= 100 else f"{x:.2f}" if x >= 1 else f"{x:.3g}"
+
+
+# ---- checks shared by --dry-run and a real run ------------------------------------------------------------
+def family_problems() -> list[str]:
+    """Every csrc/*.cu family has a benchmark entry, and no entry names a family that is gone."""
+    families = {f.stem for f in kernel_files()} - NOT_BENCHMARKED
+    out = [f"csrc/{f}.cu has no benchmark entry in FAMILIES" for f in sorted(families - set(FAMILIES))]
+    out += [f"FAMILIES[{f!r}] has no csrc/{f}.cu" for f in sorted(set(FAMILIES) - families)]
+    return out
+
+
+def ncu_misses(entries) -> list[str]:
+    """Entry points that profiling/ncu_kernels.sh's --kernel-name regex would not profile."""
+    script = Path(__file__).with_name("ncu_kernels.sh")
+    m = re.search(r"--kernel-name\s+'regex:([^']*)'", script.read_text()) if script.is_file() else None
+    if not m:
+        return []
+    pattern = re.compile(m.group(1))
+    return sorted(e for e in entries if not e.startswith("selftest") and not pattern.search(e))
+
+
+def dry_run(families: list[str]) -> int:
+    """Imports, the family table, declared kernel names against csrc/, and the plan at the CPU
+    sizes on the numpy backend (inputs are made, nothing is launched or timed)."""
+    problems = family_problems()
+    entries = scan()
+    be = dspark.get_backend("numpy")
+    rows = []
+    for fam in families:
+        for bench in FAMILIES[fam](be, CPU):
+            problems += [f"{fam} {bench.case}: no kernel {k} in csrc/" for k in bench.kernels if k not in entries]
+            rows.append((fam, bench.case, bench.shape_text, amount(bench.nbytes / 1e6), amount(bench.flops / 1e6),
+                         " ".join(bench.kernels)))
+    print(f"dry run: {len(rows)} benchmarks in {len(families)} families at the CPU sizes ({CPU.label})")
+    print(table(("family", "case", "shape", "MB", "MFLOP", "kernels"), rows))
+    missed = ncu_misses(entries)
+    if missed:
+        print(f"note: profiling/ncu_kernels.sh's --kernel-name regex skips {', '.join(missed)}")
+    for p in problems:
+        print(f"error: {p}")
+    return 1 if problems else 0
+
+
+# ---- a real run ------------------------------------------------------------------------------------------
+def run_family(be, sizes: Sizes, fam: str, clock, ceilings) -> list[Result]:
+    results, rows, notes = [], [], []
+    built = getattr(be.kernels, "signatures", None)
+    cp = gpu_module(be)
+    for bench in FAMILIES[fam](be, sizes):
+        missing = [k for k in bench.kernels if built is not None and k not in built]
+        if missing:
+            rows.append((bench.case, bench.shape_text, "-", "-", "-", "-", "-", "not built", "-"))
+            notes.append(f"note: {fam} {bench.case}: skipped, {', '.join(missing)} not in this build")
+            continue
+        launches = record(be, bench.op)
+        launched = tuple(sorted({launch.name for launch in launches}))
+        if launched != tuple(sorted(bench.kernels)):
+            raise RuntimeError(f"{fam} {bench.case}: the op launched {launched}, the benchmark counts {bench.kernels}")
+        t = clock.median(replay(launches))
+        roof, bound = ceilings.roofline(bench.nbytes, bench.flops)
+        rows.append((bench.case, bench.shape_text, amount(bench.nbytes / 1e6), amount(bench.flops / 1e6), seconds(t),
+                     amount(bench.nbytes / t / 1e9), amount(bench.flops / t / 1e9), bound, f"{roof / t:.1%}"))
+        results.append(Result(bench, t))
+        del launches, bench
+        if cp is not None:
+            cp.get_default_memory_pool().free_all_blocks()
+    print(f"\n== {fam}")
+    print(table(("case", "shape", "MB", "MFLOP", "time", "GB/s", "GFLOP/s", "bound", "of roof"), rows))
+    print("\n".join(notes), end="\n" if notes else "", flush=True)
+    return results
+
+
+def ratio_rows(results: list[Result]) -> list[tuple]:
+    rows = []
+    for label, num, den, keys in RATIOS:
+        nums = [r for r in results if (r.bench.family, r.bench.case) == num]
+        dens = [r for r in results if (r.bench.family, r.bench.case) == den]
+        for n in nums:
+            for d in dens:
+                if all(n.bench.shape.get(k) == d.bench.shape.get(k) for k in keys):
+                    shape = " ".join(f"{k}={n.bench.shape[k]}" for k in keys)
+                    rows.append((label, shape, f"{n.time / d.time:.2f}x", f"{n.bench.nbytes / d.bench.nbytes:.2f}x"))
+    return rows
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--cpu", action="store_true", help="tiny sizes on the simt backend, even with a GPU")
+    ap.add_argument("--dry-run", action="store_true", help="check imports, entries and the plan; time nothing")
+    ap.add_argument("--family", nargs="+", choices=sorted(FAMILIES), default=list(FAMILIES))
+    ap.add_argument("--reps", type=int, default=None, help="timed repeats per call (default 20 GPU, 3 CPU)")
+    a = ap.parse_args(argv)
+    if a.dry_run:
+        return dry_run(a.family)
+    for p in family_problems():  # --dry-run (and its test) fail on these; a real run still times the rest
+        print(f"warning: {p}")
+    gpu = cuda_available() and not a.cpu
+    be = dspark.get_backend("cuda" if gpu else "simt")
+    sizes = dataclasses.replace(GPU, kv_dtype=storage_dtype(be.xp, GPU.kv_dtype)) if gpu else CPU
+    clock = clock_for(be, a.reps)
+    ceilings = measure_ceilings(be, clock)
+    if gpu:
+        name = be.xp.cuda.runtime.getDeviceProperties(be.xp.cuda.Device().id)["name"]
+        print(f"device: {name.decode() if isinstance(name, bytes) else name}")
+    print(f"backend {be.name}, {clock.name} clock: {sizes.label}")
+    print("\n".join(ceilings.lines()))
+    print("roofline: max(bytes / copy bandwidth, flops / GEMM float32); bound = the ceiling that sets it")
+    results = []
+    for fam in a.family:
+        results += run_family(be, sizes, fam, clock, ceilings)
+    rows = ratio_rows(results)
+    if rows:
+        print("\n== ratios (this run)")
+        print(table(("ratio", "shape", "time", "bytes"), rows))
+    if not gpu:
+        print("\n(simt runs every CUDA thread as a CPU fiber: these times say nothing about a GPU)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,124 @@
+"""The profiling scripts: bench_kernels (--dry-run and a CPU run through simt), the session
+workload on numpy, gpu_check.sh --dry-run, and the timing helpers they share."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from dspark.ops.argmax import argmax_rows, argmax_rows_ref
+from tests.conftest import poison
+
+ROOT = Path(__file__).resolve().parents[2]
+PROFILING = ROOT / "profiling"
+FAMILIES = ("argmax", "attention", "kv_commit", "gdn_scan", "snapshot", "sampling")
+
+sys.path.insert(0, str(PROFILING))  # the scripts import each other as siblings, not as a package
+import timing  # noqa: E402
+
+
+def script(*args: str, timeout: float = 120) -> tuple[subprocess.CompletedProcess, float]:
+    """Run a profiling script (or command) from the repository root; (result, seconds)."""
+    cmd = list(args) if args[0] == "bash" else [sys.executable, *args]
+    env = dict(os.environ, PYTHON=sys.executable, PYTHONUNBUFFERED="1")
+    t = time.perf_counter()
+    r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    return r, time.perf_counter() - t
+
+
+def ok(r: subprocess.CompletedProcess) -> str:
+    assert r.returncode == 0, f"exit {r.returncode}\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}"
+    return r.stdout
+
+
+# ---- bench_kernels ----------------------------------------------------------------------------------
+def test_bench_kernels_dry_run_lists_every_family():
+    r, seconds = script("profiling/bench_kernels.py", "--dry-run")
+    out = ok(r)
+    assert "error:" not in out
+    for fam in FAMILIES:
+        assert re.search(rf"^{fam}\s", out, re.M), f"family {fam} missing from the plan\n{out}"
+    assert seconds < 5, f"--dry-run took {seconds:.1f}s"
+
+
+def test_bench_kernels_runs_under_the_cli():
+    """`dspark bench kernels` runs the script with runpy: its sibling imports must still resolve."""
+    out = ok(script("-m", "dspark", "bench", "kernels", "--dry-run")[0])
+    assert "benchmarks in 6 families" in out
+
+
+def test_bench_kernels_cpu_run_times_every_family(simt):
+    r, seconds = script("profiling/bench_kernels.py", "--cpu")
+    out = ok(r)
+    # A row is skipped ("not built") only for a kernel this simt build lacks (a private build of
+    # some families); every other row has a time.
+    for listed in re.findall(r"^note: \w+ .*: skipped, (.*) not in this build$", out, re.M):
+        for name in listed.split(", "):
+            assert name not in simt.kernels.signatures, f"{name} is built but was skipped"
+    sections = dict(zip(*[iter(re.split(r"^== (.+)\n", out, flags=re.M)[1:])] * 2))
+    for fam in FAMILIES:
+        block = sections[fam].split("\n\n")[0]  # the table and its notes
+        rows = [r for r in block.splitlines()[1:] if not r.startswith("note:")]
+        timed = [r for r in rows if re.search(r"\s\d[\d.]*(us|ms|s)\s", r)]
+        assert rows and all(r in timed or "not built" in r for r in rows), sections[fam]
+        assert timed or fam != "argmax", "every simt build has the argmax kernels"
+    assert "ratios (this run)" in sections and "of roof" in out
+    assert seconds < 20, f"the CPU run took {seconds:.1f}s"
+
+
+def test_bench_attention_cpu_run(simt):
+    if "attention_bf16_d128" not in simt.kernels.signatures:
+        pytest.skip("this simt build has no attention kernels")
+    out = ok(script("profiling/bench_attention.py", "--cpu")[0])
+    rows = [line.split() for line in out.splitlines() if line.startswith(("decode", "verify"))]
+    assert len(rows) == 8 and {r[0] for r in rows} == {"decode", "verify"}
+
+
+# ---- session_workload ---------------------------------------------------------------------------------
+@pytest.mark.parametrize("mode", [[], ["--temperature", "0.8", "--top-p", "0.9"]], ids=["greedy", "sampled"])
+def test_session_workload_on_numpy_with_nvtx_on(mode):
+    out = ok(script("profiling/session_workload.py", "--backend", "numpy", "--model", "tiny", "--requests", "3",
+                    "--tokens", "12", "--nvtx", *mode)[0])
+    assert "NVTX on" in out and ("sampled (T=0.8" in out) == bool(mode)
+    m = re.search(r"decode: (\d+) tokens in [\d.]+ s = ([\d,.]+) tokens/s", out)
+    assert m and int(m.group(1)) == 3 * 12, out
+    assert re.search(r"mean accepted length \d+\.\d\d", out), out
+
+
+def test_session_workload_refuses_a_context_overflow():
+    r, _ = script("profiling/session_workload.py", "--backend", "numpy", "--model", "tiny", "--tokens", "1000")
+    assert r.returncode != 0 and "more than the tiny trunk's context of 256" in r.stderr
+
+
+# ---- gpu_check.sh ---------------------------------------------------------------------------------------
+def test_gpu_check_dry_run():
+    out = ok(script("bash", "profiling/gpu_check.sh", "--dry-run", timeout=300)[0])
+    assert "bench_kernels --dry-run: ok" in out and "dry run OK" in out
+
+
+# ---- timing helpers ---------------------------------------------------------------------------------------
+def test_recorded_launch_replays_the_kernel_alone(simt, rng):
+    """record() keeps the launch the op made; replaying it rewrites the output without the op."""
+    x = rng.standard_normal((5, 333)).astype(np.float32)
+    out = poison(np, 5, np.int32)
+    launches = timing.record(simt, lambda be: argmax_rows(be, x, out=out))
+    assert [launch.name for launch in launches] == ["argmax_rows_f32"]
+    out[...] = -7
+    timing.replay(launches)()
+    np.testing.assert_array_equal(out, argmax_rows_ref(x)[0])
+
+
+def test_roofline_and_table():
+    c = timing.Ceilings("test", copy_bw=1e9, gemm={"float32": 1e10})
+    assert c.roofline(2e9, 1e9) == (2.0, "mem")
+    assert c.roofline(1e9, 3e10) == (3.0, "math")
+    text = timing.table(("case", "time"), [("decode", "1.5ms"), ("verify", "12.25ms")])
+    assert text.splitlines() == ["case       time", "decode    1.5ms", "verify  12.25ms"]
+    assert [timing.seconds(t) for t in (3.2e-6, 4.56e-3, 12.0)] == ["3.20us", "4.56ms", "12.00s"]
