@@ -122,3 +122,11 @@ def test_roofline_and_table():
     text = timing.table(("case", "time"), [("decode", "1.5ms"), ("verify", "12.25ms")])
     assert text.splitlines() == ["case       time", "decode    1.5ms", "verify  12.25ms"]
     assert [timing.seconds(t) for t in (3.2e-6, 4.56e-3, 12.0)] == ["3.20us", "4.56ms", "12.00s"]
+
+
+def test_bench_worker_prints_every_gate():
+    r, _ = script("profiling/bench_worker.py", "--model", "tiny", "--requests", "4", "--max-new", "8")
+    out = ok(r)
+    for gate in ("0/1", "2/4", "64/65"):
+        assert re.search(rf"\s{gate.split('/')[0]}/{gate.split('/')[1]}\s", out), out
+    assert "tok/s" in out and "latency" in out
