@@ -42,7 +42,7 @@ setup(
     packages=find_packages(include=["dspark", "dspark.*"]),
     package_data={"dspark": ["_kernels.json", "models/default/*"]},
     python_requires=">=3.10",
-    install_requires=["numpy>=1.24", "ml_dtypes>=0.3", "safetensors>=0.4", "nvtx>=0.2.10"],
+    install_requires=["numpy>=1.24", "ml_dtypes>=0.3", "safetensors>=0.4", "nvtx>=0.2.10", "threadpoolctl>=3.1"],
     extras_require={
         "cuda12": ["cupy-cuda12x>=13.0", "nvidia-cuda-nvrtc-cu12>=12.0"],
         "cuda13": ["cupy-cuda13x>=13.6"],

@@ -229,9 +229,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
+    from threadpoolctl import threadpool_limits
     try:
         args = build_parser().parse_args(argv)
-        return args.run(args)
+        # The models' GEMMs are a few rows by a few hundred columns: one BLAS thread is fastest,
+        # and measured rates do not swing with whatever else the machine runs.
+        with threadpool_limits(limits=1, user_api="blas"):
+            return args.run(args)
     except (CliError, DsparkError) as e:
         print(f"dspark: error: {e}", file=sys.stderr)
         return 2

@@ -14,6 +14,7 @@ import argparse
 import time
 
 import numpy as np
+from threadpoolctl import threadpool_limits
 
 import dspark
 from dspark.models import load_default
@@ -63,6 +64,7 @@ def main(argv=None) -> None:
     prompts = corpus_prompts(np.random.default_rng(0), args.requests, args.model == "default")
     print(f"worker on {be.name}, model {args.model}: {args.requests} requests, {args.max_new} new tokens each, "
           f"{args.arrivals_per_step} arrivals per step")
+    blas_one_thread = threadpool_limits(limits=1, user_api="blas")  # as the CLI: tiny GEMMs, steady timings
     print(f"{'gate low/high':>14} | {'tokens':>6} | {'tok/s':>8} | {'vs 0/1':>6} | {'latency med s':>13} | "
           f"{'p90 s':>6} | {'mean acc len':>12}")
     base = None
@@ -71,6 +73,7 @@ def main(argv=None) -> None:
         base = base or r["tps"]
         print(f"{gate.low:>7}/{gate.high:<6} | {r['tokens']:6d} | {r['tps']:8.1f} | {r['tps'] / base:5.2f}x | "
               f"{r['lat_med']:13.3f} | {r['lat_p90']:6.3f} | {r['mal']:12.2f}")
+    blas_one_thread.restore_original_limits()
 
 
 if __name__ == "__main__":

@@ -258,56 +258,6 @@ def test_cuda_sampling_at_vocab_151936(cuda, rng):
 
 
 # ---- the models on the GPU: row invariance and exactness ---------------------------------------------
-def test_cuda_trunk_verify_column_equals_decode_step(cuda, rng):
-    trunk, _ = tiny_pair(cuda, seed=int(rng.integers(1000)))
-    p = prompt(rng, int(rng.integers(3, 70)))
-    a, b = trunk.new_cache(), trunk.new_cache()
-    trunk.prefill(a, p)
-    trunk.prefill(b, p)
-    cand = prompt(rng, 6)
-    verify = trunk.verify([a], [cand])
-    for j, tok in enumerate(cand):
-        step = trunk.decode([b], [tok])
-        assert np.array_equal(cuda.to_host(verify.logits[j]), cuda.to_host(step.logits[0])), j
-        assert np.array_equal(cuda.to_host(verify.taps[j]), cuda.to_host(step.taps[0])), j
-    for sa, sb in zip(a.recurrent(), b.recurrent()):
-        assert np.array_equal(cuda.to_host(sa), cuda.to_host(sb))
-
-
-@pytest.mark.parametrize("others", [1, 7, 31])
-def test_cuda_trunk_decode_alone_equals_batched(cuda, rng, others):
-    trunk, _ = tiny_pair(cuda, seed=3)
-    prompts = [prompt(rng, int(n)) for n in rng.integers(1, 60, others + 1)]
-    alone, batch = trunk.new_cache(), [trunk.new_cache() for _ in prompts]
-    trunk.prefill(alone, prompts[0])
-    for c, p in zip(batch, prompts):
-        trunk.prefill(c, p)
-    order = rng.permutation(len(batch))
-    tok = prompt(rng, len(batch))
-    solo = trunk.decode([alone], [tok[0]])
-    both = trunk.decode([batch[i] for i in order], [tok[i] for i in order])
-    row = int(np.flatnonzero(order == 0)[0])
-    assert np.array_equal(cuda.to_host(solo.logits[0]), cuda.to_host(both.logits[row]))
-    assert np.array_equal(cuda.to_host(solo.taps[0]), cuda.to_host(both.taps[row]))
-
-
-def test_cuda_drafter_block_pass_alone_equals_batched(cuda, rng):
-    trunk, drafter = tiny_pair(cuda, seed=7)
-    kvs = []
-    for i, n in enumerate(rng.integers(1, 40, 5)):
-        c = trunk.new_cache()
-        tp = trunk.prefill(c, prompt(rng, int(n)))
-        kv = drafter.new_kv(f"draft/gpu/{i}")
-        drafter.ingest([kv], tp.taps, tp.row_indptr)
-        kvs.append(kv)
-    anchors = prompt(rng, 5)
-    h1, l1 = drafter.block_pass(kvs[3:4], anchors[3:4])
-    h5, l5 = drafter.block_pass(kvs, anchors)
-    b = drafter.config.block
-    assert np.array_equal(cuda.to_host(l1), cuda.to_host(l5[3 * b:4 * b]))
-    assert np.array_equal(cuda.to_host(h1), cuda.to_host(h5[3 * b:4 * b]))
-
-
 def test_cuda_and_numpy_logits_agree(cuda, numpy_backend, rng):
     p = prompt(rng, 41)
     out = []

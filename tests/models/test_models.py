@@ -13,6 +13,11 @@ def prompt(rng, n, vocab=256):
     return rng.integers(0, vocab, n).astype(np.int32)
 
 
+def same(be, a, b) -> bool:
+    """Bitwise equality of two backend arrays."""
+    return np.array_equal(be.to_host(a), be.to_host(b))
+
+
 def test_verify_column_equals_decode_step(model_backend, rng):
     trunk, _ = small_pair(model_backend, seed=int(rng.integers(1000)))
     p = prompt(rng, int(rng.integers(3, 70)))
@@ -23,11 +28,11 @@ def test_verify_column_equals_decode_step(model_backend, rng):
     verify = trunk.verify([a], [cand])
     for j, tok in enumerate(cand):
         step = trunk.decode([b], [tok])
-        assert np.array_equal(model_backend.to_host(verify.logits[j]), model_backend.to_host(step.logits[0])), j
-        assert np.array_equal(model_backend.to_host(verify.taps[j]), model_backend.to_host(step.taps[0])), j
+        assert same(model_backend, verify.logits[j], step.logits[0]), j
+        assert same(model_backend, verify.taps[j], step.taps[0]), j
     # the gdn state after all columns is the state after the same decode steps
     for sa, sb in zip(a.recurrent(), b.recurrent()):
-        assert np.array_equal(sa, sb)
+        assert same(model_backend, sa, sb)
 
 
 @pytest.mark.parametrize("others", [1, 3, 7])
@@ -44,7 +49,7 @@ def test_decode_is_the_same_alone_and_batched(model_backend, rng, others):
     solo = trunk.decode([alone], [tok[0]])
     both = trunk.decode([batch[i] for i in order], [tok[i] for i in order])
     row = int(np.flatnonzero(order == 0)[0])
-    assert np.array_equal(model_backend.to_host(solo.logits[0]), model_backend.to_host(both.logits[row]))
+    assert same(model_backend, solo.logits[0], both.logits[row])
 
 
 def test_prefill_equals_token_by_token(model_backend, rng):
@@ -54,10 +59,10 @@ def test_prefill_equals_token_by_token(model_backend, rng):
     full = trunk.prefill(a, p)
     for j, t in enumerate(p):
         step = trunk.decode([b], [t])
-        assert np.array_equal(full.logits[j], step.logits[0])
+        assert same(model_backend, full.logits[j], step.logits[0])
     assert a.pos == b.pos == 37
     for x, y in zip(a.k + a.v + a.recurrent(), b.k + b.v + b.recurrent()):
-        assert np.array_equal(x, y)
+        assert same(model_backend, x, y)
 
 
 def test_simt_and_numpy_logits_agree(simt, numpy_backend, rng):
@@ -90,7 +95,7 @@ def test_drafter_block_pass_is_the_same_alone_and_batched(model_backend, rng):
     h1, l1 = drafter.block_pass(kvs[2:3], anchors[2:3])
     h4, l4 = drafter.block_pass(kvs, anchors)
     b = drafter.config.block
-    assert np.array_equal(l1, l4[2 * b : 3 * b]) and np.array_equal(h1, h4[2 * b : 3 * b])
+    assert same(model_backend, l1, l4[2 * b : 3 * b]) and same(model_backend, h1, h4[2 * b : 3 * b])
 
 
 @pytest.mark.parametrize("fmt", ["safetensors", "npz"])
