@@ -20,6 +20,7 @@ from . import __version__
 from .backends import NAMES, backends, cuda_available, get_backend
 from .byte_vocab import decode, encode
 from .errors import DsparkError
+from .params import VERIFY_POLICIES
 
 DEMO_PROMPT = '''import os
 
@@ -27,6 +28,12 @@ DEMO_PROMPT = '''import os
 def walk_python_files(root):
     """Yield the path of every .py file below root."""
 '''
+
+
+# Verifying a column costs little next to a round's fixed work (one drafter pass, the chain, the
+# bookkeeping), so the command line verifies more of the draft than the library default 0.5;
+# `profiling/bench_tau.py` measures tokens/s over tau.
+DEMO_TAU = 0.25
 
 
 class CliError(Exception):
@@ -45,6 +52,16 @@ def positive_int(text: str) -> int:
         raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
     if v < 1:
         raise argparse.ArgumentTypeError(f"{v} must be >= 1")
+    return v
+
+
+def unit_float(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not 0.0 <= v <= 1.0:
+        raise argparse.ArgumentTypeError(f"{v} must be in [0, 1]")
     return v
 
 
@@ -140,7 +157,7 @@ def cmd_demo(args) -> int:
     prompt = encode(DEMO_PROMPT)
     print(f"dspark demo: embedded pair on backend {be.name}, block {drafter.config.block}, "
           f"{args.max_new_tokens} new tokens, greedy")
-    params = SpecParams(max_new_tokens=args.max_new_tokens)
+    params = SpecParams(max_new_tokens=args.max_new_tokens, verify=args.verify, tau=args.tau, capture=False)
     run_spec(trunk, drafter, prompt[:8], replace(params, max_new_tokens=8))  # warm caches and kernels
     spec, t_spec, stats = run_spec(trunk, drafter, prompt, params, progress_bar("spec"))
     end_progress()
@@ -177,8 +194,8 @@ def cmd_generate(args) -> int:
         out, dt = run_plain(trunk, prompt, args.max_new_tokens, sampling)
         note = "plain"
     else:
-        out, dt, stats = run_spec(trunk, drafter, prompt, SpecParams(max_new_tokens=args.max_new_tokens,
-                                                                     sampling=sampling))
+        out, dt, stats = run_spec(trunk, drafter, prompt, SpecParams(
+            max_new_tokens=args.max_new_tokens, verify=args.verify, tau=args.tau, capture=False, sampling=sampling))
         note = f"spec, mean accepted length {stats.mean_accepted_length:.2f}"
     print(args.prompt + decode(out))
     print(f"[{len(out)} tokens in {dt:.2f}s, {len(out) / dt:.1f} tokens/s, {note}]", file=sys.stderr)
@@ -207,6 +224,10 @@ def build_parser() -> argparse.ArgumentParser:
                                                       "else numpy)")
         p.add_argument("--max-new-tokens", type=positive_int, default=256)
         p.add_argument("--block", type=positive_int, default=None, help="drafter block size (default: trained)")
+        p.add_argument("--verify", choices=VERIFY_POLICIES, default="confidence",
+                       help="verify width: from the confidence head, or the ladder")
+        p.add_argument("--tau", type=unit_float, default=DEMO_TAU,
+                       help=f"confidence threshold for the verify width (default {DEMO_TAU})")
 
     demo = sub.add_parser("demo", help="speculative vs plain greedy on the embedded pair")
     common(demo)

@@ -119,10 +119,9 @@ def markov_chain_ref(logits, w1, w2, anchors, nd: int) -> tuple[np.ndarray, np.n
     flag = np.zeros(B, np.int32)
     prev = np.asarray(anchors, np.int64)
     for k in range(nd):
-        emb = w1[prev]
-        bias = np.zeros((B, x.shape[2]), np.float32)
-        for i in range(w1.shape[1]):
-            bias = bias + emb[:, i : i + 1] * w2[i]
+        # Running sums over the rank in increasing order (accumulate is sequential); "+ 0" turns
+        # an all-(-0) sum into the +0 the kernel's 0-initialised accumulator gives.
+        bias = np.add.accumulate(w1[prev][:, :, None] * w2[None], axis=1)[:, -1] + np.float32(0)
         idx, nan = argmax_rows_ref(x[:, k] + bias)
         drafts[:, k] = idx
         flag |= nan

@@ -15,8 +15,11 @@ Row invariance (DESIGN section 3): keys are walked in tiles at absolute position
 orders inside a tile and over D), and a tile a row cannot see leaves its state untouched. A
 verify row is therefore bitwise equal to the decode step at its position, and a session's rows do
 not depend on what else is batched. `attention_ref` follows the same recurrence with
-shape-independent NumPy reductions (elementwise products and sums in an explicit order, never
-matmul or an axis-sum whose order NumPy may pick by shape), so the numpy backend is row-invariant too.
+shape-independent NumPy reductions (elementwise products and explicit pairwise halving sums, never
+matmul or an axis-sum whose order NumPy may pick by shape), so the numpy backend is row-invariant
+too. Its q.k and p.v sums halve pairwise rather than run in the kernel's sequential order: a few
+whole-array adds instead of one per key keep the CPU path fast, and the two orders agree within
+the tolerance the tests state.
 """
 
 from __future__ import annotations
@@ -63,13 +66,14 @@ def _session_kv(k_cache, v_cache, k_rows, v_rows, pos, lo, hi, ring):
     return k, v, key0
 
 
-def _butterfly_sum(x: np.ndarray) -> np.ndarray:
-    """Sum over the last axis (TILE) as the kernel's warp does: lane sums x_k + x_{k+32}, then
-    the xor butterfly (halves added pairwise down to one)."""
-    while x.shape[-1] > 1:
-        h = x.shape[-1] // 2
-        x = x[..., :h] + x[..., h:]
-    return x[..., 0]
+def _halving_sum(x: np.ndarray, axis: int) -> np.ndarray:
+    """Sum over `axis` (a power of two long) by halving: x[:h] + x[h:] until one is left. One
+    fixed order per row, whatever the other axes hold."""
+    x = np.moveaxis(x, axis, 0)
+    while x.shape[0] > 1:
+        h = x.shape[0] // 2
+        x = x[:h] + x[h:]
+    return x[0]
 
 
 def _attend(q, k, v, key0, row_lo, row_hi, scale):
@@ -77,26 +81,16 @@ def _attend(q, k, v, key0, row_lo, row_hi, scale):
     n, hkv, g, d = q.shape
     length = k.shape[1]
     tiles = length // TILE
-    # q.k: four partial sums over d = j (mod 4) in increasing d, then (a0 + a1) + (a2 + a3).
-    q4 = q.reshape(n, hkv, g, 1, d // 4, 4)
-    k4 = k.reshape(1, hkv, 1, length, d // 4, 4)
-    a = np.zeros((n, hkv, g, length, 4), np.float32)
-    tmp = np.empty_like(a)
-    for c in range(d // 4):
-        a += np.multiply(q4[..., c, :], k4[..., c, :], out=tmp)
-    s = ((a[..., 0] + a[..., 1]) + (a[..., 2] + a[..., 3])) * scale
+    s = _halving_sum(q.reshape(n, hkv, g, 1, d) * k.reshape(1, hkv, 1, length, d), axis=-1) * scale
     keypos = key0 + np.arange(length)
     visible = (keypos >= row_lo) & (keypos < row_hi[:, None])  # [n, L]
     s = np.where(visible[:, None, None, :], s, np.float32(-np.inf)).reshape(n, hkv, g, tiles, TILE)
     # Running max after each tile; a tile a row cannot see adds -inf and changes nothing.
     m = np.maximum.accumulate(s.max(axis=-1), axis=-1)  # [n, Hkv, G, T]
     p = np.exp(s - np.where(np.isneginf(m), np.float32(0), m)[..., None])  # invisible -> exactly 0
-    l_tile = _butterfly_sum(p)
-    pv = np.zeros((n, hkv, g, tiles, d), np.float32)
-    tmp = np.empty_like(pv)
-    vt = v.reshape(1, hkv, 1, tiles, TILE, d)
-    for key in range(TILE):  # k increasing; an invisible key adds p * v = +-0, which changes no bit
-        pv += np.multiply(p[..., key, None], vt[..., key, :], out=tmp)
+    l_tile = _halving_sum(p, axis=-1)  # the kernel's lane sums then butterfly: the same halving
+    # An invisible key adds p * v = +-0, which changes no bit of the sum.
+    pv = _halving_sum(p[..., None] * v.reshape(1, hkv, 1, tiles, TILE, d), axis=-2)
     seen = visible.reshape(n, tiles, TILE).any(axis=-1)[:, None, None, :]  # [n, 1, 1, T]
     m_run = np.full((n, hkv, g), -np.inf, np.float32)
     l_run = np.zeros((n, hkv, g), np.float32)

@@ -16,8 +16,10 @@ One op serves decode (t = 1), verify (t = vt, with per-column checkpoints for ro
 (t = keep) and prefill. Nothing in the arithmetic depends on how many columns or sessions share a
 launch, so a verify column is bitwise equal to the decode step at the same position, on every
 backend. The NumPy functions here are the numpy backend's implementation and the kernel's oracle:
-they follow its order step by step, so the two differ only where exp/log1p differ in the last
-bit between libraries (and by FMA contraction on a GPU); tests compare them at 1e-5.
+they follow its evaluation order, but sum each dot product of the state update in NumPy's own
+fixed (pairwise, per row) order instead of the kernel's lane order, which would cost several
+fancy-indexed passes per column on the fast CPU path. Either order is fixed per row, so each
+backend is row-invariant on its own; the two agree within the 1e-5 the tests allow.
 """
 
 from __future__ import annotations
@@ -118,58 +120,61 @@ def l2norm_ref(x, scale) -> np.ndarray:
     return x * inv * scale
 
 
-def _row_dot(St, xt) -> np.ndarray:
-    """sum_j S[..., i, j] x[j] as the kernel sums it: per lane over its columns in step order,
-    then the butterfly over the row's lanes. St [..., dv, lanes, cols], xt [..., 1, lanes, cols]."""
-    # accumulate adds strictly in order like the kernel's loop; "+ 0" turns an all-(-0) sum into
-    # the +0 that the kernel's 0-initialised accumulator gives: the same sum, bit for bit.
-    p = np.add.accumulate(St * xt, axis=-1)[..., -1] + F32(0)
-    return _butterfly(p, St.shape[-2])[..., 0]
-
-
-def delta_rule_ref(St, q, k, v, alpha, beta) -> tuple[np.ndarray, np.ndarray]:
-    """One token for N sessions: (new St, o [N, H, dv]). St [N, H, dv, lanes, cols] is the state in
-    the kernel's thread layout (S[..., lane_columns(dk)]); q, k [N, H, dk]; v [N, H, dv]; alpha,
-    beta [N, H]."""
-    idx = lane_columns(q.shape[-1])
-    kt, qt = k[..., None, :][..., idx], q[..., None, :][..., idx]  # [N, H, 1, lanes, cols]
-    St = St * alpha[..., None, None, None]
-    u = _row_dot(St, kt)
+def delta_rule_ref(S, q, k, v, alpha, beta) -> tuple[np.ndarray, np.ndarray]:
+    """One token for N sessions: (new S, o [N, H, dv]). S [N, H, dv, dk]; q, k [N, H, dk];
+    v [N, H, dv]; alpha, beta [N, H]. Each dot product is one NumPy sum over dk."""
+    S = S * alpha[..., None, None]
+    u = (S * k[..., None, :]).sum(axis=-1)
     delta = beta[..., None] * (v - u)
-    St = St + delta[..., None, None] * kt
-    return St, _row_dot(St, qt)
+    S = S + delta[..., None] * k[..., None, :]
+    return S, (S * q[..., None, :]).sum(axis=-1)
+
+
+def conv_windows_of(windows, mixed, col_indptr) -> np.ndarray:
+    """The conv window each column sees [cols, C, 3]: the session's last 3 inputs before it,
+    from its starting window [B, C, 3] and the columns before it."""
+    B, C = windows.shape[:2]
+    t = np.diff(col_indptr)
+    total = int(col_indptr[-1])
+    sess = np.repeat(np.arange(B), t)
+    j = np.arange(total) - col_indptr[:-1][sess]
+    start = col_indptr[:-1] + 3 * np.arange(B)  # session b's history in `hist`: 3 window rows, then inputs
+    hist = np.empty((total + 3 * B, C), F32)
+    hist[start[:, None] + np.arange(3)] = windows.transpose(0, 2, 1)
+    hist[start[sess] + 3 + j] = mixed[:total]
+    return hist[start[sess][:, None] + j[:, None] + np.arange(3)].transpose(0, 2, 1)
 
 
 def gdn_scan_ref(mixed, a, b, conv_weight, A_log, dt_bias, states, conv_windows, col_indptr, heads, dk, dv,
                  out, state_ckpt=None, conv_ckpt=None) -> None:
-    """The scan on host arrays, in place. Sessions advance together one column at a time (those
-    with columns left), each column computed exactly as one decode step."""
+    """The scan on host arrays, in place; each column computed exactly as one decode step.
+
+    Everything before the state update (conv, SiLU, norms, gates) depends only on the inputs,
+    so it runs for all columns at once, elementwise, with the same per-column arithmetic; only
+    the delta rule walks the columns, all sessions with a column left advancing together."""
     t = np.diff(col_indptr)
     if not t.size or not t.max():
         return
-    idx = lane_columns(dk)
-    St = np.stack(states)[..., idx]  # [B, H, dv, lanes, cols]
-    W = np.stack(conv_windows)       # [B, C, 3]
-    q_scale = F32(1) / np.sqrt(F32(dk))
+    total = int(col_indptr[-1])
+    x, windows = conv_silu_ref(conv_windows_of(np.stack(conv_windows), mixed, col_indptr), conv_weight,
+                               mixed[:total])
+    if conv_ckpt is not None:
+        conv_ckpt[:total] = windows
     hk = heads * dk
+    q = l2norm_ref(x[:, :hk].reshape(-1, heads, dk), F32(1) / np.sqrt(F32(dk)))
+    k = l2norm_ref(x[:, hk:2 * hk].reshape(-1, heads, dk), F32(1))
+    v = x[:, 2 * hk:].reshape(-1, heads, dv)
+    alpha, beta = gdn_gates_ref(a[:total], b[:total], A_log, dt_bias)
+    S = np.stack(states)  # [B, H, dv, dk]
     for j in range(int(t.max())):
         sel = np.flatnonzero(t > j)
         cols = col_indptr[sel] + j
-        x, W[sel] = conv_silu_ref(W[sel], conv_weight, mixed[cols])
-        if conv_ckpt is not None:
-            conv_ckpt[cols] = W[sel]
-        q = l2norm_ref(x[:, :hk].reshape(-1, heads, dk), q_scale)
-        k = l2norm_ref(x[:, hk:2 * hk].reshape(-1, heads, dk), F32(1))
-        v = x[:, 2 * hk:].reshape(-1, heads, dv)
-        alpha, beta = gdn_gates_ref(a[cols], b[cols], A_log, dt_bias)
-        St[sel], out[cols] = delta_rule_ref(St[sel], q, k, v, alpha, beta)
+        S[sel], out[cols] = delta_rule_ref(S[sel], q[cols], k[cols], v[cols], alpha[cols], beta[cols])
         if state_ckpt is not None:
-            S = np.empty((len(sel), heads, dv, dk), F32)
-            S[..., idx] = St[sel]
-            state_ckpt[cols] = S
+            state_ckpt[cols] = S[sel]
     for s in np.flatnonzero(t):
-        states[s][..., idx] = St[s]
-        conv_windows[s][...] = W[s]
+        states[s][...] = S[s]
+        conv_windows[s][...] = windows[col_indptr[s + 1] - 1]
 
 
 # ---- op ---------------------------------------------------------------------------------------
