@@ -20,6 +20,7 @@ from . import __version__
 from .backends import NAMES, backends, cuda_available, get_backend
 from .byte_vocab import decode, encode
 from .errors import DsparkError
+from .ops.dense import ROW_CHUNK
 from .params import VERIFY_POLICIES
 
 DEMO_PROMPT = '''import os
@@ -31,9 +32,11 @@ def walk_python_files(root):
 
 
 # Verifying a column costs little next to a round's fixed work (one drafter pass, the chain, the
-# bookkeeping), so the command line verifies more of the draft than the library default 0.5;
-# `profiling/bench_tau.py` measures tokens/s over tau.
-DEMO_TAU = 0.25
+# bookkeeping), so the command line verifies more of the draft than the library default tau 0.5,
+# up to one GEMM row chunk: a ninth column would double every projection of the verify pass
+# (dspark.ops.dense.ROW_CHUNK). `profiling/bench_tau.py` measures tokens/s over both knobs.
+DEMO_TAU = 0.35
+DEMO_MAX_VERIFY = ROW_CHUNK
 
 
 class CliError(Exception):
@@ -108,35 +111,38 @@ def load_pair(be, block: int | None):
 
 
 def run_spec(trunk, drafter, prompt, params, progress=None):
-    """Speculative generation; returns (tokens, seconds, stats)."""
+    """Speculative generation; returns (tokens, decode seconds, stats, prime seconds)."""
     from .session import DsparkSpecSession
     t0 = time.perf_counter()
     s = DsparkSpecSession.prime(trunk, drafter, prompt, params)
+    t1 = time.perf_counter()
     while not s.finished():
         s.burst()
         if progress:
             progress(len(s.emitted), params.max_new_tokens)
-    dt = time.perf_counter() - t0
+    dt = time.perf_counter() - t1
     out, stats = list(s.emitted), s.stats
     s.close()
-    return out, dt, stats
+    return out, dt, stats, t1 - t0
 
 
 def run_plain(trunk, prompt, max_new, sampling=None, progress=None):
-    """Plain decode (greedy or sampled); returns (tokens, seconds)."""
+    """Plain decode (greedy or sampled); returns (tokens, decode seconds, prefill seconds)."""
     from .decode import PlainBatch, prefill_anchor
     t0 = time.perf_counter()
     cache = trunk.new_cache()
     last, _ = prefill_anchor(trunk, cache, prompt, sampling)
     batch = PlainBatch(trunk)
     sid = batch.join(cache, last, max_new, sampling=sampling)
+    t1 = time.perf_counter()
     while batch.active():
         batch.step()
         if progress and len(batch.sequences[sid].emitted) % 16 == 0:
             progress(len(batch.sequences[sid].emitted), max_new)
+    dt = time.perf_counter() - t1
     out = batch.leave(sid).emitted
     cache.free()
-    return out, time.perf_counter() - t0
+    return out, dt, t1 - t0
 
 
 def progress_bar(label: str):
@@ -156,12 +162,15 @@ def cmd_demo(args) -> int:
     trunk, drafter = load_pair(be, args.block)
     prompt = encode(DEMO_PROMPT)
     print(f"dspark demo: embedded pair on backend {be.name}, block {drafter.config.block}, "
-          f"{args.max_new_tokens} new tokens, greedy")
-    params = SpecParams(max_new_tokens=args.max_new_tokens, verify=args.verify, tau=args.tau, capture=False)
-    run_spec(trunk, drafter, prompt[:8], replace(params, max_new_tokens=8))  # warm caches and kernels
-    spec, t_spec, stats = run_spec(trunk, drafter, prompt, params, progress_bar("spec"))
+          f"{args.max_new_tokens} new tokens, greedy, verify {args.verify} (tau {args.tau}, at most "
+          f"{args.max_verify or drafter.config.drafts + 1} columns)")
+    params = SpecParams(max_new_tokens=args.max_new_tokens, verify=args.verify, tau=args.tau,
+                        max_verify=args.max_verify, capture=False)
+    run_spec(trunk, drafter, prompt[:8], replace(params, max_new_tokens=8))  # warm both paths
+    run_plain(trunk, prompt[:8], 8)
+    spec, t_spec, stats, t_prime = run_spec(trunk, drafter, prompt, params, progress_bar("spec"))
     end_progress()
-    plain, t_plain = run_plain(trunk, prompt, args.max_new_tokens, progress=progress_bar("plain"))
+    plain, t_plain, t_prefill = run_plain(trunk, prompt, args.max_new_tokens, progress=progress_bar("plain"))
     end_progress()
     print("---- prompt + speculative output " + "-" * 40)
     print(DEMO_PROMPT + decode(spec))
@@ -170,8 +179,8 @@ def cmd_demo(args) -> int:
     print(f"mean accepted length   {stats.mean_accepted_length:.2f} tokens per round ({stats.rounds} rounds)")
     print(f"acceptance by position {acc}")
     spec_tps, plain_tps = len(spec) / t_spec, len(plain) / t_plain
-    print(f"speculative            {spec_tps:8.1f} tokens/s")
-    print(f"plain greedy           {plain_tps:8.1f} tokens/s")
+    print(f"speculative            {spec_tps:8.1f} tokens/s   (prime {t_prime * 1e3:.0f} ms)")
+    print(f"plain greedy           {plain_tps:8.1f} tokens/s   (prefill {t_prefill * 1e3:.0f} ms)")
     print(f"speedup                {spec_tps / plain_tps:8.2f}x")
     exact = spec == plain
     print("EXACT: speculative output is byte-identical to plain greedy decode" if exact else
@@ -191,11 +200,12 @@ def cmd_generate(args) -> int:
     trunk, drafter = load_pair(be, args.block)
     prompt = encode(args.prompt)
     if args.no_spec:
-        out, dt = run_plain(trunk, prompt, args.max_new_tokens, sampling)
+        out, dt, _ = run_plain(trunk, prompt, args.max_new_tokens, sampling)
         note = "plain"
     else:
-        out, dt, stats = run_spec(trunk, drafter, prompt, SpecParams(
-            max_new_tokens=args.max_new_tokens, verify=args.verify, tau=args.tau, capture=False, sampling=sampling))
+        out, dt, stats, _ = run_spec(trunk, drafter, prompt, SpecParams(
+            max_new_tokens=args.max_new_tokens, verify=args.verify, tau=args.tau, max_verify=args.max_verify,
+            capture=False, sampling=sampling))
         note = f"spec, mean accepted length {stats.mean_accepted_length:.2f}"
     print(args.prompt + decode(out))
     print(f"[{len(out)} tokens in {dt:.2f}s, {len(out) / dt:.1f} tokens/s, {note}]", file=sys.stderr)
@@ -228,6 +238,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="verify width: from the confidence head, or the ladder")
         p.add_argument("--tau", type=unit_float, default=DEMO_TAU,
                        help=f"confidence threshold for the verify width (default {DEMO_TAU})")
+        p.add_argument("--max-verify", type=int, default=DEMO_MAX_VERIFY,
+                       help=f"most columns per verify (default {DEMO_MAX_VERIFY}; 0: block + 1)")
 
     demo = sub.add_parser("demo", help="speculative vs plain greedy on the embedded pair")
     common(demo)

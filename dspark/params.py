@@ -43,7 +43,7 @@ class SpecParams:
     burst_target: int = 32
     verify: str = "confidence"   # verify width from the confidence head, or the ladder
     tau: float = 0.5
-    ladder_cap: int = 0          # 0: nd + 1
+    max_verify: int = 0          # cap on vt for both policies (the ladder's cap); 0: nd + 1
     rollback: str = "checkpoint"  # per-column checkpoint select, or snapshot restore + replay
     capture: bool = True
     sampling: SamplingParams = field(default_factory=SamplingParams)
@@ -57,6 +57,8 @@ class SpecParams:
             raise ValueError(f"SpecParams.verify={self.verify!r}: expected one of {VERIFY_POLICIES}")
         if self.rollback not in ROLLBACKS:
             raise ValueError(f"SpecParams.rollback={self.rollback!r}: expected one of {ROLLBACKS}")
+        if not isinstance(self.max_verify, (int, np.integer)) or self.max_verify == 1 or self.max_verify < 0:
+            raise ValueError(f"SpecParams.max_verify={self.max_verify!r}: expected 0 (no cap) or an int >= 2")
         if not 0.0 <= self.tau <= 1.0:
             raise ValueError(f"SpecParams.tau={self.tau!r}: expected a value in [0, 1]")
         if not isinstance(self.sampling, SamplingParams):

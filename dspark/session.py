@@ -245,12 +245,12 @@ def _group(sessions: list[DsparkSpecSession]) -> tuple[HybridTrunk, DsparkDrafte
 
 
 def verify_width(s: DsparkSpecSession, conf: np.ndarray, nd: int) -> int:
-    """Columns to verify: 1 + the confident prefix (tau), or the ladder, clamped to [2, nd+1]."""
+    """Columns to verify: 1 + the confident prefix (tau), or the ladder, clamped to
+    [2, min(nd + 1, max_verify)]."""
+    cap = min(s.params.max_verify or nd + 1, nd + 1)
     if s.params.verify == "confidence":
         below = np.flatnonzero(conf < s.params.tau)
-        vt = 1 + (int(below[0]) if below.size else nd)
-        return min(max(vt, 2), nd + 1)
-    cap = min(s.params.ladder_cap or nd + 1, nd + 1)
+        return min(max(1 + (int(below[0]) if below.size else nd), 2), cap)
     return min(max(s.m_prev + 2, 3), cap)
 
 

@@ -3,7 +3,8 @@ decode in the same run, on the embedded pair.
 
     python profiling/bench_tau.py [--backend numpy] [--tokens 256]
 
-A lower tau verifies more of each draft: more tokens per round, a wider verify pass. Where a
+A lower tau verifies more of each draft: more tokens per round, a wider verify pass; a cap of
+8 columns keeps the verify pass to one 8-row GEMM chunk. Where a
 verify column is cheap next to a round's fixed work, the best tau is below the library's 0.5.
 """
 
@@ -29,14 +30,16 @@ def main(argv=None) -> None:
     prompt = encode(DEMO_PROMPT)
     with threadpool_limits(limits=1, user_api="blas"):
         run_spec(trunk, drafter, prompt[:8], SpecParams(max_new_tokens=8))  # warm up
-        plain, t_plain = run_plain(trunk, prompt, args.tokens)
+        run_plain(trunk, prompt[:8], 8)
+        plain, t_plain, _ = run_plain(trunk, prompt, args.tokens)
         print(f"plain greedy: {len(plain) / t_plain:.1f} tokens/s on {be.name}")
-        print(f"{'policy':>14} | {'mean acc len':>12} | {'drafts/round':>12} | {'tok/s':>7} | vs plain")
-        for verify, tau in [("confidence", t) for t in (0.7, 0.5, 0.35, 0.25, 0.1)] + [("ladder", 0.5)]:
-            out, dt, st = run_spec(trunk, drafter, prompt, SpecParams(max_new_tokens=args.tokens, verify=verify,
-                                                                      tau=tau, capture=False))
-            name = f"tau {tau}" if verify == "confidence" else "ladder"
-            print(f"{name:>14} | {st.mean_accepted_length:12.2f} | {st.drafted / st.rounds:12.2f} | "
+        print(f"{'policy':>18} | {'mean acc len':>12} | {'drafts/round':>12} | {'tok/s':>7} | vs plain")
+        policies = [("confidence", t, m) for m in (0, 8) for t in (0.7, 0.5, 0.35, 0.25, 0.1)]
+        for verify, tau, max_verify in policies + [("ladder", 0.5, 0), ("ladder", 0.5, 8)]:
+            out, dt, st, _ = run_spec(trunk, drafter, prompt, SpecParams(
+                max_new_tokens=args.tokens, verify=verify, tau=tau, max_verify=max_verify, capture=False))
+            name = (f"tau {tau}" if verify == "confidence" else "ladder") + (f" <={max_verify}" if max_verify else "")
+            print(f"{name:>18} | {st.mean_accepted_length:12.2f} | {st.drafted / st.rounds:12.2f} | "
                   f"{len(out) / dt:7.1f} | {t_plain / len(plain) * len(out) / dt:.2f}x"
                   + ("" if out == plain else "  MISMATCH"))
 

@@ -62,6 +62,16 @@ def test_batched_sessions_equal_solo_sessions(numpy_backend, rng):
     assert solo == [plain_generate(trunk, p, 24) for p in prompts]
 
 
+@pytest.mark.parametrize("verify", ["confidence", "ladder"])
+def test_max_verify_caps_the_verify_width(numpy_backend, rng, verify):
+    trunk, drafter = tiny_pair(numpy_backend, 12, block=8)
+    p = prompt(rng, 20)
+    drafter = oracle(trunk, drafter, p, 40, hit_rate=1.0)
+    s = run_spec(trunk, drafter, p, SpecParams(max_new_tokens=40, verify=verify, tau=0.0, max_verify=4))
+    assert s.emitted == plain_generate(trunk, p, 40)
+    assert len(s.stats.verified_at) <= 3  # at most 3 drafts (vt <= 4) were ever verified
+
+
 def test_context_cap_stops_exactly_where_plain_does(numpy_backend, rng):
     trunk, drafter = tiny_pair(numpy_backend, 4, max_ctx=40)
     p = prompt(rng, 33)
@@ -194,6 +204,7 @@ def test_bad_prompts_are_refused_and_allocate_nothing(numpy_backend, bad, err, m
 @pytest.mark.parametrize("kwargs,match", [
     (dict(max_new_tokens=0), "max_new_tokens=0"), (dict(verify="wide"), "verify='wide'"),
     (dict(rollback="undo"), "rollback='undo'"), (dict(tau=1.5), "tau=1.5"), (dict(burst_target=0), "burst_target=0"),
+    (dict(max_verify=1), "max_verify=1"),
 ])
 def test_bad_params_are_refused(kwargs, match):
     with pytest.raises(ValueError, match=match):
