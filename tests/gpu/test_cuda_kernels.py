@@ -33,7 +33,7 @@ from tests.conftest import poison
 from tests.kernels.test_argmax import make_logits as argmax_logits
 from tests.kernels.test_argmax import make_verify_block, run_argmax
 from tests.kernels.test_attention import assert_close, bits, indptr_of, make_case, on, reference, run
-from tests.kernels.test_gdn import Sessions, assert_states_equal, decode, make_layer, verify_and_roll_back
+from tests.kernels.test_gdn import Sessions, assert_rollbacks_exact, make_layer
 from tests.kernels.test_gdn import assert_close as gdn_close
 from tests.kernels.test_kv_commit import caches_bits, expected, make_commit
 from tests.kernels.test_kv_commit import on as commit_on
@@ -191,19 +191,7 @@ def test_cuda_gdn_rollback_replay_equals_checkpoint_at_model_size(cuda, rng):
     """Restore + replay and checkpoint select both give, bitwise, the state of plain decode for
     every keep in 0..8; each verify column equals its decode step."""
     layer = make_layer(rng, GDN_H, GDN_DK, GDN_DV)
-    vts = [8] * 9 + [3, 5]
-    keeps = list(range(9)) + [2, 5]
-    live = Sessions(cuda, layer, rng, len(vts))
-    live.scan(rng.integers(0, 6, len(vts)).tolist())
-    plain, select, replay = live.clone(), live.clone(), live.clone()
-    dec_out = decode(plain, keeps)
-    v_out, ptr = verify_and_roll_back(select, vts, keeps, "select")
-    verify_and_roll_back(replay, vts, keeps, "replay")
-    assert_states_equal(select.host(), plain.host(), "checkpoint select vs plain decode")
-    assert_states_equal(replay.host(), plain.host(), "restore + replay vs plain decode")
-    for s, k in enumerate(keeps):
-        for j in range(k):
-            np.testing.assert_array_equal(v_out[ptr[s] + j], dec_out[s][j], err_msg=f"session {s} column {j}")
+    assert_rollbacks_exact(cuda, layer, rng, [8] * 9 + [3, 5], list(range(9)) + [2, 5])
 
 
 # ---- snapshot: every recurrent tensor of the trunk ---------------------------------------------------

@@ -247,10 +247,16 @@ def test_rollback_is_bitwise_plain_decode(any_backend, rng, heads, dk, dv):
     extra = rng.integers(1, 9, 3)
     vts = [8] * 9 + extra.tolist()
     keeps = list(range(9)) + [int(rng.integers(0, v + 1)) for v in extra]
-    live = Sessions(any_backend, layer, rng, len(vts))
+    assert_rollbacks_exact(any_backend, layer, rng, vts, keeps)
+
+
+def assert_rollbacks_exact(be, layer, rng, vts, keeps):
+    """Sessions of different lengths verify vts[s] columns and keep keeps[s]: checkpoint select
+    and restore + replay both leave, bitwise, the state of plain decode, and every kept verify
+    column equals its decode step."""
+    live = Sessions(be, layer, rng, len(vts))
     live.scan(rng.integers(0, 6, len(vts)).tolist())  # a ragged prefill: different lengths
     plain, select, replay = live.clone(), live.clone(), live.clone()
-
     dec_out = decode(plain, keeps)
     v_out, indptr = verify_and_roll_back(select, vts, keeps, "select")
     verify_and_roll_back(replay, vts, keeps, "replay")
