@@ -40,12 +40,11 @@ def ok(r: subprocess.CompletedProcess) -> str:
 
 # ---- bench_kernels ----------------------------------------------------------------------------------
 def test_bench_kernels_dry_run_lists_every_family():
-    r, seconds = script("profiling/bench_kernels.py", "--dry-run")
+    r, _ = script("profiling/bench_kernels.py", "--dry-run")
     out = ok(r)
     assert "error:" not in out
     for fam in FAMILIES:
         assert re.search(rf"^{fam}\s", out, re.M), f"family {fam} missing from the plan\n{out}"
-    assert seconds < 5, f"--dry-run took {seconds:.1f}s"
 
 
 def test_bench_kernels_runs_under_the_cli():
@@ -55,7 +54,7 @@ def test_bench_kernels_runs_under_the_cli():
 
 
 def test_bench_kernels_cpu_run_times_every_family(simt):
-    r, seconds = script("profiling/bench_kernels.py", "--cpu")
+    r, _ = script("profiling/bench_kernels.py", "--cpu")
     out = ok(r)
     # A row is skipped ("not built") only for a kernel this simt build lacks (a private build of
     # some families); every other row has a time.
@@ -70,12 +69,9 @@ def test_bench_kernels_cpu_run_times_every_family(simt):
         assert rows and all(r in timed or "not built" in r for r in rows), sections[fam]
         assert timed or fam != "argmax", "every simt build has the argmax kernels"
     assert "ratios (this run)" in sections and "of roof" in out
-    assert seconds < 20, f"the CPU run took {seconds:.1f}s"
 
 
 def test_bench_attention_cpu_run(simt):
-    if "attention_bf16_d128" not in simt.kernels.signatures:
-        pytest.skip("this simt build has no attention kernels")
     out = ok(script("profiling/bench_attention.py", "--cpu")[0])
     rows = [line.split() for line in out.splitlines() if line.startswith(("decode", "verify"))]
     assert len(rows) == 8 and {r[0] for r in rows} == {"decode", "verify"}

@@ -15,9 +15,6 @@ from dspark.train import parity
 
 MAX_WEIGHT_BYTES = 8_000_000
 
-pytestmark = pytest.mark.skipif(not (DEFAULT_DIR / "trunk.json").exists(), reason="default weights not built")
-
-
 @pytest.fixture(scope="module")
 def pair():
     return load_default(get_backend("numpy"))
