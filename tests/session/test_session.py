@@ -81,6 +81,19 @@ def test_context_cap_stops_exactly_where_plain_does(numpy_backend, rng):
     assert s.emitted == want and s.finish_reason == "context"
 
 
+def live_after_a_burst(trunk, drafter, rng, params, target=None):
+    """(session, prompt): a session still unfinished after one burst (a random trunk may emit EOS
+    early: try another prompt then)."""
+    for _ in range(20):
+        p = prompt(rng, 20)
+        s = DsparkSpecSession.prime(trunk, drafter, p, params)
+        s.burst(target)
+        if not s.finished():
+            return s, p
+        s.close()
+    raise AssertionError("every prompt finished within one burst")
+
+
 def owners(be, sid):
     return {o: b for o, b in be.alloc.owners().items() if o.startswith((f"spec/{sid}/", f"cache/{sid}"))}
 
@@ -88,9 +101,7 @@ def owners(be, sid):
 def test_demotion_frees_the_speculative_state(numpy_backend, rng):
     be = numpy_backend
     trunk, drafter = tiny_pair(be, 5)
-    p = prompt(rng, 20)
-    s = DsparkSpecSession.prime(trunk, drafter, p, SpecParams(max_new_tokens=50, burst_target=6, capture=False))
-    s.burst()
+    s, p = live_after_a_burst(trunk, drafter, rng, SpecParams(max_new_tokens=50, burst_target=6, capture=False))
     before = owners(be, s.id)
     assert before[f"spec/{s.id}/draft_kv"] > 0 and before[f"spec/{s.id}/snapshot"] > 0
     assert before[f"spec/{s.id}/rng"] > 0
@@ -125,8 +136,7 @@ def test_demotion_refusals_leave_the_session_intact(numpy_backend, rng):
         done.into_demoted()
     done.close()
 
-    s = DsparkSpecSession.prime(trunk, drafter, p, SpecParams(max_new_tokens=40))
-    s.burst(4)
+    s, _ = live_after_a_burst(trunk, drafter, rng, SpecParams(max_new_tokens=40), 4)
     s.into_demoted()
     with pytest.raises(StateError, match="demoted"):
         s.into_demoted()
@@ -222,9 +232,7 @@ def test_bad_sampling_params_are_refused(kwargs, match):
 
 def test_a_failing_round_leaves_the_session_as_it_was(numpy_backend, rng, monkeypatch):
     trunk, drafter = tiny_pair(numpy_backend, 11)
-    p = prompt(rng, 10)
-    s = DsparkSpecSession.prime(trunk, drafter, p, SpecParams(max_new_tokens=40))
-    s.burst(3)
+    s, p = live_after_a_burst(trunk, drafter, rng, SpecParams(max_new_tokens=40), 3)
     state = [a.copy() for a in s.cache.recurrent()]
     pos, emitted, last = s.cache.pos, list(s.emitted), s.last
 
