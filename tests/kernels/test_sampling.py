@@ -4,8 +4,8 @@ sampler that fails them) that the draws follow the filtered softmax and that spe
 is lossless."""
 
 import zlib
-import ml_dtypes
 
+import ml_dtypes
 import numpy as np
 import pytest
 from scipy import stats
