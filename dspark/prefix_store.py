@@ -80,9 +80,6 @@ class PrefixStore:
     def __len__(self) -> int:
         return len(self._entries)
 
-    def namespaces(self) -> set[str]:
-        return {ns for ns, _ in self._entries}
-
     def clear(self) -> None:
         for cap in self._entries.values():
             cap.free()

@@ -77,7 +77,6 @@ class DsparkSpecSession:
         s._demoted = False
         s._in_round = False
         s._capture = None
-        s._capture_taken = False
         s.cache = s.kv = s.snapshot = None
         return s
 
@@ -159,7 +158,6 @@ class DsparkSpecSession:
         if not self.params.capture:
             raise StateError("take_prefix_capture: capture is off for this session (SpecParams.capture=False)")
         cap, self._capture = self._capture, None
-        self._capture_taken = True
         return cap
 
     def into_demoted(self) -> tuple[Cache, int]:

@@ -65,7 +65,3 @@ class Allocator:
     def owners(self) -> dict[str, int]:
         """owner -> live bytes, for every owner that holds any."""
         return dict(self._bytes)
-
-    def owners_with_prefix(self, prefix: str) -> dict[str, int]:
-        return {o: b for o, b in self._bytes.items() if o.startswith(prefix)}
-

@@ -42,11 +42,6 @@ def rmsnorm(x, weight, eps: float):
     return (x / xp.sqrt(ms + np.float32(eps))) * weight
 
 
-def l2norm(x, eps: float = 1e-6):
-    xp = _xp(x)
-    return x / xp.sqrt(xp.sum(x * x, axis=-1, keepdims=True) + np.float32(eps))
-
-
 def rope(x, positions, theta: float):
     """Rotary embedding, rotate-half convention: x [rows, heads, D], positions int [rows]."""
     xp = _xp(x)

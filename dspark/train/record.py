@@ -48,7 +48,7 @@ def render(out: Path, commands: list[str], notes: list[str] = ()) -> str:
     he0 = dl.get("heldout_eval_before_recalibration", he)
     rc = dl.get("recalibration")
     tl_curve = ", ".join(f"{s}: {v}" for s, v in tl["heldout_loss"])
-    s = [f"# The default pair (dspark/models/default)\n",
+    s = ["# The default pair (dspark/models/default)\n",
          "A small hybrid trunk and its DSpark drafter, trained on a 2-core shared CPU by `dspark/train/`.",
          "Weights are f32 safetensors named and shaped as `trunk_spec` / `drafter_spec`.\n",
          "## Corpus\n",

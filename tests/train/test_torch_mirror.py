@@ -1,7 +1,6 @@
 """The torch mirror (dspark/train/torch_model.py) against the NumPy models on random small weights,
 and the chunked gdn recurrence against the step loop. Skipped without torch."""
 
-from dataclasses import replace
 
 import numpy as np
 import pytest
