@@ -27,6 +27,31 @@ def csrc_dir() -> Path:
     raise FileNotFoundError("dspark kernel sources (csrc/) not found next to the package")
 
 
+def cache_dir() -> Path:
+    """Where builds are cached (simt modules, cubins): $DSPARK_CACHE or ~/.cache/dspark."""
+    return Path(os.environ.get("DSPARK_CACHE", Path.home() / ".cache" / "dspark"))
+
+
+_INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"', re.M)
+
+
+def includes(source: Path) -> list[Path]:
+    """Every header `source` reaches through #include "..." (transitively, whatever the #if
+    around it), sorted: what a build of it depends on besides itself."""
+    seen: dict[Path, None] = {}
+    todo = [source]
+    while todo:
+        f = todo.pop()
+        for name in _INCLUDE.findall(f.read_text()):
+            dep = (f.parent / name).resolve()
+            if not dep.is_file():
+                dep = (source.parent / name).resolve()
+            if dep.is_file() and dep not in seen and dep != source.resolve():
+                seen[dep] = None
+                todo.append(dep)
+    return sorted(seen)
+
+
 def kernel_files(root: Path | None = None) -> list[Path]:
     """Every kernel family source, `csrc/*.cu`, sorted."""
     return sorted((root or csrc_dir()).glob("*.cu"))

@@ -1,9 +1,23 @@
-"""NVTX ranges around the round phases (draft, propose, verify, accept, commit, rollback,
-ingest), for Nsight Systems timelines.
+"""NVTX ranges around the round phases, and counters of what a round costs the host.
 
-They cost nothing when no profiler is attached: `phase()` then returns one shared no-op context
-manager. A profiler that injects NVTX (Nsight Systems / Compute set NVTX_INJECTION64_PATH) turns
-them on, as does DSPARK_NVTX=1.
+NVTX: `phase(name)` marks one phase (prime, draft, propose, snapshot, verify, accept, commit,
+rollback, ingest) for Nsight Systems timelines. It costs nothing when no profiler is attached:
+`phase()` then returns one shared no-op context manager. A profiler that injects NVTX (Nsight
+Systems / Compute set NVTX_INJECTION64_PATH) turns the ranges on, as does DSPARK_NVTX=1. The
+`nvtx` package is optional: without it the ranges go through CuPy's own NVTX binding when CuPy is
+there, and are no-ops otherwise (`nvtx_status()` says which).
+
+Counters: `counting()` collects the events the executors and the CuPy contract stand-in report
+(dspark.backends.contract) while it is open:
+
+    with profile.counting() as c:
+        session.round()
+    c.launches, c.syncs, c.d2h, c.h2d, c.array_ops, c.by_name, c.sites
+
+Both kernel executors (simt and cuda) report every kernel launch. Copies, synchronisations and
+CuPy array operations are reported by the CuPy contract stand-in, which sees every one of them
+and names the dspark line that caused each device->host copy and synchronisation; on a real GPU,
+Nsight Systems counts them (profiling/nsys_session.sh, its cuda_api_sum report).
 """
 
 from __future__ import annotations
@@ -11,21 +25,151 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+import sys
+from collections import Counter
+from dataclasses import dataclass, field
 
 DOMAIN = "dspark"
 _NULL = contextlib.nullcontext()
 
 
+# ---- NVTX ------------------------------------------------------------------------------------------
+class _CupyRange:
+    """A range through CuPy's own NVTX binding (no domain), for images without the nvtx package."""
+
+    def __init__(self, nvtx, name: str):
+        self._nvtx, self._name = nvtx, name
+
+    def __enter__(self):
+        self._nvtx.RangePush(f"{DOMAIN}:{self._name}")
+
+    def __exit__(self, *exc):
+        self._nvtx.RangePop()
+
+
+@functools.lru_cache(maxsize=None)
+def _emitter():
+    """(kind, module): the nvtx package, else CuPy's NVTX binding, else (None, None)."""
+    try:
+        import nvtx
+        return "nvtx", nvtx
+    except ImportError:
+        pass
+    try:
+        from cupy.cuda import nvtx as cupy_nvtx
+        if cupy_nvtx.available:
+            return "cupy", cupy_nvtx
+    except Exception:  # no CuPy, or a CuPy whose NVTX library failed to load: ranges stay off
+        pass
+    return None, None
+
+
 @functools.lru_cache(maxsize=None)
 def enabled() -> bool:
-    if os.environ.get("DSPARK_NVTX") == "0":
+    if os.environ.get("DSPARK_NVTX") == "0" or _emitter()[0] is None:
         return False
     return bool(os.environ.get("NVTX_INJECTION64_PATH") or os.environ.get("DSPARK_NVTX") == "1")
+
+
+def nvtx_status() -> str:
+    """One line for reports: whether NVTX ranges are emitted, through what, and why not."""
+    kind = _emitter()[0]
+    if kind is None:
+        return "off (neither the nvtx package nor CuPy's NVTX binding is available: ranges are no-ops)"
+    via = "the nvtx package" if kind == "nvtx" else "CuPy's NVTX binding (ranges named 'dspark:<phase>')"
+    return f"on, through {via}" if enabled() else f"off (no profiler attached; DSPARK_NVTX=1 forces it); {via}"
 
 
 def phase(name: str):
     """A context manager marking one round phase."""
     if not enabled():
         return _NULL
-    import nvtx
-    return nvtx.annotate(name, domain=DOMAIN)
+    kind, mod = _emitter()
+    if kind == "nvtx":
+        return mod.annotate(name, domain=DOMAIN)
+    return _CupyRange(mod, name)
+
+
+# ---- counters --------------------------------------------------------------------------------------
+KINDS = ("launch", "array_op", "d2h", "h2d", "sync")
+
+
+@dataclass
+class Counts:
+    """Events seen while a `counting()` block was open.
+
+    launches: dspark kernel launches (RawKernel calls); array_ops: CuPy array operations (each
+    launches at least one kernel or cuBLAS call on a GPU); d2h / h2d: copies between device and
+    host; syncs: host waits on the device (every blocking device->host copy and every explicit
+    synchronize). by_name: launches per kernel name. sites: for d2h and sync events, the dspark
+    source line (file:line function) that caused them, with counts."""
+    launches: int = 0
+    array_ops: int = 0
+    d2h: int = 0
+    h2d: int = 0
+    syncs: int = 0
+    by_name: Counter = field(default_factory=Counter)
+    sites: Counter = field(default_factory=Counter)
+
+    def add(self, kind: str, name: str | None, site: str | None) -> None:
+        if kind == "launch":
+            self.launches += 1
+            self.by_name[name] += 1
+        elif kind == "array_op":
+            self.array_ops += 1
+        elif kind == "h2d":
+            self.h2d += 1
+        elif kind in ("d2h", "sync"):
+            if kind == "d2h":
+                self.d2h += 1
+            self.syncs += 1  # a device->host copy on the stream waits for everything before it
+            if site:
+                self.sites[f"{kind} {site}"] += 1
+        else:
+            raise ValueError(f"kind={kind!r}: expected one of {KINDS}")
+
+    def per(self, n: int) -> dict[str, float]:
+        """The totals divided by n (rounds), for printing."""
+        return {k: getattr(self, k) / n for k in ("syncs", "d2h", "h2d", "launches", "array_ops")}
+
+    def line(self, n: int = 1) -> str:
+        p = self.per(n)
+        return (f"syncs {p['syncs']:.2f}, device->host copies {p['d2h']:.2f}, host->device copies {p['h2d']:.2f}, "
+                f"dspark kernel launches {p['launches']:.2f}, CuPy array ops {p['array_ops']:.2f}")
+
+
+_active: list[Counts] = []
+_PACKAGE = os.path.dirname(os.path.abspath(__file__))
+
+
+def counting_now() -> bool:
+    return bool(_active)
+
+
+def caller_site(skip_prefixes: tuple[str, ...] = ()) -> str | None:
+    """The innermost dspark frame outside `skip_prefixes` (paths): 'dspark/x.py:12 fn'."""
+    f = sys._getframe(1)
+    while f is not None:
+        path = f.f_code.co_filename
+        if path.startswith(_PACKAGE) and not path.startswith(skip_prefixes) and path != __file__:
+            rel = os.path.relpath(path, os.path.dirname(_PACKAGE))
+            return f"{rel}:{f.f_lineno} {f.f_code.co_name}"
+        f = f.f_back
+    return None
+
+
+def record(kind: str, name: str | None = None, site: str | None = None) -> None:
+    """Report one event to every open counter (nothing happens when none is open)."""
+    for c in _active:
+        c.add(kind, name, site)
+
+
+@contextlib.contextmanager
+def counting():
+    """Count the events reported while the block runs; yields the Counts (filled in place)."""
+    c = Counts()
+    _active.append(c)
+    try:
+        yield c
+    finally:
+        _active.remove(c)

@@ -31,6 +31,11 @@ class Backend:
     def to_host(self, a) -> np.ndarray:
         return a.get() if hasattr(a, "get") else np.asarray(a)
 
+    def synchronize(self) -> None:
+        """Wait for every launched kernel (a no-op on the CPU backends, which run synchronously)."""
+        if self.name == "cuda":
+            self.xp.cuda.Device().synchronize()
+
     def address(self, a) -> int:
         """The address of an array's first element (0 for None), as kernels see it."""
         if a is None:
@@ -62,10 +67,21 @@ def simt_available() -> bool:
         return False
 
 
+_ARRAY_MODULES: dict[type, object] = {}
+
+
+def register_array_module(array_type: type, module) -> None:
+    """Make array_module() return `module` for arrays of `array_type` (the CuPy contract stand-in)."""
+    _ARRAY_MODULES[array_type] = module
+
+
 def array_module(a):
-    """numpy for NumPy arrays, cupy for CuPy arrays."""
+    """numpy for NumPy arrays, cupy for CuPy arrays (or the module registered for the type)."""
     if isinstance(a, np.ndarray):
         return np
+    for t, m in _ARRAY_MODULES.items():
+        if isinstance(a, t):
+            return m
     import cupy
     return cupy.get_array_module(a)
 

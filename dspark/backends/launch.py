@@ -2,8 +2,8 @@
 
 `fn(grid, block, args, shared_mem=0)` as in CuPy's RawKernel. Before either executor runs a
 kernel, every argument is checked against the C++ parameter parsed from the source: a pointer
-needs a C-contiguous array whose element size matches (and that is writable when the pointee is
-not const); a scalar needs exactly the NumPy scalar type, because a Python int where an int32
+needs a C-contiguous array whose element size matches (and whose array interface does not mark it
+read-only when the pointee is not const: CuPy arrays have no `writeable` flag); a scalar needs exactly the NumPy scalar type, because a Python int where an int32
 is expected would be passed with the wrong width on a GPU.
 """
 
@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..arrays import readonly
 from ..errors import KernelArgumentError
 from ..kernel_sources import Param, Signature
 
@@ -54,7 +55,7 @@ def check_pointer(sig: Signature, p: Param, arg, array_type) -> None:
         raise KernelArgumentError(f"{where} needs {p.elem}-byte elements, got {arg.dtype} ({arg.dtype.itemsize} bytes)")
     if not arg.flags.c_contiguous:
         raise KernelArgumentError(f"{where} needs a C-contiguous array")
-    if not p.is_const and not arg.flags.writeable:
+    if not p.is_const and readonly(arg):
         raise KernelArgumentError(f"{where} is written by the kernel but the array is read-only")
 
 

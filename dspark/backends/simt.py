@@ -14,6 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
+from .. import profile
 from ..errors import KernelArgumentError
 from ..kernel_sources import Signature, load_json
 from .launch import check_args, check_launch
@@ -53,6 +54,7 @@ class SimtKernel:
                 slots.append(struct.pack("<Q", 0 if a is None else a.ctypes.data))
             else:
                 slots.append(a.tobytes().ljust(8, b"\0"))
+        profile.record("launch", self.name)
         self._module.launch(self.name, g, b, b"".join(slots), smem)
 
 

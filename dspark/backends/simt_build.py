@@ -21,14 +21,10 @@ import subprocess
 import sysconfig
 from pathlib import Path
 
-from ..kernel_sources import SIMT_CXXFLAGS, csrc_dir, kernel_files, scan, simt_sources, write_json
+from ..kernel_sources import SIMT_CXXFLAGS, cache_dir, csrc_dir, kernel_files, scan, simt_sources, write_json
 
 ASAN_FLAGS = ["-fsanitize=address", "-fno-omit-frame-pointer", "-g", "-O1"]
 MODULE_ENV = "DSPARK_SIMT_MODULE"
-
-
-def cache_dir() -> Path:
-    return Path(os.environ.get("DSPARK_CACHE", Path.home() / ".cache" / "dspark"))
 
 
 def compiler() -> str:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..arrays import readonly
 from ..errors import DTypeError, KernelArgumentError, ShapeError
 
 
@@ -36,10 +37,11 @@ def require_indptr(indptr: np.ndarray, what: str, total: int) -> None:
 def require_dense(be, a, what: str, *, writable: bool = False, align: int = 16) -> None:
     """An array a kernel reaches through a pointer table (so the launcher never sees it): it must
     be C-contiguous (kernels address it by its shape), start `align`-byte aligned (kernels that
-    move 16-byte words need 16) and be writable when the kernel writes it."""
+    move 16-byte words need 16) and not be read-only (by its array interface) when the kernel
+    writes it."""
     if not a.flags.c_contiguous:
         raise KernelArgumentError(f"{what} is not C-contiguous: the kernel addresses it by its shape")
     if be.address(a) % align:
         raise KernelArgumentError(f"{what} starts at an address that is not {align}-byte aligned")
-    if writable and not a.flags.writeable:
+    if writable and readonly(a):
         raise KernelArgumentError(f"{what} is read-only: the kernel writes it")
