@@ -13,6 +13,7 @@ attributes (CuPy's `flags` has no `writeable`): `readonly(a)` reads the interfac
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 
 import numpy as np
 
@@ -109,17 +110,21 @@ def _need_device(be, obj, what: str) -> None:
                          f"{be.name} backend takes host arrays (NumPy, __array_interface__ or CPU DLPack)")
 
 
-def _convert(be, obj, what: str, writable: bool):
+def _convert(be, obj, what: str, writable: bool, host: bool):
     if isinstance(obj, (list, tuple)):  # per-session caches, per-layer lists of them
-        return [_convert(be, x, f"{what}[{i}]", writable) for i, x in enumerate(obj)]
-    return as_array(be, obj, what, writable=writable)
+        return [_convert(be, x, f"{what}[{i}]", writable, host) for i, x in enumerate(obj)]
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):  # Filters, Streams: arrays per field
+        return dataclasses.replace(obj, **{f.name: _convert(be, getattr(obj, f.name), f"{what}.{f.name}", writable,
+                                                            host) for f in dataclasses.fields(obj)})
+    return host_array(be, obj, what) if host else as_array(be, obj, what, writable=writable)
 
 
-def adopt(be, writes: tuple[str, ...] = (), **named):
-    """as_array for each keyword argument, in order; lists (of lists) of arrays are converted
-    entry by entry. Names in `writes` are written by the op. Returns the converted values as a
-    tuple (the value itself when one is given)."""
-    out = [_convert(be, obj, name, name in writes) for name, obj in named.items()]
+def adopt(be, writes: tuple[str, ...] = (), host: tuple[str, ...] = (), **named):
+    """as_array for each keyword argument, in order; lists (of lists) of arrays, and dataclasses
+    of arrays, are converted entry by entry. Names in `writes` are written by the op; names in
+    `host` are read on the host (a device array is copied there). Returns the converted values as
+    a tuple (the value itself when one is given)."""
+    out = [_convert(be, obj, name, name in writes, name in host) for name, obj in named.items()]
     return out[0] if len(out) == 1 else tuple(out)
 
 

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from .arrays import host_array
 from .errors import CapacityError, ShapeError, StateError
 from .models.cache import Cache
 from .models.trunk import HybridTrunk
@@ -124,7 +125,7 @@ def first_token(be, boundary_logits, sampling: SamplingParams | None = None) -> 
 
 
 def check_prompt(trunk: HybridTrunk, prompt_ids, capacity: int) -> np.ndarray:
-    p = trunk.check_tokens(prompt_ids, "prompt_ids")
+    p = trunk.check_tokens(host_array(trunk.be, prompt_ids, "prompt_ids"), "prompt_ids")  # any framework's array
     if p.size == 0:
         raise ShapeError("prompt_ids is empty: expected at least one token")
     if p.size >= capacity:

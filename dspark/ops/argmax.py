@@ -11,6 +11,7 @@ import numpy as np
 
 from ..dtypes import suffix, to_f32
 from ..errors import NonFiniteError, ShapeError
+from ..arrays import adopt
 from .checks import require_dtype, require_indptr, require_ndim, require_shape
 
 
@@ -55,6 +56,7 @@ def _raise_on_nan(flag, what: str, unit: str) -> None:
 
 def argmax_rows(be, logits, out=None):
     """Row argmax of `logits` [rows, V] (f32/f16/bf16) -> int32 [rows]."""
+    logits, out = adopt(be, logits=logits, out=out, writes=("out",))
     require_ndim(logits, 2, "logits", "[rows, V]")
     suf = suffix(logits.dtype, "logits")
     rows, vocab = logits.shape
@@ -80,6 +82,8 @@ def greedy_accept(be, logits, cand, col_indptr, m_out=None, next_out=None):
     `cand` [cols] holds each session's [anchor, d_1 .. d_{vt-1}]; `logits` [cols, V] its
     verify columns; `col_indptr` [B+1] splits the columns by session.
     """
+    logits, cand, col_indptr, m_out, next_out = adopt(be, logits=logits, cand=cand, col_indptr=col_indptr, m_out=m_out,
+                                                      next_out=next_out, writes=("m_out", "next_out"))
     require_ndim(logits, 2, "logits", "[cols, V]")
     suf = suffix(logits.dtype, "logits")
     cols, vocab = logits.shape
@@ -131,6 +135,8 @@ def markov_chain_ref(logits, w1, w2, anchors, nd: int) -> tuple[np.ndarray, np.n
 
 def markov_chain(be, logits, w1, w2, anchors, nd: int, out=None):
     """The drafter's greedy Markov chain over slot logits [B*nd, V] -> drafts [B, nd] int32."""
+    logits, w1, w2, anchors, out = adopt(be, logits=logits, w1=w1, w2=w2, anchors=anchors, out=out, writes=("out",),
+                                         host=("anchors",))
     require_ndim(logits, 2, "logits", "[B*nd, V]")
     suf = suffix(logits.dtype, "logits")
     anchors = np.asarray(anchors, np.int32)

@@ -31,6 +31,7 @@ import numpy as np
 
 from ..dtypes import suffix, to_f32
 from ..errors import CapacityError, DTypeError, ShapeError
+from ..arrays import adopt
 from .checks import require_dtype, require_indptr, require_ndim, require_shape
 from .kv_commit import require_kernel_buffers
 
@@ -252,6 +253,9 @@ def attention(be, q, k_blk, v_blk, k_caches, v_caches, pos, row_indptr, *, mode=
     [0, pos[b] + i]; mode "block": the caches are rings of their capacity and every row sees the
     last `window` committed rows plus the whole block. scale defaults to 1/sqrt(D).
     """
+    q, k_blk, v_blk, k_caches, v_caches, pos, row_indptr, out = adopt(
+        be, q=q, k_blk=k_blk, v_blk=v_blk, k_caches=k_caches, v_caches=v_caches, pos=pos, row_indptr=row_indptr,
+        out=out, writes=("out",))
     call = validate(be, q, k_blk, v_blk, k_caches, v_caches, pos, row_indptr, mode, window, scale)
     if out is None:
         out = be.xp.empty(q.shape, q.dtype)

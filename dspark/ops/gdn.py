@@ -27,6 +27,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..errors import CapacityError, ShapeError
+from ..arrays import adopt
 from .checks import require_dtype, require_indptr, require_ndim, require_shape
 from .snapshot import require_table, require_tensor
 
@@ -190,6 +191,10 @@ def gdn_scan(be, mixed, a, b, conv_weight, A_log, dt_bias, states, conv_windows,
     receive the state and the window after every column (for checkpoint_select).
     dk in {16, 32, 64, 128}; dv <= 512 / lanes(dk) (128 for dk = 128).
     """
+    mixed, a, b, conv_weight, A_log, dt_bias, states, conv_windows, col_indptr, out, state_ckpt, conv_ckpt = adopt(
+        be, mixed=mixed, a=a, b=b, conv_weight=conv_weight, A_log=A_log, dt_bias=dt_bias, states=states,
+        conv_windows=conv_windows, col_indptr=col_indptr, out=out, state_ckpt=state_ckpt, conv_ckpt=conv_ckpt,
+        writes=("states", "conv_windows", "out", "state_ckpt", "conv_ckpt"))
     name, threads, smem = scan_plan(heads, dk, dv)
     C = channels(heads, dk, dv)
     require_ndim(mixed, 2, "mixed", "[cols, C]")

@@ -12,6 +12,7 @@ import numpy as np
 
 from ..dtypes import suffix
 from ..errors import CapacityError, DTypeError, ShapeError
+from ..arrays import adopt
 from .checks import require_dense, require_dtype, require_indptr, require_ndim, require_shape
 
 THREADS = 128
@@ -116,6 +117,9 @@ def kv_commit(be, k_blk, v_blk, k_caches, v_caches, pos, keep, row_indptr, *, ri
     lists over sessions of [Hkv, capacity, D]; pos, keep: int32 [B]; row_indptr: int32 [B+1].
     Everything is checked before anything is written.
     """
+    k_blk, v_blk, k_caches, v_caches, pos, keep, row_indptr = adopt(
+        be, k_blk=k_blk, v_blk=v_blk, k_caches=k_caches, v_caches=v_caches, pos=pos, keep=keep, row_indptr=row_indptr,
+        writes=("k_caches", "v_caches"))
     indptr, pos, keep, capacity = _validate(be, k_blk, v_blk, k_caches, v_caches, pos, keep, row_indptr, ring)
     if be.kernels is None:
         kv_commit_ref(k_blk, v_blk, k_caches, v_caches, pos, keep, indptr, ring=ring)

@@ -41,6 +41,7 @@ from .. import philox
 from ..dtypes import suffix, to_f32
 from ..errors import CapacityError, DsparkError, DTypeError, NonFiniteError, TokenRangeError
 from ..philox import Tag
+from ..arrays import adopt
 from .checks import require_dtype, require_indptr, require_ndim, require_shape
 
 u32, u64, f32 = np.uint32, np.uint64, np.float32
@@ -398,6 +399,9 @@ def sample_filtered(be, logits, filters: Filters, streams: Streams, method: str 
     """Draw one token per row of `logits` [rows, V] (f32/f16/bf16) from its filtered
     distribution -> (token int32 [rows], prob float32 [rows] = pi_token). `dist_out` float32
     [rows, V], when given, receives the filtered distributions (the rows the residual needs)."""
+    logits, filters, streams, token_out, prob_out, dist_out = adopt(
+        be, logits=logits, filters=filters, streams=streams, token_out=token_out, prob_out=prob_out,
+        dist_out=dist_out, writes=("token_out", "prob_out", "dist_out"))
     rows, vocab, filters = _prepare(be, logits, filters)
     streams = _check_streams(be, streams, rows)
     if method not in METHODS:
@@ -422,6 +426,7 @@ def sample_filtered(be, logits, filters: Filters, streams: Streams, method: str 
 
 def filtered_probs(be, logits, filters: Filters, out=None):
     """The filtered distributions of `logits` [rows, V] -> float32 [rows, V] (no draw)."""
+    logits, filters, out = adopt(be, logits=logits, filters=filters, out=out, writes=("out",))
     rows, vocab, filters = _prepare(be, logits, filters)
     dist = _out(be, out, (rows, vocab), f32, "out")
     if be.kernels is None:
@@ -448,6 +453,9 @@ def speculative_accept(be, drafts, draft_indptr, q, p, seed, counter, m_out=None
     distributions. seed and counter (uint64 [B]) name the session's round. m = drafts accepted,
     next = the token after them (residual or bonus, see Source). Acceptance statistics follow
     from (nd_b, m): dspark.stats.SpecStats.record(nd_b, m)."""
+    drafts, draft_indptr, q, p, seed, counter, m_out, next_out, source_out = adopt(
+        be, drafts=drafts, draft_indptr=draft_indptr, q=q, p=p, seed=seed, counter=counter, m_out=m_out,
+        next_out=next_out, source_out=source_out, writes=("m_out", "next_out", "source_out"))
     require_ndim(drafts, 1, "drafts", "[nd_total]")
     require_dtype(drafts, np.int32, "drafts")
     nd_total = drafts.shape[0]
@@ -492,6 +500,7 @@ def speculative_accept(be, drafts, draft_indptr, q, p, seed, counter, m_out=None
 def philox_random(be, ctr, key):
     """Philox4x32-10 of counters `ctr` uint32 [n, 4] under keys `key` uint32 [n, 2] ->
     (bits uint32, uniform [0,1) float32, uniform_open (0,1) float32, gumbel float32), each [n, 4]."""
+    ctr, key = adopt(be, ctr=ctr, key=key)
     require_ndim(ctr, 2, "ctr", "[n, 4]")
     require_dtype(ctr, u32, "ctr")
     n = ctr.shape[0]

@@ -17,6 +17,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..errors import CapacityError, DTypeError, ShapeError, StateError
+from ..arrays import adopt
 from .checks import require_dense, require_dtype, require_indptr, require_ndim, require_shape
 
 COPY_THREADS = 256
@@ -69,6 +70,7 @@ def checkpoint_select_ref(state_ckpt, conv_ckpt, states, conv_windows, col_indpt
 
 # ---- ops ------------------------------------------------------------------------------------
 def _copy(be, src, dst, src_name: str, dst_name: str) -> None:
+    src, dst = adopt(be, **{src_name: src, dst_name: dst}, writes=(dst_name,))
     src = require_table(be, src, src_name, writable=False)
     dst = require_table(be, dst, dst_name, count=len(src))
     for i, (s, d) in enumerate(zip(src, dst)):
@@ -114,6 +116,10 @@ def checkpoint_select(be, state_ckpt, conv_ckpt, states, conv_windows, col_indpt
     sessions with keep >= 1 are not read) and it is copied in the same launch. Without snapshots
     a keep of 0 raises StateError rather than leave the post-verify state live.
     """
+    state_ckpt, conv_ckpt, states, conv_windows, col_indptr, keep, snap_states, snap_convs = adopt(
+        be, state_ckpt=state_ckpt, conv_ckpt=conv_ckpt, states=states, conv_windows=conv_windows,
+        col_indptr=col_indptr, keep=keep, snap_states=snap_states, snap_convs=snap_convs,
+        writes=("states", "conv_windows"))
     require_ndim(state_ckpt, 4, "state_ckpt", "[cols, H, dv, dk]")
     require_dtype(state_ckpt, np.float32, "state_ckpt")
     require_ndim(conv_ckpt, 3, "conv_ckpt", "[cols, C, 3]")
