@@ -877,3 +877,42 @@ def backend(arch: str = "sm_90"):
 
 def pool() -> MemoryPool:
     return _POOL
+
+
+# ---- per-round counts ----------------------------------------------------------------------------------
+def round_counts(sampled: bool, rounds: int = 4, batch: int = 1, seed: int = 7):
+    """(Counts, rounds run, batch) of `rounds` spec rounds of `batch` sessions of the tiny pair on
+    the stand-in, after one warm-up round (module loads are not per-round costs)."""
+    from ..models.presets import tiny_pair
+    from ..params import SamplingParams, SpecParams
+    from ..session import DsparkSpecSession, spec_round
+    be = backend()
+    trunk, drafter = tiny_pair(be, seed)
+    rng = np.random.default_rng(seed)
+    sampling = SamplingParams(temperature=0.8, top_p=0.95, seed=seed) if sampled else SamplingParams()
+    params = SpecParams(max_new_tokens=10_000, sampling=sampling, capture=False)
+    sessions = [DsparkSpecSession.prime(trunk, drafter, rng.integers(0, 256, 24).astype(np.int32), params)
+                for _ in range(batch)]
+    spec_round(sessions)
+    with profile.counting() as c:
+        for _ in range(rounds):
+            spec_round(sessions)
+    for s in sessions:
+        s.close()
+    return c, rounds, batch
+
+
+def main() -> None:
+    print(f"per round on the cuda backend (CuPy {CUPY_VERSION} contract stand-in), tiny pair, drafter block 4:")
+    for sampled in (False, True):
+        for batch in (1, 2):
+            c, n, b = round_counts(sampled, batch=batch)
+            print(f"  {'sampled' if sampled else 'greedy '} B={b}: {c.line(n)}")
+    c, n, _ = round_counts(False)
+    print("device->host copies and syncs of one greedy round (B=1), by dspark line:")
+    for site, k in sorted(c.sites.items()):
+        print(f"  {k / n:.0f}  {site}")
+
+
+if __name__ == "__main__":
+    main()
