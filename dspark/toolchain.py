@@ -122,8 +122,10 @@ class Nvrtc:
             self.lib.nvrtcGetErrorString.restype = ctypes.c_char_p
             raise RuntimeError(f"NVRTC {what}: {self.lib.nvrtcGetErrorString(status).decode()}")
 
-    def compile(self, source: Path, arch: str, options: tuple[str, ...] = NVRTC_OPTIONS) -> tuple[bytes, str]:
-        """(cubin, log) for `source` at `arch`; raises RuntimeError with the log on failure."""
+    def compile(self, source: Path, arch: str, options: tuple[str, ...] = NVRTC_OPTIONS,
+                ptx: bool = False) -> tuple[bytes, str]:
+        """(cubin, log) for `source` at `arch` (PTX text instead of the cubin with ptx=True, for a
+        `compute_XY` arch); raises RuntimeError with the log on failure."""
         prog = ctypes.c_void_p()
         code = source.read_bytes()
         self._check(self.lib.nvrtcCreateProgram(ctypes.byref(prog), code, source.name.encode(), 0, None, None),
@@ -139,10 +141,11 @@ class Nvrtc:
             log = buf.value.decode(errors="replace")
             if status:
                 raise RuntimeError(f"NVRTC failed to compile {source.name} for {arch}:\n{log}")
-            self.lib.nvrtcGetCUBINSize(prog, ctypes.byref(size))
-            cubin = ctypes.create_string_buffer(size.value)
-            self._check(self.lib.nvrtcGetCUBIN(prog, cubin), "get cubin")
-            return cubin.raw, log
+            what = "PTX" if ptx else "CUBIN"
+            self._check(getattr(self.lib, f"nvrtcGet{what}Size")(prog, ctypes.byref(size)), f"get {what} size")
+            out = ctypes.create_string_buffer(size.value)
+            self._check(getattr(self.lib, f"nvrtcGet{what}")(prog, out), f"get {what}")
+            return out.raw, log
         finally:
             self.lib.nvrtcDestroyProgram(ctypes.byref(prog))
 

@@ -1,12 +1,16 @@
-"""Every csrc/*.cu compiles with nvcc and NVRTC for sm_80 and sm_90, with no spills, and every
-extern "C" entry point comes out of both compilers under its own name."""
+"""Every csrc/*.cu compiles with nvcc and NVRTC for sm_80 and sm_90, with dspark's options and no
+spills, and every extern "C" entry point comes out of both compilers under its own name. The NVRTC
+cubin is the one binary: the one the cuda backend loads and profiling/ptxas_report.md describes."""
 
 import os
+import sys
+from pathlib import Path
 
 import pytest
 
-from dspark.kernel_sources import kernel_files, load_json
-from dspark.toolchain import ARCHS, Nvrtc, nvcc, nvcc_cubin, parse_ptxas
+from dspark.kernel_sources import includes, kernel_files, load_json
+from dspark.toolchain import (ARCHS, NVCC_FLAGS, NVRTC_OPTIONS, Nvrtc, cubin_key, family_cubin, nvcc, nvcc_cubin,
+                              parse_ptxas)
 
 IN_CI = os.environ.get("CI") == "true"
 FILES = kernel_files()
@@ -48,9 +52,67 @@ def test_nvcc_compiles_without_spills(path, arch):
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("path", FILES, ids=[f.name for f in FILES])
 def test_nvrtc_compiles_without_spills(nvrtc, path, arch):
-    cubin, log = nvrtc.compile(path, arch)
-    assert cubin[:4] == b"\x7fELF"
-    check_report(parse_ptxas(log), path, arch)
+    cubin = family_cubin(path, arch, nvrtc)
+    assert cubin.read()[:4] == b"\x7fELF"
+    check_report(cubin.resources(), path, arch)
+
+
+def test_floating_point_policy_is_one_for_every_compiler():
+    """No contraction, no flush to zero, IEEE division and sqrt: NVRTC and nvcc alike."""
+    for flag in ("-fmad=false", "-ftz=false", "-prec-div=true", "-prec-sqrt=true"):
+        assert flag in NVRTC_OPTIONS and f"-{flag}" in NVCC_FLAGS
+
+
+def test_fmad_false_keeps_multiply_and_add_apart(nvrtc, tmp_path):
+    """What the policy buys: a * b + c stays two roundings (mul.rn and add.rn, which ptxas may not
+    fuse); fmaf() stays one fma.rn. With -fmad=true the same source contracts."""
+    src = tmp_path / "contract.cu"
+    src.write_text('extern "C" __global__ void k(const float* a, float* o) { o[0] = a[0] * a[1] + a[2]; }\n'
+                   'extern "C" __global__ void f(const float* a, float* o) { o[0] = fmaf(a[0], a[1], a[2]); }\n')
+
+    def body(options, kernel):
+        ptx = nvrtc.compile(src, "compute_90", options, ptx=True)[0].decode(errors="replace")
+        return ptx.split(f".entry {kernel}(")[1].split(".entry")[0]
+    k, f = body(NVRTC_OPTIONS, "k"), body(NVRTC_OPTIONS, "f")
+    assert "mul.rn.f32" in k and "add.rn.f32" in k and "fma" not in k, k
+    assert "fma.rn.f32" in f, f
+    contracted = body(tuple(o for o in NVRTC_OPTIONS if o != "-fmad=false"), "k")
+    assert "fma.rn.f32" in contracted, "the default (-fmad=true) would have fused it"
+
+
+def test_cubin_key_covers_every_included_header(tmp_path):
+    """Editing a header a family includes changes its key (CuPy's own cache would not notice)."""
+    import shutil
+    root = tmp_path / "csrc"
+    shutil.copytree(FILES[0].parent, root, ignore=shutil.ignore_patterns("simt", "bindings"))
+    src = root / "argmax.cu"
+    deep = [h for h in includes(src) if h.name == "common.cuh"]
+    assert deep, "argmax.cu reaches common.cuh (through reduce.cuh too)"
+    before = cubin_key(src, "sm_90", (12, 9))
+    deep[0].write_text(deep[0].read_text() + "\n// edited\n")
+    assert cubin_key(src, "sm_90", (12, 9)) != before
+    assert cubin_key(src, "sm_90", (12, 8)) != cubin_key(src, "sm_90", (12, 9))
+    assert cubin_key(src, "sm_80", (12, 9)) != cubin_key(src, "sm_90", (12, 9))
+
+
+def test_the_report_and_the_runtime_load_the_same_cubin_bytes(tmp_path, monkeypatch):
+    """The cuda backend (on the CuPy contract stand-in, sm_90) loads each family's cubin with
+    RawModule(path=...); profiling/ptxas_report.py reads the same file. A fresh compile in an
+    empty cache gives the same bytes again, so the cache hides nothing."""
+    from dspark.backends import contract
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "profiling"))
+    import ptxas_report
+    be = contract.backend(arch="sm_90")
+    for path in FILES:
+        be.kernels.module(path.name)
+        loaded = be.xp.loaded[str(be.kernels.cubins[path.name].path)]
+        described = {c.arch: c for c in ptxas_report.cubins(path)}["sm_90"]
+        assert described.read() == loaded, path.name
+        assert set(described.resources()) == entries_of(path)
+    monkeypatch.setenv("DSPARK_CACHE", str(tmp_path))
+    fresh = family_cubin(FILES[0], "sm_90")
+    assert fresh.path.parent == tmp_path / "cubin"
+    assert fresh.read() == be.xp.loaded[str(be.kernels.cubins[FILES[0].name].path)]
 
 
 def test_ptxas_parser():
