@@ -13,6 +13,33 @@ from dspark.backends import cuda_available
 NO_GPU = "no CUDA device (CuPy with a working GPU) on this machine"
 
 
+def pytest_collection_modifyitems(config, items):
+    """bf16 cases on cuda skip, with the reason, where this CuPy has no bfloat16 arrays (CuPy 13):
+    the capability is asked of CuPy itself (dspark.backends.cuda.dtype_supported)."""
+    if not cuda_available():
+        return  # every cuda case skips (or fails under DSPARK_REQUIRE_CUDA) at its fixture anyway
+    import cupy
+
+    from dspark.backends.cuda import dtype_supported
+    from dspark.dtypes import BF16
+    if dtype_supported(cupy, BF16):
+        return
+    skip = pytest.mark.skip(reason=f"CuPy {cupy.__version__} has no bfloat16 arrays")
+
+    def is_bf16(v):
+        if isinstance(v, (tuple, list)):
+            return any(is_bf16(x) for x in v)
+        try:
+            return np.dtype(v) == BF16
+        except TypeError:
+            return False
+    for item in items:
+        params = item.callspec.params if hasattr(item, "callspec") else {}
+        on_cuda = "cuda" in item.fixturenames or any(v == "cuda" for v in params.values() if isinstance(v, str))
+        if on_cuda and any(is_bf16(v) for v in params.values()):
+            item.add_marker(skip)
+
+
 @pytest.fixture(scope="session")
 def simt():
     if "simt" not in dspark.backends():

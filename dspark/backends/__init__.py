@@ -4,6 +4,7 @@ CPU) and `cuda` (the same kernels on a GPU through CuPy)."""
 from __future__ import annotations
 
 import functools
+import os
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -109,6 +110,8 @@ def _make(name: str) -> Backend:
     import cupy
 
     from .cuda import CudaExecutor
+    if os.environ.get("DSPARK_CUDA_POOL") == "0":  # one cudaMalloc per array: compute-sanitizer sees every bound
+        cupy.cuda.set_allocator(None)
     return Backend("cuda", cupy, CudaExecutor())
 
 

@@ -120,3 +120,38 @@ class CudaExecutor:
                 raise KernelArgumentError(f"no kernel named {name!r} in csrc/")
             self._cache[name] = CudaKernel(self.module(sig.source).get_function(name), sig, self._cupy.ndarray)
         return self._cache[name]
+
+
+def main(argv=None) -> int:
+    """Compile and load every kernel family for this machine's GPU (or, with --contract, for
+    sm_90 on the CuPy contract stand-in) and print what was loaded."""
+    import argparse
+    import time
+
+    from ..kernel_sources import kernel_files
+    from ..toolchain import default_nvrtc
+    ap = argparse.ArgumentParser(description=main.__doc__)
+    ap.add_argument("--contract", action="store_true", help="no GPU: load through the CuPy contract stand-in")
+    a = ap.parse_args(argv)
+    if a.contract:
+        from .contract import backend
+        ex = backend("sm_90").kernels
+    else:
+        ex = CudaExecutor()
+    nv = default_nvrtc()
+    print(f"arch {ex.arch}, NVRTC {nv.version[0]}.{nv.version[1]} ({nv.path}), "
+          f"{len(ex.signatures)} entry points scanned from the sources")
+    for f in kernel_files():
+        t = time.perf_counter()
+        ex.module(f.name)
+        c = ex.cubins[f.name]
+        names = sorted(n for n, s in ex.signatures.items() if s.source == f.name)
+        for n in names:
+            ex.get_function(n)
+        print(f"  {f.name}: {len(names)} kernels, cubin {c.path.stat().st_size} bytes, key {c.key[:12]}, "
+              f"loaded in {time.perf_counter() - t:.2f}s")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
