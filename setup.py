@@ -46,8 +46,9 @@ setup(
                       "tokenizers>=0.21"],
     extras_require={
         "cuda12": ["cupy-cuda12x>=13.0", "nvidia-cuda-nvrtc-cu12>=12.0"],
-        "cuda13": ["cupy-cuda13x>=13.6"],
-        # pybind11: the on-demand ASan build of dspark._simt. torch, transformers, dflash and speculators are
+        "cuda13": ["cupy-cuda13x>=13.6", "nvidia-cuda-nvrtc>=13.0"],  # dspark compiles its cubins with NVRTC itself
+        # pybind11: the on-demand ASan build of dspark._simt; cupy-cuda12x: the CuPy contract tests (no GPU
+        # needed). torch, transformers, dflash and speculators are
         # the oracles of the real-model paths. speculators is installed apart with --no-deps (see .ci/run): its
         # own requirements pull a torchvision that breaks the import of transformers beside a CPU torch, so its
         # import-time needs are listed here instead.
