@@ -48,8 +48,7 @@ setup(
         "cuda12": ["cupy-cuda12x>=13.0", "nvidia-cuda-nvrtc-cu12>=12.0"],
         "cuda13": ["cupy-cuda13x>=13.6", "nvidia-cuda-nvrtc>=13.0"],  # dspark compiles its cubins with NVRTC itself
         # pybind11: the on-demand ASan build of dspark._simt; cupy-cuda12x: the CuPy contract tests (no GPU
-        # needed). torch, transformers, dflash and speculators are
-        # the oracles of the real-model paths. speculators is installed apart with --no-deps (see .ci/run): its
+        # needed). torch, transformers, dflash and speculators are the oracles of the real-model paths. speculators is installed apart with --no-deps (see .ci/run): its
         # own requirements pull a torchvision that breaks the import of transformers beside a CPU torch, so its
         # import-time needs are listed here instead.
         "test": ["pytest>=7.4", "hypothesis>=6.90", "nvidia-cuda-nvrtc-cu12>=12.0", "scipy>=1.10",
