@@ -114,11 +114,12 @@ else
   step cuda_tests 180 $PY -m pytest -q -p no:cacheprovider $XDIST tests -k "cuda or gpu" -rs
 fi
 
-# ---- compute-sanitizer over the small per-family cuda tests (one cudaMalloc per array) ------------------
+# ---- compute-sanitizer over the small per-family cuda tests (every op once; one cudaMalloc per array) --
 SANITIZER=$(command -v compute-sanitizer 2>/dev/null)
 for c in /usr/local/cuda*/bin/compute-sanitizer /usr/local/cuda*/compute-sanitizer/compute-sanitizer; do
   [[ -z "$SANITIZER" && -x "$c" ]] && SANITIZER=$c
 done
+[[ $DRY == 1 ]] && step sanitizer_targets 60 $PY -m pytest -q -p no:cacheprovider --collect-only tests/gpu/test_cuda_ops.py
 for tool in memcheck racecheck synccheck; do
   if [[ $DRY == 1 ]]; then
     skip "sanitizer_$tool" "not run (dry run: needs a GPU); compute-sanitizer: ${SANITIZER:-not found}"
@@ -126,7 +127,7 @@ for tool in memcheck racecheck synccheck; do
     skip "sanitizer_$tool" "MISSING: compute-sanitizer not found"
   else
     step "sanitizer_$tool" 60 env DSPARK_CUDA_POOL=0 "$SANITIZER" --tool "$tool" --error-exitcode 3 \
-      --target-processes all $PY -m pytest -q -x -p no:cacheprovider tests/kernels -k "cuda and not compile"
+      --target-processes all $PY -m pytest -q -x -p no:cacheprovider tests/gpu/test_cuda_ops.py
   fi
 done
 

@@ -101,7 +101,8 @@ def test_gpu_check_dry_run(tmp_path):
     assert "dry run OK" in out
     report = (tmp_path / "gpu_report.md").read_text()
     statuses = dict(re.findall(r"^## (\w+): (.*)$", report, re.M))
-    for name in ("build", "info", "cubins", "cuda_tests", "nsys_workload", "verify_launch", "gate", "bench"):
+    for name in ("build", "info", "cubins", "cuda_tests", "sanitizer_targets", "nsys_workload", "verify_launch", "gate",
+                 "bench"):
         assert statuses.get(name, "").startswith("ok"), f"{name}: {statuses.get(name)}\n{report}"
     for name in ("wheels", "sanitizer_memcheck", "sanitizer_racecheck", "sanitizer_synccheck", "nsys", "ncu"):
         assert name in statuses, f"no status for {name}\n{report}"
