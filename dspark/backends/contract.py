@@ -838,10 +838,8 @@ class _CupyModule(types.ModuleType):
         real = getattr(_cupy, name)
         if name in _EXPLICIT:
             value = _EXPLICIT[name]
-        elif isinstance(real, (type, float, int, type(None))) and getattr(np, name, None) is real:
-            value = real  # dtypes and constants are NumPy's own objects in CuPy too
-        elif isinstance(real, float) or real is None:
-            value = real
+        elif getattr(np, name, None) is real or isinstance(real, float) or real is None:
+            value = real  # dtypes, newaxis and constants: NumPy's own objects in CuPy too
         elif type(real).__name__ == "ufunc" and isinstance(getattr(np, name, None), np.ufunc):
             value = _Ufunc(name)
         elif callable(real) and callable(getattr(np, name, None)):

@@ -17,7 +17,6 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-import dspark
 from dspark import profile
 from dspark.backends import contract
 from dspark.decode import PlainBatch, plain_generate
