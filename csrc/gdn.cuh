@@ -1,7 +1,8 @@
 // Gated delta-rule (gdn) mixer: the per-token pieces of the scan (csrc/gdn_scan.cu), each in the
 // one floating-point order that the NumPy reference (dspark/ops/gdn.py) mirrors step by step.
 //
-// Per head h and token t (DESIGN section 6):
+// Per channel c, per value head h and token t (DESIGN section 6); value head h reads key head
+// h / (value heads per key head), so consecutive value heads share a key head's q and k:
 //   conv    y_c   = ((w_c0*x_c,t-3 + w_c1*x_c,t-2) + w_c2*x_c,t-1) + w_c3*x_c,t;  silu(y) = y / (1 + exp(-y))
 //   norm    q    <- (q * 1/sqrt(sum q^2 + 1e-6)) * 1/sqrt(dk),   k <- k * 1/sqrt(sum k^2 + 1e-6)
 //   gates   alpha = exp(-(exp(A_log) * softplus(a + dt_bias))), softplus(x) = x > 20 ? x : log1p(exp(x))
@@ -40,18 +41,17 @@ DSPARK_DEVICE float gdn_row_sum(float v) {
 }
 
 // One channel, one token: SiLU of the causal conv over [window, x], then shift x into the window
-// (and into its checkpoint, when there is one).
-DSPARK_DEVICE float gdn_conv_silu(float* __restrict__ win, const float* __restrict__ w, float x,
+// (registers) and into its checkpoint, when there is one.
+DSPARK_DEVICE float gdn_conv_silu(float (&win)[kGdnWindow], const float (&w)[kGdnTaps], float x,
                                   float* __restrict__ ckpt) {
-  const float x0 = win[0], x1 = win[1], x2 = win[2];
-  const float y = w[0] * x0 + w[1] * x1 + w[2] * x2 + w[3] * x;
-  win[0] = x1;
-  win[1] = x2;
+  const float y = w[0] * win[0] + w[1] * win[1] + w[2] * win[2] + w[3] * x;
+  win[0] = win[1];
+  win[1] = win[2];
   win[2] = x;
   if (ckpt) {
-    ckpt[0] = x1;
-    ckpt[1] = x2;
-    ckpt[2] = x;
+    ckpt[0] = win[0];
+    ckpt[1] = win[1];
+    ckpt[2] = win[2];
   }
   return y / (1.0f + expf(-y));
 }

@@ -1,36 +1,62 @@
 // gdn_scan: the gated delta-rule recurrence over t tokens (columns) per session, for decode
-// (t = 1), verify (t = vt, with per-column checkpoints), replay (t = keep) and prefill.
+// (t = 1), verify (t = vt, with per-column checkpoints), replay (t = keep) and prefill. Two
+// launches per layer, both read by session through col_indptr [B+1] (session s owns the columns
+// col_indptr[s] .. col_indptr[s+1]):
 //
-// gdn_scan_dk<DK>_f32(mixed [cols, C], a [cols, H], b [cols, H], conv_weight [C, 4], A_log [H],
-//                     dt_bias [H], states [B] -> [H, dv, DK], conv_windows [B] -> [C, 3],
-//                     col_indptr [B+1], H, dv, out [cols, H, dv],
-//                     state_ckpt [cols, H, dv, DK] or null, conv_ckpt [cols, C, 3] or null)
-//   C = H * (2*DK + dv) channels laid out [q (H*DK) | k (H*DK) | v (H*dv)]. Session s owns the
-//   columns col_indptr[s] .. col_indptr[s+1]; its state and conv window are updated in place.
-//   The checkpoints, when given, receive the state and the conv window after every column.
+// gdn_conv_f32(mixed [cols, C], conv_weight [C, 4], conv_windows [B] -> [C, 3], col_indptr, C,
+//              x [cols, C], conv_ckpt [cols, C, 3] or null)
+//   The causal depthwise conv + SiLU of every channel. Grid (ceil(C / 128), B), one thread per
+//   (channel, session): it walks the session's columns in order with the window in registers,
+//   so every window has exactly one owner, then writes it back once. A key head's channels are
+//   read by several value heads, so the conv cannot live in the scan's per-head blocks.
 //
-// Grid (H, B): one block per (head, session), so a head's channels and its state have exactly
-// one owner and the scan needs no inter-block ordering. Block: GdnTile<DK>::kLanes threads per
-// state row, rounded up to whole warps (at most 512). The state lives in registers for the
-// whole scan, 32 (or DK) floats per thread; it is read once and written once per launch.
-// Per column:
-//   A. conv + SiLU of the head's 2*DK + dv channels (channel c by thread c mod blockDim, so a
-//      channel's window is only ever touched by one thread), gates by thread 0 -> shared;
+// gdn_scan_dk<DK>_f32(x [cols, C], a [cols, H], b [cols, H], A_log [H], dt_bias [H],
+//                     states [B] -> [H, dv, DK], col_indptr [B+1], heads, k_heads, dv,
+//                     out [cols, H, dv], state_ckpt [cols, H, dv, DK] or null)
+//   C = k_heads * 2*DK + H * dv channels laid out [q (k_heads*DK) | k (k_heads*DK) | v (H*dv)].
+//   Value head h reads key head h / (H / k_heads): consecutive value heads share a key head, as
+//   transformers' repeat_interleave does. Grid (H, B): one block per (value head, session), so a
+//   state has exactly one owner and the scan needs no inter-block ordering. Block:
+//   GdnTile<DK>::kLanes threads per state row, rounded up to whole warps (at most 512). The state
+//   lives in registers for the whole scan, 32 (or DK) floats per thread; it is read once and
+//   written once per launch. Per column:
+//   A. the head's q, k (of its key head) and v to shared memory, gates by thread 0;
 //   B. L2 norm of q by warp 0 and of k by warp 1 (warp 0 when there is only one);
 //   C. the delta rule on each thread's row slice; u and o are summed over the thread's columns
 //      in order g, e (see GdnTile), then over the row's lanes by xor butterfly.
-// Nothing depends on how many columns or sessions share the launch, so a verify column is
-// bitwise equal to the decode step at the same position, and replay equals checkpoint select.
+//
+// Nothing depends on how many columns or sessions share a launch, so a verify column is bitwise
+// equal to the decode step at the same position, and replay equals checkpoint select.
 #include "common.cuh"
 #include "gdn.cuh"
 
+constexpr int kGdnConvThreads = 128;
+
+extern "C" __global__ void __launch_bounds__(kGdnConvThreads) gdn_conv_f32(
+    const float* __restrict__ mixed, const float* __restrict__ conv_weight, float* const* __restrict__ conv_windows,
+    const int* __restrict__ col_indptr, int C, float* __restrict__ x, float* __restrict__ conv_ckpt) {
+  const int c = blockIdx.x * kGdnConvThreads + threadIdx.x, s = blockIdx.y;
+  const int c0 = col_indptr[s], c1 = col_indptr[s + 1];
+  if (c >= C || c0 >= c1) return;  // no barriers here: threads may leave on their own
+  float* __restrict__ window = conv_windows[s] + (int64_t)c * kGdnWindow;
+  float win[kGdnWindow], w[kGdnTaps];
+#pragma unroll
+  for (int j = 0; j < kGdnWindow; ++j) win[j] = window[j];
+#pragma unroll
+  for (int j = 0; j < kGdnTaps; ++j) w[j] = conv_weight[(int64_t)c * kGdnTaps + j];
+  for (int col = c0; col < c1; ++col) {
+    const int64_t i = (int64_t)col * C + c;
+    x[i] = gdn_conv_silu(win, w, mixed[i], conv_ckpt ? conv_ckpt + i * kGdnWindow : nullptr);
+  }
+#pragma unroll
+  for (int j = 0; j < kGdnWindow; ++j) window[j] = win[j];
+}
+
 template <int DK>
-DSPARK_DEVICE void gdn_scan(const float* __restrict__ mixed, const float* __restrict__ a,
-                            const float* __restrict__ b, const float* __restrict__ conv_weight,
+DSPARK_DEVICE void gdn_scan(const float* __restrict__ x, const float* __restrict__ a, const float* __restrict__ b,
                             const float* __restrict__ A_log, const float* __restrict__ dt_bias,
-                            float* const* __restrict__ states, float* const* __restrict__ conv_windows,
-                            const int* __restrict__ col_indptr, int heads, int dv, float* __restrict__ out,
-                            float* __restrict__ state_ckpt, float* __restrict__ conv_ckpt) {
+                            float* const* __restrict__ states, const int* __restrict__ col_indptr, int heads,
+                            int k_heads, int dv, float* __restrict__ out, float* __restrict__ state_ckpt) {
   using Tile = GdnTile<DK>;
   DSPARK_DYNAMIC_SMEM(float, xs);  // this token's [q DK | k DK | v dv] for this head
   __shared__ float2 gate;          // (alpha, beta) of this token
@@ -38,7 +64,11 @@ DSPARK_DEVICE void gdn_scan(const float* __restrict__ mixed, const float* __rest
   const int h = blockIdx.x, s = blockIdx.y;
   const int c0 = col_indptr[s], c1 = col_indptr[s + 1];
   if (c0 >= c1) return;  // the whole block leaves together
-  const int channels = 2 * DK + dv, C = heads * channels;
+  const int C = 2 * k_heads * DK + heads * dv;
+  const int kh = h / (heads / k_heads);  // the key head this value head reads
+  const float* q_src = x + kh * DK;
+  const float* k_src = x + (k_heads + kh) * DK;
+  const float* v_src = x + 2 * k_heads * DK + h * dv;
   const int row = threadIdx.x / Tile::kLanes, part = threadIdx.x % Tile::kLanes;
   const bool owner = row < dv;  // padding threads still join every shuffle and barrier
   const int64_t row_off = ((int64_t)h * dv + row) * DK;
@@ -50,7 +80,6 @@ DSPARK_DEVICE void gdn_scan(const float* __restrict__ mixed, const float* __rest
                            : make_float4(0.f, 0.f, 0.f, 0.f);
     S[4 * g] = v.x, S[4 * g + 1] = v.y, S[4 * g + 2] = v.z, S[4 * g + 3] = v.w;
   }
-  float* __restrict__ window = conv_windows[s];
   const float A = expf(A_log[h]), bias = dt_bias[h];
   const float q_scale = 1.0f / sqrtf((float)DK);
   const int warp = threadIdx.x >> 5, k_warp = blockDim.x > 32 ? 1 : 0;
@@ -58,13 +87,10 @@ DSPARK_DEVICE void gdn_scan(const float* __restrict__ mixed, const float* __rest
   const float4* k4 = reinterpret_cast<const float4*>(xs + DK);
 
   for (int col = c0; col < c1; ++col) {
-    // A. conv + SiLU, gates.
-    for (int c = threadIdx.x; c < channels; c += blockDim.x) {
-      const int gc = c < 2 * DK ? (c / DK) * heads * DK + h * DK + c % DK : 2 * heads * DK + h * dv + (c - 2 * DK);
-      float* ckpt = conv_ckpt ? conv_ckpt + ((int64_t)col * C + gc) * kGdnWindow : nullptr;
-      xs[c] = gdn_conv_silu(window + (int64_t)gc * kGdnWindow, conv_weight + (int64_t)gc * kGdnTaps,
-                            mixed[(int64_t)col * C + gc], ckpt);
-    }
+    // A. q and k of the key head, v of this head; gates.
+    const int64_t at = (int64_t)col * C;
+    for (int c = threadIdx.x; c < DK; c += blockDim.x) xs[c] = q_src[at + c], xs[DK + c] = k_src[at + c];
+    for (int c = threadIdx.x; c < dv; c += blockDim.x) xs[2 * DK + c] = v_src[at + c];
     if (threadIdx.x == 0) gate = gdn_gates(a[(int64_t)col * heads + h], b[(int64_t)col * heads + h], A, bias);
     __syncthreads();
 
@@ -123,13 +149,11 @@ DSPARK_DEVICE void gdn_scan(const float* __restrict__ mixed, const float* __rest
 
 #define DSPARK_GDN_SCAN_ENTRY(DK)                                                                          \
   extern "C" __global__ void __launch_bounds__(kGdnMaxThreads) gdn_scan_dk##DK##_f32(                      \
-      const float* __restrict__ mixed, const float* __restrict__ a, const float* __restrict__ b,           \
-      const float* __restrict__ conv_weight, const float* __restrict__ A_log,                              \
-      const float* __restrict__ dt_bias, float* const* __restrict__ states,                                \
-      float* const* __restrict__ conv_windows, const int* __restrict__ col_indptr, int heads, int dv,      \
-      float* __restrict__ out, float* __restrict__ state_ckpt, float* __restrict__ conv_ckpt) {            \
-    gdn_scan<DK>(mixed, a, b, conv_weight, A_log, dt_bias, states, conv_windows, col_indptr, heads, dv,    \
-                 out, state_ckpt, conv_ckpt);                                                              \
+      const float* __restrict__ x, const float* __restrict__ a, const float* __restrict__ b,               \
+      const float* __restrict__ A_log, const float* __restrict__ dt_bias, float* const* __restrict__ states, \
+      const int* __restrict__ col_indptr, int heads, int k_heads, int dv, float* __restrict__ out,         \
+      float* __restrict__ state_ckpt) {                                                                    \
+    gdn_scan<DK>(x, a, b, A_log, dt_bias, states, col_indptr, heads, k_heads, dv, out, state_ckpt);        \
   }
 
 DSPARK_GDN_SCAN_ENTRY(16)

@@ -22,7 +22,6 @@ from .models.cache import Cache
 from .models.drafter import DraftKV, DsparkDrafter
 from .models.trunk import HybridTrunk
 from .ops.argmax import argmax_rows, greedy_accept
-from .ops.gdn import gdn_scan
 from .ops.snapshot import checkpoint_select, snapshot_restore, snapshot_save
 from .profile import phase
 from .stats import SpecStats
@@ -363,19 +362,7 @@ def rollback(trunk: HybridTrunk, live: list[DsparkSpecSession], tp, keep: np.nda
 
 def replay(trunk: HybridTrunk, caches: list[Cache], tp, starts: np.ndarray, keep: np.ndarray) -> None:
     """Re-run each gdn layer's scan over the first keep[b] recorded columns of each session."""
-    be, c = trunk.be, trunk.config
-    rows = be.xp.asarray(np.concatenate([s + np.arange(k) for s, k in zip(starts, keep)]).astype(np.int64))
-    indptr = be.asarray(np.concatenate([[0], np.cumsum(keep)]).astype(np.int32))
-    gi = 0
-    for i, kind in enumerate(c.layers):
-        if kind != "gdn":
-            continue
-        p = f"layers.{i}.gdn."
-        inp = tp.gdn_inputs[gi]
-        gdn_scan(be, inp.mixed[rows], inp.a[rows], inp.b[rows], trunk.w[p + "conv"], trunk.w[p + "A_log"],
-                 trunk.w[p + "dt_bias"], [cc.state[gi] for cc in caches], [cc.conv[gi] for cc in caches], indptr,
-                 heads=c.gdn_heads, dk=c.gdn_dk, dv=c.gdn_dv)
-        gi += 1
+    trunk.replay(caches, tp, starts, keep)
 
 
 def spec_burst(sessions: list[DsparkSpecSession], target: int | None = None) -> list[list[int]]:

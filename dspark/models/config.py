@@ -9,10 +9,15 @@ from pathlib import Path
 MIXERS = ("gdn", "attn")
 
 
+ROPE_TYPES = ("default", "linear", "yarn")
+
+
 @dataclass(frozen=True)
 class TrunkConfig:
+    """One model code path, configured by data: the embedded byte-level trunk is the defaults, a
+    Hugging Face checkpoint maps its config onto the same fields (dspark.models.hf)."""
     vocab: int = 258                 # byte-level: 256 bytes, EOS, MASK
-    eos_id: int = 256
+    eos_id: int = 256                # -1: no end-of-sequence token
     mask_id: int = 257
     d_model: int = 128
     mlp_hidden: int = 256
@@ -23,14 +28,26 @@ class TrunkConfig:
     head_dim: int = 64
     rope_theta: float = 10000.0
     # gated delta net
-    gdn_heads: int = 2
+    gdn_heads: int = 2               # value heads: one [dv, dk] state each
     gdn_dk: int = 32
     gdn_dv: int = 32
     conv_kernel: int = 4
     norm_eps: float = 1e-6
-    tap_layers: tuple[int, ...] = (1, 3)  # layer outputs the drafter reads
+    tap_layers: tuple[int, ...] = (1, 3)  # layer outputs the drafter reads (default; see HybridTrunk.forward)
     max_ctx: int = 2048
     kv_dtype: str = "float32"
+    # Conventions of other checkpoints, as data. Each default is the embedded trunk's, and a field
+    # at its default is left out of the JSON (to_json), so older files stay as they were.
+    gdn_k_heads: int = 0             # key heads; 0: one per value head. Value head h reads key
+                                     # head h // (gdn_heads / gdn_k_heads) (Qwen3.5: 2 or 3 per key head)
+    norm_offset: float = 0.0         # RMSNorm scales by (norm_offset + w): 1.0 for zero-centred
+                                     # weights (Qwen3.5); never applied to the gdn output norm
+    qk_norm: bool = False            # RMSNorm over each q and k head before RoPE (Qwen3, Qwen3.5)
+    attn_gate: bool = False          # the q projection also yields a sigmoid output gate per head:
+                                     # columns [q_h (head_dim) | gate_h (head_dim)] for each head h
+    rope_fraction: float = 1.0       # RoPE rotates the first int(head_dim * fraction) dims of a head
+    rope_scaling: tuple = ()         # (key, value) pairs: rope_type linear | yarn and its parameters
+    tie_embeddings: bool = False     # LM head = embedding^T (no lm_head tensor)
 
     def __post_init__(self):
         bad = [m for m in self.layers if m not in MIXERS]
@@ -42,10 +59,35 @@ class TrunkConfig:
             raise ValueError(f"conv_kernel={self.conv_kernel}: the gdn kernels implement 4")
         if not self.tap_layers or any(not 0 <= t < len(self.layers) for t in self.tap_layers):
             raise ValueError(f"tap_layers={self.tap_layers}: expected layer indices in [0, {len(self.layers)})")
+        if self.gdn_k_heads < 0 or self.gdn_heads % self.gdn_key_heads:
+            raise ValueError(f"gdn_heads={self.gdn_heads} must be a multiple of gdn_k_heads={self.gdn_k_heads}")
+        if not (0 < self.rope_dim <= self.head_dim and self.rope_dim % 2 == 0):
+            raise ValueError(f"rope_fraction={self.rope_fraction} with head_dim={self.head_dim} rotates "
+                             f"{self.rope_dim} dims: expected an even count in [2, {self.head_dim}]")
+        scaling = self.rope_scaling
+        if isinstance(scaling, dict) or (scaling and not isinstance(scaling[0], tuple)):
+            # JSON brings a dict or a list of [key, value] lists: keep one hashable, sorted form
+            items = scaling.items() if isinstance(scaling, dict) else (tuple(kv) for kv in scaling)
+            object.__setattr__(self, "rope_scaling", tuple(sorted((str(k), v) for k, v in items)))
+        rope_type = self.rope_params.get("rope_type", "default")
+        if rope_type not in ROPE_TYPES:
+            raise ValueError(f"rope_scaling rope_type={rope_type!r}: expected one of {ROPE_TYPES}")
+
+    @property
+    def gdn_key_heads(self) -> int:
+        return self.gdn_k_heads or self.gdn_heads
 
     @property
     def gdn_channels(self) -> int:
-        return self.gdn_heads * (2 * self.gdn_dk + self.gdn_dv)
+        return 2 * self.gdn_key_heads * self.gdn_dk + self.gdn_heads * self.gdn_dv
+
+    @property
+    def rope_dim(self) -> int:
+        return int(self.head_dim * self.rope_fraction)
+
+    @property
+    def rope_params(self) -> dict:
+        return dict(self.rope_scaling)
 
 
 @dataclass(frozen=True)
@@ -82,8 +124,18 @@ class DrafterConfig:
         return self.window + self.block
 
 
+# Fields added after the first file format: written only when they differ from their defaults.
+EXTENSIONS = {"TrunkConfig": ("gdn_k_heads", "norm_offset", "qk_norm", "attn_gate", "rope_fraction", "rope_scaling",
+                              "tie_embeddings")}
+
+
 def to_json(cfg) -> str:
-    return json.dumps({"kind": type(cfg).__name__, **asdict(cfg)}, indent=1)
+    data = asdict(cfg)
+    defaults = {f.name: f.default for f in fields(cfg)}
+    for name in EXTENSIONS.get(type(cfg).__name__, ()):
+        if data[name] == defaults[name]:
+            del data[name]
+    return json.dumps({"kind": type(cfg).__name__, **data}, indent=1)
 
 
 def from_json(text_or_path, kind):

@@ -1,6 +1,11 @@
 """The hybrid trunk: embedding, blocks of [RMSNorm, mixer (gdn | attn), residual, RMSNorm, SwiGLU
 MLP, residual], final norm, LM head. Tap layers expose hidden states for the drafter.
 
+One model code path for every checkpoint: the embedded byte-level trunk, Qwen3 (dense attention,
+q/k norms) and Qwen3.5 (gdn + gated attention with partial RoPE, zero-centred norms, several
+value heads per key head) are configurations of it (TrunkConfig; dspark.models.hf maps Hugging
+Face checkpoints onto it).
+
 One ragged forward serves every use: `prefill` (one session, many rows), `decode` (many sessions,
 one row each) and `verify` (many sessions, vt rows each). New K/V rows go to a block scratch and
 reach the cache through one `kv_commit` launch, so verify can commit only the accepted prefix.
@@ -13,6 +18,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from ..dtypes import BF16
 from ..errors import CapacityError, ShapeError, TokenRangeError
 from ..ops import dense
 from ..ops.attention import attention
@@ -20,7 +26,8 @@ from ..ops.gdn import gdn_scan
 from ..ops.kv_commit import kv_commit
 from .cache import Cache
 from .config import TrunkConfig
-from .weights import check_weights, load_model, random_weights, save_model, to_backend, trunk_spec
+from .weights import OFFSET_NORMS, STORAGE, check_weights, load_model, random_weights, save_model, trunk_spec, \
+    trunk_to_backend
 
 
 @dataclass
@@ -35,8 +42,9 @@ class GdnInputs:
 class TrunkPass:
     """The result of a ragged trunk forward."""
     logits: object                  # [rows, V] f32
-    taps: object                    # [rows, n_taps * d] f32
+    taps: object                    # [rows, n_taps * d] f32: the outputs of tap_layers, in that order
     row_indptr: np.ndarray          # [B+1] host int32
+    tap_layers: tuple = ()          # the layers whose outputs `taps` holds
     k_blk: list = field(default_factory=list)      # per attn layer [rows, Hkv, D]: the verify scratch
     v_blk: list = field(default_factory=list)
     gdn_inputs: list = field(default_factory=list)  # per gdn layer, when recorded
@@ -45,12 +53,19 @@ class TrunkPass:
 
 
 class HybridTrunk:
-    def __init__(self, config: TrunkConfig, weights: dict[str, np.ndarray], backend):
-        check_weights(weights, trunk_spec(config), "trunk")
+    def __init__(self, config: TrunkConfig, weights: dict[str, np.ndarray], backend, dtype=None):
+        """`weights` by our names (weights.trunk_spec), f32 / f16 / bf16 host arrays. `dtype` is
+        the storage dtype of the matrices on the backend (default float32); vectors stay f32 and
+        all math is f32 (dspark.ops.dense)."""
+        check_weights(weights, trunk_spec(config), "trunk", dtypes=STORAGE)
+        dtype = np.dtype(np.float32 if dtype is None else dtype)
+        if dtype not in STORAGE:
+            raise ValueError(f"dtype={dtype}: expected float32, float16 or bfloat16")
         self.config = config
         self.be = backend
+        self.weight_dtype = dtype
         self.host_weights = weights
-        self.w = to_backend(backend, weights)
+        self.w = trunk_to_backend(backend, config, weights, dtype)
 
     # ---- construction and files ---------------------------------------------------------------
     @classmethod
@@ -59,7 +74,11 @@ class HybridTrunk:
         if backend is None:
             from ..backends import get_backend
             backend = get_backend()
-        return cls(config, random_weights(trunk_spec(config), seed), backend)
+        weights = random_weights(trunk_spec(config), seed)
+        for name in weights:
+            if config.norm_offset and name.rsplit(".", 1)[-1] in OFFSET_NORMS:
+                weights[name] -= np.float32(config.norm_offset)  # stored zero-centred, same effective norms
+        return cls(config, weights, backend)
 
     @classmethod
     def load(cls, directory, backend, name: str = "trunk") -> "HybridTrunk":
@@ -67,7 +86,10 @@ class HybridTrunk:
         return cls(config, tensors, backend)
 
     def save(self, directory, name: str = "trunk", fmt: str = "safetensors") -> None:
-        save_model(directory, name, self.config, self.host_weights, fmt)
+        # bf16 (a Hugging Face checkpoint's) is written widened: NumPy's file writers have no bf16
+        save_model(directory, name, self.config,
+                   {k: np.asarray(v, np.float32 if v.dtype == BF16 else v.dtype) for k, v in self.host_weights.items()},
+                   fmt)
 
     def new_cache(self, capacity: int | None = None, owner: str | None = None) -> Cache:
         return Cache(self.be, self.config, capacity, owner)
@@ -87,16 +109,19 @@ class HybridTrunk:
 
     # ---- the forward --------------------------------------------------------------------------
     def forward(self, caches: list[Cache], tokens: list, *, commit: bool, record_gdn: bool = False,
-                checkpoints: bool = False) -> TrunkPass:
+                checkpoints: bool = False, taps=None) -> TrunkPass:
         """Run `tokens[b]` at positions caches[b].pos.. for every session b.
 
         commit=True copies every new K/V row into the caches and advances pos (prefill, decode).
         commit=False leaves the attention caches and pos alone (verify): the K/V rows stay in the
         returned scratch for `commit_rows`. The gdn state always advances through every column;
         record_gdn keeps the scan inputs for replay, checkpoints keeps the state after each column.
+        taps: the layers whose outputs (hidden_states[layer + 1] in transformers' terms) make
+        TrunkPass.taps, in that order; default config.tap_layers. A drafter passes its own.
         """
         c, be, w = self.config, self.be, self.w
         xp = be.xp
+        tap_layers = self.check_taps(taps)
         toks = [self.check_tokens(t, f"tokens[{b}]") for b, t in enumerate(tokens)]
         lens = np.array([t.size for t in toks], np.int32)
         for b, cache in enumerate(caches):
@@ -108,9 +133,9 @@ class HybridTrunk:
         positions = np.concatenate([p + np.arange(n) for p, n in zip(pos, lens)]).astype(np.int64) if len(lens) else np.zeros(0, np.int64)
         ids = xp.asarray(np.concatenate(toks) if toks else np.zeros(0, np.int32))
         dev_indptr = xp.asarray(indptr)
-        x = w["embed"][ids]
-        out = TrunkPass(logits=None, taps=None, row_indptr=indptr)
-        taps = []
+        x = dense.widen(w["embed"][ids])
+        out = TrunkPass(logits=None, taps=None, row_indptr=indptr, tap_layers=tap_layers)
+        taps_of = {}
         ia = ig = 0
         for i, kind in enumerate(c.layers):
             p = f"layers.{i}."
@@ -124,29 +149,49 @@ class HybridTrunk:
             h = dense.rmsnorm(x, w[p + "norm2"], c.norm_eps)
             x = x + dense.linear(dense.swiglu(dense.linear(h, w[p + "mlp.w_gate"]), dense.linear(h, w[p + "mlp.w_up"])),
                                  w[p + "mlp.w_down"])
-            if i in c.tap_layers:
-                taps.append(x)
-        out.taps = xp.concatenate(taps, axis=1)
+            if i in tap_layers:
+                taps_of[i] = x
+        out.taps = xp.concatenate([taps_of[i] for i in tap_layers], axis=1)
         out.logits = dense.linear(dense.rmsnorm(x, w["final_norm"], c.norm_eps), w["lm_head"])
         if commit:
             self.commit_rows(caches, out, lens)
         return out
 
+    def check_taps(self, taps) -> tuple[int, ...]:
+        if taps is None:
+            return self.config.tap_layers
+        n = len(self.config.layers)
+        t = tuple(int(i) for i in taps)
+        if not t or any(not 0 <= i < n for i in t):
+            raise ShapeError(f"taps={tuple(taps)}: expected one or more layer indices in [0, {n})")
+        return t
+
     def _attention(self, h, p, caches, ia, pos, indptr, positions, out):
         c, w = self.config, self.w
-        rows = h.shape[0]
-        q = dense.linear(h, w[p + "attn.wq"]).reshape(rows, c.attn_heads, c.head_dim)
-        k = dense.linear(h, w[p + "attn.wk"]).reshape(rows, c.attn_kv_heads, c.head_dim)
-        v = dense.linear(h, w[p + "attn.wv"]).reshape(rows, c.attn_kv_heads, c.head_dim)
-        q = dense.rope(q, positions, c.rope_theta)
-        k = dense.rope(k, positions, c.rope_theta)
+        rows, H, D = h.shape[0], c.attn_heads, c.head_dim
+        q = dense.linear(h, w[p + "attn.wq"])
+        gate = None
+        if c.attn_gate:  # per head [q (D) | gate (D)], as transformers' Qwen3.5 chunks q_proj's output
+            q = q.reshape(rows, H, 2 * D)
+            q, gate = q[..., :D], q[..., D:].reshape(rows, H * D)
+        q = q.reshape(rows, H, D)
+        k = dense.linear(h, w[p + "attn.wk"]).reshape(rows, c.attn_kv_heads, D)
+        v = dense.linear(h, w[p + "attn.wv"]).reshape(rows, c.attn_kv_heads, D)
+        if c.qk_norm:
+            q = dense.rmsnorm(q, w[p + "attn.q_norm"], c.norm_eps)
+            k = dense.rmsnorm(k, w[p + "attn.k_norm"], c.norm_eps)
+        q = dense.rope(q, positions, c.rope_theta, c.rope_dim, c.rope_scaling)
+        k = dense.rope(k, positions, c.rope_theta, c.rope_dim, c.rope_scaling)
         kv_dtype = caches[0].k[ia].dtype if caches else np.float32
         q, k, v = (a.astype(kv_dtype) for a in (q, k, v))
         out.k_blk.append(k)
         out.v_blk.append(v)
         o = attention(self.be, q, k, v, [cc.k[ia] for cc in caches], [cc.v[ia] for cc in caches], pos, indptr,
                       mode="causal")
-        return dense.linear(o.reshape(rows, -1).astype(np.float32), w[p + "attn.wo"])
+        o = o.reshape(rows, -1).astype(np.float32)
+        if gate is not None:
+            o = o * dense.sigmoid(gate)
+        return dense.linear(o, w[p + "attn.wo"])
 
     def _gdn(self, h, p, caches, ig, dev_indptr, out, record, checkpoints):
         c, w, xp = self.config, self.w, self.be.xp
@@ -163,11 +208,25 @@ class HybridTrunk:
             out.conv_ckpt.append(cck)
         if record:
             out.gdn_inputs.append(GdnInputs(mixed, a, b))
-        o = gdn_scan(self.be, mixed, a, b, w[p + "gdn.conv"], w[p + "gdn.A_log"], w[p + "gdn.dt_bias"],
-                     [cc.state[ig] for cc in caches], [cc.conv[ig] for cc in caches], dev_indptr,
-                     heads=H, dk=c.gdn_dk, dv=dv, state_ckpt=sck, conv_ckpt=cck)
+        o = self._scan(p, mixed, a, b, [cc.state[ig] for cc in caches], [cc.conv[ig] for cc in caches], dev_indptr,
+                       state_ckpt=sck, conv_ckpt=cck)
         o = dense.rmsnorm(o, w[p + "gdn.o_norm"], c.norm_eps) * dense.silu(z)
         return dense.linear(o.reshape(rows, H * dv), w[p + "gdn.wo"])
+
+    def _scan(self, p, mixed, a, b, states, convs, indptr, **ckpt):
+        c, w = self.config, self.w
+        return gdn_scan(self.be, mixed, a, b, w[p + "gdn.conv"], w[p + "gdn.A_log"], w[p + "gdn.dt_bias"], states,
+                        convs, indptr, heads=c.gdn_heads, dk=c.gdn_dk, dv=c.gdn_dv, k_heads=c.gdn_key_heads, **ckpt)
+
+    def replay(self, caches: list[Cache], tp: TrunkPass, starts, keep) -> None:
+        """Re-run each gdn layer's scan over the first keep[b] columns a verify recorded for
+        session b (its columns start at row starts[b] of tp), from the restored state."""
+        rows = self.be.xp.asarray(np.concatenate([s + np.arange(k) for s, k in zip(starts, keep)]).astype(np.int64))
+        indptr = self.be.asarray(np.concatenate([[0], np.cumsum(keep)]).astype(np.int32))
+        gdn_layers = [i for i, kind in enumerate(self.config.layers) if kind == "gdn"]
+        for gi, (i, inp) in enumerate(zip(gdn_layers, tp.gdn_inputs)):
+            self._scan(f"layers.{i}.", inp.mixed[rows], inp.a[rows], inp.b[rows], [cc.state[gi] for cc in caches],
+                       [cc.conv[gi] for cc in caches], indptr)
 
     def commit_rows(self, caches: list[Cache], tp: TrunkPass, keep) -> None:
         """Copy rows [0, keep[b]) of each session's scratch into its cache (all attention layers,
@@ -181,13 +240,13 @@ class HybridTrunk:
             cc.pos += int(n)
 
     # ---- entry points used by the session layer -----------------------------------------------
-    def prefill(self, cache: Cache, tokens) -> TrunkPass:
-        return self.forward([cache], [tokens], commit=True)
+    def prefill(self, cache: Cache, tokens, taps=None) -> TrunkPass:
+        return self.forward([cache], [tokens], commit=True, taps=taps)
 
-    def decode(self, caches: list[Cache], tokens) -> TrunkPass:
+    def decode(self, caches: list[Cache], tokens, taps=None) -> TrunkPass:
         """One row per session."""
-        return self.forward(caches, [[t] for t in np.asarray(tokens).reshape(-1)], commit=True)
+        return self.forward(caches, [[t] for t in np.asarray(tokens).reshape(-1)], commit=True, taps=taps)
 
-    def verify(self, caches: list[Cache], cand: list, *, checkpoints: bool = True) -> TrunkPass:
+    def verify(self, caches: list[Cache], cand: list, *, checkpoints: bool = True, taps=None) -> TrunkPass:
         """Ragged candidate blocks; K/V stay in the scratch, the gdn state passes every column."""
-        return self.forward(caches, cand, commit=False, record_gdn=True, checkpoints=checkpoints)
+        return self.forward(caches, cand, commit=False, record_gdn=True, checkpoints=checkpoints, taps=taps)

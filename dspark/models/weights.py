@@ -1,8 +1,13 @@
 """Weight tables: the expected name -> shape of every tensor, random init, save and load.
 
-Weights are f32 NumPy arrays on the host; `to_backend` moves them once. Files are safetensors
-(through the `safetensors` NumPy API) or `.npz`, with the config as JSON beside them. Loading
-checks every tensor's name, shape and dtype against the config and names the first mismatch.
+Weights are NumPy arrays on the host (f32 for the embedded models; a Hugging Face checkpoint's
+may be f16 or bf16, memory-mapped); `to_backend` moves them once. Files are safetensors (through
+the `safetensors` NumPy API) or `.npz`, with the config as JSON beside them. Loading checks every
+tensor's name, shape and dtype against the config and names the first mismatch.
+
+Names are ours, whatever the checkpoint calls them (dspark.models.hf maps Hugging Face names):
+matrices are [in, out] (x @ w), norms are the stored vectors, and `norm_offset` is added on the
+backend (`to_backend`), so `trunk.w[...]` always holds the factor a norm multiplies by.
 """
 
 from __future__ import annotations
@@ -11,8 +16,14 @@ from pathlib import Path
 
 import numpy as np
 
+from ..dtypes import BF16
 from ..errors import DTypeError, ShapeError
 from .config import DrafterConfig, TrunkConfig
+
+F32 = np.dtype(np.float32)
+STORAGE = (F32, np.dtype(np.float16), BF16)
+OFFSET_NORMS = ("norm1", "norm2", "final_norm", "q_norm", "k_norm")  # where TrunkConfig.norm_offset applies
+F32_ONLY = ("conv", "A_log", "dt_bias")  # read by the gdn kernels as f32, whatever the storage dtype
 
 
 def trunk_spec(c: TrunkConfig) -> dict[str, tuple[int, ...]]:
@@ -23,10 +34,13 @@ def trunk_spec(c: TrunkConfig) -> dict[str, tuple[int, ...]]:
         spec[p + "norm1"] = (d,)
         spec[p + "norm2"] = (d,)
         if kind == "attn":
-            spec[p + "attn.wq"] = (d, c.attn_heads * c.head_dim)
+            spec[p + "attn.wq"] = (d, c.attn_heads * c.head_dim * (2 if c.attn_gate else 1))
             spec[p + "attn.wk"] = (d, c.attn_kv_heads * c.head_dim)
             spec[p + "attn.wv"] = (d, c.attn_kv_heads * c.head_dim)
             spec[p + "attn.wo"] = (c.attn_heads * c.head_dim, d)
+            if c.qk_norm:
+                spec[p + "attn.q_norm"] = (c.head_dim,)
+                spec[p + "attn.k_norm"] = (c.head_dim,)
         else:
             H = c.gdn_heads
             spec[p + "gdn.w_qkv"] = (d, c.gdn_channels)
@@ -42,7 +56,8 @@ def trunk_spec(c: TrunkConfig) -> dict[str, tuple[int, ...]]:
         spec[p + "mlp.w_up"] = (d, F)
         spec[p + "mlp.w_down"] = (F, d)
     spec["final_norm"] = (d,)
-    spec["lm_head"] = (d, c.vocab)
+    if not c.tie_embeddings:
+        spec["lm_head"] = (d, c.vocab)
     return spec
 
 
@@ -92,7 +107,8 @@ def random_weights(spec: dict[str, tuple[int, ...]], seed: int) -> dict[str, np.
     return out
 
 
-def check_weights(weights: dict[str, np.ndarray], spec: dict[str, tuple[int, ...]], what: str) -> None:
+def check_weights(weights: dict[str, np.ndarray], spec: dict[str, tuple[int, ...]], what: str,
+                  dtypes: tuple = (F32,)) -> None:
     missing = sorted(set(spec) - set(weights))
     if missing:
         raise ShapeError(f"{what}: tensor {missing[0]!r} is missing ({len(missing)} missing in all)")
@@ -103,8 +119,9 @@ def check_weights(weights: dict[str, np.ndarray], spec: dict[str, tuple[int, ...
         w = weights[name]
         if tuple(w.shape) != tuple(shape):
             raise ShapeError(f"{what}: tensor {name!r} has shape {tuple(w.shape)}, expected {tuple(shape)}")
-        if w.dtype != np.float32:
-            raise DTypeError(f"{what}: tensor {name!r} has dtype {w.dtype}, expected float32")
+        if w.dtype not in dtypes:
+            raise DTypeError(f"{what}: tensor {name!r} has dtype {w.dtype}, expected "
+                             f"{' or '.join(str(t) for t in dtypes)}")
 
 
 def save_tensors(path: Path, weights: dict[str, np.ndarray]) -> None:
@@ -149,5 +166,24 @@ def save_model(directory, name: str, config, weights: dict[str, np.ndarray], fmt
 
 
 def to_backend(be, weights: dict[str, np.ndarray]) -> dict:
-    """Move weights to the backend once; owned by 'weights' in its allocator."""
+    """Move weights to the backend once, as f32; owned by 'weights' in its allocator."""
     return {k: be.alloc.adopt(be.xp.array(v, dtype=np.float32), "weights") for k, v in weights.items()}
+
+
+def trunk_to_backend(be, c: TrunkConfig, weights, dtype) -> dict:
+    """The trunk's weights on the backend, one tensor at a time (a memory-mapped checkpoint is
+    read once): matrices stored as `dtype` (f32, f16 or bf16; rounded to nearest even when
+    narrower than the file), vectors and the gdn kernels' inputs as f32, `norm_offset` added to
+    the norms it applies to. A tied LM head is a view of the embedding, no copy."""
+    out = {}
+    for name in weights:
+        leaf = name.rsplit(".", 1)[-1]
+        vector = np.ndim(weights[name]) == 1 or leaf in F32_ONLY
+        host = np.array(weights[name], dtype=F32 if vector else dtype, order="C")  # a copy: the caller's arrays stay theirs
+        if leaf in OFFSET_NORMS and c.norm_offset:
+            host = np.float32(c.norm_offset) + host  # f32 add, as transformers' (1.0 + w.float())
+        out[name] = be.alloc.adopt(be.xp.asarray(host), "weights")
+        del host
+    if c.tie_embeddings:
+        out["lm_head"] = out["embed"].T
+    return out

@@ -7,20 +7,38 @@ so that a row's result never depends on how many rows share the call (DESIGN sec
   algorithm, and so its reduction order, by shape (a 1-row product is a GEMV), so a plain
   `x @ W` over a batch is not row-invariant; a fixed [ROW_CHUNK, K] x [K, N] product is.
 * Norms reduce one row over its last, contiguous axis, so every row takes the same pairwise order.
+
+Weights may be stored in f16 or bf16 (a trunk loaded with dtype=...): `linear` widens the whole
+matrix to f32 for each call, exactly, so a product is bitwise the one an f32 copy of the same
+values gives; the math is f32 either way and only memory changes.
 """
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 from ..backends import array_module as _xp
+from ..dtypes import BF16
 
 ROW_CHUNK = 8
 
 
+def widen(w):
+    """f32 view or exact f32 copy of an f32 / f16 / bf16 array (bf16: the 16 bits shifted into
+    the high half of an f32, which is what a bf16 value is, on NumPy and CuPy alike)."""
+    if w.dtype == np.float32:
+        return w
+    if w.dtype == BF16:
+        return (w.view(np.uint16).astype(np.uint32) << 16).view(np.float32)
+    return w.astype(np.float32)
+
+
 def linear(x, w):
-    """x [rows, K] @ w [K, N] in fixed chunks of ROW_CHUNK rows, f32."""
+    """x [rows, K] @ w [K, N] in fixed chunks of ROW_CHUNK rows, f32 (w may be stored f16/bf16)."""
     xp = _xp(x)
+    w = widen(w)
     rows, k = x.shape
     out = xp.empty((rows, w.shape[1]), dtype=np.float32)
     if rows == 0:
@@ -42,18 +60,61 @@ def rmsnorm(x, weight, eps: float):
     return (x / xp.sqrt(ms + np.float32(eps))) * weight
 
 
-def rope(x, positions, theta: float):
-    """Rotary embedding, rotate-half convention: x [rows, heads, D], positions int [rows]."""
+def rope_frequencies(dim: int, theta: float, scaling: tuple = ()) -> tuple[np.ndarray, float]:
+    """(inverse frequencies f32 [dim/2], attention factor) of RoPE over `dim` rotated dims, as
+    transformers computes them: rope_type default, linear (positions / factor) or yarn (NTK-by-parts
+    blend of interpolated and extrapolated frequencies; cos and sin scaled by the attention factor).
+    Worked out in f64 and rounded once, so the table is the same on every backend."""
+    p = dict(scaling)
+    kind = p.get("rope_type", "default")
+    inv = 1.0 / (theta ** (np.arange(dim // 2, dtype=np.float64) * 2.0 / dim))
+    factor = float(p.get("factor", 1.0))
+    if kind == "default":
+        return inv.astype(np.float32), 1.0
+    if kind == "linear":
+        return (inv / factor).astype(np.float32), 1.0
+    if kind != "yarn":
+        raise ValueError(f"rope_type={kind!r}: expected default, linear or yarn")
+
+    def correction_dim(rotations):
+        return dim * math.log(p["original_max_position_embeddings"] / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = correction_dim(p.get("beta_fast") or 32), correction_dim(p.get("beta_slow") or 1)
+    if p.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # as transformers: no zero-width ramp
+    ramp = np.clip((np.arange(dim // 2, dtype=np.float64) - low) / (high - low), 0, 1)
+    extrapolate = 1 - ramp
+    inv = inv / factor * (1 - extrapolate) + inv * extrapolate
+    return inv.astype(np.float32), float(p["attention_factor"] if p.get("attention_factor") is not None
+                                         else yarn_mscale(factor, p.get("mscale"), p.get("mscale_all_dim")))
+
+
+def yarn_mscale(factor: float, mscale=None, mscale_all_dim=None) -> float:
+    """YaRN's default attention factor (transformers' get_mscale)."""
+    def get(scale, m=1.0):
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+    return float(get(factor, mscale) / get(factor, mscale_all_dim)) if mscale and mscale_all_dim else get(factor)
+
+
+def rope(x, positions, theta: float, rotary_dim: int | None = None, scaling: tuple = ()):
+    """Rotary embedding, rotate-half convention, over the first `rotary_dim` dims of each head
+    (default: all; the rest pass through): x [rows, heads, D], positions int [rows]."""
     xp = _xp(x)
-    d = x.shape[-1]
+    d = x.shape[-1] if rotary_dim is None else rotary_dim
     half = d // 2
-    inv = (1.0 / (theta ** (np.arange(half, dtype=np.float64) * 2.0 / d))).astype(np.float32)
+    inv, attention_factor = rope_frequencies(d, theta, scaling)
     # Angles in f64, then f32 cos/sin: identical per position whatever the batch.
     ang = xp.asarray(positions, dtype=np.float64)[:, None] * xp.asarray(inv, dtype=np.float64)[None, :]
     cos = xp.cos(ang).astype(np.float32)[:, None, :]
     sin = xp.sin(ang).astype(np.float32)[:, None, :]
-    x1, x2 = x[..., :half], x[..., half:]
-    return xp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    if attention_factor != 1.0:
+        cos, sin = cos * np.float32(attention_factor), sin * np.float32(attention_factor)
+    x1, x2 = x[..., :half], x[..., half:d]
+    rotated = [x1 * cos - x2 * sin, x2 * cos + x1 * sin]
+    return xp.concatenate(rotated + ([x[..., d:]] if d < x.shape[-1] else []), axis=-1)
 
 
 def sigmoid(x):

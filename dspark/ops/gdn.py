@@ -1,22 +1,24 @@
-"""The gated delta-rule scan of the gdn mixer (kernel: csrc/gdn_scan.cu, helpers csrc/gdn.cuh).
+"""The gated delta-rule scan of the gdn mixer (kernels: csrc/gdn_scan.cu, helpers csrc/gdn.cuh).
 
-Per session, per head, per token (column) t of the projected input `mixed` [cols, C], with
-C = H*(2*dk + dv) channels laid out [q | k | v]:
+Per session, per value head h, per token (column) t of the projected input `mixed` [cols, C],
+with C = Hk*2*dk + H*dv channels laid out [q (Hk heads) | k (Hk heads) | v (H heads)]:
 
     x     = SiLU(causal depthwise conv, width 4, over [conv window (3 previous inputs), mixed_t])
-    q, k  = L2-normalised per head (eps 1e-6 inside the sqrt); q also scaled by 1/sqrt(dk)
+    q, k  = L2-normalised per key head (eps 1e-6 inside the sqrt); q also scaled by 1/sqrt(dk)
     alpha = exp(-exp(A_log) * softplus(a_t + dt_bias)),   beta = sigmoid(b_t)
-    S     = alpha * S (I - beta k k^T) + beta v k^T        (S: f32 [dv, dk] per head)
+    S     = alpha * S (I - beta k k^T) + beta v k^T        (S: f32 [dv, dk] per value head)
     o_t   = S q
 
-evaluated in one fixed order (csrc/gdn.cuh): S <- alpha S; u = S k; S <- S + (beta (v - u)) k^T;
-o = S q, each dot product summed the kernel's way (`lane_columns`, then an xor butterfly).
+Value head h reads key head h // (H / Hk): consecutive value heads share a key head (Qwen3.5 has
+2 or 3 value heads per key head; transformers' repeat_interleave). Evaluated in one fixed order
+(csrc/gdn.cuh): S <- alpha S; u = S k; S <- S + (beta (v - u)) k^T; o = S q, each dot product
+summed the kernel's way (`lane_columns`, then an xor butterfly).
 
 One op serves decode (t = 1), verify (t = vt, with per-column checkpoints for rollback), replay
 (t = keep) and prefill. Nothing in the arithmetic depends on how many columns or sessions share a
 launch, so a verify column is bitwise equal to the decode step at the same position, on every
-backend. The NumPy functions here are the numpy backend's implementation and the kernel's oracle:
-they follow its evaluation order, but sum each dot product of the state update in NumPy's own
+backend. The NumPy functions here are the numpy backend's implementation and the kernels' oracle:
+they follow their evaluation order, but sum each dot product of the state update in NumPy's own
 fixed (pairwise, per row) order instead of the kernel's lane order, which would cost several
 fancy-indexed passes per column on the fast CPU path. Either order is fixed per row, so each
 backend is row-invariant on its own; the two agree within the 1e-5 the tests allow.
@@ -60,16 +62,22 @@ def block_threads(dk: int, dv: int) -> int:
     return -(-dv * tile(dk)[0] // 32) * 32
 
 
-def channels(heads: int, dk: int, dv: int) -> int:
-    return heads * (2 * dk + dv)
+def channels(heads: int, dk: int, dv: int, k_heads: int | None = None) -> int:
+    """Conv channels of a layer with `heads` value heads and `k_heads` key heads (default: heads)."""
+    return (heads if k_heads is None else k_heads) * 2 * dk + heads * dv
 
 
-def scan_plan(heads: int, dk: int, dv: int) -> tuple[str, int, int]:
-    """(kernel name, threads per block, dynamic shared bytes) for one head of [dv, dk]."""
+CONV_THREADS = 128  # gdn_conv: one thread per (channel, session)
+
+
+def scan_plan(heads: int, dk: int, dv: int, k_heads: int | None = None) -> tuple[str, int, int]:
+    """(kernel name, threads per block, dynamic shared bytes) for one value head of [dv, dk]."""
     if not isinstance(dk, (int, np.integer)) or dk not in SUPPORTED_DK:
         raise ShapeError(f"dk={dk}: expected one of {', '.join(map(str, SUPPORTED_DK))}")
     if not (isinstance(heads, (int, np.integer)) and heads >= 1):
         raise ShapeError(f"heads={heads!r}: expected an int >= 1")
+    if k_heads is not None and not (isinstance(k_heads, (int, np.integer)) and k_heads >= 1 and heads % k_heads == 0):
+        raise ShapeError(f"k_heads={k_heads!r}: expected an int >= 1 that divides heads={heads}")
     if not (isinstance(dv, (int, np.integer)) and dv >= 1):
         raise ShapeError(f"dv={dv!r}: expected an int >= 1")
     threads = block_threads(dk, dv)
@@ -147,7 +155,7 @@ def conv_windows_of(windows, mixed, col_indptr) -> np.ndarray:
 
 
 def gdn_scan_ref(mixed, a, b, conv_weight, A_log, dt_bias, states, conv_windows, col_indptr, heads, dk, dv,
-                 out, state_ckpt=None, conv_ckpt=None) -> None:
+                 out, state_ckpt=None, conv_ckpt=None, k_heads=None) -> None:
     """The scan on host arrays, in place; each column computed exactly as one decode step.
 
     Everything before the state update (conv, SiLU, norms, gates) depends only on the inputs,
@@ -161,9 +169,11 @@ def gdn_scan_ref(mixed, a, b, conv_weight, A_log, dt_bias, states, conv_windows,
                                mixed[:total])
     if conv_ckpt is not None:
         conv_ckpt[:total] = windows
-    hk = heads * dk
-    q = l2norm_ref(x[:, :hk].reshape(-1, heads, dk), F32(1) / np.sqrt(F32(dk)))
-    k = l2norm_ref(x[:, hk:2 * hk].reshape(-1, heads, dk), F32(1))
+    k_heads = heads if k_heads is None else k_heads
+    hk = k_heads * dk
+    group = heads // k_heads  # value heads per key head, consecutive
+    q = np.repeat(l2norm_ref(x[:, :hk].reshape(-1, k_heads, dk), F32(1) / np.sqrt(F32(dk))), group, axis=1)
+    k = np.repeat(l2norm_ref(x[:, hk:2 * hk].reshape(-1, k_heads, dk), F32(1)), group, axis=1)
     v = x[:, 2 * hk:].reshape(-1, heads, dv)
     alpha, beta = gdn_gates_ref(a[:total], b[:total], A_log, dt_bias)
     S = np.stack(states)  # [B, H, dv, dk]
@@ -180,11 +190,12 @@ def gdn_scan_ref(mixed, a, b, conv_weight, A_log, dt_bias, states, conv_windows,
 
 # ---- op ---------------------------------------------------------------------------------------
 def gdn_scan(be, mixed, a, b, conv_weight, A_log, dt_bias, states, conv_windows, col_indptr, *,
-             heads, dk, dv, out=None, state_ckpt=None, conv_ckpt=None):
+             heads, dk, dv, k_heads=None, out=None, state_ckpt=None, conv_ckpt=None):
     """Run each session's columns of one gdn layer through the recurrence -> out [cols, H, dv] f32.
 
-    mixed [cols, C], a and b [cols, H], conv_weight [C, 4], A_log and dt_bias [H]: f32, with
-    C = H*(2*dk + dv). col_indptr int32 [B+1] (host or device) gives session s the columns
+    heads H counts value heads (one state each), k_heads Hk key heads (default H; H must be a
+    multiple). mixed [cols, C], a and b [cols, H], conv_weight [C, 4], A_log and dt_bias [H]: f32,
+    with C = Hk*2*dk + H*dv. col_indptr int32 [B+1] (host or device) gives session s the columns
     col_indptr[s] .. col_indptr[s+1]; a session with none is left alone. states: B arrays
     [H, dv, dk] and conv_windows: B arrays [C, 3] (the 3 previous inputs, oldest first), f32,
     updated in place. state_ckpt [cols, H, dv, dk] and conv_ckpt [cols, C, 3], when given,
@@ -195,8 +206,9 @@ def gdn_scan(be, mixed, a, b, conv_weight, A_log, dt_bias, states, conv_windows,
         be, mixed=mixed, a=a, b=b, conv_weight=conv_weight, A_log=A_log, dt_bias=dt_bias, states=states,
         conv_windows=conv_windows, col_indptr=col_indptr, out=out, state_ckpt=state_ckpt, conv_ckpt=conv_ckpt,
         writes=("states", "conv_windows", "out", "state_ckpt", "conv_ckpt"))
-    name, threads, smem = scan_plan(heads, dk, dv)
-    C = channels(heads, dk, dv)
+    name, threads, smem = scan_plan(heads, dk, dv, k_heads)
+    k_heads = heads if k_heads is None else int(k_heads)
+    C = channels(heads, dk, dv, k_heads)
     require_ndim(mixed, 2, "mixed", "[cols, C]")
     cols = mixed.shape[0]
     for arg, what, shape in ((mixed, "mixed", (cols, C)), (a, "a", (cols, heads)), (b, "b", (cols, heads)),
@@ -220,10 +232,15 @@ def gdn_scan(be, mixed, a, b, conv_weight, A_log, dt_bias, states, conv_windows,
         require_tensor(be, arg, what, shape, align=align)
     if be.kernels is None:
         gdn_scan_ref(mixed, a, b, conv_weight, A_log, dt_bias, states, conv_windows, host_indptr, heads, dk, dv,
-                     out, state_ckpt, conv_ckpt)
+                     out, state_ckpt, conv_ckpt, k_heads)
     elif cols:
-        fn = be.kernels.get_function(name)
-        fn((heads, B), (threads,),
-           (mixed, a, b, conv_weight, A_log, dt_bias, be.pointer_table(states), be.pointer_table(conv_windows),
-            be.asarray(col_indptr), np.int32(heads), np.int32(dv), out, state_ckpt, conv_ckpt), shared_mem=smem)
+        indptr = be.asarray(col_indptr)
+        x = be.xp.empty((cols, C), be.xp.float32)  # the conv's SiLU outputs, read by the scan
+        be.kernels.get_function("gdn_conv_f32")(
+            (-(-C // CONV_THREADS), B), (CONV_THREADS,),
+            (mixed, conv_weight, be.pointer_table(conv_windows), indptr, np.int32(C), x, conv_ckpt))
+        be.kernels.get_function(name)(
+            (heads, B), (threads,),
+            (x, a, b, A_log, dt_bias, be.pointer_table(states), indptr, np.int32(heads), np.int32(k_heads),
+             np.int32(dv), out, state_ckpt), shared_mem=smem)
     return out

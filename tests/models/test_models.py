@@ -122,7 +122,8 @@ def test_save_load_round_trip_is_bitwise(numpy_backend, tmp_path, rng, fmt):
     (lambda w: w.pop("layers.1.attn.wq"), ShapeError, "'layers.1.attn.wq' is missing"),
     (lambda w: w.update({"layers.0.gdn.conv": np.zeros((3, 4), np.float32)}), ShapeError,
      r"'layers.0.gdn.conv' has shape \(3, 4\)"),
-    (lambda w: w.update({"lm_head": w["lm_head"].astype(np.float16)}), DTypeError, "'lm_head' has dtype float16"),
+    (lambda w: w.update({"lm_head": w["lm_head"].astype(np.float64)}), DTypeError,
+     "'lm_head' has dtype float64, expected float32 or float16 or bfloat16"),
     (lambda w: w.update({"extra.bias": np.zeros(3, np.float32)}), ShapeError, "unexpected tensor 'extra.bias'"),
 ])
 def test_bad_checkpoints_are_refused_naming_the_tensor(numpy_backend, tmp_path, mutate, err, match):
