@@ -65,6 +65,7 @@ class HybridTrunk:
         self.be = backend
         self.weight_dtype = dtype
         self.host_weights = weights
+        self.source = None  # a hf.LoadReport when loaded from a Hugging Face checkpoint
         self.w = trunk_to_backend(backend, config, weights, dtype)
 
     # ---- construction and files ---------------------------------------------------------------

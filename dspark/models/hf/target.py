@@ -1,0 +1,332 @@
+"""Targets from Hugging Face checkpoints: qwen3 (dense attention) and qwen3_5 / qwen3_5_text
+(Gated-DeltaNet + gated attention), mapped onto the one trunk (TrunkConfig + our tensor names).
+
+Config: `config_of` reads config.json (the text config nested under `text_config` for qwen3_5)
+into a TrunkConfig; every numeric convention is a field of it, set here per model_type, exactly
+as transformers' modeling_qwen3.py / modeling_qwen3_5.py compute:
+
+| convention | qwen3 | qwen3_5, qwen3_5_text |
+|---|---|---|
+| RMSNorm weight | w | 1 + w (zero-centred), except the gdn output norm: w |
+| q/k RMSNorm per head before RoPE | yes | yes |
+| q_proj | [H*D, d] | [H*2D, d]: per head [q (D) | gate (D)]; output * sigmoid(gate) before o_proj |
+| RoPE | full head, rope_parameters | first int(D * partial_rotary_factor) dims (0.25) |
+| mixers | attention | layer_types: linear_attention -> gdn, full_attention -> attn |
+
+RoPE scaling: default, linear and yarn (dynamic and the others depend on more than the position
+and are refused). Qwen3.5's mrope (mrope_section, mrope_interleaved) is a no-op for text: the three
+position axes are equal for text tokens, so interleaving them changes no frequency.
+
+Tensors: `tensor_map` is the one table of checkpoint name -> (our name, layout). Checkpoint
+matrices are [out, in] and ours [in, out] ("T"); conv1d is [C, 1, 4] and ours [C, 4] ("conv").
+Text-only serving skips two groups of tensors by rule, and the load reports how many it skipped:
+`model.visual.*` (the Qwen3.5 vision tower) and `mtp.*` (the multi-token-prediction head, which
+transformers also drops). A tied checkpoint's `lm_head.weight`, if present, is skipped too: the
+LM head is the embedding. Every other name must be in the table.
+
+Refusals (one CheckpointError naming the config key or tensor, raised before anything is
+allocated on the backend): a mixture-of-experts config, a model_type not served, a feature the
+trunk lacks (attention or MLP bias, sliding windows, an activation other than SiLU, a conv width
+other than 4), a missing, misshaped or unknown tensor, a tensor dtype other than f32/f16/bf16.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from ...dtypes import BF16
+from ..config import TrunkConfig
+from ..weights import trunk_spec
+from .checkpoint import Checkpoint, CheckpointError
+
+SERVED = ("qwen3", "qwen3_5", "qwen3_5_text")
+DEFAULT_MAX_CTX = 4096           # cache rows per session unless load_target(max_ctx=) says otherwise
+SKIPPED = {"qwen3": (), "qwen3_5": ("model.visual.", "mtp."), "qwen3_5_text": ("mtp.",)}
+MIXERS = {"linear_attention": "gdn", "full_attention": "attn"}
+EXPERT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_intermediate_size")
+
+# checkpoint name inside a decoder layer -> (our name inside layer i, layout)
+LAYER = {
+    "input_layernorm.weight": ("norm1", ""),
+    "post_attention_layernorm.weight": ("norm2", ""),
+    "mlp.gate_proj.weight": ("mlp.w_gate", "T"),
+    "mlp.up_proj.weight": ("mlp.w_up", "T"),
+    "mlp.down_proj.weight": ("mlp.w_down", "T"),
+}
+ATTN = {
+    "self_attn.q_proj.weight": ("attn.wq", "T"),
+    "self_attn.k_proj.weight": ("attn.wk", "T"),
+    "self_attn.v_proj.weight": ("attn.wv", "T"),
+    "self_attn.o_proj.weight": ("attn.wo", "T"),
+    "self_attn.q_norm.weight": ("attn.q_norm", ""),
+    "self_attn.k_norm.weight": ("attn.k_norm", ""),
+}
+GDN = {
+    "linear_attn.in_proj_qkv.weight": ("gdn.w_qkv", "T"),
+    "linear_attn.in_proj_z.weight": ("gdn.w_z", "T"),
+    "linear_attn.in_proj_b.weight": ("gdn.w_b", "T"),
+    "linear_attn.in_proj_a.weight": ("gdn.w_a", "T"),
+    "linear_attn.conv1d.weight": ("gdn.conv", "conv"),
+    "linear_attn.A_log": ("gdn.A_log", ""),
+    "linear_attn.dt_bias": ("gdn.dt_bias", ""),
+    "linear_attn.norm.weight": ("gdn.o_norm", ""),
+    "linear_attn.out_proj.weight": ("gdn.wo", "T"),
+}
+TOP = {"embed_tokens.weight": ("embed", ""), "norm.weight": ("final_norm", "")}
+
+
+@dataclass
+class LoadReport:
+    """What load_target read: kept on the trunk as `trunk.source`."""
+    path: Path
+    model_type: str
+    dtypes: dict[str, int]                             # checkpoint dtype -> tensors read
+    skipped: dict[str, int] = field(default_factory=dict)  # rule (name prefix) -> tensors skipped
+    notes: list[str] = field(default_factory=list)
+
+    def summary(self) -> str:
+        parts = [f"{self.model_type} from {self.path}", ", ".join(f"{n} {d}" for d, n in self.dtypes.items())]
+        parts += [f"skipped {n} {rule}* tensors" for rule, n in self.skipped.items()]
+        return "; ".join(parts + self.notes)
+
+
+# ---- config ----------------------------------------------------------------------------------
+def text_config(config: dict) -> tuple[str, dict]:
+    """(model_type, the text model's config) after the refusals that need only the config."""
+    model_type = config.get("model_type")
+    text = config.get("text_config") if model_type == "qwen3_5" else config
+    if not isinstance(text, dict):
+        raise CheckpointError(f"config.json of model_type {model_type!r} has no text_config")
+    experts = [k for k in EXPERT_KEYS if (text.get(k) or 0) > 0]
+    if "moe" in str(model_type) or experts:
+        raise CheckpointError(f"model_type={model_type!r} is a mixture-of-experts model"
+                              + (f" ({experts[0]}={text[experts[0]]})" if experts else "")
+                              + ": dspark serves dense MLPs only")
+    if model_type not in SERVED:
+        raise CheckpointError(f"model_type={model_type!r}: dspark serves {', '.join(SERVED)}")
+    for key, ok in (("hidden_act", "silu"), ("attention_bias", False), ("mlp_bias", False),
+                    ("use_sliding_window", False)):
+        if text.get(key, ok) != ok:
+            raise CheckpointError(f"config {key}={text[key]!r}: dspark serves {key}={ok!r} only")
+    if text.get("linear_conv_kernel_dim", 4) != 4:
+        raise CheckpointError(f"config linear_conv_kernel_dim={text['linear_conv_kernel_dim']}: the gdn kernels "
+                              f"implement 4")
+    return model_type, text
+
+
+def layer_types(model_type: str, t: dict) -> tuple[str, ...]:
+    n = int(t["num_hidden_layers"])
+    types = t.get("layer_types")
+    if types is None:
+        if model_type == "qwen3":
+            return ("attn",) * n
+        every = int(t.get("full_attention_interval", 4))  # transformers' default pattern
+        return tuple("attn" if (i + 1) % every == 0 else "gdn" for i in range(n))
+    if len(types) != n:
+        raise CheckpointError(f"config layer_types has {len(types)} entries: expected num_hidden_layers={n}")
+    bad = [x for x in types if x not in MIXERS or (model_type == "qwen3" and x != "full_attention")]
+    if bad:
+        raise CheckpointError(f"config layer_types has {bad[0]!r}: dspark serves "
+                              f"{'full_attention' if model_type == 'qwen3' else ', '.join(MIXERS)}")
+    return tuple(MIXERS[x] for x in types)
+
+
+def rope_of(model_type: str, t: dict) -> tuple[float, float, tuple]:
+    """(theta, rotary fraction, scaling pairs) from rope_parameters (or the older rope_theta and
+    rope_scaling keys)."""
+    params = dict(t.get("rope_parameters") or {})
+    legacy = dict(t.get("rope_scaling") or {})
+    params = {**legacy, **params}
+    if "type" in params and "rope_type" not in params:
+        params["rope_type"] = params.pop("type")
+    theta = float(params.get("rope_theta", t.get("rope_theta", 10000.0)))
+    default_fraction = 0.25 if model_type != "qwen3" else 1.0  # transformers' Qwen3.5 default
+    fraction = float(params.get("partial_rotary_factor", t.get("partial_rotary_factor", default_fraction)))
+    kind = params.get("rope_type", "default")
+    if kind == "default":
+        return theta, fraction, ()
+    if kind not in ("linear", "yarn"):
+        raise CheckpointError(f"config rope_type={kind!r}: dspark serves default, linear and yarn")
+    keep = ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "mscale", "mscale_all_dim",
+            "attention_factor", "truncate")
+    scaling = {k: params[k] for k in keep if params.get(k) is not None}
+    if kind == "yarn":
+        if "original_max_position_embeddings" not in scaling:
+            raise CheckpointError("config rope_type='yarn' needs original_max_position_embeddings")
+        scaling.setdefault("factor", t["max_position_embeddings"] / scaling["original_max_position_embeddings"])
+    elif "factor" not in scaling:
+        raise CheckpointError("config rope_type='linear' needs factor")
+    return theta, fraction, tuple(sorted({"rope_type": kind, **scaling}.items()))
+
+
+def first_id(value) -> int:
+    if isinstance(value, (list, tuple)):
+        return int(value[0]) if value else -1
+    return -1 if value is None else int(value)
+
+
+def config_of(config: dict, max_ctx: int | None = None, tap_layers=None) -> TrunkConfig:
+    """The TrunkConfig of a served config.json (raises CheckpointError otherwise)."""
+    model_type, t = text_config(config)
+    hybrid = model_type != "qwen3"
+    layers = layer_types(model_type, t)
+    heads = int(t["num_attention_heads"])
+    theta, fraction, scaling = rope_of(model_type, t)
+    n = len(layers)
+    max_pos = int(t.get("max_position_embeddings", DEFAULT_MAX_CTX))
+    try:
+        return TrunkConfig(
+            vocab=int(t["vocab_size"]),
+            eos_id=first_id(t.get("eos_token_id", config.get("eos_token_id"))),
+            mask_id=int(t["vocab_size"]) - 1,  # a placeholder id: a drafter format brings its own
+            d_model=int(t["hidden_size"]),
+            mlp_hidden=int(t["intermediate_size"]),
+            layers=layers,
+            attn_heads=heads,
+            attn_kv_heads=int(t.get("num_key_value_heads") or heads),
+            head_dim=int(t.get("head_dim") or int(t["hidden_size"]) // heads),
+            rope_theta=theta,
+            gdn_heads=int(t.get("linear_num_value_heads", 1)),
+            gdn_k_heads=int(t.get("linear_num_key_heads", 1)),
+            gdn_dk=int(t.get("linear_key_head_dim", 16)),
+            gdn_dv=int(t.get("linear_value_head_dim", 16)),
+            norm_eps=float(t.get("rms_norm_eps", 1e-6)),
+            tap_layers=tuple(tap_layers) if tap_layers is not None else tuple(sorted({max(0, n // 2 - 1), n - 1})),
+            max_ctx=int(max_ctx or min(max_pos, DEFAULT_MAX_CTX)),
+            norm_offset=1.0 if hybrid else 0.0,
+            qk_norm=True,
+            attn_gate=hybrid,
+            rope_fraction=fraction,
+            rope_scaling=scaling,
+            # qwen3_5's tie flag is the composite config's (transformers ties by it, not text_config's)
+            tie_embeddings=bool(config.get("tie_word_embeddings", False)),
+        )
+    except KeyError as e:
+        raise CheckpointError(f"config.json of model_type {model_type!r} has no {e.args[0]!r}") from None
+    except ValueError as e:
+        raise CheckpointError(f"config.json of model_type {model_type!r}: {e}") from None
+
+
+# ---- tensors ---------------------------------------------------------------------------------
+def text_prefix(model_type: str, names) -> str:
+    """Where the language model's tensors sit: model.language_model. (Qwen3_5ForConditionalGeneration)
+    or model. (the CausalLM classes)."""
+    for prefix in ("model.language_model.", "model."):
+        if prefix + "embed_tokens.weight" in names:
+            return prefix
+    raise CheckpointError(f"tensor 'model.embed_tokens.weight' is missing (model_type {model_type!r}; also looked "
+                          f"for 'model.language_model.embed_tokens.weight')")
+
+
+def tensor_map(c: TrunkConfig, prefix: str) -> dict[str, tuple[str, str]]:
+    """Checkpoint tensor name -> (our name, layout) for every tensor the trunk needs."""
+    out = {prefix + k: v for k, v in TOP.items()}
+    for i, kind in enumerate(c.layers):
+        p = f"{prefix}layers.{i}."
+        for table in (LAYER, ATTN if kind == "attn" else GDN):
+            out.update({p + k: (f"layers.{i}.{ours}", how) for k, (ours, how) in table.items()})
+    if not c.tie_embeddings:
+        out["lm_head.weight"] = ("lm_head", "T")
+    return out
+
+
+def checkpoint_shape(shape: tuple, how: str) -> tuple:
+    if how == "T":
+        return tuple(reversed(shape))
+    if how == "conv":
+        return (shape[0], 1, shape[1])
+    return tuple(shape)
+
+
+def as_ours(array: np.ndarray, how: str) -> np.ndarray:
+    """A view of a checkpoint tensor in our layout (no copy: the backend copy is made later)."""
+    if how == "T":
+        return array.T
+    if how == "conv":
+        return array.reshape(array.shape[0], array.shape[2])
+    return array
+
+
+def plan(ckpt: Checkpoint, config: TrunkConfig, model_type: str) -> tuple[dict, LoadReport]:
+    """(our name -> checkpoint name and layout, report) after checking every tensor's presence,
+    name, shape and dtype. Reads headers only."""
+    names = set(ckpt.tensors)
+    wanted = tensor_map(config, text_prefix(model_type, names))
+    spec = trunk_spec(config)
+    report = LoadReport(ckpt.path, model_type, {})
+    rules = SKIPPED[model_type] + (("lm_head.",) if config.tie_embeddings else ())
+    for name in sorted(names - set(wanted)):
+        rule = next((r for r in rules if name.startswith(r)), None)
+        if rule is None:
+            raise CheckpointError(f"unknown tensor {name!r} in {ckpt.path} (model_type {model_type!r}): dspark "
+                                  f"does not know what it is, so it will not serve this checkpoint")
+        report.skipped[rule] = report.skipped.get(rule, 0) + 1
+    missing = sorted(set(wanted) - names)
+    if missing:
+        raise CheckpointError(f"tensor {missing[0]!r} is missing from {ckpt.path} ({len(missing)} missing in all)")
+    for name, (ours, how) in wanted.items():
+        info = ckpt.tensors[name]
+        expected = checkpoint_shape(spec[ours], how)
+        if info.shape != expected:
+            raise CheckpointError(f"tensor {name!r} has shape {info.shape}: expected {expected} for this config")
+        if info.dtype not in ("F32", "F16", "BF16"):
+            raise CheckpointError(f"tensor {name!r} has dtype {info.dtype}: expected F32, F16 or BF16 "
+                                  f"(quantized checkpoints are not served)")
+        report.dtypes[info.dtype] = report.dtypes.get(info.dtype, 0) + 1
+    if "lm_head." in report.skipped:
+        report.notes.append("tied embeddings: lm_head.weight ignored, the LM head is the embedding")
+    return {ours: (name, how) for name, (ours, how) in wanted.items()}, report
+
+
+class LazyWeights(Mapping):
+    """our name -> the checkpoint tensor in our layout, memory-mapped on access; the trunk
+    converts one tensor at a time onto the backend, so the checkpoint is never held twice."""
+
+    def __init__(self, ckpt: Checkpoint, where: dict):
+        self._ckpt, self._where = ckpt, where
+
+    def __getitem__(self, name):
+        checkpoint_name, how = self._where[name]
+        return as_ours(self._ckpt.array(checkpoint_name), how)
+
+    def __iter__(self):
+        return iter(self._where)
+
+    def __len__(self):
+        return len(self._where)
+
+
+def default_dtype(backend, checkpoint_dtype) -> np.dtype:
+    """dtype=None: float32 on the CPU backends (BLAS multiplies f32; widening per call would only
+    cost time), the checkpoint's own dtype on cuda (bf16 stays bf16: half the memory). The math
+    is f32 either way, and a value stored exactly gives bitwise the same logits."""
+    return np.dtype(np.float32) if backend.name != "cuda" else np.dtype(checkpoint_dtype)
+
+
+def load_target(path, backend=None, dtype=None, *, max_ctx: int | None = None, tap_layers=None):
+    """A HybridTrunk from a Hugging Face model directory (or a hub id in the local cache).
+
+    backend: a Backend, a backend name, or None for dspark.get_backend's default. dtype: storage
+    dtype of the weight matrices on the backend (float32, float16, bfloat16; narrower than the
+    checkpoint rounds to nearest even); None: see `default_dtype`. max_ctx: cache rows per
+    session (default min(max_position_embeddings, 4096)). tap_layers: the default taps (layer
+    outputs, hidden_states[i + 1]); a drafter can ask for others per call. The trunk's `source`
+    is a LoadReport: dtypes read, tensors skipped by rule. Raises CheckpointError before
+    allocating anything when the checkpoint cannot be served.
+    """
+    from ...backends import Backend, get_backend
+    from ..trunk import HybridTrunk
+    ckpt = Checkpoint(path)
+    model_type, _ = text_config(ckpt.config)
+    config = config_of(ckpt.config, max_ctx, tap_layers)
+    where, report = plan(ckpt, config, model_type)
+    be = backend if isinstance(backend, Backend) else get_backend(backend)
+    embed_dtype = {"F32": np.float32, "F16": np.float16, "BF16": BF16}[ckpt.tensors[where["embed"][0]].dtype]
+    storage = default_dtype(be, embed_dtype) if dtype is None else np.dtype(dtype)
+    trunk = HybridTrunk(config, LazyWeights(ckpt, where), be, dtype=storage)
+    trunk.source = report
+    return trunk
