@@ -19,3 +19,14 @@ def tiny_pair(be, seed: int = 0, *, harvest: str = "shifted", block: int = 4, **
     trunk = HybridTrunk.random(replace(TINY_TRUNK, **trunk_overrides), seed, be)
     drafter = DsparkDrafter.random(replace(TINY_DRAFTER, harvest=harvest, block=block), trunk, seed + 1)
     return trunk, drafter
+
+
+def random_drafter(trunk, seed: int = 0, block: int = 8) -> DsparkDrafter:
+    """A random-weight DSpark drafter sized to any trunk (one layer, the trunk's d_model): what
+    the exactness tests and `dspark demo --model` use when no trained drafter is given. Its
+    drafts are rarely accepted, and greedy output stays exactly the trunk's anyway."""
+    d = trunk.config.d_model
+    head_dim = 64 if d < 1024 else 128
+    heads = max(1, min(32, d // head_dim))
+    return DsparkDrafter.random(DrafterConfig(block=block, window=64, d_model=d, layers=1, heads=heads, kv_heads=1,
+                                              head_dim=head_dim, mlp_hidden=2 * d, markov_rank=32), trunk, seed)

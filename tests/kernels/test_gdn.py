@@ -1,4 +1,5 @@
-"""gdn_scan: the kernel (simt, cuda) against the NumPy reference, and exact rollback.
+"""gdn_scan: the kernels (simt, cuda) against the NumPy reference, and exact rollback, with one
+key head per value head and with several value heads sharing a key head (Qwen3.5).
 
 Tolerance for floats: |got - ref| <= 1e-5 * (|ref| + max|ref|), the max taken over the whole
 tensor: kernel and reference sum in the same order, so they differ only where exp/log1p differ in
@@ -38,10 +39,11 @@ class Layer:
     conv_weight: np.ndarray
     A_log: np.ndarray
     dt_bias: np.ndarray
+    k_heads: int | None = None
 
     @property
     def C(self):
-        return channels(self.heads, self.dk, self.dv)
+        return channels(self.heads, self.dk, self.dv, self.k_heads)
 
     def stream(self, rng, n):
         """(mixed [n, C], a [n, H], b [n, H]); some a large enough to take softplus's linear branch."""
@@ -54,11 +56,11 @@ class Layer:
                 rng.standard_normal((self.C, 3)).astype(F32))
 
 
-def make_layer(rng, heads, dk, dv):
-    C = channels(heads, dk, dv)
+def make_layer(rng, heads, dk, dv, k_heads=None):
+    C = channels(heads, dk, dv, k_heads)
     dt = np.exp(rng.uniform(np.log(1e-3), np.log(0.1), heads))
     return Layer(heads, dk, dv, (0.5 * rng.standard_normal((C, 4))).astype(F32),
-                 np.log(rng.uniform(1, 16, heads)).astype(F32), (dt + np.log(-np.expm1(-dt))).astype(F32))
+                 np.log(rng.uniform(1, 16, heads)).astype(F32), (dt + np.log(-np.expm1(-dt))).astype(F32), k_heads)
 
 
 class Sessions:
@@ -98,7 +100,7 @@ class Sessions:
         sc = poison(be.xp, (cols, L.heads, L.dv, L.dk), F32) if ckpt else None
         cc = poison(be.xp, (cols, L.C, 3), F32) if ckpt else None
         gdn_scan(be, mixed, a, b, be.asarray(L.conv_weight), be.asarray(L.A_log), be.asarray(L.dt_bias),
-                 self.states, self.windows, indptr, heads=L.heads, dk=L.dk, dv=L.dv, out=out,
+                 self.states, self.windows, indptr, heads=L.heads, dk=L.dk, dv=L.dv, k_heads=L.k_heads, out=out,
                  state_ckpt=sc, conv_ckpt=cc)
         if advance:
             self.pos += np.asarray(ts, dtype=int)
@@ -115,22 +117,29 @@ def assert_states_equal(x, y, what):
 
 
 # ---- kernel against the reference ----------------------------------------------------------
-CASES = [
-    (1, 16, 16, [1]),
-    (3, 16, 64, [3, 1, 8]),
-    (1, 64, 16, [2, 7, 1, 8, 5, 3, 4]),
-    (3, 64, 64, [5, 0, 2]),
-    (1, 128, 128, [8]),
-    (3, 128, 64, [1, 2, 1]),
-    (1, 32, 128, [4, 6, 1, 2, 3, 8, 5]),
-    (3, 16, 16, [0, 0, 0]),
-    (1, 16, 16, []),
+CASES = [  # (value heads, key heads (None: as many), dk, dv, columns per session)
+    (1, None, 16, 16, [1]),
+    (3, None, 16, 64, [3, 1, 8]),
+    (1, None, 64, 16, [2, 7, 1, 8, 5, 3, 4]),
+    (3, None, 64, 64, [5, 0, 2]),
+    (1, None, 128, 128, [8]),
+    (3, None, 128, 64, [1, 2, 1]),
+    (1, None, 32, 128, [4, 6, 1, 2, 3, 8, 5]),
+    (3, None, 16, 16, [0, 0, 0]),
+    (1, None, 16, 16, []),
+    # several value heads per key head, consecutive (Qwen3.5: 16 key heads, 32 or 48 value heads)
+    (6, 2, 16, 24, [3, 1, 5]),
+    (6, 3, 32, 40, [2, 0, 7]),
+    (4, 1, 128, 48, [1, 3]),
+    (9, 3, 64, 16, [4, 1, 1, 2]),
+    (2, 1, 16, 128, [6]),
 ]
 
 
-@pytest.mark.parametrize("heads,dk,dv,ts", CASES, ids=[f"H{h}-dk{k}-dv{v}-t{t}" for h, k, v, t in CASES])
-def test_scan_matches_reference(kernel_backend, numpy_backend, rng, heads, dk, dv, ts):
-    layer = make_layer(rng, heads, dk, dv)
+@pytest.mark.parametrize("heads,k_heads,dk,dv,ts", CASES,
+                         ids=[f"H{h}-Hk{hk or h}-dk{k}-dv{v}-t{t}" for h, hk, k, v, t in CASES])
+def test_scan_matches_reference(kernel_backend, numpy_backend, rng, heads, k_heads, dk, dv, ts):
+    layer = make_layer(rng, heads, dk, dv, k_heads)
     ref = Sessions(numpy_backend, layer, rng, len(ts))
     got, plain = ref.clone(kernel_backend), ref.clone(kernel_backend)
     r_out, r_sc, r_cc, _ = ref.scan(ts, ckpt=True)
@@ -150,8 +159,10 @@ def test_scan_matches_reference(kernel_backend, numpy_backend, rng, heads, dk, d
 
 
 def textbook_scan(layer, S, W, mixed, a, b):
-    """DESIGN section 6 in float64, written from the formula: S = alpha S (I - beta k k^T) + beta v k^T."""
+    """DESIGN section 6 in float64, written from the formula: S = alpha S (I - beta k k^T) + beta v k^T,
+    value head h reading key head h // (H / Hk) as transformers' repeat_interleave does."""
     H, dk, dv = layer.heads, layer.dk, layer.dv
+    Hk = layer.k_heads or H
     S, W = S.astype(np.float64), W.astype(np.float64)
     w, outs = layer.conv_weight.astype(np.float64), []
     for x, at, bt in zip(mixed.astype(np.float64), a.astype(np.float64), b.astype(np.float64)):
@@ -159,7 +170,8 @@ def textbook_scan(layer, S, W, mixed, a, b):
         y = (full * w).sum(axis=1)
         y = y / (1 + np.exp(-y))
         W = full[:, 1:]
-        q, k, v = y[:H * dk].reshape(H, dk), y[H * dk:2 * H * dk].reshape(H, dk), y[2 * H * dk:].reshape(H, dv)
+        q, k, v = y[:Hk * dk].reshape(Hk, dk), y[Hk * dk:2 * Hk * dk].reshape(Hk, dk), y[2 * Hk * dk:].reshape(H, dv)
+        q, k = np.repeat(q, H // Hk, axis=0), np.repeat(k, H // Hk, axis=0)
         q = q / np.sqrt((q * q).sum(-1, keepdims=True) + 1e-6) / np.sqrt(dk)
         k = k / np.sqrt((k * k).sum(-1, keepdims=True) + 1e-6)
         alpha = np.exp(-np.exp(layer.A_log.astype(np.float64)) * np.logaddexp(0, at + layer.dt_bias))
@@ -171,10 +183,10 @@ def textbook_scan(layer, S, W, mixed, a, b):
     return np.array(outs), S, W
 
 
-@pytest.mark.parametrize("heads,dk,dv", [(3, 16, 32), (1, 128, 64)])
-def test_reference_is_the_delta_rule(numpy_backend, rng, heads, dk, dv):
+@pytest.mark.parametrize("heads,k_heads,dk,dv", [(3, None, 16, 32), (1, None, 128, 64), (6, 2, 16, 24)])
+def test_reference_is_the_delta_rule(numpy_backend, rng, heads, k_heads, dk, dv):
     """The fixed evaluation order computes the formula of DESIGN section 6."""
-    layer = make_layer(rng, heads, dk, dv)
+    layer = make_layer(rng, heads, dk, dv, k_heads)
     sess = Sessions(numpy_backend, layer, rng, 1)
     (S0,), (W0,) = sess.host()
     S0, W0 = S0.copy(), W0.copy()
@@ -238,12 +250,12 @@ def verify_and_roll_back(sess, vts, keeps, method):
     return be.to_host(out), be.to_host(indptr)
 
 
-@pytest.mark.parametrize("heads,dk,dv", [(3, 16, 32), (1, 64, 128)])
-def test_rollback_is_bitwise_plain_decode(any_backend, rng, heads, dk, dv):
+@pytest.mark.parametrize("heads,k_heads,dk,dv", [(3, None, 16, 32), (1, None, 64, 128), (6, 3, 32, 24)])
+def test_rollback_is_bitwise_plain_decode(any_backend, rng, heads, k_heads, dk, dv):
     """Restore + replay and checkpoint select both give, bitwise, the state of a plain decode
     that fed the kept tokens one at a time, for every keep in 0..vt, across sessions that have
     already consumed different numbers of tokens. Each verify column equals its decode step."""
-    layer = make_layer(rng, heads, dk, dv)
+    layer = make_layer(rng, heads, dk, dv, k_heads)
     extra = rng.integers(1, 9, 3)
     vts = [8] * 9 + extra.tolist()
     keeps = list(range(9)) + [int(rng.integers(0, v + 1)) for v in extra]
@@ -313,9 +325,10 @@ def test_zero_draft_after_full_accept_continues_from_the_right_state(any_backend
 
 
 # ---- debug modes ----------------------------------------------------------------------------
-@pytest.mark.parametrize("heads,dk,dv,ts", [(3, 32, 48, [3, 1, 4]), (1, 128, 32, [2, 0, 1])])
-def test_random_schedule_gives_the_same_bits(simt, rng, heads, dk, dv, ts):
-    layer = make_layer(rng, heads, dk, dv)
+@pytest.mark.parametrize("heads,k_heads,dk,dv,ts", [(3, None, 32, 48, [3, 1, 4]), (1, None, 128, 32, [2, 0, 1]),
+                                                   (4, 2, 16, 40, [2, 3])])
+def test_random_schedule_gives_the_same_bits(simt, rng, heads, k_heads, dk, dv, ts):
+    layer = make_layer(rng, heads, dk, dv, k_heads)
     base = Sessions(simt, layer, rng, len(ts))
     shuffled = base.clone()
     ref = base.scan(ts, ckpt=True)
@@ -330,8 +343,9 @@ ASAN_SCRIPT = """
 from dspark.ops.gdn import channels, gdn_scan
 rng = np.random.default_rng(7)
 numpy_be = dspark.get_backend("numpy")
-for heads, dk, dv, ts in [(2, 16, 16, [2, 0, 3]), (1, 128, 32, [2]), (1, 64, 96, [1, 1])]:
-    C, cols, B = channels(heads, dk, dv), sum(ts), len(ts)
+for heads, kh, dk, dv, ts in [(2, 2, 16, 16, [2, 0, 3]), (1, 1, 128, 32, [2]), (1, 1, 64, 96, [1, 1]),
+                              (6, 2, 32, 24, [1, 2])]:
+    C, cols, B = channels(heads, dk, dv, kh), sum(ts), len(ts)
     args = [rng.standard_normal(s).astype(np.float32) for s in [(cols, C), (cols, heads), (cols, heads), (C, 4),
                                                                (heads,), (heads,)]]
     init = [(rng.standard_normal((heads, dv, dk)).astype(np.float32), rng.standard_normal((C, 3)).astype(np.float32))
@@ -341,7 +355,7 @@ for heads, dk, dv, ts in [(2, 16, 16, [2, 0, 3]), (1, 128, 32, [2]), (1, 64, 96,
     for b in (be, numpy_be):
         S, W = [s.copy() for s, _ in init], [w.copy() for _, w in init]
         sc, cc = np.empty((cols, heads, dv, dk), np.float32), np.empty((cols, C, 3), np.float32)
-        out = gdn_scan(b, *args, S, W, indptr, heads=heads, dk=dk, dv=dv, state_ckpt=sc, conv_ckpt=cc)
+        out = gdn_scan(b, *args, S, W, indptr, heads=heads, dk=dk, dv=dv, k_heads=kh, state_ckpt=sc, conv_ckpt=cc)
         res.append([out, sc, cc, *S, *W])
     for x, y in zip(*res):
         np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-5 * max(1.0, float(np.abs(y).max(initial=0))))
@@ -372,6 +386,10 @@ def test_bad_inputs_are_refused_and_change_nothing(any_backend, rng):
 
     with pytest.raises(ShapeError, match="dk=48: expected one of 16, 32, 64, 128"):
         call(dk=48)
+    with pytest.raises(ShapeError, match="k_heads=3: expected an int >= 1 that divides heads=2"):
+        call(k_heads=3)
+    with pytest.raises(ShapeError, match=r"mixed has shape \(3, 128\): expected \(3, 96\)"):
+        call(k_heads=1)  # one key head: fewer channels than mixed has
     with pytest.raises(CapacityError, match="dv=200 with dk=128 needs 800 threads per head: expected dv <= 128"):
         call(dk=128, dv=200)
     with pytest.raises(DTypeError, match="mixed has dtype float64: expected float32"):

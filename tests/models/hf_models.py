@@ -1,0 +1,166 @@
+"""Tiny random Qwen3 and Qwen3.5 models built and saved by transformers itself: the oracle of the
+Hugging Face target tests.
+
+Each case is a transformers config plus how it is saved (dtype, shards, tied embeddings). The
+weights are redrawn at unit scale (transformers' 0.02 init gives logits so flat that greedy
+would ride on ties), and every norm weight is drawn away from its neutral value, so that a
+forgotten zero-centring, a norm on the wrong tensor or a norm left out all change the logits.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass, field
+
+import numpy as np
+import pytest
+
+IN_CI = os.environ.get("CI") == "true"
+
+
+def require_transformers():
+    """(torch, transformers); a skip outside CI, a failure under CI=true (the oracle must run)."""
+    try:
+        import torch
+        import transformers
+    except ImportError as e:
+        if IN_CI:
+            pytest.fail(f"the Hugging Face oracle is required in CI: {e}")
+        pytest.skip(f"torch and transformers are not installed ({e})")
+    return torch, transformers
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    family: str                      # qwen3 | qwen3_5_text | qwen3_5 (with a vision tower)
+    config: dict = field(hash=False)
+    dtype: str = "float32"           # dtype of the saved tensors
+    shard: int | None = None         # save_pretrained(max_shard_size=...) in bytes
+    seed: int = 0
+    tied: bool = False               # tie_word_embeddings (qwen3_5: on the composite config only, the
+                                     # flag transformers ties by; its text_config keeps False)
+
+    def __repr__(self):
+        return self.name
+
+
+GDN_ATTN = ["linear_attention", "full_attention", "linear_attention", "full_attention"]
+VISION = dict(depth=1, hidden_size=32, intermediate_size=32, num_heads=2, out_hidden_size=64, patch_size=4,
+              num_position_embeddings=16)
+
+QWEN3 = [
+    # GQA 2, untied, f32, one file
+    Case("qwen3-gqa2", "qwen3", dict(vocab_size=320, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
+                                    num_attention_heads=4, num_key_value_heads=2, head_dim=64)),
+    # GQA 4, tied, yarn RoPE scaling (the ramp lands inside the rotated dims), sharded
+    Case("qwen3-gqa4-tied-yarn-sharded", "qwen3", dict(
+        vocab_size=400, hidden_size=96, intermediate_size=128, num_hidden_layers=2, num_attention_heads=8,
+        num_key_value_heads=2, head_dim=64, max_position_embeddings=256,
+        rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=64)),
+        shard=60_000, seed=1, tied=True),
+    # GQA 2 at head_dim 128, bf16 weights, rope theta 1e6, an EOS id
+    Case("qwen3-d128-bf16", "qwen3", dict(vocab_size=300, hidden_size=128, intermediate_size=160,
+                                         num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+                                         head_dim=128, rope_parameters=dict(rope_type="default", rope_theta=1e6),
+                                         eos_token_id=7), dtype="bfloat16", seed=2),
+]
+QWEN35 = [
+    # 2 value heads per key head, dv != dk, untied, f32
+    Case("qwen3_5-v2k-untied", "qwen3_5_text", dict(
+        vocab_size=320, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=64, linear_num_key_heads=2, linear_num_value_heads=4,
+        linear_key_head_dim=16, linear_value_head_dim=32, layer_types=GDN_ATTN), seed=3),
+    # the multimodal checkpoint (vision tower skipped), 3 value heads per key head, tied, sharded
+    Case("qwen3_5-vision-v3k-tied-sharded", "qwen3_5", dict(
+        vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=128, linear_num_key_heads=1, linear_num_value_heads=3,
+        linear_key_head_dim=32, linear_value_head_dim=16,
+        layer_types=["linear_attention", "linear_attention", "linear_attention", "full_attention"]),
+        shard=50_000, seed=4, tied=True),
+    # one value head per key head, bf16, partial RoPE 0.5, GQA 4
+    Case("qwen3_5-v1k-bf16", "qwen3_5_text", dict(
+        vocab_size=280, hidden_size=128, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=1, head_dim=64, linear_num_key_heads=2, linear_num_value_heads=2,
+        linear_key_head_dim=64, linear_value_head_dim=64, partial_rotary_factor=0.5,
+        rope_parameters=dict(rope_type="default", rope_theta=100000.0, partial_rotary_factor=0.5),
+        layer_types=["linear_attention", "full_attention", "linear_attention"]), dtype="bfloat16", seed=5),
+]
+CASES = QWEN3 + QWEN35
+
+
+def model_class(transformers, family: str):
+    return {"qwen3": transformers.Qwen3ForCausalLM, "qwen3_5_text": transformers.Qwen3_5ForCausalLM,
+            "qwen3_5": transformers.Qwen3_5ForConditionalGeneration}[family]
+
+
+def hf_config(transformers, case: Case):
+    if case.family == "qwen3":
+        return transformers.Qwen3Config(**case.config, tie_word_embeddings=case.tied)
+    if case.family == "qwen3_5_text":
+        return transformers.Qwen3_5TextConfig(**case.config, tie_word_embeddings=case.tied)
+    return transformers.Qwen3_5Config(text_config=case.config, vision_config=VISION, tie_word_embeddings=case.tied)
+
+
+def redraw(torch, model, zero_centred: bool) -> None:
+    """Unit-scale weights; norms away from neutral (Qwen3.5's RMSNorm scales by 1 + w, its gdn
+    output norm and every Qwen3 norm by w)."""
+    g = torch.Generator().manual_seed(1234)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.ndim >= 2:
+                p.copy_(torch.randn(p.shape, generator=g) / math.sqrt(p.shape[-1]))
+            elif name.endswith("A_log"):
+                p.copy_(torch.rand(p.shape, generator=g) * math.log(16.0))
+            elif name.endswith("dt_bias"):
+                p.copy_(torch.randn(p.shape, generator=g))
+            else:
+                plain = not zero_centred or "linear_attn.norm" in name
+                p.copy_((1.0 if plain else 0.0) + 0.3 * torch.randn(p.shape, generator=g))
+
+
+def build(case: Case, directory) -> None:
+    """Save the case's model with transformers' save_pretrained into `directory`."""
+    torch, transformers = require_transformers()
+    torch.manual_seed(case.seed)
+    model = model_class(transformers, case.family)(hf_config(transformers, case))
+    redraw(torch, model, case.family != "qwen3")
+    model = model.to(getattr(torch, case.dtype)).eval()
+    kw = {"max_shard_size": case.shard} if case.shard else {}
+    model.save_pretrained(directory, **kw)
+
+
+def reference(case: Case, directory):
+    """transformers' model read back from the saved directory, computing in f32."""
+    torch, transformers = require_transformers()
+    return model_class(transformers, case.family).from_pretrained(directory, dtype=torch.float32).eval()
+
+
+def hf_logits(model, prompt, steps) -> list[np.ndarray]:
+    """[prefill logits [T, V]] + one [V] per decode step, through transformers' own cache."""
+    import torch
+    with torch.no_grad():
+        out = model(torch.tensor(np.asarray(prompt)[None]), use_cache=True)
+        logits, cache = [out.logits[0].numpy()], out.past_key_values
+        for tok in steps:
+            out = model(torch.tensor([[int(tok)]]), past_key_values=cache, use_cache=True)
+            logits.append(out.logits[0, -1].numpy())
+            cache = out.past_key_values
+    return logits
+
+
+def hf_greedy(model, prompt, n) -> list[int]:
+    import torch
+    with torch.no_grad():
+        out = model.generate(torch.tensor(np.asarray(prompt)[None]), max_new_tokens=n, do_sample=False,
+                             attention_mask=torch.ones(1, len(prompt), dtype=torch.long))
+    return out[0, len(prompt):].tolist()
+
+
+def assert_logits_close(got, want, what):
+    """Within 1e-4 of the largest |logit|."""
+    got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
+    scale = float(np.abs(want).max())
+    err = float(np.abs(got - want).max())
+    assert err <= 1e-4 * scale, f"{what}: max |diff| {err:.3g} > 1e-4 x max |logit| {scale:.3g}"

@@ -1,0 +1,193 @@
+"""Hugging Face targets against transformers itself (tiny random Qwen3 and Qwen3.5 models that
+transformers built and saved): the logits of a prefill and 16 decode steps on numpy and simt,
+greedy generation, taps, the storage dtype; and speculative decoding on them stays exact (solo,
+batched, demoted at a burst boundary, both rollback methods)."""
+
+import json
+
+import numpy as np
+import pytest
+
+from dspark.decode import PlainBatch, plain_generate
+from dspark.dtypes import BF16
+from dspark.models.hf import load_target
+from dspark.models.oracle import OracleDrafter
+from dspark.models.presets import random_drafter
+from dspark.session import DsparkSpecSession, SpecParams, spec_burst
+from tests.models.hf_models import CASES, QWEN35, assert_logits_close, build, hf_greedy, hf_logits, reference
+
+STEPS = 16
+GREEDY = 48
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """case -> (directory, transformers' model read back from it), each built once."""
+    made = {}
+
+    def get(case):
+        if case.name not in made:
+            d = tmp_path_factory.mktemp(case.name)
+            build(case, d)
+            made[case.name] = (d, reference(case, d))
+        return made[case.name]
+    return get
+
+
+def prompt_of(case, n=11):
+    return np.random.default_rng(case.seed).integers(0, case.config["vocab_size"], n).astype(np.int32)
+
+
+@pytest.mark.parametrize("backend", ["numpy", "simt"])
+@pytest.mark.parametrize("case", CASES, ids=repr)
+def test_logits_match_transformers(saved, request, case, backend):
+    """Prefill, then 16 decode steps through each side's own cache (transformers: its chunked
+    gdn for the prompt, the recurrent one per step), within 1e-4 of the largest logit."""
+    be = request.getfixturevalue("numpy_backend" if backend == "numpy" else "simt")
+    d, model = saved(case)
+    p = prompt_of(case)
+    steps = np.random.default_rng(case.seed + 100).integers(0, case.config["vocab_size"], STEPS)
+    want = hf_logits(model, p, steps)
+    trunk = load_target(d, be)
+    cache = trunk.new_cache()
+    assert_logits_close(be.to_host(trunk.prefill(cache, p).logits), want[0], f"{case.name} prefill")
+    for j, tok in enumerate(steps):
+        got = be.to_host(trunk.decode([cache], [tok]).logits)[0]
+        assert_logits_close(got, want[j + 1], f"{case.name} decode step {j}")
+
+
+@pytest.mark.parametrize("case", CASES, ids=repr)
+def test_greedy_matches_transformers_generate(saved, numpy_backend, case):
+    d, model = saved(case)
+    p = prompt_of(case)
+    want = hf_greedy(model, p, GREEDY)
+    assert plain_generate(load_target(d, numpy_backend), p, GREEDY) == want
+
+
+def test_checkpoints_are_what_the_cases_claim(saved, numpy_backend):
+    """The cases cover what they say: shards, bf16 files, tying, skipped vision tensors, grouped
+    value heads, the Qwen3.5 conventions."""
+    for case in CASES:
+        d, _ = saved(case)
+        trunk = load_target(d, numpy_backend)
+        c, src = trunk.config, trunk.source
+        if case.shard:
+            shards = set(json.loads((d / "model.safetensors.index.json").read_text())["weight_map"].values())
+            assert len(shards) > 1, case.name
+        assert set(src.dtypes) == {"BF16" if case.dtype == "bfloat16" else "F32"}, case.name
+        assert c.tie_embeddings == case.tied, case.name
+        assert ("lm_head" in trunk.host_weights) != c.tie_embeddings
+        assert (src.skipped.get("model.visual.", 0) > 0) == (case.family == "qwen3_5"), case.name
+        hybrid = case.family != "qwen3"
+        assert (c.norm_offset, c.attn_gate, c.qk_norm) == ((1.0, True, True) if hybrid else (0.0, False, True))
+        if hybrid:
+            t = case.config
+            assert (c.gdn_heads, c.gdn_key_heads) == (t["linear_num_value_heads"], t["linear_num_key_heads"])
+    ratios = {c.config["linear_num_value_heads"] // c.config["linear_num_key_heads"] for c in QWEN35}
+    assert ratios == {1, 2, 3}
+
+
+def test_storage_dtype_changes_memory_not_logits(saved, numpy_backend):
+    """A bf16 checkpoint stored as bf16 on the backend gives bitwise the logits of f32 storage
+    (widening is exact), in half the weight bytes."""
+    case = next(c for c in CASES if c.dtype == "bfloat16" and c.family != "qwen3")
+    d, _ = saved(case)
+    be = numpy_backend
+    f32 = load_target(d, be)
+    bf16 = load_target(d, be, dtype="bfloat16")
+    assert f32.weight_dtype == np.float32 and bf16.weight_dtype == BF16
+    assert bf16.w["layers.0.gdn.w_qkv"].dtype == BF16 and bf16.w["layers.0.gdn.A_log"].dtype == np.float32
+    assert bf16.w["embed"].nbytes * 2 == f32.w["embed"].nbytes
+    p = prompt_of(case)
+    ca, cb = f32.new_cache(), bf16.new_cache()
+    assert np.array_equal(f32.prefill(ca, p).logits, bf16.prefill(cb, p).logits)
+    for tok in p[:4]:
+        assert np.array_equal(f32.decode([ca], [tok]).logits, bf16.decode([cb], [tok]).logits)
+
+
+def test_taps_are_transformers_hidden_states(saved, numpy_backend):
+    """trunk taps (layers i, in the order asked) are transformers' hidden_states[i + 1]."""
+    import torch
+    case = QWEN35[1]
+    d, model = saved(case)
+    p = prompt_of(case)
+    with torch.no_grad():
+        hs = model(torch.tensor(p[None]), output_hidden_states=True).hidden_states
+    trunk = load_target(d, numpy_backend)
+    layers = (2, 0)
+    got = trunk.prefill(trunk.new_cache(), p, taps=layers)
+    assert got.tap_layers == layers
+    want = np.concatenate([hs[i + 1][0].numpy() for i in layers], axis=1)
+    np.testing.assert_allclose(got.taps, want, rtol=0, atol=1e-4 * np.abs(want).max())
+    default = trunk.prefill(trunk.new_cache(), p)
+    assert default.tap_layers == trunk.config.tap_layers
+
+
+# ---- speculative decoding on real targets ---------------------------------------------------
+def oracle_for(trunk, seed, streams=None, hit_rate=0.7):
+    """A random drafter sized to the target, made to hit the plain stream at `hit_rate` so that
+    partial accepts of every length occur (exactness must hold whatever it proposes)."""
+    o = OracleDrafter(random_drafter(trunk, seed, block=4), hit_rate=hit_rate, seed=seed)
+    o.next_stream = streams
+    return o
+
+
+def live_prompts(case, trunk, n, count):
+    """Prompts whose plain greedy stream runs the whole budget (no early EOS), and the streams."""
+    out, rng = [], np.random.default_rng(case.seed + 7)
+    while len(out) < count:
+        p = rng.integers(0, trunk.config.vocab, int(rng.integers(3, 24))).astype(np.int32)
+        want = plain_generate(trunk, p, n)
+        if len(want) == n and trunk.config.eos_id not in want:
+            out.append((p, want))
+    return out
+
+
+@pytest.mark.parametrize("case", CASES, ids=repr)
+def test_speculative_greedy_equals_plain(saved, numpy_backend, case):
+    d, _ = saved(case)
+    trunk = load_target(d, numpy_backend)
+    ((p, want),) = live_prompts(case, trunk, 40, 1)
+    for rollback in ("checkpoint", "replay"):
+        drafter = oracle_for(trunk, case.seed, [*p.tolist(), *want])
+        s = DsparkSpecSession.prime(trunk, drafter, p, SpecParams(max_new_tokens=40, burst_target=6,
+                                                                  rollback=rollback))
+        while not s.finished():
+            s.burst()
+        assert s.emitted == want, rollback
+        assert sum(s.stats.histogram[1:]) > 0 and s.stats.histogram[0] > 0  # rejections and partial accepts
+        s.close()
+    # the bare random drafter: (almost) nothing accepted, output still exact
+    s = DsparkSpecSession.prime(trunk, random_drafter(trunk, case.seed, block=4), p, SpecParams(max_new_tokens=12))
+    while not s.finished():
+        s.burst()
+    assert s.emitted == want[:12]
+
+
+@pytest.mark.parametrize("case", CASES, ids=repr)
+def test_batched_sessions_and_demotion_stay_exact(saved, numpy_backend, case):
+    """Three sessions share every verify; after the first burst one is demoted to plain batched
+    decode. Each stream equals its plain greedy decode (= the session alone, previous test)."""
+    d, _ = saved(case)
+    trunk = load_target(d, numpy_backend)
+    n = 30
+    live = live_prompts(case, trunk, n, 3)
+    drafter = oracle_for(trunk, case.seed + 1, hit_rate=0.6)
+    sessions = []
+    for p, want in live:
+        drafter.next_stream = [*p.tolist(), *want]  # each draft KV follows its own stream
+        sessions.append(DsparkSpecSession.prime(trunk, drafter, p, SpecParams(max_new_tokens=n, burst_target=5)))
+    spec_burst(sessions)
+    first = sessions[0]
+    assert not first.finished() and first.cache.pos == len(live[0][0]) + len(first.emitted)
+    cache, last = first.into_demoted()
+    batch = PlainBatch(trunk)
+    sid = batch.join(cache, last, n, first.emitted)
+    rest = sessions[1:]
+    while not all(s.finished() for s in rest):
+        spec_burst(rest)
+        batch.step()
+    batch.run()
+    assert batch.leave(sid).emitted == live[0][1]
+    assert [s.emitted for s in rest] == [want for _, want in live[1:]]
+    cache.free()
