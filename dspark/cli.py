@@ -2,6 +2,7 @@
 
     dspark demo       the embedded pair on a code prompt: speculative vs plain greedy, side by side
     dspark generate   one request: prompt, sampling options, --no-spec
+    (both take --model DIR: a Hugging Face target and its tokenizer.json instead of the embedded pair)
     dspark info       backends, device, compiled kernels
     dspark bench      the profiling benchmarks
 
@@ -110,6 +111,16 @@ def load_pair(be, block: int | None):
     return trunk, drafter
 
 
+def load_model(be, path: str):
+    """--model: a Hugging Face target (dspark.models.hf) and its tokenizer; the load summary
+    (dtypes, tensors skipped by rule) goes to stderr."""
+    from .models.hf import load_target, load_tokenizer
+    trunk = load_target(path, be)
+    tokenizer = load_tokenizer(path)
+    print(f"dspark: loaded {trunk.source.summary()}", file=sys.stderr)
+    return trunk, tokenizer
+
+
 def run_spec(trunk, drafter, prompt, params, progress=None):
     """Speculative generation; returns (tokens, decode seconds, stats, prime seconds)."""
     from .session import DsparkSpecSession
@@ -159,9 +170,16 @@ def end_progress():
 def cmd_demo(args) -> int:
     from .session import SpecParams
     be = backend_of(args.backend)
-    trunk, drafter = load_pair(be, args.block)
-    prompt = encode(DEMO_PROMPT)
-    print(f"dspark demo: embedded pair on backend {be.name}, block {drafter.config.block}, "
+    if args.model:  # no trained drafter given: a random one, so the demo still shows exactness
+        from .models.presets import random_drafter
+        trunk, tokenizer = load_model(be, args.model)
+        drafter = random_drafter(trunk, block=args.block or 8)
+        what, text = f"{args.model} with a random drafter", tokenizer.decode
+        prompt = tokenizer.encode(DEMO_PROMPT)
+    else:
+        trunk, drafter = load_pair(be, args.block)
+        what, text, prompt = "embedded pair", decode, encode(DEMO_PROMPT)
+    print(f"dspark demo: {what} on backend {be.name}, block {drafter.config.block}, "
           f"{args.max_new_tokens} new tokens, greedy, verify {args.verify} (tau {args.tau}, at most "
           f"{args.max_verify or drafter.config.drafts + 1} columns)")
     params = SpecParams(max_new_tokens=args.max_new_tokens, verify=args.verify, tau=args.tau,
@@ -173,7 +191,7 @@ def cmd_demo(args) -> int:
     plain, t_plain, t_prefill = run_plain(trunk, prompt, args.max_new_tokens, progress=progress_bar("plain"))
     end_progress()
     print("---- prompt + speculative output " + "-" * 40)
-    print(DEMO_PROMPT + decode(spec))
+    print(DEMO_PROMPT + text(spec))
     print("-" * 73)
     acc = " ".join(f"{a:.2f}" for a in stats.acceptance_by_position)
     print(f"mean accepted length   {stats.mean_accepted_length:.2f} tokens per round ({stats.rounds} rounds)")
@@ -197,17 +215,21 @@ def cmd_generate(args) -> int:
                                   min_p=args.min_p, seed=args.seed)
     except ValueError as e:
         raise CliError(str(e).replace("SamplingParams.", "--").replace("_", "-")) from None
-    trunk, drafter = load_pair(be, args.block)
-    prompt = encode(args.prompt)
-    if args.no_spec:
+    if args.model:  # no drafter for a Hugging Face target yet: plain decode
+        trunk, tokenizer = load_model(be, args.model)
+        drafter, text, prompt = None, tokenizer.decode, tokenizer.encode(args.prompt)
+    else:
+        trunk, drafter = load_pair(be, args.block)
+        text, prompt = decode, encode(args.prompt)
+    if args.no_spec or drafter is None:
         out, dt, _ = run_plain(trunk, prompt, args.max_new_tokens, sampling)
-        note = "plain"
+        note = "plain" if drafter is not None else "plain: no drafter for --model"
     else:
         out, dt, stats, _ = run_spec(trunk, drafter, prompt, SpecParams(
             max_new_tokens=args.max_new_tokens, verify=args.verify, tau=args.tau, max_verify=args.max_verify,
             capture=False, sampling=sampling))
         note = f"spec, mean accepted length {stats.mean_accepted_length:.2f}"
-    print(args.prompt + decode(out))
+    print(args.prompt + text(out))
     print(f"[{len(out)} tokens in {dt:.2f}s, {len(out) / dt:.1f} tokens/s, {note}]", file=sys.stderr)
     return 0
 
@@ -232,6 +254,8 @@ def build_parser() -> argparse.ArgumentParser:
     def common(p):
         p.add_argument("--backend", default=None, help=f"one of {', '.join(NAMES)} (default: cuda if a GPU works, "
                                                       "else numpy)")
+        p.add_argument("--model", default=None, metavar="DIR",
+                       help="a Hugging Face target (qwen3, qwen3_5): a directory or a hub id in the local cache")
         p.add_argument("--max-new-tokens", type=positive_int, default=256)
         p.add_argument("--block", type=positive_int, default=None, help="drafter block size (default: trained)")
         p.add_argument("--verify", choices=VERIFY_POLICIES, default="confidence",

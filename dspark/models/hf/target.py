@@ -40,7 +40,7 @@ import numpy as np
 
 from ...dtypes import BF16
 from ..config import TrunkConfig
-from ..weights import trunk_spec
+from ..weights import STORAGE, trunk_spec
 from .checkpoint import Checkpoint, CheckpointError
 
 SERVED = ("qwen3", "qwen3_5", "qwen3_5_text")
@@ -300,6 +300,16 @@ class LazyWeights(Mapping):
         return len(self._where)
 
 
+def storage_dtype(dtype) -> np.dtype:
+    try:
+        d = np.dtype(dtype)
+    except TypeError:
+        d = None
+    if d not in STORAGE:
+        raise ValueError(f"dtype={dtype!r}: expected float32, float16 or bfloat16")
+    return d
+
+
 def default_dtype(backend, checkpoint_dtype) -> np.dtype:
     """dtype=None: float32 on the CPU backends (BLAS multiplies f32; widening per call would only
     cost time), the checkpoint's own dtype on cuda (bf16 stays bf16: half the memory). The math
@@ -320,13 +330,15 @@ def load_target(path, backend=None, dtype=None, *, max_ctx: int | None = None, t
     """
     from ...backends import Backend, get_backend
     from ..trunk import HybridTrunk
+    if dtype is not None:
+        dtype = storage_dtype(dtype)
     ckpt = Checkpoint(path)
     model_type, _ = text_config(ckpt.config)
     config = config_of(ckpt.config, max_ctx, tap_layers)
     where, report = plan(ckpt, config, model_type)
     be = backend if isinstance(backend, Backend) else get_backend(backend)
     embed_dtype = {"F32": np.float32, "F16": np.float16, "BF16": BF16}[ckpt.tensors[where["embed"][0]].dtype]
-    storage = default_dtype(be, embed_dtype) if dtype is None else np.dtype(dtype)
+    storage = default_dtype(be, embed_dtype) if dtype is None else dtype
     trunk = HybridTrunk(config, LazyWeights(ckpt, where), be, dtype=storage)
     trunk.source = report
     return trunk
