@@ -200,6 +200,7 @@ def gdn_scan_benches(be, s: Sizes) -> Iterator[Bench]:
             cck = be.xp.empty((cols, C, 3), np.float32) if ckpt else None
             ptr = be.asarray(indptr([t] * B))
             nbytes = F32 * (cols * (C + 2 * H)             # mixed, a, b
+                            + 2 * cols * C                 # the conv's SiLU outputs, written and read
                             + 4 * C + 2 * H                # conv weight, A_log, dt_bias
                             + 2 * B * (state + window)     # state and conv window, read and written
                             + cols * H * dv                # out
@@ -208,7 +209,7 @@ def gdn_scan_benches(be, s: Sizes) -> Iterator[Bench]:
             # o = S q 2) and the width-4 causal conv, 8 per channel
             flops = cols * (H * 7 * dv * dk + 8 * C)
             yield Bench("gdn_scan", case, {"B": B, "t": t, "H": H, "dk": dk, "dv": dv}, nbytes, flops,
-                        (f"gdn_scan_dk{dk}_f32",),
+                        ("gdn_conv_f32", f"gdn_scan_dk{dk}_f32"),
                         lambda b, x=(mixed, a, b_gate), st=states, w=windows, p=ptr, o=out, sc=sck, cc=cck:
                         gdn_scan(b, *x, conv_w, A_log, dt_bias, st, w, p, heads=H, dk=dk, dv=dv, out=o,
                                  state_ckpt=sc, conv_ckpt=cc))

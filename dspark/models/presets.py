@@ -10,6 +10,11 @@ from .trunk import HybridTrunk
 TINY_TRUNK = TrunkConfig(d_model=64, mlp_hidden=96, layers=("gdn", "attn", "gdn", "attn"), attn_heads=4,
                          attn_kv_heads=2, head_dim=64, gdn_heads=2, gdn_dk=16, gdn_dv=16, tap_layers=(1, 3),
                          max_ctx=256)
+# Qwen3.5's conventions on the tiny trunk: 2 value heads per key head, zero-centred norms, q/k
+# norms, the attention output gate, partial RoPE with YaRN scaling, tied embeddings.
+QWEN35_CONVENTIONS = dict(gdn_heads=4, gdn_k_heads=2, gdn_dv=24, norm_offset=1.0, qk_norm=True, attn_gate=True,
+                          rope_fraction=0.25, tie_embeddings=True,
+                          rope_scaling=(("factor", 4.0), ("original_max_position_embeddings", 32), ("rope_type", "yarn")))
 TINY_DRAFTER = DrafterConfig(block=4, window=16, d_model=64, layers=1, heads=2, kv_heads=1, head_dim=64,
                              mlp_hidden=96, markov_rank=8)
 

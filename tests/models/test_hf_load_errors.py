@@ -79,7 +79,7 @@ QWEN3_CONFIG_REFUSALS = [
 ]
 
 
-@pytest.mark.parametrize("changes,match", QWEN3_CONFIG_REFUSALS, ids=lambda x: str(x)[:40])
+@pytest.mark.parametrize("changes,match", QWEN3_CONFIG_REFUSALS, ids=[next(iter(c)) for c, _ in QWEN3_CONFIG_REFUSALS])
 def test_config_refusals(numpy_backend, copy_of, changes, match):
     d = copy_of("qwen3")
     edit_config(d, **changes)
@@ -115,7 +115,8 @@ TENSOR_REFUSALS = [
 ]
 
 
-@pytest.mark.parametrize("mutate,match", TENSOR_REFUSALS, ids=lambda x: str(x)[:50])
+@pytest.mark.parametrize("mutate,match", TENSOR_REFUSALS,
+                         ids=["missing", "misshaped", "unknown", "vision-in-qwen3", "f64", "int8", "no-embedding"])
 def test_tensor_refusals(numpy_backend, copy_of, mutate, match):
     d = copy_of("qwen3")
     edit_tensors(d, mutate)

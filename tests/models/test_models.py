@@ -6,7 +6,10 @@ import pytest
 from dspark.errors import DTypeError, ShapeError, TokenRangeError
 from dspark.models import DsparkDrafter, HybridTrunk
 from dspark.ops import dense
-from dspark.models.presets import TINY_TRUNK, tiny_pair as small_pair
+from dspark.models.presets import QWEN35_CONVENTIONS, TINY_TRUNK, tiny_pair as small_pair
+
+# every row-invariance property on the embedded trunk's conventions and on Qwen3.5's
+CONVENTIONS = pytest.mark.parametrize("conventions", [{}, QWEN35_CONVENTIONS], ids=["toy", "qwen3_5"])
 
 
 def prompt(rng, n, vocab=256):
@@ -18,8 +21,9 @@ def same(be, a, b) -> bool:
     return np.array_equal(be.to_host(a), be.to_host(b))
 
 
-def test_verify_column_equals_decode_step(model_backend, rng):
-    trunk, _ = small_pair(model_backend, seed=int(rng.integers(1000)))
+@CONVENTIONS
+def test_verify_column_equals_decode_step(model_backend, rng, conventions):
+    trunk, _ = small_pair(model_backend, seed=int(rng.integers(1000)), **conventions)
     p = prompt(rng, int(rng.integers(3, 70)))
     a, b = trunk.new_cache(), trunk.new_cache()
     trunk.prefill(a, p)
@@ -35,9 +39,10 @@ def test_verify_column_equals_decode_step(model_backend, rng):
         assert same(model_backend, sa, sb)
 
 
+@CONVENTIONS
 @pytest.mark.parametrize("others", [1, 3, 7])
-def test_decode_is_the_same_alone_and_batched(model_backend, rng, others):
-    trunk, _ = small_pair(model_backend, seed=3)
+def test_decode_is_the_same_alone_and_batched(model_backend, rng, others, conventions):
+    trunk, _ = small_pair(model_backend, seed=3, **conventions)
     lens = rng.integers(1, 60, others + 1)
     prompts = [prompt(rng, int(n)) for n in lens]
     alone, batch = trunk.new_cache(), [trunk.new_cache() for _ in prompts]
@@ -52,8 +57,9 @@ def test_decode_is_the_same_alone_and_batched(model_backend, rng, others):
     assert same(model_backend, solo.logits[0], both.logits[row])
 
 
-def test_prefill_equals_token_by_token(model_backend, rng):
-    trunk, _ = small_pair(model_backend, seed=5)
+@CONVENTIONS
+def test_prefill_equals_token_by_token(model_backend, rng, conventions):
+    trunk, _ = small_pair(model_backend, seed=5, **conventions)
     p = prompt(rng, 37)
     a, b = trunk.new_cache(), trunk.new_cache()
     full = trunk.prefill(a, p)
@@ -65,11 +71,12 @@ def test_prefill_equals_token_by_token(model_backend, rng):
         assert same(model_backend, x, y)
 
 
-def test_simt_and_numpy_logits_agree(simt, numpy_backend, rng):
+@CONVENTIONS
+def test_simt_and_numpy_logits_agree(simt, numpy_backend, rng, conventions):
     p = prompt(rng, 41)
     out = []
     for be in (numpy_backend, simt):
-        trunk, drafter = small_pair(be, seed=11)
+        trunk, drafter = small_pair(be, seed=11, **conventions)
         cache = trunk.new_cache()
         tp = trunk.prefill(cache, p)
         kv = drafter.new_kv("draft/test")
@@ -98,9 +105,10 @@ def test_drafter_block_pass_is_the_same_alone_and_batched(model_backend, rng):
     assert same(model_backend, l1, l4[2 * b : 3 * b]) and same(model_backend, h1, h4[2 * b : 3 * b])
 
 
+@CONVENTIONS
 @pytest.mark.parametrize("fmt", ["safetensors", "npz"])
-def test_save_load_round_trip_is_bitwise(numpy_backend, tmp_path, rng, fmt):
-    trunk, drafter = small_pair(numpy_backend, seed=13)
+def test_save_load_round_trip_is_bitwise(numpy_backend, tmp_path, rng, fmt, conventions):
+    trunk, drafter = small_pair(numpy_backend, seed=13, **conventions)
     trunk.save(tmp_path, fmt=fmt)
     drafter.save(tmp_path, fmt=fmt)
     t2 = HybridTrunk.load(tmp_path, numpy_backend)
@@ -167,6 +175,20 @@ def test_norm_glue_is_row_invariant(rng):
     wt = rng.standard_normal(64).astype(np.float32)
     full = dense.rmsnorm(x, wt, 1e-6)
     rope_full = dense.rope(x, np.arange(50) + 100, 10000.0)
+    yarn = (("factor", 4.0), ("original_max_position_embeddings", 32), ("rope_type", "yarn"))
+    partial_full = dense.rope(x, np.arange(50) + 100, 10000.0, 16, yarn)
     for i in (0, 17, 49):
         assert np.array_equal(dense.rmsnorm(x[i : i + 1], wt, 1e-6)[0], full[i])
         assert np.array_equal(dense.rope(x[i : i + 1], np.array([100 + i]), 10000.0)[0], rope_full[i])
+        assert np.array_equal(dense.rope(x[i : i + 1], np.array([100 + i]), 10000.0, 16, yarn)[0], partial_full[i])
+    np.testing.assert_array_equal(partial_full[..., 16:], x[..., 16:])  # past the rotary dims: untouched
+
+
+def test_bf16_storage_is_exact_widening(rng):
+    """linear on bf16-stored weights equals linear on their f32 values, bitwise, alone or batched."""
+    from dspark.dtypes import BF16
+    w = rng.standard_normal((64, 96)).astype(BF16)
+    x = rng.standard_normal((11, 64)).astype(np.float32)
+    full = dense.linear(x, w)
+    assert np.array_equal(full, dense.linear(x, w.astype(np.float32)))
+    assert np.array_equal(dense.linear(x[3:4], w)[0], full[3])
