@@ -158,6 +158,19 @@ def test_scan_matches_reference(kernel_backend, numpy_backend, rng, heads, k_hea
     assert_states_equal(plain.host(), got.host(), "with and without checkpoints")
 
 
+def test_cuda_grouped_heads_at_qwen3_5_size(cuda, numpy_backend, rng):
+    """Qwen3.5-27B's gdn layer: 48 value heads on 16 key heads, dk = dv = 128; then rollback."""
+    layer = make_layer(rng, 48, 128, 128, k_heads=16)
+    ref = Sessions(numpy_backend, layer, rng, 4)
+    got = ref.clone(cuda)
+    ts = [8, 1, 0, 5]
+    r, g = ref.scan(ts, ckpt=True), got.scan(ts, ckpt=True)
+    for name, x, y in zip(("out", "state_ckpt"), g[:2], r[:2]):
+        assert_close(cuda.to_host(x), y, name)
+    np.testing.assert_array_equal(cuda.to_host(g[2]), r[2], err_msg="conv_ckpt")
+    assert_rollbacks_exact(cuda, layer, rng, [8] * 9, list(range(9)))
+
+
 def textbook_scan(layer, S, W, mixed, a, b):
     """DESIGN section 6 in float64, written from the formula: S = alpha S (I - beta k k^T) + beta v k^T,
     value head h reading key head h // (H / Hk) as transformers' repeat_interleave does."""

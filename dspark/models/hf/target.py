@@ -310,11 +310,23 @@ def storage_dtype(dtype) -> np.dtype:
     return d
 
 
+def holds(backend, dtype) -> bool:
+    """Whether the backend's array module has arrays of `dtype` (some CuPy versions lack bf16)."""
+    try:
+        backend.xp.zeros(1, dtype)
+        return True
+    except (TypeError, ValueError):
+        return False
+
+
 def default_dtype(backend, checkpoint_dtype) -> np.dtype:
     """dtype=None: float32 on the CPU backends (BLAS multiplies f32; widening per call would only
-    cost time), the checkpoint's own dtype on cuda (bf16 stays bf16: half the memory). The math
-    is f32 either way, and a value stored exactly gives bitwise the same logits."""
-    return np.dtype(np.float32) if backend.name != "cuda" else np.dtype(checkpoint_dtype)
+    cost time), the checkpoint's own dtype on cuda (bf16 stays bf16: half the memory; float32 on
+    a CuPy without bf16 arrays). The math is f32 either way, and a value stored exactly gives
+    bitwise the same logits."""
+    if backend.name != "cuda" or not holds(backend, checkpoint_dtype):
+        return np.dtype(np.float32)
+    return np.dtype(checkpoint_dtype)
 
 
 def load_target(path, backend=None, dtype=None, *, max_ctx: int | None = None, tap_layers=None):
@@ -339,6 +351,8 @@ def load_target(path, backend=None, dtype=None, *, max_ctx: int | None = None, t
     be = backend if isinstance(backend, Backend) else get_backend(backend)
     embed_dtype = {"F32": np.float32, "F16": np.float16, "BF16": BF16}[ckpt.tensors[where["embed"][0]].dtype]
     storage = default_dtype(be, embed_dtype) if dtype is None else dtype
+    if not holds(be, storage):
+        raise ValueError(f"dtype={storage}: backend {be.name!r} has no {storage} arrays (this CuPy lacks them)")
     trunk = HybridTrunk(config, LazyWeights(ckpt, where), be, dtype=storage)
     trunk.source = report
     return trunk
