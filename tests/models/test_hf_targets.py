@@ -191,3 +191,19 @@ def test_batched_sessions_and_demotion_stay_exact(saved, numpy_backend, case):
     assert batch.leave(sid).emitted == live[0][1]
     assert [s.emitted for s in rest] == [want for _, want in live[1:]]
     cache.free()
+
+
+def test_cuda_code_path_stores_bf16_and_equals_simt(saved, simt):
+    """The cuda backend's code path on the CuPy contract stand-in (no GPU needed): dtype=None keeps
+    a bf16 checkpoint bf16 on the device, and the logits are bitwise simt's (f32 storage)."""
+    from dspark.backends import contract
+    dev = contract.backend()
+    case = next(c for c in CASES if c.dtype == "bfloat16" and c.family != "qwen3")
+    d, _ = saved(case)
+    on_dev, on_simt = load_target(d, dev), load_target(d, simt)
+    assert on_dev.weight_dtype == BF16 and on_simt.weight_dtype == np.float32
+    p = prompt_of(case)
+    a, b = on_dev.new_cache(), on_simt.new_cache()
+    assert np.array_equal(dev.to_host(on_dev.prefill(a, p).logits), on_simt.prefill(b, p).logits)
+    for tok in p[:3]:
+        assert np.array_equal(dev.to_host(on_dev.decode([a], [tok]).logits), on_simt.decode([b], [tok]).logits)
