@@ -76,6 +76,7 @@ QWEN3_CONFIG_REFUSALS = [
      r"config rope_type='dynamic': dspark serves default, linear and yarn"),
     (dict(hidden_size=None), r"config.json of model_type 'qwen3' has no 'hidden_size'"),
     (dict(num_attention_heads=3), r"attn_heads=3 must be a multiple of attn_kv_heads=2"),
+    (dict(head_dim=96), r"config head_dim=96: the attention kernel serves 64, 128"),
 ]
 
 
@@ -94,7 +95,12 @@ def test_qwen3_5_config_refusals(numpy_backend, copy_of):
     refused(numpy_backend, d, "linear_conv_kernel_dim=3: the gdn kernels implement 4")
     edit_config(d, linear_conv_kernel_dim=4, linear_num_key_heads=3)
     refused(numpy_backend, d, "gdn_heads=4 must be a multiple of gdn_k_heads=3")
-    edit_config(d, linear_num_key_heads=2, model_type="qwen3_5")  # a composite type without text_config
+    edit_config(d, linear_num_key_heads=2, linear_key_head_dim=48)
+    refused(numpy_backend, d, r"linear_key_head_dim=48, linear_value_head_dim=32: the gdn kernels refuse them "
+                              r"\(dk=48: expected one of 16, 32, 64, 128\)")
+    edit_config(d, linear_key_head_dim=128, linear_value_head_dim=256)
+    refused(numpy_backend, d, "dv=256 with dk=128 needs 1024 threads per head")
+    edit_config(d, linear_key_head_dim=16, linear_value_head_dim=32, model_type="qwen3_5")  # no text_config
     refused(numpy_backend, d, "has no text_config")
 
 

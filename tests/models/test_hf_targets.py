@@ -105,6 +105,20 @@ def test_storage_dtype_changes_memory_not_logits(saved, numpy_backend):
         assert np.array_equal(f32.decode([ca], [tok]).logits, bf16.decode([cb], [tok]).logits)
 
 
+def test_bf16_kv_cache(saved, numpy_backend):
+    """kv_dtype=bfloat16 halves the cache and stays close to transformers' f32 logits."""
+    case = QWEN35[0]
+    d, model = saved(case)
+    trunk = load_target(d, numpy_backend, kv_dtype="bfloat16")
+    cache = trunk.new_cache()
+    assert cache.k[0].dtype == BF16
+    p = prompt_of(case)
+    got, want = trunk.prefill(cache, p).logits, hf_logits(model, p, [])[0]
+    assert np.abs(got - want).max() <= 2e-2 * np.abs(want).max()
+    with pytest.raises(ValueError, match="kv_dtype='int8'"):
+        load_target(d, numpy_backend, kv_dtype="int8")
+
+
 def test_taps_are_transformers_hidden_states(saved, numpy_backend):
     """trunk taps (layers i, in the order asked) are transformers' hidden_states[i + 1]."""
     import torch

@@ -33,12 +33,14 @@ other than 4), a missing, misshaped or unknown tensor, a tensor dtype other than
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
 
 from ...dtypes import BF16
+from ...ops.attention import HEAD_DIMS
+from ...ops.gdn import scan_plan
 from ..config import TrunkConfig
 from ..weights import STORAGE, trunk_spec
 from .checkpoint import Checkpoint, CheckpointError
@@ -211,6 +213,19 @@ def config_of(config: dict, max_ctx: int | None = None, tap_layers=None) -> Trun
         raise CheckpointError(f"config.json of model_type {model_type!r}: {e}") from None
 
 
+def check_kernels(c: TrunkConfig) -> None:
+    """Shapes the kernels cannot run are refused at load, not at the first forward."""
+    if "attn" in c.layers and c.head_dim not in HEAD_DIMS:
+        raise CheckpointError(f"config head_dim={c.head_dim}: the attention kernel serves "
+                              f"{', '.join(map(str, HEAD_DIMS))}")
+    if "gdn" in c.layers:
+        try:
+            scan_plan(c.gdn_heads, c.gdn_dk, c.gdn_dv, c.gdn_key_heads)
+        except ValueError as e:
+            raise CheckpointError(f"config linear_key_head_dim={c.gdn_dk}, linear_value_head_dim={c.gdn_dv}: "
+                                  f"the gdn kernels refuse them ({e})") from None
+
+
 # ---- tensors ---------------------------------------------------------------------------------
 def text_prefix(model_type: str, names) -> str:
     """Where the language model's tensors sit: model.language_model. (Qwen3_5ForConditionalGeneration)
@@ -329,14 +344,16 @@ def default_dtype(backend, checkpoint_dtype) -> np.dtype:
     return np.dtype(checkpoint_dtype)
 
 
-def load_target(path, backend=None, dtype=None, *, max_ctx: int | None = None, tap_layers=None):
+def load_target(path, backend=None, dtype=None, *, max_ctx: int | None = None, tap_layers=None,
+                kv_dtype: str = "float32"):
     """A HybridTrunk from a Hugging Face model directory (or a hub id in the local cache).
 
     backend: a Backend, a backend name, or None for dspark.get_backend's default. dtype: storage
     dtype of the weight matrices on the backend (float32, float16, bfloat16; narrower than the
     checkpoint rounds to nearest even); None: see `default_dtype`. max_ctx: cache rows per
     session (default min(max_position_embeddings, 4096)). tap_layers: the default taps (layer
-    outputs, hidden_states[i + 1]); a drafter can ask for others per call. The trunk's `source`
+    outputs, hidden_states[i + 1]); a drafter can ask for others per call. kv_dtype: the K/V
+    cache's storage (float32, as transformers computes; float16 or bfloat16 halve it). The trunk's `source`
     is a LoadReport: dtypes read, tensors skipped by rule. Raises CheckpointError before
     allocating anything when the checkpoint cannot be served.
     """
@@ -347,6 +364,10 @@ def load_target(path, backend=None, dtype=None, *, max_ctx: int | None = None, t
     ckpt = Checkpoint(path)
     model_type, _ = text_config(ckpt.config)
     config = config_of(ckpt.config, max_ctx, tap_layers)
+    if kv_dtype not in ("float32", "float16", "bfloat16"):
+        raise ValueError(f"kv_dtype={kv_dtype!r}: expected 'float32', 'float16' or 'bfloat16'")
+    config = replace(config, kv_dtype=kv_dtype)
+    check_kernels(config)
     where, report = plan(ckpt, config, model_type)
     be = backend if isinstance(backend, Backend) else get_backend(backend)
     embed_dtype = {"F32": np.float32, "F16": np.float16, "BF16": BF16}[ckpt.tensors[where["embed"][0]].dtype]
