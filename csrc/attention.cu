@@ -1,156 +1,496 @@
-// attention: row-invariant GQA attention over per-session KV caches plus the block's own K/V.
+// attention: row-invariant GQA attention over per-session KV caches plus the block's own K/V,
+// split across CTAs at fixed absolute key positions (flash-decoding).
 //
-// attention_<dt>_d<D>(q [rows, Hq, D], k_blk, v_blk [rows, Hkv, D], k_caches, v_caches (pointer
-//                     tables over sessions of [Hkv, capacity_b, D]), row_indptr [B+1], pos [B],
-//                     capacity [B], hq, hkv, rows_per_cta, block_mode, window, scale,
-//                     out [rows, Hq, D])
-//   Row i of session b is at absolute position pos_b + i. Keys at p < pos_b come from the cache
-//   (slot p; slot p % capacity_b in block mode, the drafter's ring), keys at p >= pos_b from the
-//   session's block rows. Row i sees
-//     causal (block_mode 0): [0, pos_b + i]                        trunk prefill / decode / verify
-//     block  (block_mode 1): [max(0, pos_b - window), pos_b + n_b)  drafter: window + whole block
+// Inputs: q [rows, Hq, D], k_blk, v_blk [rows, Hkv, D], k_caches / v_caches (pointer tables over
+// sessions of [Hkv, capacity_b, D]), row_indptr [B+1], pos [B], capacity [B]. Row i of session b is
+// at absolute position pos_b + i. Keys at p < pos_b come from the cache (slot p; p % capacity_b in
+// block mode, the drafter's ring), keys at p >= pos_b from the session's block rows. Row i sees
+//   causal (block_mode 0): [0, pos_b + i]                        trunk prefill / decode / verify
+//   block  (block_mode 1): [max(0, pos_b - window), pos_b + n_b)  drafter: window + whole block
 //
-// Grid (chunks, Hkv, B), blockDim.x = 32 * warps. CTA (c, h, b) owns rows [c R, c R + R) of session
-// b (R = rows_per_cta, fixed by G alone) times the G = Hq / Hkv query heads of kv head h: its
-// "items". It walks key tiles [64t, 64t + 64) in increasing t, stages each once in shared memory
-// for all of its items, and warps take items round-robin. A decode or verify block fits one CTA,
-// so K/V are read once per (session, kv head) and verify moves about the bytes decode moves.
+// Splits. The key axis is cut at fixed absolute positions (AttnSplits, attention.cuh: short splits
+// near the start, a fixed number per octave of position beyond, up to a longest split), independent
+// of the launch, the batch and the row. A row's result is, for the splits j = j0, j0+1, .. its keys reach (j0 = the
+// split of its first visible key), the partial (m_j, l_j, acc_j) of its keys in split j, merged in
+// increasing j from (-inf, 0, 0) (attn_merge, attention.cuh), then out = A / L.
+// Inside a split, tiles [64 t, 64 t + 64) in increasing t, online softmax per tile:
+//   s_k   = (q . k_k) * scale                        q.k as in attn_scores; invisible keys -inf
+//   m'    = max(m, max_k s_k)                        (exact, in any order)
+//   p_k   = round_T(exp(s_k - m'))                   p rounded to the storage dtype (the MMA input)
+//   l     = l * exp(m - m') + sum_k p_k              sum: lanes' 2 keys, quad butterfly, warps 0..7
+//   acc   = acc * exp(m - m') + sum_k p_k v_k        p.v as in attn_pv, chained from the scaled acc
+// A tile without a visible key leaves the row's state untouched; a split without one is not merged.
+// Every step is a function of the row's own keys and positions, so a verify row equals the decode
+// step at its position and a session alone equals itself in any batch, bitwise.
 //
-// Reduction order, per item and tile (one warp), the same whatever else is in the launch:
-//   s_k   = dot(q, k_k) * scale, dot as in attn_dot2; keys the item cannot see get -inf
-//   m'    = max(m, max_k s_k)                       (exact: max has no order)
-//   p_k   = exp(s_k - m')
-//   l     = l * exp(m - m') + sum_k p_k             sum: xor butterfly over lanes of p_k + p_{k+32}
-//   acc_d = acc_d * exp(m - m') + sum_k p_k v_kd    sum: k increasing over the visible keys, from 0
-//   out   = acc / l
-// A tile with no visible key is skipped: the running state stays bit-identical. So a verify row
-// equals the decode step at its position, and a session alone equals itself in any batch.
-// dspark/ops/attention.py: attention_ref is the NumPy twin of this recurrence.
+// One kernel computes exactly that in either of two modes, which the launch plan
+// (dspark/ops/attention.py) picks; the tests compare them bitwise at every split count:
+//   slots == 0, serial: grid (row chunks, Hkv, B). A CTA walks all the splits of its rows in
+//     order; at each split's end ([E] __syncthreads, merge into registers, [F], one thread per
+//     item merges (m, l)) it folds the split in; writes out.
+//   slots == S, split-parallel: grid (row chunks x S, Hkv, B), one split per CTA (split j0 + slot,
+//     the largest splits launched first); writes the partial (m, l, acc) to part_ml / part_acc
+//     [rows, Hq, S, (2 | D)]; then attention_combine_<dt>, grid (rows, Hq), merges a row's
+//     partials in increasing slot and writes out.
+// A CTA owns the items (row, query head) of rows [c R, c R + R) of session b times the
+// G = Hq / Hkv heads of kv head h, R = rows_per_cta <= 16 MT / G: a verify block of every session
+// is one CTA per (split, kv head), so its K/V are read once.
+//
+// CTA: 8 warps. Key tiles are double-buffered through cp.async (tile t + 1 lands while tile t is
+// computed; one stage for f32 at D = 256, where two do not fit). Per tile:
+//   [A] wait_group 0 + __syncthreads: tile t is in shared memory, tile t - 1 is consumed
+//   issue tile t + 1; warp w scores keys 8 w..8 w+7 for all items (attn_scores), masks, writes
+//   its row maxima; [B] __syncthreads; every lane forms m', p (rounded, to shared memory) and its
+//   row sums; [C] __syncthreads; warp w scales and accumulates its D / 8 output dims (attn_pv);
+//   one thread per item updates (m, l) (l: warp sums added in warp order).
+// bf16 / f16 use tensor cores (ldmatrix + mma.sync m16n8k16, f32 accumulate); f32 storage and
+// pre-sm_80 devices use CUDA cores in the same fragment layout. simt emulates the MMA in a stated
+// order (simt/tensor_core.h): it agrees with the hardware within 18 * 2^-23 of each MMA's absolute
+// sum, far inside the tolerance the tests allow against the NumPy reference (attention_ref).
 #include "attention.cuh"
 #include "reduce.cuh"
 
-// One item against one staged tile; keys [klo, khi) of the tile are visible (klo < khi).
-template <typename T, int D>
-DSPARK_DEVICE void attn_tile_step(const AttnSmem<T, D>& sm, int item, int klo, int khi, float scale) {
-  constexpr int kDims = D / 32;  // output dims per lane: [lane * kDims, lane * kDims + kDims)
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const float* q = sm.q + item * D;
-  float* acc = sm.acc + item * D + lane * kDims;
-  float* ml = sm.ml + 2 * item;
-  float* p = sm.p + warp * kAttnTile;
+template <typename T>
+struct AttnArgs {
+  const T* q;
+  const T* k_blk;
+  const T* v_blk;
+  const T* const* k_caches;
+  const T* const* v_caches;
+  const int* row_indptr;
+  const int* pos;
+  const int* capacity;
+  int hq, hkv, rows_per_cta, block_mode, window;
+  float scale;
+  AttnSplits splits;
+  int slots;        // S: the partial buffer's split dimension (split-parallel); 0: serial
+  float* part_acc;  // [rows, Hq, S, D]
+  float* part_ml;   // [rows, Hq, S, 2]
+  T* out;
+};
 
-  // Both of the lane's keys are scored, then masked: the select (not arithmetic) keeps an
-  // invisible key out of every sum, whatever it holds.
-  const float2 dots = attn_dot2<T, D>(q, sm.k + lane * AttnSmem<T, D>::kKStride,
-                                      sm.k + (lane + 32) * AttnSmem<T, D>::kKStride);
-  const float s[2] = {lane >= klo && lane < khi ? dots.x * scale : -dspark_inf(),
-                      lane + 32 >= klo && lane + 32 < khi ? dots.y * scale : -dspark_inf()};
-  const float m_old = ml[0], l_old = ml[1];
-  const float m_new = fmaxf(m_old, warp_max(fmaxf(s[0], s[1])));
-  const float p0 = expf(s[0] - m_new), p1 = expf(s[1] - m_new);
-  const float l_tile = warp_sum(p0 + p1);
-  const float alpha = expf(m_old - m_new);  // 0 on the first visible tile (m_old = -inf)
-  p[lane] = p0;
-  p[lane + 32] = p1;
-  __syncwarp();
-
-  float pv[kDims];
-#pragma unroll
-  for (int c = 0; c < kDims; ++c) pv[c] = 0.f;
-  for (int k = klo; k < khi; ++k) {
-    const float pk = p[k];
-    const AttnPack<T, kDims> v = attn_load<T, kDims>(sm.v + k * D + lane * kDims);
-#pragma unroll
-    for (int c = 0; c < kDims; ++c) pv[c] += pk * to_float(v.v[c]);
-  }
-#pragma unroll
-  for (int c = 0; c < kDims; ++c) acc[c] = acc[c] * alpha + pv[c];
-  // Order this item's reads of p before the next item's writes. (The next item's shuffles already
-  // make the lanes meet; __syncwarp is what also orders shared memory.)
-  __syncwarp();
-  if (lane == 0) {
-    ml[0] = m_new;
-    ml[1] = l_old * alpha + l_tile;
-  }
-}
-
-template <typename T, int D>
-DSPARK_DEVICE void attention(const T* __restrict__ q, const T* __restrict__ k_blk, const T* __restrict__ v_blk,
-                             const T* const* __restrict__ k_caches, const T* const* __restrict__ v_caches,
-                             const int* __restrict__ row_indptr, const int* __restrict__ pos_arr,
-                             const int* __restrict__ capacity, int hq, int hkv, int rows_per_cta, int block_mode,
-                             int window, float scale, T* __restrict__ out) {
+template <typename T, int D, int MT, int STAGES>
+DSPARK_DEVICE void attention_cta(const AttnArgs<T>& a) {
+  using L = AttnLayout<T, D, MT, STAGES>;
+  constexpr int NT = D / 64;
+  const bool serial = a.slots == 0;  // uniform over the grid
   const int b = blockIdx.z, h = blockIdx.y;
-  const int row0 = row_indptr[b], n = row_indptr[b + 1] - row0;
-  const int r0 = blockIdx.x * rows_per_cta;  // first row of this CTA within the session
-  const int rows = min(rows_per_cta, n - r0);
+  const int chunk = serial ? (int)blockIdx.x : (int)blockIdx.x / a.slots;
+  const int slot = serial ? 0 : a.slots - 1 - (int)blockIdx.x % a.slots;
+  const int row0 = a.row_indptr[b], n = a.row_indptr[b + 1] - row0;
+  const int r0 = chunk * a.rows_per_cta;
+  const int rows = min(a.rows_per_cta, n - r0);
   if (rows <= 0) return;  // the whole CTA leaves together
-  const int G = hq / hkv, items = rows * G;
-  const int warp = threadIdx.x >> 5, warps = blockDim.x >> 5, lane = threadIdx.x & 31;
+  const int G = a.hq / a.hkv, items = rows * G, pos = a.pos[b];
+  // Keys some item of this CTA sees: [lo, hi); item j sees [lo, item_hi(j)).
+  const int lo = a.block_mode ? max(0, pos - a.window) : 0;
+  const int hi = a.block_mode ? pos + n : pos + r0 + rows;
+  const int j_base = a.splits.index(lo), j_end = a.splits.index(hi - 1);
+  const int j_first = j_base + slot, j_last = serial ? j_end : j_first;
+  if (j_first > j_end) return;  // this chunk's keys end before the slot's split
 
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, t4 = lane & 3;
   DSPARK_DYNAMIC_SMEM(unsigned char, smem);
-  const AttnSmem<T, D> sm = AttnSmem<T, D>::carve(smem, items, warps);
+#if defined(DSPARK_SIMT)
+  if (L::kBytes > simt::dynamic_smem_size() || items > L::kItems || (int)blockDim.x != kAttnThreads)
+    simt::fault("attention: launch plan does not match the kernel (shared_mem " +
+                std::to_string(simt::dynamic_smem_size()) + " < " + std::to_string(L::kBytes) + ", items " +
+                std::to_string(items) + " > " + std::to_string(L::kItems) + ", or block != 256)");
+#endif
+  const L sm = L::carve(smem);
+  const int mtiles = (items + 15) / 16;
+  auto item_hi = [&](int j) { return j >= items ? lo : a.block_mode ? hi : pos + r0 + j / G + 1; };
+  int row_hi[MT][2];  // item_hi of this lane's fragment rows 16 mt + g + 8 half
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+    for (int half = 0; half < 2; ++half) row_hi[mt][half] = item_hi(16 * mt + g + 8 * half);
 
   AttnKeys<T> src;
-  src.pos = pos_arr[b];
-  src.capacity = capacity[b];
-  src.ring = block_mode != 0;
-  src.k_cache = k_caches[b] + (int64_t)h * src.capacity * D;
-  src.v_cache = v_caches[b] + (int64_t)h * src.capacity * D;
-  src.blk_stride = (int64_t)hkv * D;
-  src.k_blk = k_blk + ((int64_t)row0 * hkv + h) * D;
-  src.v_blk = v_blk + ((int64_t)row0 * hkv + h) * D;
-  // Keys visible to some item of this CTA: [lo, hi).
-  const int lo = block_mode ? max(0, src.pos - window) : 0;
-  const int hi = block_mode ? src.pos + n : src.pos + r0 + rows;
+  src.pos = pos;
+  src.capacity = a.capacity[b];
+  src.ring = a.block_mode != 0;
+  src.k_cache = a.k_caches[b] + (int64_t)h * src.capacity * D;
+  src.v_cache = a.v_caches[b] + (int64_t)h * src.capacity * D;
+  src.blk_stride = (int64_t)a.hkv * D;
+  src.k_blk = a.k_blk + ((int64_t)row0 * a.hkv + h) * D;
+  src.v_blk = a.v_blk + ((int64_t)row0 * a.hkv + h) * D;
 
-  // Item j = (row r0 + j / G, query head h G + j % G). Query heads of one kv head are adjacent.
-  for (int e = threadIdx.x; e < items * D; e += blockDim.x) {
-    const int j = e / D, d = e - j * D;
-    sm.q[e] = to_float(q[((int64_t)(row0 + r0 + j / G) * hq + h * G + j % G) * D + d]);
-    sm.acc[e] = 0.f;
-  }
-  for (int j = threadIdx.x; j < items; j += blockDim.x) {
-    sm.ml[2 * j] = -dspark_inf();
-    sm.ml[2 * j + 1] = 0.f;
-  }
-
-  for (int t0 = lo / kAttnTile * kAttnTile; t0 < hi; t0 += kAttnTile) {
-    __syncthreads();  // the previous tile is consumed (and, at first, the staging is visible)
-    attn_load_tile<T, D>(src, t0, lo, hi, sm);
-    __syncthreads();
-    for (int j = warp; j < items; j += warps) {
-      const int item_hi = block_mode ? hi : src.pos + r0 + j / G + 1;
-      const int klo = max(lo - t0, 0), khi = min(item_hi - t0, kAttnTile);
-      if (klo < khi) attn_tile_step<T, D>(sm, j, klo, khi, scale);
+  // Item j = (row r0 + j / G, query head h G + j % G): the query heads of one kv head are adjacent.
+  {
+    constexpr int kVec = 16 / (int)sizeof(T), kChunks = D / kVec;
+    for (int c = tid; c < L::kItems * kChunks; c += blockDim.x) {
+      const int j = c / kChunks, col = (c % kChunks) * kVec;
+      const bool valid = j < items;
+      const T* q = a.q + ((int64_t)(row0 + r0 + j / G) * a.hq + h * G + j % G) * D + col;
+      cp_async16(sm.q + j * L::kRow + col, valid ? q : a.q, valid);
     }
   }
-  __syncthreads();  // the last tile's ml updates are visible
+  for (int j = tid; j < L::kItems; j += blockDim.x) {
+    sm.m[j] = sm.mm[j] = -dspark_inf();
+    sm.l[j] = sm.ll[j] = 0.f;
+  }
 
-  constexpr int kDims = D / 32;
-  for (int j = warp; j < items; j += warps) {
-    const float l = sm.ml[2 * j + 1];
-    AttnPack<T, kDims> o;
+  float o[MT][NT][4], acc[MT][NT][4];  // this split's output; the merged one (serial)
 #pragma unroll
-    for (int c = 0; c < kDims; ++c) o.v[c] = from_float<T>(sm.acc[j * D + lane * kDims + c] / l);
-    attn_store(out + ((int64_t)(row0 + r0 + j / G) * hq + h * G + j % G) * D + lane * kDims, o);
+  for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+      for (int c = 0; c < 4; ++c) o[mt][nt][c] = acc[mt][nt][c] = 0.f;
+
+  const int k_lo = max(lo, (int)a.splits.start(j_first)), k_hi = a.splits.end(j_last, hi);
+  int j = j_first, split_lo = k_lo, split_hi = a.splits.end(j, hi);
+  int t0 = k_lo / kAttnTile * kAttnTile, stage = 0;
+  attn_issue_tile<T, D>(src, t0, k_lo, k_hi, sm.k, sm.v);
+  cp_async_commit();
+
+  for (; t0 < k_hi; t0 += kAttnTile) {
+    T* ks = sm.k + stage * L::kKV;
+    T* vs = sm.v + stage * L::kKV;
+    cp_async_wait<0>();
+    __syncthreads();  // [A]
+    if (STAGES == 2 && t0 + kAttnTile < k_hi) {
+      attn_issue_tile<T, D>(src, t0 + kAttnTile, k_lo, k_hi, sm.k + (stage ^ 1) * L::kKV, sm.v + (stage ^ 1) * L::kKV);
+      cp_async_commit();
+    }
+
+    float s[MT][4];
+    attn_scores<T, D, MT>(s, sm.q, ks, mtiles);
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) {
+      if (mt < mtiles) {
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+          float mx = -dspark_inf();
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            const int p = t0 + 8 * warp + 2 * t4 + e, c = 2 * half + e;
+            // A select, not arithmetic: an invisible key stays out whatever it holds.
+            s[mt][c] = p >= lo && p < row_hi[mt][half] ? __fmul_rn(s[mt][c], a.scale) : -dspark_inf();
+            mx = fmaxf(mx, s[mt][c]);
+          }
+          mx = fmaxf(mx, __shfl_xor_sync(kFullMask, mx, 1));
+          mx = fmaxf(mx, __shfl_xor_sync(kFullMask, mx, 2));
+          if (t4 == 0) sm.red_max[warp * L::kItems + 16 * mt + g + 8 * half] = mx;
+        }
+      }
+    }
+    __syncthreads();  // [B]
+
+    // m' of a row: the max of its running max and the warps' tile maxima. Rows without a visible
+    // key in this tile keep m and get alpha = 1, p = 0.
+    auto tile_max = [&](int row, bool& seen) {
+      seen = max(lo, t0) < min(item_hi(row), t0 + kAttnTile);
+      float m = sm.m[row];
+#pragma unroll
+      for (int w = 0; w < kAttnWarps; ++w) m = fmaxf(m, sm.red_max[w * L::kItems + row]);
+      return m;
+    };
+    float alpha[MT][2];
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) {
+      if (mt < mtiles) {
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+          const int row = 16 * mt + g + 8 * half;
+          bool seen;
+          const float m_new = tile_max(row, seen), m_old = sm.m[row];
+          alpha[mt][half] = seen ? expf(__fsub_rn(m_old, m_new)) : 1.f;
+          float pr[2];
+          T pt[2];
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            const float x = s[mt][2 * half + e];
+            pt[e] = from_float<T>(seen && x != -dspark_inf() ? expf(__fsub_rn(x, m_new)) : 0.f);
+            pr[e] = to_float(pt[e]);
+          }
+          T* pp = sm.p + row * L::kPRow + 8 * warp + 2 * t4;
+          pp[0] = pt[0];
+          pp[1] = pt[1];
+          float sum = __fadd_rn(pr[0], pr[1]);
+          sum = __fadd_rn(sum, __shfl_xor_sync(kFullMask, sum, 1));
+          sum = __fadd_rn(sum, __shfl_xor_sync(kFullMask, sum, 2));
+          if (t4 == 0) sm.red_sum[warp * L::kItems + row] = sum;
+        }
+      } else {
+        alpha[mt][0] = alpha[mt][1] = 1.f;
+      }
+    }
+    __syncthreads();  // [C]
+
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+        for (int c = 0; c < 4; ++c) o[mt][nt][c] = __fmul_rn(o[mt][nt][c], alpha[mt][c >> 1]);
+    attn_pv<T, D, MT>(o, sm.p, vs, mtiles);
+    if (tid < items) {
+      bool seen;
+      const float m_new = tile_max(tid, seen);
+      if (seen) {
+        float l_tile = sm.red_sum[tid];
+#pragma unroll
+        for (int w = 1; w < kAttnWarps; ++w) l_tile = __fadd_rn(l_tile, sm.red_sum[w * L::kItems + tid]);
+        sm.l[tid] = __fadd_rn(__fmul_rn(sm.l[tid], expf(__fsub_rn(sm.m[tid], m_new))), l_tile);
+        sm.m[tid] = m_new;
+      }
+    }
+
+    if (STAGES == 1 && t0 + kAttnTile < k_hi) {
+      __syncthreads();  // the single stage is consumed
+      attn_issue_tile<T, D>(src, t0 + kAttnTile, k_lo, k_hi, sm.k, sm.v);
+      cp_async_commit();
+    }
+    if (STAGES == 2) stage ^= 1;
+
+    if (serial) {
+      if (t0 + kAttnTile >= split_hi) {
+        // Split j is complete: merge it into (mm, ll, acc) for the items that saw a key of it.
+        __syncthreads();  // [E] its (m, l) are final
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
+          if (mt < mtiles) {
+#pragma unroll
+            for (int half = 0; half < 2; ++half) {
+              const int row = 16 * mt + g + 8 * half;
+              if (split_lo < min(row_hi[mt][half], split_hi)) {
+                const AttnMergeFactors f = attn_merge_factors(sm.mm[row], sm.m[row]);
+#pragma unroll
+                for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+                  for (int e = 0; e < 2; ++e)
+                    acc[mt][nt][2 * half + e] = attn_merge(acc[mt][nt][2 * half + e], o[mt][nt][2 * half + e], f);
+              }
+            }
+          }
+#pragma unroll
+          for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+            for (int c = 0; c < 4; ++c) o[mt][nt][c] = 0.f;
+        }
+        __syncthreads();  // [F] every lane has read mm and m
+        if (tid < items) {
+          if (split_lo < min(item_hi(tid), split_hi)) {
+            const AttnMergeFactors f = attn_merge_factors(sm.mm[tid], sm.m[tid]);
+            sm.ll[tid] = attn_merge(sm.ll[tid], sm.l[tid], f);
+            sm.mm[tid] = f.m;
+          }
+          sm.m[tid] = -dspark_inf();
+          sm.l[tid] = 0.f;
+        }
+        ++j;
+        split_lo = split_hi;
+        split_hi = a.splits.end(j, hi);
+      }
+    }
+  }
+  __syncthreads();  // [G] the last (m, l) / (mm, ll) are visible
+
+  const int dim0 = warp * (D / 8) + 2 * t4;
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt) {
+    if (mt >= mtiles) break;
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int row = 16 * mt + g + 8 * half;
+      const int64_t item = (int64_t)(row0 + r0 + row / G) * a.hq + h * G + row % G;
+      if (serial) {
+        if (row < items) {
+          const float l = sm.ll[row];
+#pragma unroll
+          for (int nt = 0; nt < NT; ++nt)
+            attn_store2(a.out + item * D + dim0 + 8 * nt, __fdiv_rn(acc[mt][nt][2 * half], l),
+                        __fdiv_rn(acc[mt][nt][2 * half + 1], l));
+        }
+      } else {
+        if (split_lo < min(row_hi[mt][half], split_hi)) {
+          float* part = a.part_acc + (item * a.slots + slot) * D + dim0;
+#pragma unroll
+          for (int nt = 0; nt < NT; ++nt)
+            *reinterpret_cast<float2*>(part + 8 * nt) = make_float2(o[mt][nt][2 * half], o[mt][nt][2 * half + 1]);
+        }
+      }
+    }
+  }
+  if (!serial) {
+    if (tid < items && split_lo < min(item_hi(tid), split_hi)) {
+      const int64_t item = (int64_t)(row0 + r0 + tid / G) * a.hq + h * G + tid % G;
+      *reinterpret_cast<float2*>(a.part_ml + (item * a.slots + slot) * 2) = make_float2(sm.m[tid], sm.l[tid]);
+    }
   }
 }
 
-// __launch_bounds__(256, 2): with no occupancy target of ours, ptxas picks 64 registers and spills.
-#define DSPARK_ATTENTION_ENTRY(SUF, T, D)                                                                   \
-  extern "C" __global__ void __launch_bounds__(256, 2) attention_##SUF##_d##D(                              \
-      const T* __restrict__ q, const T* __restrict__ k_blk, const T* __restrict__ v_blk,                    \
-      const T* const* __restrict__ k_caches, const T* const* __restrict__ v_caches,                         \
-      const int* __restrict__ row_indptr, const int* __restrict__ pos, const int* __restrict__ capacity,    \
-      int hq, int hkv, int rows_per_cta, int block_mode, int window, float scale, T* __restrict__ out) {    \
-    attention<T, D>(q, k_blk, v_blk, k_caches, v_caches, row_indptr, pos, capacity, hq, hkv, rows_per_cta,  \
-                    block_mode, window, scale, out);                                                        \
+// One CTA per (row, query head), 64 threads; thread x owns dims x, x + 64, ...: merges the row's
+// partials in increasing slot with attn_merge (the serial kernel's arithmetic) and writes out.
+template <typename T>
+DSPARK_DEVICE void attention_combine(const int* __restrict__ row_indptr, const int* __restrict__ pos_arr, int sessions,
+                                     int block_mode, int window, AttnSplits splits, int slots, int hq, int d,
+                                     const float* __restrict__ part_acc, const float* __restrict__ part_ml,
+                                     T* __restrict__ out) {
+  const int row = blockIdx.x, head = blockIdx.y;
+  int b = 0, top = sessions;  // the session of `row`: row_indptr[b] <= row < row_indptr[b + 1]
+  while (top - b > 1) {
+    const int mid = (b + top) / 2;
+    if (row_indptr[mid] <= row) b = mid;
+    else top = mid;
+  }
+  const int pos = pos_arr[b], n = row_indptr[b + 1] - row_indptr[b], i = row - row_indptr[b];
+  const int lo = block_mode ? max(0, pos - window) : 0;
+  const int item_hi = block_mode ? pos + n : pos + i + 1;
+  const int count = splits.index(item_hi - 1) - splits.index(lo) + 1;
+  const int64_t item = (int64_t)row * hq + head;
+  const float* ml = part_ml + item * slots * 2;
+  const float* acc = part_acc + item * slots * d;
+  for (int x = threadIdx.x; x < d; x += blockDim.x) {
+    float m = -dspark_inf(), l = 0.f, A = 0.f;
+    for (int s = 0; s < count; ++s) {
+      const AttnMergeFactors f = attn_merge_factors(m, ml[2 * s]);
+      A = attn_merge(A, acc[(int64_t)s * d + x], f);
+      l = attn_merge(l, ml[2 * s + 1], f);
+      m = f.m;
+    }
+    out[item * d + x] = from_float<T>(__fdiv_rn(A, l));
+  }
+}
+
+#define DSPARK_ATTENTION_PARAMS(T)                                                                               \
+  const T *__restrict__ q, const T *__restrict__ k_blk, const T *__restrict__ v_blk,                             \
+      const T *const *__restrict__ k_caches, const T *const *__restrict__ v_caches,                              \
+      const int *__restrict__ row_indptr, const int *__restrict__ pos, const int *__restrict__ capacity, int hq, \
+      int hkv, int rows_per_cta, int block_mode, int window, float scale, int split_keys, int split_octave,       \
+      int split_max, int slots, float *__restrict__ part_acc, float *__restrict__ part_ml, T *__restrict__ out
+
+#define DSPARK_ATTENTION_ARGS                                                                                    \
+  AttnArgs<T_> {                                                                                                 \
+    q, k_blk, v_blk, k_caches, v_caches, row_indptr, pos, capacity, hq, hkv, rows_per_cta, block_mode, window,   \
+        scale, AttnSplits{split_keys, split_octave, split_max}, slots, part_acc, part_ml, out                               \
   }
 
-DSPARK_ATTENTION_ENTRY(f32, float, 64)
-DSPARK_ATTENTION_ENTRY(f32, float, 128)
-DSPARK_ATTENTION_ENTRY(f16, f16_t, 64)
-DSPARK_ATTENTION_ENTRY(f16, f16_t, 128)
-DSPARK_ATTENTION_ENTRY(bf16, bf16_t, 64)
-DSPARK_ATTENTION_ENTRY(bf16, bf16_t, 128)
+// (MT, STAGES) per dtype and head dim: 16 MT items per CTA; dspark/ops/attention.py (CONFIGS)
+// holds the same table. One CTA per SM at D = 256 (shared memory), two below.
+#define DSPARK_ATTENTION_ENTRY(SUF, T, D, MT, STAGES, MINB)                                                       \
+  extern "C" __global__ void __launch_bounds__(kAttnThreads, MINB) attention_##SUF##_d##D(                       \
+      DSPARK_ATTENTION_PARAMS(T)) {                                                                               \
+    using T_ = T;                                                                                                 \
+    attention_cta<T, D, MT, STAGES>(DSPARK_ATTENTION_ARGS);                                                       \
+  }
+
+DSPARK_ATTENTION_ENTRY(f32, float, 64, 2, 2, 2)
+DSPARK_ATTENTION_ENTRY(f32, float, 128, 2, 2, 1)
+DSPARK_ATTENTION_ENTRY(f32, float, 256, 2, 1, 1)
+DSPARK_ATTENTION_ENTRY(f16, f16_t, 64, 4, 2, 2)
+DSPARK_ATTENTION_ENTRY(f16, f16_t, 128, 4, 2, 2)
+DSPARK_ATTENTION_ENTRY(f16, f16_t, 256, 4, 2, 1)
+DSPARK_ATTENTION_ENTRY(bf16, bf16_t, 64, 4, 2, 2)
+DSPARK_ATTENTION_ENTRY(bf16, bf16_t, 128, 4, 2, 2)
+DSPARK_ATTENTION_ENTRY(bf16, bf16_t, 256, 4, 2, 1)
+
+#define DSPARK_ATTENTION_COMBINE(SUF, T)                                                                         \
+  extern "C" __global__ void attention_combine_##SUF(                                                            \
+      const int* __restrict__ row_indptr, const int* __restrict__ pos, int sessions, int block_mode, int window, \
+      int split_keys, int split_octave, int split_max, int slots, int hq, int head_dim,                          \
+      const float* __restrict__ part_acc,                                                                        \
+      const float* __restrict__ part_ml, T* __restrict__ out) {                                                  \
+    attention_combine<T>(row_indptr, pos, sessions, block_mode, window, AttnSplits{split_keys, split_octave, split_max}, \
+                         slots, hq, head_dim, part_acc, part_ml, out);                                           \
+  }
+
+DSPARK_ATTENTION_COMBINE(f32, float)
+DSPARK_ATTENTION_COMBINE(f16, f16_t)
+DSPARK_ATTENTION_COMBINE(bf16, bf16_t)
+
+// ---- probes: the building blocks against their documented semantics --------------------------
+// tests/kernels/test_attention.py runs them on every executor: on simt they pin the emulation to
+// the PTX ISA's layouts, on a GPU they pin the hardware to the same expectations.
+//
+// attention_mma_probe_<dt>: one warp. a [16][16] (A, row-major), kt [8][16] (B transposed: the
+// K-tile layout, B[k][n] = kt[n][k]), vm [16][16] (the V-tile layout, B[k][n] = vm[k][n]),
+// c [16][8]. regs [2][32][12]: per lane, packed by hand from the documented fragment layouts (0)
+// and loaded by ldmatrix (1): A (4 words), B from kt (ldmatrix_x4, 2 words used), B from vm
+// columns 0..7 (ldmatrix_x2_trans, 2), B of vm's two n-tiles (ldmatrix_x4_trans, 4).
+// d [16][8] = A B + C with B from kt, through the hand-packed fragments and the C layout.
+template <typename T>
+DSPARK_DEVICE uint32_t attn_probe_pack(T lo, T hi) {
+  return (uint32_t)lo.bits | (uint32_t)hi.bits << 16;
+}
+
+template <typename T>
+DSPARK_DEVICE void attention_mma_probe(const T* a, const T* kt, const T* vm, const float* c, unsigned* regs, float* d) {
+  DSPARK_DYNAMIC_SMEM(T, smem);  // a | kt | vm at elements 0, 256, 384: rows of 16 (32 bytes)
+  const int l = threadIdx.x, g = l >> 2, t = 2 * (l & 3);
+  for (int i = l; i < 16 * 16; i += 32) {
+    smem[i] = a[i];
+    smem[384 + i] = vm[i];
+    if (i < 8 * 16) smem[256 + i] = kt[i];
+  }
+  __syncthreads();
+  uint32_t man[12], ldm[12];
+  man[0] = attn_probe_pack(a[g * 16 + t], a[g * 16 + t + 1]);
+  man[1] = attn_probe_pack(a[(g + 8) * 16 + t], a[(g + 8) * 16 + t + 1]);
+  man[2] = attn_probe_pack(a[g * 16 + t + 8], a[g * 16 + t + 9]);
+  man[3] = attn_probe_pack(a[(g + 8) * 16 + t + 8], a[(g + 8) * 16 + t + 9]);
+  man[4] = attn_probe_pack(kt[g * 16 + t], kt[g * 16 + t + 1]);
+  man[5] = attn_probe_pack(kt[g * 16 + t + 8], kt[g * 16 + t + 9]);
+  for (int nt = 0; nt < 2; ++nt) {
+    const int n = 8 * nt + g;
+    man[8 + 2 * nt] = attn_probe_pack(vm[t * 16 + n], vm[(t + 1) * 16 + n]);
+    man[9 + 2 * nt] = attn_probe_pack(vm[(t + 8) * 16 + n], vm[(t + 9) * 16 + n]);
+  }
+  man[6] = man[8];
+  man[7] = man[9];
+  uint32_t r4[4], r2[2];
+  ldmatrix_x4(r4, smem + (l & 15) * 16 + 8 * (l >> 4));
+  for (int i = 0; i < 4; ++i) ldm[i] = r4[i];
+  ldmatrix_x4(r4, smem + 256 + (l & 7) * 16 + 8 * ((l >> 3) & 1));  // matrices 2, 3 repeat 0, 1
+  ldm[4] = r4[0];
+  ldm[5] = r4[1];
+  ldmatrix_x2_trans(r2, smem + 384 + (l & 15) * 16);
+  ldm[6] = r2[0];
+  ldm[7] = r2[1];
+  ldmatrix_x4_trans(r4, smem + 384 + ((l & 7) + 8 * ((l >> 3) & 1)) * 16 + 8 * (l >> 4));
+  for (int i = 0; i < 4; ++i) ldm[8 + i] = r4[i];
+  for (int i = 0; i < 12; ++i) {
+    regs[l * 12 + i] = man[i];
+    regs[(32 + l) * 12 + i] = ldm[i];
+  }
+  float acc[4];
+  for (int i = 0; i < 4; ++i) acc[i] = c[(g + 8 * (i >> 1)) * 8 + t + (i & 1)];
+  const uint32_t fa[4] = {man[0], man[1], man[2], man[3]};
+  mma_16816<T>(acc, fa, man[4], man[5]);
+  for (int i = 0; i < 4; ++i) d[(g + 8 * (i >> 1)) * 8 + t + (i & 1)] = acc[i];
+}
+
+extern "C" __global__ void attention_mma_probe_bf16(const bf16_t* __restrict__ a, const bf16_t* __restrict__ kt,
+                                                    const bf16_t* __restrict__ vm, const float* __restrict__ c,
+                                                    unsigned* __restrict__ regs, float* __restrict__ d) {
+  attention_mma_probe<bf16_t>(a, kt, vm, c, regs, d);
+}
+
+extern "C" __global__ void attention_mma_probe_f16(const f16_t* __restrict__ a, const f16_t* __restrict__ kt,
+                                                   const f16_t* __restrict__ vm, const float* __restrict__ c,
+                                                   unsigned* __restrict__ regs, float* __restrict__ d) {
+  attention_mma_probe<f16_t>(a, kt, vm, c, regs, d);
+}
+
+// attention_cp_async_probe: thread i copies src[4i .. 4i+4) (16 bytes) into shared slot i with
+// cp.async (zero-filled for odd i when zfill) and commits; then, per `wait`,
+//   0: wait_group 0                                   correct
+//   1: commit a second, empty group, wait_group 1     correct: the copy's group is not the newest
+//   2: wait_group 1                                   wrong: the copy's group is the newest
+//   3: no wait                                        wrong
+// then __syncthreads and out[4i ..] = slot (i + 1) % n. The wrong ones exist to be caught.
+extern "C" __global__ void attention_cp_async_probe(const float* __restrict__ src, float* __restrict__ out,
+                                                    int wait, int zfill) {
+  DSPARK_DYNAMIC_SMEM(float, slots);
+  const int i = threadIdx.x, n = blockDim.x;
+  cp_async16(slots + 4 * i, src + 4 * i, !(zfill && (i & 1)));
+  cp_async_commit();
+  if (wait == 0) cp_async_wait<0>();
+  if (wait == 1) cp_async_commit();
+  if (wait == 1 || wait == 2) cp_async_wait<1>();
+  __syncthreads();
+  const int j = (i + 1) % n;
+  for (int e = 0; e < 4; ++e) out[4 * i + e] = slots[4 * j + e];
+}

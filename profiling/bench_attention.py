@@ -1,13 +1,19 @@
-"""Attention benchmark: decode (1 row) and verify (vt = 8 rows) per session over a long cache.
+"""Attention benchmark: decode (1 row) and verify (vt = 8 rows) per session over a long cache, at
+the shapes speculation runs: B = 1, 2 and 32 sessions, contexts 4k and 32k.
 
     python profiling/bench_attention.py          # cuda when a GPU works, else the CPU sizes
     python profiling/bench_attention.py --cpu    # tiny sizes on the simt backend (a few seconds)
+    python profiling/bench_attention.py --plan   # the GPU sizes' launch plans: bytes and CTAs, nothing run
 
-Bytes per call are what the kernel must move at least: each session's committed K and V read
-once per kv head (shared by every query row and GQA head of the group), plus the block's own
-K/V rows, q and out. The time is the kernel alone: the op's launch is recorded once and replayed
-(profiling/timing.py: on a GPU between CUDA events, L2 flushed before each repeat, median; on the
-CPU time.perf_counter, median, for orientation only). On a GPU the bandwidth is also shown as a
+Shapes on a GPU: Qwen3.5-27B's full-attention layers (Hq 24, Hkv 4, D 256) and Qwen3-8B's (Hq 32,
+Hkv 8, D 128), bf16 K/V. Bytes per call are what the launch plan moves (dspark.ops.attention.
+launch_plan): each session's committed K and V once per kv head (every query row and GQA head of a
+CTA shares its tiles), the block's K/V rows, q once per CTA, out, and, when the plan splits the keys
+across CTAs, the f32 partials written by the split kernel and read back by the combine ("partials"
+column: the share of the bytes they add). "min MB" is what any kernel must move: K/V, q and out once.
+The time is the kernels alone: the op's launches are recorded once and replayed (profiling/timing.py:
+on a GPU between CUDA events, L2 flushed before each repeat, median; on the CPU time.perf_counter,
+median, for orientation only). On a GPU the bandwidth of the minimal bytes is also shown as a
 fraction of a device-to-device copy measured in the same run.
 """
 
@@ -24,11 +30,14 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # sibling scripts, also when run by `dspark bench`
 import dspark
 from dspark.backends import cuda_available
-from dspark.ops.attention import attention
-from timing import clock_for, copy_bandwidth, record, replay, seconds, supports
+from dspark.ops.attention import attention, launch_plan
+from timing import clock_for, copy_bandwidth, record, replay, seconds, supports, table
 
-GPU_SHAPES = dict(batches=(1, 8, 32), contexts=(4096, 32768), hkv=8, gqa=4, head_dim=128, dtype=ml_dtypes.bfloat16)
-CPU_SHAPES = dict(batches=(1, 4), contexts=(128, 512), hkv=2, gqa=4, head_dim=128, dtype=ml_dtypes.bfloat16)
+BF16 = np.dtype(ml_dtypes.bfloat16)
+GPU_MODELS = {"Qwen3.5-27B": dict(hkv=4, gqa=6, head_dim=256), "Qwen3-8B": dict(hkv=8, gqa=4, head_dim=128)}
+CPU_MODELS = {"tiny (simt)": dict(hkv=1, gqa=4, head_dim=128)}
+GPU_SIZES = dict(batches=(1, 2, 32), contexts=(4096, 32768))
+CPU_SIZES = dict(batches=(1, 2), contexts=(128, 512))
 WIDTHS = (("decode", 1), ("verify", 8))
 
 
@@ -36,7 +45,7 @@ WIDTHS = (("decode", 1), ("verify", 8))
 class Inputs:
     args: tuple
     out: object
-    bytes: int
+    bytes: int     # the least any kernel moves: K/V once per kv head, the block rows, q and out
     flops: int
 
     def op(self, be) -> None:
@@ -72,35 +81,61 @@ def storage_dtype(xp, dtype):
     return dtype if supports(xp, dtype) else np.dtype(np.float16)
 
 
+def print_plans() -> None:
+    """The launch plans at the GPU sizes: what each call moves and how many CTAs share it."""
+    for model, shape in GPU_MODELS.items():
+        hkv, gqa, d = shape["hkv"], shape["gqa"], shape["head_dim"]
+        print(f"\n{model}: Hq={hkv * gqa} Hkv={hkv} D={d} bf16 (launch plans, nothing run)")
+        rows = []
+        for batch in GPU_SIZES["batches"]:
+            for context in GPU_SIZES["contexts"]:
+                for mode, vt in WIDTHS:
+                    p = launch_plan([vt] * batch, [context] * batch, hq=hkv * gqa, hkv=hkv, head_dim=d, dtype=BF16)
+                    partials = (p.bytes["partials_written"] + p.bytes["partials_read"]) / p.total_bytes
+                    rows.append([mode, batch, context, vt, f"{p.strategy} x{p.launches}", p.ctas, p.max_splits,
+                                 int(p.cta_keys.max()), f"{p.total_bytes / 1e6:.1f}", f"{partials:.1%}",
+                                 f"{p.shared_mem // 1024}K"])
+        print(table(["mode", "B", "context", "vt", "plan", "CTAs", "splits", "max keys", "MB", "partials", "smem"],
+                    rows))
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--cpu", action="store_true", help="tiny sizes on the simt backend, even with a GPU")
+    ap.add_argument("--plan", action="store_true", help="print the GPU sizes' launch plans; run nothing")
     a = ap.parse_args(argv)
+    if a.plan:
+        print_plans()
+        return
     gpu = cuda_available() and not a.cpu
     be = dspark.get_backend("cuda" if gpu else "simt")
-    shapes = dict(GPU_SHAPES if gpu else CPU_SHAPES)
+    models, sizes = (GPU_MODELS, GPU_SIZES) if gpu else (CPU_MODELS, CPU_SIZES)
     clock = clock_for(be)
+    dtype = storage_dtype(be.xp, BF16) if gpu else BF16
     if gpu:
-        shapes["dtype"] = storage_dtype(be.xp, shapes["dtype"])
         copy_bw = copy_bandwidth(be.xp, clock, 1 << 30)
         print(f"device-to-device copy: {copy_bw / 1e9:.0f} GB/s")
-    dt = np.dtype(shapes["dtype"]).name
-    print(f"backend {be.name}: Hkv={shapes['hkv']} Hq={shapes['hkv'] * shapes['gqa']} D={shapes['head_dim']} {dt}")
-    print(f"{'mode':7s} {'B':>3s} {'context':>7s} {'vt':>3s} {'MB moved':>9s} {'time':>10s} {'GB/s':>8s}"
-          + (f" {'of copy':>8s}" if gpu else ""))
-    for batch in shapes["batches"]:
-        for context in shapes["contexts"]:
-            for mode, vt in WIDTHS:
-                inputs = make_inputs(be, batch, context, vt, shapes["hkv"], shapes["gqa"], shapes["head_dim"],
-                                     shapes["dtype"])
-                t = clock.median(replay(record(be, inputs.op)))
-                bw = inputs.bytes / t
-                line = (f"{mode:7s} {batch:3d} {context:7d} {vt:3d} {inputs.bytes / 1e6:9.2f} {seconds(t):>10s} "
-                        f"{bw / 1e9:8.2f}")
-                print(line + (f" {bw / copy_bw:8.1%}" if gpu else ""))
-                del inputs
-                if gpu:
-                    be.xp.get_default_memory_pool().free_all_blocks()
+    for model, shape in models.items():
+        hkv, gqa, d = shape["hkv"], shape["gqa"], shape["head_dim"]
+        print(f"\n{model}: backend {be.name}, Hq={hkv * gqa} Hkv={hkv} D={d} {dtype.name}")
+        rows = []
+        for batch in sizes["batches"]:
+            for context in sizes["contexts"]:
+                for mode, vt in WIDTHS:
+                    inputs = make_inputs(be, batch, context, vt, hkv, gqa, d, dtype)
+                    p = launch_plan([vt] * batch, [context] * batch, hq=hkv * gqa, hkv=hkv, head_dim=d, dtype=dtype)
+                    t = clock.median(replay(record(be, inputs.op)))
+                    partials = (p.bytes["partials_written"] + p.bytes["partials_read"]) / p.total_bytes
+                    row = [mode, batch, context, vt, f"{p.strategy} x{p.launches}", p.ctas, f"{p.total_bytes / 1e6:.2f}",
+                           f"{partials:.1%}", f"{inputs.bytes / 1e6:.2f}", seconds(t), f"{p.total_bytes / t / 1e9:.2f}"]
+                    if gpu:
+                        row.append(f"{inputs.bytes / t / copy_bw:.1%}")
+                    rows.append(row)
+                    del inputs
+                    if gpu:
+                        be.xp.get_default_memory_pool().free_all_blocks()
+        headers = ["mode", "B", "context", "vt", "plan", "CTAs", "MB", "partials", "min MB", "time", "GB/s"]
+        print(table(headers + (["of copy"] if gpu else []), rows))
     if not gpu:
         print("(simt runs every CUDA thread as a CPU fiber: these times say nothing about a GPU)")
 

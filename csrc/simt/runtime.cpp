@@ -11,10 +11,49 @@
 #include "registry.h"
 
 #if defined(__SANITIZE_ADDRESS__)
+#include <sanitizer/asan_interface.h>
 #include <sanitizer/common_interface_defs.h>
 #define SIMT_ASAN 1
 #else
 #define SIMT_ASAN 0
+#endif
+
+// Fiber switches. On x86-64 a few instructions save the callee-saved registers, the x87 and SSE
+// control words and the stack pointer, and load the other fiber's: no system call (swapcontext
+// saves the signal mask with one on every switch, which dominated the runtime of warp-heavy
+// kernels). Elsewhere, ucontext.
+#if defined(__x86_64__)
+extern "C" void simt_switch_fiber(void** save_sp, void* load_sp);
+asm(R"(
+  .text
+  .p2align 4
+  .globl simt_switch_fiber
+  .hidden simt_switch_fiber
+  .type simt_switch_fiber, @function
+simt_switch_fiber:
+  pushq %rbp
+  pushq %rbx
+  pushq %r12
+  pushq %r13
+  pushq %r14
+  pushq %r15
+  subq $16, %rsp
+  fnstcw (%rsp)
+  stmxcsr 8(%rsp)
+  movq %rsp, (%rdi)
+  movq %rsi, %rsp
+  fldcw (%rsp)
+  ldmxcsr 8(%rsp)
+  addq $16, %rsp
+  popq %r15
+  popq %r14
+  popq %r13
+  popq %r12
+  popq %rbx
+  popq %rbp
+  ret
+  .size simt_switch_fiber, .-simt_switch_fiber
+)");
 #endif
 
 namespace simt {
@@ -24,7 +63,61 @@ namespace {
 // Sanitizer builds use far more stack per frame.
 constexpr size_t kStackBytes = SIMT_ASAN ? (512u << 10) : (128u << 10);
 
+#if defined(__x86_64__)
+struct Context {
+  void* sp = nullptr;
+};
+
+// A fresh fiber's stack, as simt_switch_fiber leaves a parked one: control words, six callee-saved
+// registers, then `entry` as the return address, with the stack aligned as at a call.
+void context_init(Context& c, char* stack, size_t size, void (*entry)()) {
+#if SIMT_ASAN
+  __asan_unpoison_memory_region(stack, size);  // the stack's last fiber left its frames' redzones
+#endif
+  uint64_t* sp = reinterpret_cast<uint64_t*>(stack + size);
+  *--sp = 0;  // entry's own return address slot: never used, entry never returns
+  *--sp = reinterpret_cast<uint64_t>(entry);
+  for (int i = 0; i < 6; ++i) *--sp = 0;
+  uint16_t fpu;
+  uint32_t sse;
+  asm volatile("fnstcw %0" : "=m"(fpu));
+  asm volatile("stmxcsr %0" : "=m"(sse));
+  *--sp = sse;  // read back by ldmxcsr 8(%rsp): the low 4 bytes
+  *--sp = fpu;  // fldcw (%rsp): the low 2 bytes
+  c.sp = sp;
+}
+
+void context_switch(Context& from, Context& to) { simt_switch_fiber(&from.sp, to.sp); }
+#else
+struct Context {
+  ucontext_t uc;
+};
+
+void context_init(Context& c, char* stack, size_t size, void (*entry)()) {
+  getcontext(&c.uc);
+  c.uc.uc_stack.ss_sp = stack;
+  c.uc.uc_stack.ss_size = size;
+  c.uc.uc_link = nullptr;
+  makecontext(&c.uc, entry, 0);
+}
+
+void context_switch(Context& from, Context& to) { swapcontext(&from.uc, &to.uc); }
+#endif
+
 enum State { kRunnable, kAtBarrier, kAtWarp, kExited };
+
+// When a cp.async lands. In index order (no schedule seed) always as late as PTX allows, at the
+// wait_group that covers it, so a missing wait reads stale shared memory; under a random schedule
+// each copy draws one of the three, so a buffer overwritten while others still read it shows too.
+enum Landing { kAtWait, kNow, kAtNextSchedulingPoint };
+
+struct AsyncCopy {
+  unsigned char* dst;
+  const unsigned char* src;
+  int bytes, src_bytes;
+  int group;  // 0 until committed, then the group's number (1, 2, ...)
+  Landing landing;
+};
 
 }  // namespace
 
@@ -34,7 +127,7 @@ struct Thread {
   int lane = 0;
   int warp = 0;
   State state = kRunnable;
-  ucontext_t ctx;
+  Context ctx;
   char* stack = nullptr;
   // Pending warp op.
   const char* warp_op = nullptr;
@@ -42,6 +135,11 @@ struct Thread {
   uint64_t exchanged[kWarpSize];
   // Pending block barrier.
   int bar_result = 0;
+  // Pending warp collective: where this lane's results go.
+  void* collective_out = nullptr;
+  // cp.async copies issued and not landed yet, and the number of groups committed so far.
+  std::vector<AsyncCopy> copies;
+  int committed = 0;
 #if SIMT_ASAN
   void* fake_stack = nullptr;
 #endif
@@ -54,6 +152,26 @@ struct Warp {
   unsigned arrived = 0;
   uint64_t slots[kWarpSize];
 };
+
+void land(AsyncCopy& c) {
+  if (c.src_bytes) std::memcpy(c.dst, c.src, (size_t)c.src_bytes);
+  if (c.bytes > c.src_bytes) std::memset(c.dst + c.src_bytes, 0, (size_t)(c.bytes - c.src_bytes));
+}
+
+// Land the copies of `t` that `pred` selects, in issue order.
+template <typename Pred>
+void land_if(Thread& t, Pred pred) {
+  size_t keep = 0;
+  for (size_t i = 0; i < t.copies.size(); ++i) {
+    if (pred(t.copies[i])) land(t.copies[i]);
+    else t.copies[keep++] = t.copies[i];
+  }
+  t.copies.resize(keep);
+}
+
+void land_at_scheduling_point(Thread& t) {
+  if (!t.copies.empty()) land_if(t, [](const AsyncCopy& c) { return c.landing == kAtNextSchedulingPoint; });
+}
 
 struct BlockState {
   std::vector<Thread> threads;
@@ -69,7 +187,7 @@ struct BlockState {
   const Entry* entry = nullptr;
   void** params = nullptr;
   std::vector<unsigned char> smem;
-  ucontext_t sched_ctx;
+  Context sched_ctx;
   std::string fault;  // set when a fiber faulted; the launch aborts
   std::mt19937_64 rng;
   uint64_t seed = 0;
@@ -103,7 +221,7 @@ void park() {
 #if SIMT_ASAN
   __sanitizer_start_switch_fiber(&t->fake_stack, g.sched_stack_bottom, g.sched_stack_size);
 #endif
-  swapcontext(&t->ctx, &g.sched_ctx);
+  context_switch(t->ctx, g.sched_ctx);
 #if SIMT_ASAN
   __sanitizer_finish_switch_fiber(t->fake_stack, nullptr, nullptr);
 #endif
@@ -160,6 +278,8 @@ void fiber_main() {
   } catch (const std::exception& e) {
     if (g.fault.empty()) g.fault = e.what();
   }
+  // Copies still in flight complete after the thread is gone.
+  land_if(*t, [](const AsyncCopy&) { return true; });
   t->state = kExited;
   g.live--;
   if (g.fault.empty()) {
@@ -180,7 +300,7 @@ void fiber_main() {
 #if SIMT_ASAN
   __sanitizer_start_switch_fiber(nullptr, g.sched_stack_bottom, g.sched_stack_size);
 #endif
-  setcontext(&g.sched_ctx);
+  context_switch(t->ctx, g.sched_ctx);  // never resumed
 }
 
 int pick_next() {
@@ -223,11 +343,7 @@ void run_block() {
     Thread& t = g.threads[i];
     t.state = kRunnable;
     t.stack = stack_for(i);
-    getcontext(&t.ctx);
-    t.ctx.uc_stack.ss_sp = t.stack;
-    t.ctx.uc_stack.ss_size = kStackBytes;
-    t.ctx.uc_link = nullptr;
-    makecontext(&t.ctx, fiber_main, 0);
+    context_init(t.ctx, t.stack, kStackBytes, fiber_main);
     g.runq.push_back(i);
   }
   while (g.runq_head < g.runq.size()) {
@@ -236,7 +352,7 @@ void run_block() {
 #if SIMT_ASAN
     __sanitizer_start_switch_fiber(&g.sched_fake_stack, t.stack, kStackBytes);
 #endif
-    swapcontext(&g.sched_ctx, &t.ctx);
+    context_switch(g.sched_ctx, t.ctx);
 #if SIMT_ASAN
     __sanitizer_finish_switch_fiber(g.sched_fake_stack, nullptr, nullptr);
 #endif
@@ -264,6 +380,7 @@ const dim3& block_idx() { return g.block_idx; }
 const dim3& block_dim() { return g.block_dim; }
 const dim3& grid_dim() { return g.grid_dim; }
 void* dynamic_smem() { return g.smem.data(); }
+size_t dynamic_smem_size() { return g.smem.size(); }
 int lane_id() { return g.current->lane; }
 
 void fault(const std::string& what) {
@@ -273,6 +390,7 @@ void fault(const std::string& what) {
 
 int block_barrier(BarrierKind kind, int predicate) {
   Thread* t = g.current;
+  land_at_scheduling_point(*t);  // __syncthreads does not wait for cp.async; this is only a chance
   if (g.bar_kind >= 0 && g.bar_kind != kind)
     fault("threads of one block wait at different __syncthreads forms");
   g.bar_kind = kind;
@@ -284,9 +402,14 @@ int block_barrier(BarrierKind kind, int predicate) {
   return t->bar_result;
 }
 
-const uint64_t* warp_exchange(const char* op, unsigned mask, uint64_t value) {
+namespace {
+
+// The body of every warp op: deposit, wait for the lanes of `mask`, and (collectives) let the
+// last lane to arrive compute every lane's results.
+const uint64_t* warp_arrive(const char* op, unsigned mask, uint64_t value, WarpCollectiveFn fn, void* out) {
   Thread* t = g.current;
   Warp& w = g.warps[t->warp];
+  land_at_scheduling_point(*t);
   if (!(mask >> t->lane & 1u)) fault(std::string(op) + ": the calling lane is not in the mask");
   if (mask & ~w.existing)
     fault(std::string(op) + ": the mask names lanes that do not exist in this warp (block of " +
@@ -296,13 +419,24 @@ const uint64_t* warp_exchange(const char* op, unsigned mask, uint64_t value) {
   w.arrived |= 1u << t->lane;
   t->warp_op = op;
   t->warp_mask = mask;
+  t->collective_out = out;
   t->state = kAtWarp;
   if ((w.arrived & mask) == mask) {
     int base = t->warp * kWarpSize;
+    if (fn) {
+      const void* in[kWarpSize];
+      void* outs[kWarpSize];
+      for (int l = 0; l < kWarpSize; ++l) {
+        in[l] = reinterpret_cast<const void*>(w.slots[l]);
+        outs[l] = g.threads[base + l].collective_out;
+      }
+      fn(in, outs);
+    }
     for (int l = 0; l < kWarpSize; ++l) {
       if (!(mask >> l & 1u)) continue;
       Thread& o = g.threads[base + l];
-      for (int s = 0; s < kWarpSize; ++s) o.exchanged[s] = (mask >> s & 1u) ? w.slots[s] : 0;
+      if (!fn)
+        for (int s = 0; s < kWarpSize; ++s) o.exchanged[s] = (mask >> s & 1u) ? w.slots[s] : 0;
       if (&o != t) make_runnable(o);
     }
     w.arrived &= ~mask;
@@ -311,6 +445,59 @@ const uint64_t* warp_exchange(const char* op, unsigned mask, uint64_t value) {
     park();
   }
   return t->exchanged;
+}
+
+}  // namespace
+
+const uint64_t* warp_exchange(const char* op, unsigned mask, uint64_t value) {
+  return warp_arrive(op, mask, value, nullptr, nullptr);
+}
+
+void warp_collective(const char* op, const void* in, void* out, WarpCollectiveFn fn) {
+  if (g.warps[g.current->warp].existing != 0xffffffffu)
+    fault(std::string(op) + " needs a whole warp of 32 threads (block of " + std::to_string(g.threads.size()) +
+          " threads)");
+  warp_arrive(op, 0xffffffffu, reinterpret_cast<uint64_t>(in), fn, out);
+}
+
+void check_shared_rows(const char* op, const void* const* rows, int count) {
+  const unsigned char* lo = g.smem.data();
+  const unsigned char* hi = lo + g.smem.size();
+  for (int l = 0; l < count; ++l) {
+    const unsigned char* p = *static_cast<const unsigned char* const*>(rows[l]);
+    if (reinterpret_cast<uintptr_t>(p) % 16)
+      fault(std::string(op) + ": lane " + std::to_string(l) + "'s row address is not 16-byte aligned");
+    if (p < lo || p + 16 > hi)
+      fault(std::string(op) + ": lane " + std::to_string(l) + "'s row is outside dynamic shared memory");
+  }
+}
+
+void cp_async(void* dst, const void* src, int bytes, int src_bytes) {
+  Thread* t = g.current;
+  auto* d = static_cast<unsigned char*>(dst);
+  if (bytes != 4 && bytes != 8 && bytes != 16) fault("cp.async copies 4, 8 or 16 bytes, not " + std::to_string(bytes));
+  if (src_bytes < 0 || src_bytes > bytes) fault("cp.async: src-size " + std::to_string(src_bytes) + " outside [0, cp-size]");
+  if (reinterpret_cast<uintptr_t>(dst) % bytes || (src_bytes && reinterpret_cast<uintptr_t>(src) % bytes))
+    fault("cp.async: addresses must be aligned to the copy size (" + std::to_string(bytes) + " bytes)");
+  if (d < g.smem.data() || d + bytes > g.smem.data() + g.smem.size())
+    fault("cp.async: the destination is outside dynamic shared memory");
+  Landing landing = g.seed ? static_cast<Landing>(g.rng() % 3) : kAtWait;
+  AsyncCopy c{d, static_cast<const unsigned char*>(src), bytes, src_bytes, 0, landing};
+  if (landing == kNow) land(c);
+  else t->copies.push_back(c);
+}
+
+void cp_async_commit() {
+  Thread* t = g.current;
+  ++t->committed;
+  for (AsyncCopy& c : t->copies)
+    if (!c.group) c.group = t->committed;
+}
+
+void cp_async_wait(int newest_pending) {
+  Thread* t = g.current;
+  const int done = t->committed - newest_pending;  // groups 1..done must have landed
+  land_if(*t, [done](const AsyncCopy& c) { return c.group && c.group <= done; });
 }
 
 void set_schedule(uint64_t seed) { g.seed = seed; g.rng.seed(seed); }

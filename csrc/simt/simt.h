@@ -1,18 +1,26 @@
 // simt: run unmodified CUDA C++ kernel sources on the CPU.
 //
-// Each CUDA thread of a block is a fiber (ucontext) on one host thread; blocks run one after
+// Each CUDA thread of a block is a fiber on one host thread; blocks run one after
 // another, so `__shared__` can simply be a function-local `static` (one block owns it at a
 // time). Barriers (`__syncthreads*`) and warp ops (`__shfl*`, votes, `__syncwarp`) are
 // scheduling points: a fiber that reaches one parks until every thread it waits for arrives.
 // Between barriers the scheduler runs fibers in index order, or in a fresh random order per
 // launch when asked (see set_schedule), so a missing barrier changes the result.
 //
+// sm_80's asynchronous copies and warp-level matrix instructions are emulated too (tensor_core.h;
+// the device spellings are in ../tensor_core.cuh): cp.async with commit_group / wait_group per
+// thread, each copy landing as late as its wait allows (index order) or at a random point up to it
+// (random schedule), so a missing wait or a buffer overwritten too early shows; ldmatrix and
+// mma.sync m16n8k16 as warp collectives, in the PTX ISA's fragment layouts and a stated order.
+//
 // What the runtime refuses, with an exception instead of a hang:
 //   * blocks over 1024 threads or sm_90's per-dimension limits, dynamic shared memory over
 //     sm_90's 227 KiB opt-in limit;
 //   * a warp op whose mask names a lane that does not exist, or that exits or waits elsewhere
 //     (a warp op reached by part of a warp);
-//   * a __syncthreads that some live thread never reaches.
+//   * a __syncthreads that some live thread never reaches;
+//   * ldmatrix / mma.sync in a warp of fewer than 32 threads, ldmatrix rows or cp.async
+//     destinations outside dynamic shared memory or misaligned.
 #pragma once
 
 #include <cmath>
@@ -74,6 +82,20 @@ int block_barrier(BarrierKind kind, int predicate);
 // `op` names the intrinsic, for error messages and to catch divergent warp ops.
 const uint64_t* warp_exchange(const char* op, unsigned mask, uint64_t value);
 int lane_id();
+size_t dynamic_smem_size();
+
+// A collective of all 32 lanes of a full warp (ldmatrix, mma.sync: `.sync.aligned`). Each lane
+// passes its operands `in` and where its results go, `out`; when the last lane arrives, `fn`
+// runs once over every lane's operands and results, while the other lanes are parked (their
+// stacks, where in/out live, stay put).
+typedef void (*WarpCollectiveFn)(const void* const* in, void* const* out);
+void warp_collective(const char* op, const void* in, void* out, WarpCollectiveFn fn);
+
+// cp.async (see tensor_core.h): a copy is recorded when issued and lands later, at a point
+// chosen by the schedule; commit_group and wait_group work as in PTX, per thread.
+void cp_async(void* dst, const void* src, int bytes, int src_bytes);
+void cp_async_commit();
+void cp_async_wait(int newest_pending);
 
 }  // namespace simt
 
@@ -186,6 +208,8 @@ inline float __saturatef(float x) { return x < 0.f ? 0.f : (x > 1.f ? 1.f : x); 
 inline float __fmaf_rn(float a, float b, float c) { return fmaf(a, b, c); }
 inline float __fadd_rn(float a, float b) { return a + b; }
 inline float __fmul_rn(float a, float b) { return a * b; }
+inline float __fsub_rn(float a, float b) { return a - b; }
+inline float __fdiv_rn(float a, float b) { return a / b; }
 inline float __int_as_float(int x) { float f; std::memcpy(&f, &x, 4); return f; }
 inline int __float_as_int(float f) { int x; std::memcpy(&x, &f, 4); return x; }
 inline float __uint_as_float(unsigned x) { float f; std::memcpy(&f, &x, 4); return f; }
@@ -230,3 +254,5 @@ inline int2 make_int2(int x, int y) { return {x, y}; }
 inline int4 make_int4(int x, int y, int z, int w) { return {x, y, z, w}; }
 inline uint2 make_uint2(unsigned x, unsigned y) { return {x, y}; }
 inline uint4 make_uint4(unsigned x, unsigned y, unsigned z, unsigned w) { return {x, y, z, w}; }
+
+#include "tensor_core.h"

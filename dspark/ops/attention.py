@@ -1,5 +1,5 @@
-"""Row-invariant GQA attention over per-session KV caches plus the block's own K/V
-(kernel: csrc/attention.cu).
+"""Row-invariant GQA attention over per-session KV caches plus the block's own K/V, split across
+CTAs at fixed absolute key positions (kernels: csrc/attention.cu).
 
 Queries `q` [rows, Hq, D] are ragged over sessions by `row_indptr`; row i of session b sits at
 absolute position pos[b] + i. Keys at positions p < pos[b] come from the session's cache
@@ -10,16 +10,24 @@ session's block rows in `k_blk` / `v_blk` [rows, Hkv, D]. Modes:
 * ``block`` (drafter): every row sees the window [max(0, pos[b] - window), pos[b]) of committed
   rows plus the whole block.
 
-Row invariance (DESIGN section 3): keys are walked in tiles at absolute positions
-[64t, 64t + 64), in one reduction order (online softmax over tiles in increasing order, fixed
-orders inside a tile and over D), and a tile a row cannot see leaves its state untouched. A
-verify row is therefore bitwise equal to the decode step at its position, and a session's rows do
-not depend on what else is batched. `attention_ref` follows the same recurrence with
-shape-independent NumPy reductions (elementwise products and explicit pairwise halving sums, never
-matmul or an axis-sum whose order NumPy may pick by shape), so the numpy backend is row-invariant
-too. Its q.k and p.v sums halve pairwise rather than run in the kernel's sequential order: a few
-whole-array adds instead of one per key keep the CPU path fast, and the two orders agree within
-the tolerance the tests state.
+Row invariance (DESIGN section 3). The key axis is cut into splits at fixed absolute positions
+(`SplitRule`: never a function of the launch, the batch or the row) and each split into tiles
+[64t, 64t + 64). A row's result is its per-split partials (online softmax over the split's tiles,
+p rounded to the storage dtype before p.v as the tensor cores take it), merged in increasing split
+order, then normalised. Every step depends only on the row's own keys and positions: a verify
+row is bitwise the decode step at its position, a session is bitwise the same alone or batched.
+
+Launch plan (`launch_plan`, a pure function of the shapes). One CTA per (row chunk, kv head,
+session) walks all the splits of its rows ("serial"), or one CTA per (row chunk, split, kv head,
+session) writes split partials that a second kernel merges ("parallel", flash-decoding). Both
+compute the same bits. The plan takes "parallel" when "serial" would leave an H200 mostly idle
+(fewer CTAs than two per SM, as at one or two sessions with long contexts) and the partials stay
+small; prefill and large batches walk serially.
+
+`attention_ref` is the NumPy twin: the same splits, tiles, rounding and merge, with shape-
+independent reductions (elementwise products and pairwise halving sums, never matmul), so the numpy
+backend is row-invariant too. Its sums halve pairwise where the kernel uses the MMA's order; the
+two agree within the tolerance the tests state (1e-5 f32, 1e-2 f16/bf16, relative to 1 + |ref|).
 """
 
 from __future__ import annotations
@@ -29,19 +37,87 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..dtypes import suffix, to_f32
-from ..errors import CapacityError, DTypeError, ShapeError
 from ..arrays import adopt
+from ..dtypes import BF16, suffix, to_f32
+from ..errors import CapacityError, DTypeError, ShapeError
 from .checks import require_dtype, require_indptr, require_ndim, require_shape
 from .kv_commit import require_kernel_buffers
 
-TILE = 64                # keys per tile; tiles sit at absolute positions
-HEAD_DIMS = (64, 128)
+TILE = 64                 # keys per tile; tiles sit at absolute positions
+WARPS = 8                 # warps per CTA of the split kernels
+COMBINE_THREADS = 64
+HEAD_DIMS = (64, 128, 256)
 MODES = ("causal", "block")
-ITEMS_PER_CTA = 64       # query rows x GQA heads sharing one staged K/V tile: a verify block of
-                         # 8 rows at GQA 8 still reads its K/V once
+# (m-tiles of 16 items, pipeline stages) per (storage bytes, head dim): the instantiations in
+# csrc/attention.cu. f32 (CUDA cores) keeps 2 m-tiles; at D = 256 one stage (two do not fit).
+CONFIGS = {(4, 64): (2, 2), (4, 128): (2, 2), (4, 256): (2, 1),
+           (2, 64): (4, 2), (2, 128): (4, 2), (2, 256): (4, 2)}
 MAX_SHARED_MEM = 227 * 1024
-_REF_BUDGET = 1 << 22    # scores per NumPy pass (rows x Hq x keys): bounds memory, changes no result
+SMS = 132                 # an H200: the plan fills it before it splits
+PARTIAL_BUDGET = 64 << 20  # bytes of split partials the plan accepts before it walks splits serially
+_REF_BUDGET = 1 << 22     # elements per NumPy temporary: bounds memory, changes no result
+
+
+# ---- where the splits are ---------------------------------------------------------------------
+@dataclass(frozen=True)
+class SplitRule:
+    """Split j covers absolute key positions [start(j), start(j + 1)), the same for every row and
+    launch. Below 2 B (B = per_octave * min_keys) splits are min_keys long; each octave
+    [2^k B, 2^(k+1) B) above is cut into per_octave splits of 2^k min_keys, until that reaches
+    max_keys (a power-of-two multiple of min_keys): from there on every split is max_keys long.
+    The default (256, 8, 1024) gives 16 splits at 4k keys, 48 at 32k and 144 at 128k: 196 CTAs
+    at one 32k session with 4 kv heads, mostly of 1024 keys, whose partials cost about 7 % of
+    the K/V bytes for a verify block of 8 rows x 6 heads. The kernels compute the same
+    (AttnSplits, csrc/attention.cuh)."""
+    min_keys: int = 256
+    per_octave: int = 8
+    max_keys: int = 1024
+
+    def __post_init__(self):
+        def is_int(x):
+            return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
+
+        if not is_int(self.min_keys) or self.min_keys < TILE or self.min_keys % TILE:
+            raise ValueError(f"min_keys={self.min_keys!r}: expected a positive multiple of the tile ({TILE})")
+        if not is_int(self.per_octave) or not 1 <= self.per_octave < 2**31 // self.min_keys:
+            raise ValueError(f"per_octave={self.per_octave!r}: expected an int >= 1 with per_octave * min_keys < 2^31")
+        ratio = self.max_keys // self.min_keys if is_int(self.max_keys) else 0
+        if ratio < 1 or self.max_keys != self.min_keys * ratio or ratio & (ratio - 1) or self.max_keys >= 2**30:
+            raise ValueError(f"max_keys={self.max_keys!r}: expected min_keys ({self.min_keys}) times a power of two")
+
+    @classmethod
+    def uniform(cls, keys: int) -> "SplitRule":
+        """Splits of `keys` keys everywhere."""
+        return cls(keys, 1, keys)
+
+    @property
+    def cap_octave(self) -> int:
+        return (self.max_keys // self.min_keys).bit_length() - 1
+
+    def index(self, p):
+        """The split of absolute position(s) p."""
+        p = np.asarray(p, np.int64)
+        n, lo, cap = self.per_octave, self.min_keys, self.cap_octave
+        base = n * lo
+        q = p // base
+        k = np.maximum(np.frexp(np.maximum(q, 1).astype(np.float64))[1] - 1, 1)  # floor(log2 q), q >= 2
+        k = np.minimum(k, 62)
+        octave = n * (k + 1) + (p - (base << k)) // (lo << k)
+        capped = n * (cap + 1) + (p - (base << cap)) // self.max_keys
+        return np.where(q < 2, p // lo, np.where(k >= cap, capped, octave))
+
+    def start(self, j):
+        """The first position of split(s) j."""
+        j = np.asarray(j, np.int64)
+        n, lo, cap = self.per_octave, self.min_keys, self.cap_octave
+        base = n * lo
+        k = np.clip(j // n - 1, 1, 62)
+        octave = (base << np.minimum(k, cap)) + (j % n) * (lo << np.minimum(k, cap))
+        capped = (base << cap) + (j - n * (cap + 1)) * self.max_keys
+        return np.where(j < 2 * n, j * lo, np.where(k >= cap, capped, octave))
+
+
+DEFAULT_SPLIT = SplitRule()
 
 
 # ---- NumPy reference ------------------------------------------------------------------------
@@ -77,43 +153,62 @@ def _halving_sum(x: np.ndarray, axis: int) -> np.ndarray:
     return x[0]
 
 
-def _attend(q, k, v, key0, row_lo, row_hi, scale):
-    """q [n, Hkv, G, D] f32; k, v [Hkv, L, D]; row r sees keys [row_lo, row_hi[r]). -> [n, Hkv, G, D]."""
+def _merge(run, split, fa, fb):
+    return run * fa + split * fb
+
+
+def _attend(q, k, v, key0, lo, row_hi, scale, split: SplitRule, p_dtype):
+    """q [n, Hkv, G, D] f32; k, v [Hkv, L, D] from position key0; row r sees [lo, row_hi[r]).
+    Per split: online softmax over its tiles; splits merged in increasing order. -> [n, Hkv, G, D]"""
     n, hkv, g, d = q.shape
-    length = k.shape[1]
-    tiles = length // TILE
-    s = _halving_sum(q.reshape(n, hkv, g, 1, d) * k.reshape(1, hkv, 1, length, d), axis=-1) * scale
-    keypos = key0 + np.arange(length)
-    visible = (keypos >= row_lo) & (keypos < row_hi[:, None])  # [n, L]
-    s = np.where(visible[:, None, None, :], s, np.float32(-np.inf)).reshape(n, hkv, g, tiles, TILE)
-    # Running max after each tile; a tile a row cannot see adds -inf and changes nothing.
-    m = np.maximum.accumulate(s.max(axis=-1), axis=-1)  # [n, Hkv, G, T]
-    p = np.exp(s - np.where(np.isneginf(m), np.float32(0), m)[..., None])  # invisible -> exactly 0
-    l_tile = _halving_sum(p, axis=-1)  # the kernel's lane sums then butterfly: the same halving
-    # An invisible key adds p * v = +-0, which changes no bit of the sum.
-    pv = _halving_sum(p[..., None] * v.reshape(1, hkv, 1, tiles, TILE, d), axis=-2)
-    seen = visible.reshape(n, tiles, TILE).any(axis=-1)[:, None, None, :]  # [n, 1, 1, T]
-    m_run = np.full((n, hkv, g), -np.inf, np.float32)
-    l_run = np.zeros((n, hkv, g), np.float32)
-    acc = np.zeros((n, hkv, g, d), np.float32)
-    with np.errstate(invalid="ignore"):  # exp(-inf - -inf) on skipped tiles, discarded below
+    tiles = k.shape[1] // TILE
+    f32, ninf = np.float32, np.float32(-np.inf)
+    tile_split = split.index(key0 + TILE * np.arange(tiles + 1))
+    M = np.full((n, hkv, g), ninf, f32)          # merged over the splits so far
+    Lm = np.zeros((n, hkv, g), f32)
+    A = np.zeros((n, hkv, g, d), f32)
+    m, l, acc = M.copy(), Lm.copy(), A.copy()    # the current split
+    split_seen = np.zeros((n, 1, 1), bool)
+    with np.errstate(invalid="ignore", over="ignore"):
         for t in range(tiles):
-            alpha = np.exp(m_run - m[..., t])
-            step = seen[..., t]
-            l_run = np.where(step, l_run * alpha + l_tile[..., t], l_run)
-            acc = np.where(step[..., None], acc * alpha[..., None] + pv[..., t, :], acc)
-            m_run = np.where(step, m[..., t], m_run)
-    return acc / l_run[..., None]
+            kt, vt = k[:, t * TILE : (t + 1) * TILE], v[:, t * TILE : (t + 1) * TILE]
+            keypos = key0 + t * TILE + np.arange(TILE)
+            visible = (keypos >= lo) & (keypos < row_hi[:, None])                  # [n, TILE]
+            seen = visible.any(axis=1)[:, None, None]
+            if seen.any():
+                s = _halving_sum(q[:, :, :, None, :] * kt[None, :, None, :, :], axis=-1) * scale
+                s = np.where(visible[:, None, None, :], s, ninf)
+                m_new = np.where(seen, np.maximum(m, s.max(axis=-1)), m)
+                p = np.where(visible[:, None, None, :], np.exp(s - m_new[..., None]), f32(0))
+                p = p.astype(p_dtype).astype(f32)  # the MMA's operand: p in the storage dtype
+                alpha = np.where(seen, np.exp(m - m_new), f32(1))
+                l = np.where(seen, l * alpha + _halving_sum(p, axis=-1), l)
+                pv = _halving_sum(p[..., None] * vt[None, :, None, :, :], axis=-2)
+                acc = np.where(seen[..., None], acc * alpha[..., None] + pv, acc)
+                m = m_new
+                split_seen |= seen
+            if tile_split[t + 1] != tile_split[t] or t == tiles - 1:
+                Mn = np.maximum(M, m)
+                fa, fb = np.exp(M - Mn), np.exp(m - Mn)
+                Lm = np.where(split_seen, _merge(Lm, l, fa, fb), Lm)
+                A = np.where(split_seen[..., None], _merge(A, acc, fa[..., None], fb[..., None]), A)
+                M = np.where(split_seen, Mn, M)
+                m, l, acc = np.full_like(m, ninf), np.zeros_like(l), np.zeros_like(acc)
+                split_seen[...] = False
+    return A / Lm[..., None]
 
 
 def attention_ref(q, k_blk, v_blk, k_caches, v_caches, pos, row_indptr, *, mode="causal", window=0,
-                  scale=None) -> np.ndarray:
-    """The NumPy twin of the kernel: f32 output [rows, Hq, D] (the op rounds to q's dtype)."""
+                  scale=None, split: SplitRule | None = None) -> np.ndarray:
+    """The NumPy twin of the kernels: f32 output [rows, Hq, D] (the op rounds to q's dtype)."""
     rows, hq, d = q.shape
     hkv = k_blk.shape[1]
     g = hq // hkv
+    split = split or DEFAULT_SPLIT
     scale = np.float32(1.0 / math.sqrt(d) if scale is None else scale)
+    p_dtype = np.dtype(q.dtype) if np.dtype(q.dtype).itemsize == 2 else np.dtype(np.float32)
     out = np.zeros((rows, hq, d), np.float32)
+    chunk = max(1, _REF_BUDGET // (hq * TILE * d))  # rows per pass: the tile temporaries stay bounded
     for b in range(len(row_indptr) - 1):
         r0, r1 = int(row_indptr[b]), int(row_indptr[b + 1])
         if r0 == r1:
@@ -121,12 +216,13 @@ def attention_ref(q, k_blk, v_blk, k_caches, v_caches, pos, row_indptr, *, mode=
         p0 = int(pos[b])
         lo, hi = _key_range(mode, p0, r1 - r0, window)
         k, v, key0 = _session_kv(k_caches[b], v_caches[b], k_blk[r0:r1], v_blk[r0:r1], p0, lo, hi, mode == "block")
-        chunk = max(1, _REF_BUDGET // (hq * k.shape[1]))
         for c0 in range(r0, r1, chunk):
             c1 = min(r1, c0 + chunk)
             row_hi = np.full(c1 - c0, hi) if mode == "block" else p0 + np.arange(c0 - r0, c1 - r0) + 1
+            span = -(-int(row_hi.max()) // TILE) * TILE - key0  # the tiles these rows reach
             qf = to_f32(q[c0:c1]).reshape(c1 - c0, hkv, g, d)
-            out[c0:c1] = _attend(qf, k, v, key0, lo, row_hi, scale).reshape(c1 - c0, hq, d)
+            out[c0:c1] = _attend(qf, k[:, :span], v[:, :span], key0, lo, row_hi, scale, split,
+                                 p_dtype).reshape(c1 - c0, hq, d)
     return out
 
 
@@ -153,10 +249,131 @@ class AttentionCall:
 
 @dataclass(frozen=True)
 class AttentionPlan:
-    grid: tuple[int, int, int]   # (row chunks, Hkv, B)
+    """What one attention call launches, and what it costs, without running anything.
+
+    strategy "serial" (slots 0): `kernel` on `grid` (row chunks, Hkv, B) writes out. "parallel":
+    `kernel` on (row chunks x slots, Hkv, B) writes split partials, `combine_kernel` on
+    `combine_grid` (rows, Hq) merges them. `cta_keys` holds the keys each working CTA of the main
+    kernel reads (CTAs the grid holds for other sessions' shapes leave at once and are not listed)."""
+    strategy: str
+    head_dim: int
+    kernel: str
+    grid: tuple[int, int, int]
     block: tuple[int]
     shared_mem: int
     rows_per_cta: int
+    stages: int
+    split: SplitRule
+    slots: int                      # the partial buffer's split dimension (parallel); 0: serial
+    combine_kernel: str | None
+    combine_grid: tuple[int, int] | None
+    combine_block: tuple[int] | None
+    max_splits: int                 # the most splits any row of the call reaches
+    cta_keys: np.ndarray            # int64 [working CTAs of the main kernel]
+    bytes: dict                     # kv, q, out, partials_written, partials_read
+    flops: int                      # 4 D per (item, visible key): q.k and p.v multiply-adds
+
+    @property
+    def ctas(self) -> int:
+        return int(self.cta_keys.size)
+
+    @property
+    def launches(self) -> int:
+        return 1 if self.combine_kernel is None else 2
+
+    @property
+    def total_bytes(self) -> int:
+        return int(sum(self.bytes.values()))
+
+    @property
+    def partial_bytes(self) -> int:
+        """Size of the partial buffers the op allocates: [rows, Hq, slots, D + 2] f32 (0 for serial)."""
+        if self.combine_grid is None:
+            return 0
+        return self.combine_grid[0] * self.combine_grid[1] * self.slots * (self.head_dim + 2) * 4
+
+
+def shared_mem_bytes(itemsize: int, head_dim: int) -> int:
+    """Dynamic shared memory of one CTA (AttnLayout, csrc/attention.cuh)."""
+    mt, stages = CONFIGS[(itemsize, head_dim)]
+    items, pad = 16 * mt, 16 // itemsize
+    row, prow = head_dim + pad, TILE + pad
+    return itemsize * (2 * stages * TILE * row + items * (row + prow)) + 4 * (2 * WARPS + 4) * items
+
+
+def max_gqa(itemsize: int, head_dim: int) -> int:
+    """The most query heads per kv head one CTA holds (one row's heads must share a CTA)."""
+    return 16 * CONFIGS[(itemsize, head_dim)][0]
+
+
+def launch_plan(lens, pos, *, hq: int, hkv: int, head_dim: int, dtype="bfloat16", mode: str = "causal",
+                window: int = 0, split: SplitRule | None = None, strategy: str = "auto", sms: int = SMS
+                ) -> AttentionPlan:
+    """The launch plan of an attention call: sessions of `lens[b]` rows at positions `pos[b]`,
+    Hq / Hkv heads of `head_dim`, storage `dtype`. Pure: nothing is allocated or launched, so a
+    performance model can price a call (bytes, CTAs, their keys, launches) from shapes alone.
+    `split` and `strategy` ("auto", "serial", "parallel") are for tests and tuning; the result
+    never depends on them."""
+    dtype = BF16 if isinstance(dtype, str) and dtype == "bfloat16" else np.dtype(dtype)
+    kind = suffix(dtype, "dtype")
+    if strategy not in ("auto", "serial", "parallel"):
+        raise ValueError(f"strategy={strategy!r}: expected 'auto', 'serial' or 'parallel'")
+    split = split or DEFAULT_SPLIT
+    lens, pos = np.asarray(lens, np.int64).reshape(-1), np.asarray(pos, np.int64).reshape(-1)
+    isz, g = dtype.itemsize, hq // hkv
+    mt, stages = CONFIGS[(isz, head_dim)]
+    rows_per_cta = max(1, 16 * mt // g)
+    rows = int(lens.sum())
+    lo_of = (lambda p0: np.maximum(0, p0 - window)) if mode == "block" else (lambda p0: np.zeros_like(p0))
+
+    # Per (session, row chunk): items, the key range [lo, hi) of its rows, and the splits it spans.
+    chunk_n = -(-lens // rows_per_cta)
+    sess = np.repeat(np.arange(lens.size), chunk_n)
+    r0 = (np.arange(int(chunk_n.sum())) - np.repeat(np.cumsum(chunk_n) - chunk_n, chunk_n)) * rows_per_cta
+    r = np.minimum(rows_per_cta, lens[sess] - r0)
+    lo = lo_of(pos[sess])
+    hi = pos[sess] + (lens[sess] if mode == "block" else r0 + r)
+    j0 = split.index(lo)
+    count = split.index(hi - 1) - j0 + 1
+    max_splits = int(count.max(initial=1))
+    chunks = int(chunk_n.max(initial=0))
+    partials = rows * hq * max_splits * (head_dim + 2) * 4
+    if strategy == "auto":
+        parallel = max_splits > 1 and partials <= PARTIAL_BUDGET and sess.size * hkv < 2 * sms
+    else:
+        parallel = strategy == "parallel"
+    if parallel:  # one CTA per (chunk, split it spans, kv head)
+        owner = np.repeat(np.arange(sess.size), count)
+        j = np.repeat(j0, count) + np.arange(int(count.sum())) - np.repeat(np.cumsum(count) - count, count)
+        seg = np.minimum(split.start(j + 1), hi[owner]) - np.maximum(split.start(j), lo[owner])
+    else:
+        owner, seg = np.arange(sess.size), hi - lo
+    cta_keys = np.repeat(seg, hkv)
+
+    # Useful work: every item's visible keys; partials: each (row, head, split it reaches).
+    row_sess = np.repeat(np.arange(lens.size), lens)
+    row_i = np.arange(rows) - np.repeat(np.cumsum(lens) - lens, lens)
+    row_lo = lo_of(pos[row_sess])
+    row_hi = pos[row_sess] + (lens[row_sess] if mode == "block" else row_i + 1)
+    row_splits = int((split.index(row_hi - 1) - split.index(row_lo) + 1).sum())
+    by = {
+        "kv": int(cta_keys.sum()) * 2 * head_dim * isz,   # K and V of each CTA's keys, once per kv head
+        "q": int((r * g)[owner].sum()) * hkv * head_dim * isz,  # each CTA stages its items' q
+        "out": rows * hq * head_dim * isz,
+        # Written by the split kernel, read back by the combine (from L2 when it still holds them).
+        "partials_written": row_splits * hq * (head_dim + 2) * 4 if parallel else 0,
+        "partials_read": row_splits * hq * (head_dim + 2) * 4 if parallel else 0,
+    }
+    visible = int((row_hi - row_lo).sum())
+    slots = max_splits if parallel else 0
+    grid = (chunks * max(slots, 1), hkv, len(lens))
+    name = f"attention_{kind}_d{head_dim}"
+    return AttentionPlan(
+        strategy="parallel" if parallel else "serial", head_dim=head_dim, kernel=name, grid=grid, block=(32 * WARPS,),
+        shared_mem=shared_mem_bytes(isz, head_dim), rows_per_cta=rows_per_cta, stages=stages, split=split,
+        slots=slots, combine_kernel=f"attention_combine_{kind}" if parallel else None,
+        combine_grid=(rows, hq) if parallel else None, combine_block=(COMBINE_THREADS,) if parallel else None,
+        max_splits=max_splits, cta_keys=cta_keys, bytes=by, flops=4 * head_dim * g * hkv * visible)
 
 
 def validate(be, q, k_blk, v_blk, k_caches, v_caches, pos, row_indptr, mode, window, scale) -> AttentionCall:
@@ -173,6 +390,9 @@ def validate(be, q, k_blk, v_blk, k_caches, v_caches, pos, row_indptr, mode, win
         _require_same_dtype(a, q.dtype, name)
     if hkv == 0 or hq % hkv:
         raise ShapeError(f"q has {hq} heads: expected a multiple of the {hkv} kv heads of k_blk")
+    if hq // hkv > max_gqa(q.dtype.itemsize, d):
+        raise ShapeError(f"q has {hq // hkv} query heads per kv head: at most {max_gqa(q.dtype.itemsize, d)} "
+                         f"for {q.dtype} at head dim {d} (one row's heads share a CTA)")
     indptr = be.to_host(row_indptr)
     require_indptr(indptr, "row_indptr", rows)
     sessions = indptr.shape[0] - 1
@@ -223,36 +443,32 @@ def _require_same_dtype(a, dtype, what: str) -> None:
         raise DTypeError(f"{what} has dtype {a.dtype}: expected {dtype} (the dtype of q)")
 
 
-def plan(call: AttentionCall) -> AttentionPlan:
-    """One CTA per (row chunk, kv head, session). The chunk is fixed by G alone (never by the
-    other sessions), and each item's arithmetic is independent of the chunk and block size."""
-    g = call.hq // call.hkv
-    rows_per_cta = max(1, ITEMS_PER_CTA // g)
-    longest = int(np.diff(call.indptr).max(initial=0))
-    chunks = -(-longest // rows_per_cta)
-    items = min(longest, rows_per_cta) * g  # the largest CTA's; each CTA carves for its own
-    warps = 4 if items <= 4 else 8
-    isz = call.dtype.itemsize
-    smem = (TILE * (call.head_dim + 16 // isz) * isz + TILE * call.head_dim * isz  # K (padded), V tiles
-            + 2 * items * call.head_dim * 4 + warps * TILE * 4 + 2 * items * 4)  # q, acc, p, (m, l)
-    if smem > MAX_SHARED_MEM:
-        raise CapacityError(f"{g} query heads per kv head need {smem} bytes of shared memory per CTA: "
-                            f"more than {MAX_SHARED_MEM}")
-    return AttentionPlan((chunks, call.hkv, call.sessions), (32 * warps,), smem, rows_per_cta)
+def plan(call: AttentionCall, split: SplitRule | None = None, strategy: str = "auto") -> AttentionPlan:
+    """The launch plan of a validated call (launch_plan on its shapes)."""
+    return launch_plan(np.diff(call.indptr), call.pos, hq=call.hq, hkv=call.hkv, head_dim=call.head_dim,
+                       dtype=call.dtype, mode=call.mode, window=call.window, split=split, strategy=strategy)
 
 
 # ---- the op -----------------------------------------------------------------------------------
 def attention(be, q, k_blk, v_blk, k_caches, v_caches, pos, row_indptr, *, mode="causal", window=0, scale=None,
-              out=None):
+              out=None, split: SplitRule | None = None, strategy: str = "auto"):
     """Attention of `q` [rows, Hq, D] over each session's cache and block rows -> out [rows, Hq, D]
     (dtype of q; `out=` may be given, e.g. poisoned by a test).
 
-    k_blk / v_blk [rows, Hkv, D]: the block's own K/V rows (Hq a multiple of Hkv, D 64 or 128).
+    k_blk / v_blk [rows, Hkv, D]: the block's own K/V rows (Hq a multiple of Hkv, D 64, 128 or 256
+    in f32, f16 and bf16; f32 at D 256 loads its tiles single-buffered, two stages would not fit in
+    shared memory).
     k_caches / v_caches: lists, one per session, of [Hkv, capacity, D]. pos: int32 [B], the
     committed rows per session; row_indptr: int32 [B+1]. mode "causal": row i of session b sees
     [0, pos[b] + i]; mode "block": the caches are rings of their capacity and every row sees the
-    last `window` committed rows plus the whole block. scale defaults to 1/sqrt(D).
+    last `window` committed rows plus the whole block. scale defaults to 1/sqrt(D). `split` (where
+    the key axis is cut, SplitRule) and `strategy` are test and tuning knobs: the results depend on
+    `split` within rounding, never on `strategy`.
     """
+    if split is not None and not isinstance(split, SplitRule):
+        raise TypeError(f"split={split!r}: expected a SplitRule")
+    if strategy not in ("auto", "serial", "parallel"):
+        raise ValueError(f"strategy={strategy!r}: expected 'auto', 'serial' or 'parallel'")
     q, k_blk, v_blk, k_caches, v_caches, pos, row_indptr, out = adopt(
         be, q=q, k_blk=k_blk, v_blk=v_blk, k_caches=k_caches, v_caches=v_caches, pos=pos, row_indptr=row_indptr,
         out=out, writes=("out",))
@@ -263,23 +479,36 @@ def attention(be, q, k_blk, v_blk, k_caches, v_caches, pos, row_indptr, *, mode=
     _require_same_dtype(out, q.dtype, "out")
     if be.kernels is None:
         out[...] = attention_ref(q, k_blk, v_blk, k_caches, v_caches, call.pos, call.indptr, mode=mode,
-                                 window=call.window, scale=call.scale).astype(q.dtype)
+                                 window=call.window, scale=call.scale, split=split).astype(q.dtype)
         return out
-    launch = plan(call)
+    launch = plan(call, split, strategy)
     if call.rows == 0:
         return out
-    B = call.sessions
-    q, k_blk, v_blk = (be.xp.ascontiguousarray(a) for a in (q, k_blk, v_blk))
+    B, xp = call.sessions, be.xp
+    q, k_blk, v_blk = (xp.ascontiguousarray(a) for a in (q, k_blk, v_blk))
     require_kernel_buffers(be, [q, k_blk, v_blk, out, *k_caches, *v_caches],
                            ["q", "k_blk", "v_blk", "out", *(f"k_caches[{b}]" for b in range(B)),
                             *(f"v_caches[{b}]" for b in range(B))])
     # One upload for the small per-session arrays and one for both pointer tables.
     meta = be.asarray(np.concatenate([call.indptr, call.pos, call.capacity]).astype(np.int32))
+    indptr, pos_d, cap = meta[: B + 1], meta[B + 1 : 2 * B + 1], meta[2 * B + 1 :]
     tables = be.pointer_table([*k_caches, *v_caches])
-    fn = be.kernels.get_function(f"attention_{suffix(q.dtype, 'q')}_d{call.head_dim}")
-    fn(launch.grid, launch.block,
-       (q, k_blk, v_blk, tables[:B], tables[B:], meta[: B + 1], meta[B + 1 : 2 * B + 1], meta[2 * B + 1 :],
-        np.int32(call.hq), np.int32(call.hkv), np.int32(launch.rows_per_cta), np.int32(mode == "block"),
-        np.int32(call.window), call.scale, out),
-       shared_mem=launch.shared_mem)
+    kind, d, rule = suffix(q.dtype, "q"), call.head_dim, launch.split
+    parallel = launch.combine_kernel is not None
+    part_acc = xp.empty((call.rows, call.hq, launch.slots, d), np.float32) if parallel else None
+    part_ml = xp.empty((call.rows, call.hq, launch.slots, 2), np.float32) if parallel else None
+    common = (np.int32(call.hq), np.int32(call.hkv), np.int32(launch.rows_per_cta), np.int32(mode == "block"),
+              np.int32(call.window), call.scale, np.int32(rule.min_keys), np.int32(rule.per_octave),
+              np.int32(rule.max_keys), np.int32(launch.slots))
+    be.kernels.get_function(launch.kernel)(
+        launch.grid, launch.block,
+        (q, k_blk, v_blk, tables[:B], tables[B:], indptr, pos_d, cap, *common, part_acc, part_ml, None if parallel
+         else out),
+        shared_mem=launch.shared_mem)
+    if parallel:
+        be.kernels.get_function(launch.combine_kernel)(
+            launch.combine_grid, launch.combine_block,
+            (indptr, pos_d, np.int32(B), np.int32(mode == "block"), np.int32(call.window), np.int32(rule.min_keys),
+             np.int32(rule.per_octave), np.int32(rule.max_keys), np.int32(launch.slots), np.int32(call.hq),
+             np.int32(d), part_acc, part_ml, out))
     return out

@@ -1,5 +1,11 @@
-"""attention: the kernels (simt, cuda) against the NumPy reference, and row invariance, bitwise,
-on every backend (DESIGN section 3)."""
+"""attention: the kernels (simt, cuda) against the NumPy reference, row invariance bitwise on every
+backend (DESIGN section 3), the split structure at every split count, the launch plan, and the
+building blocks (mma.sync / ldmatrix fragments, cp.async groups) against their documented semantics.
+
+Tolerance against the reference: |got - ref| <= tol (1 + |ref|), tol 1e-5 for f32 and 1e-2 for
+f16/bf16 (outputs rounded to 8 or 11 bits; an MMA, emulated or not, is within 17 * 2^-23 of its
+absolute sum of the exact value, simt/tensor_core.h).
+"""
 
 from __future__ import annotations
 
@@ -10,15 +16,19 @@ import numpy as np
 import pytest
 
 from dspark.errors import CapacityError, DTypeError, KernelArgumentError, ShapeError
-from dspark.ops.attention import attention, attention_ref, plan, validate
+from dspark.ops.attention import (DEFAULT_SPLIT, SplitRule, attention, attention_ref, launch_plan, plan,
+                                  shared_mem_bytes, validate)
 from dspark.ops.kv_commit import kv_commit
 from tests.conftest import poison
 from tests.kernels.asan import assert_clean, run_asan
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
-DTYPES = [np.dtype(np.float32), np.dtype(np.float16), BF16]
-TOL = {np.dtype(np.float32): 1e-5, np.dtype(np.float16): 1e-2, BF16: 1e-2}
-HEADS = [(4, 4), (8, 2)]  # (Hq, Hkv): GQA ratios 1 and 4
+F32, F16 = np.dtype(np.float32), np.dtype(np.float16)
+DTYPES = [F32, F16, BF16]
+TOL = {F32: 1e-5, F16: 1e-2, BF16: 1e-2}
+HEADS = [(4, 4), (12, 2)]  # (Hq, Hkv): GQA 1 and 6 (Qwen3.5-27B's 24 / 4)
+SMALL = SplitRule(64, 2, 256)  # splits of 1, 2 and then 4 tiles: every size change below 1k keys
+TILES = SplitRule.uniform(64)
 
 
 @dataclass
@@ -50,7 +60,7 @@ def indptr_of(lens) -> np.ndarray:
 def make_case(rng, dtype, d, hq, hkv, lens, ctxs, mode="causal", window=0, slack=3) -> Case:
     """Random rows. Cache slots no row may read hold NaN, so reading one shows in the output:
     past pos in a causal cache; outside the window's slots in a ring (capacity window + block)."""
-    rows = sum(lens)
+    rows = int(sum(lens))
     randn = lambda *shape: rng.standard_normal(shape).astype(np.float32).astype(dtype)  # noqa: E731
     k_caches, v_caches = [], []
     for n, ctx in zip(lens, ctxs):
@@ -71,10 +81,25 @@ def on(be, case: Case) -> Case:
                    k_caches=[a(c) for c in case.k_caches], v_caches=[a(c) for c in case.v_caches])
 
 
+class PoisonedScratch:
+    """The backend's array module, except that `empty` is poisoned (NaN): a split partial the
+    combine reads before a kernel wrote it shows in the output."""
+
+    def __init__(self, xp):
+        self._xp = xp
+
+    def __getattr__(self, name):
+        return getattr(self._xp, name)
+
+    def empty(self, shape, dtype=np.float32, **kw):
+        return poison(self._xp, shape, dtype)
+
+
 def run(be, case: Case, **kw) -> np.ndarray:
     dev = on(be, case)
     out = poison(be.xp, case.q.shape, case.q.dtype)
-    got = attention(be, *dev.args(), mode=case.mode, window=case.window, out=out, **kw)
+    poisoned = replace(be, xp=PoisonedScratch(be.xp))
+    got = attention(poisoned, *dev.args(), mode=case.mode, window=case.window, out=out, **kw)
     assert got is out
     return be.to_host(out)
 
@@ -97,6 +122,37 @@ def bits(a: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(a).view(f"u{a.dtype.itemsize}")
 
 
+# ---- the split rule --------------------------------------------------------------------------------
+@pytest.mark.parametrize("rule", [DEFAULT_SPLIT, SMALL, SplitRule(128, 3, 1 << 20), SplitRule(64, 1, 64 << 12), TILES],
+                         ids=str)
+def test_split_rule_cuts_whole_tiles_at_fixed_positions(rule):
+    j = np.arange(min(200, int(rule.index(2**31 - 1)) + 1))  # every split of an int32 position
+    start = rule.start(j)
+    assert start[0] == 0 and np.all(np.diff(start) > 0) and np.all(start % 64 == 0)
+    np.testing.assert_array_equal(rule.index(start), j)
+    np.testing.assert_array_equal(rule.index(start[1:] - 1), j[:-1])
+    size = np.diff(start)
+    base = rule.per_octave * rule.min_keys
+    assert np.all(size[start[:-1] < 2 * base] == rule.min_keys)
+    far = start[:-1] >= 2 * base  # octave k >= 1: per_octave splits of 2^k min_keys, up to max_keys
+    k = np.floor(np.log2(start[:-1][far] / base)).astype(int)
+    np.testing.assert_array_equal(size[far], np.minimum(rule.min_keys << k, rule.max_keys))
+
+
+def test_default_split_counts():
+    """16 splits at 4k keys, 48 at 32k, 144 at 128k: of 256 keys near the start, 1024 from 8k on."""
+    assert [int(DEFAULT_SPLIT.index(n - 1)) + 1 for n in (256, 4096, 8192, 32768, 131072)] == [1, 16, 24, 48, 144]
+    assert np.all(np.diff(DEFAULT_SPLIT.start(np.arange(24, 200))) == 1024)
+
+
+@pytest.mark.parametrize("kw,match", [({"min_keys": 100}, "min_keys=100"), ({"min_keys": 0}, "min_keys=0"),
+                                      ({"per_octave": 0}, "per_octave=0"), ({"per_octave": 2**30}, "per_octave"),
+                                      ({"max_keys": 768}, "max_keys=768"), ({"max_keys": 128}, "max_keys=128")])
+def test_split_rule_rejects_bad_values(kw, match):
+    with pytest.raises(ValueError, match=match):
+        SplitRule(**kw)
+
+
 # ---- against the reference ---------------------------------------------------------------------
 # (rows per session, committed context per session): awkward contexts 0, 1, 63, 64, 65, 1000,
 # verify widths 1..8, batches of 1, 3 and 7, empty sessions, and a prefill of hundreds of rows.
@@ -116,7 +172,7 @@ BLOCK = {
 
 
 @pytest.mark.parametrize("heads", HEADS, ids=lambda h: f"{h[0]}q{h[1]}kv")
-@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("d", [64, 128, 256])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("batch", ["decode", "tile-edges", "mixed7"])
 def test_causal_matches_reference(kernel_backend, rng, batch, dtype, d, heads):
@@ -125,11 +181,13 @@ def test_causal_matches_reference(kernel_backend, rng, batch, dtype, d, heads):
     assert_close(run(kernel_backend, case), reference(case), dtype)
 
 
-@pytest.mark.parametrize("dtype,d,heads", [(DTYPES[0], 64, (8, 2)), (BF16, 128, (4, 4)), (DTYPES[1], 128, (8, 1))],
-                         ids=str)
+@pytest.mark.parametrize("dtype,d,heads", [(F32, 64, (8, 2)), (BF16, 128, (4, 4)), (F16, 128, (8, 1)),
+                                           (BF16, 256, (12, 2))], ids=str)
 def test_prefill_matches_reference(kernel_backend, rng, dtype, d, heads):
-    """Hundreds of rows: the session is split into fixed row chunks, one CTA each."""
+    """Hundreds of rows: the session is split into fixed row chunks, one CTA each (serial)."""
     case = make_case(rng, dtype, d, *heads, *CAUSAL["prefill"])
+    assert launch_plan([200, 0, 37], [0, 9, 64], hq=heads[0], hkv=heads[1], head_dim=d,
+                       dtype=dtype).strategy == "serial"
     assert_close(run(kernel_backend, case), reference(case), dtype)
 
 
@@ -143,10 +201,18 @@ def test_block_matches_reference(kernel_backend, rng, batch, dtype, d, heads):
     assert_close(run(kernel_backend, case), reference(case), dtype)
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_block_head_dim_256(kernel_backend, rng, dtype):
+    lens, ctxs, window = BLOCK["ring3"]
+    case = make_case(rng, dtype, 256, 12, 2, lens, ctxs, mode="block", window=window)
+    assert_close(run(kernel_backend, case), reference(case), dtype)
+
+
 def test_reference_is_softmax_attention(numpy_backend, rng):
-    """The tiled recurrence is plain softmax attention, here in float64 on the visible keys."""
-    case = make_case(rng, np.float32, 64, 8, 2, [3, 5], [70, 0])
-    got = run(numpy_backend, case, scale=0.3)
+    """The split, tiled recurrence is plain softmax attention, here in float64 on the visible
+    keys, with splits of 1, 2 and 4 tiles."""
+    case = make_case(rng, np.float32, 64, 8, 2, [3, 5], [300, 0])
+    got = run(numpy_backend, case, scale=0.3, split=SMALL)
     for b in range(2):
         s = case.session(b)
         n, ctx = len(s.q), int(s.pos[0])
@@ -175,28 +241,73 @@ def test_empty_batches(any_backend, rng):
     assert run(any_backend, none).shape == (0, 4, 64)
 
 
-@pytest.mark.parametrize("hq,hkv", [(4, 4), (8, 2), (32, 4)])
-def test_verify_reads_each_kv_head_once(numpy_backend, rng, hq, hkv):
-    """Work sharing: a verify block (vt <= 8) of every session fits one CTA per (session, kv
-    head), so its K/V tiles are staged once for all rows and GQA heads; prefill is chunked."""
-    for lens, chunks in (([8, 1, 5], 1), ([200], -(-200 // max(1, 64 // (hq // hkv))))):
-        case = make_case(rng, np.float32, 64, hq, hkv, lens, [70] * len(lens))
-        launch = plan(validate(numpy_backend, *case.args(), "causal", 0, None))
-        assert launch.grid == (chunks, hkv, len(lens))
+# ---- splits: every split count, both kernels ------------------------------------------------------
+def boundary_sessions(rule: SplitRule, counts: int, verify: int = 6):
+    """(lens, ctxs): for every split count k <= counts, a decode row on the first key of split
+    k - 1, one on the last key of split k - 1, and a verify block straddling the start of split k
+    (its rows reach k and k + 1 splits)."""
+    lens, ctxs = [], []
+    for k in range(1, counts + 1):
+        first, last = int(rule.start(k - 1)), int(rule.start(k)) - 1
+        lens += [1, 1, verify]
+        ctxs += [first, last, last - verify // 2 + 1]
+    return lens, ctxs
+
+
+SPLIT_CASES = {  # rule, split counts covered, dtype, head dim
+    "tiles-bf16-d64": (TILES, 12, BF16, 64),
+    "octaves-bf16-d64": (SMALL, 9, BF16, 64),
+    "octaves-f16-d128": (SMALL, 8, F16, 128),
+    "octaves-f32-d64": (SMALL, 9, F32, 64),
+    "octaves-bf16-d256": (SMALL, 7, BF16, 256),
+    "default-bf16-d128": (DEFAULT_SPLIT, 4, BF16, 128),
+}
+
+
+@pytest.mark.parametrize("name", list(SPLIT_CASES))
+def test_every_split_count_matches_reference_on_both_kernels(kernel_backend, rng, name):
+    """Contexts on both sides of every split boundary up to `counts` splits (and the tile edges
+    inside the longer splits): the split-parallel kernel + combine and the serial kernel agree
+    with the reference, and with each other bitwise."""
+    rule, counts, dtype, d = SPLIT_CASES[name]
+    lens, ctxs = boundary_sessions(rule, counts)
+    case = make_case(rng, dtype, d, 4, 1, lens, ctxs)
+    ref = reference(case, split=rule)
+    serial = run(kernel_backend, case, split=rule, strategy="serial")
+    parallel = run(kernel_backend, case, split=rule, strategy="parallel")
+    assert launch_plan(lens, ctxs, hq=4, hkv=1, head_dim=d, dtype=dtype, split=rule).max_splits == counts + 1
+    assert_close(parallel, ref, dtype)
+    np.testing.assert_array_equal(bits(serial), bits(parallel))
+
+
+@pytest.mark.parametrize("rule", [TILES, SMALL], ids=["tiles", "octaves"])
+def test_block_mode_splits_from_the_window_start(kernel_backend, rng, rule):
+    """The drafter's window starts mid-split and mid-tile; both kernels, every count up to 5."""
+    lens, ctxs, window = [8, 8, 1, 3, 8], [0, 130, 200, 317, 640], 190
+    case = make_case(rng, BF16, 64, 4, 1, lens, ctxs, mode="block", window=window)
+    ref = reference(case, split=rule)
+    serial = run(kernel_backend, case, split=rule, strategy="serial")
+    parallel = run(kernel_backend, case, split=rule, strategy="parallel")
+    assert_close(parallel, ref, BF16)
+    np.testing.assert_array_equal(bits(serial), bits(parallel))
 
 
 # ---- row invariance, bitwise --------------------------------------------------------------------
-@pytest.mark.parametrize("d,heads", [(64, (4, 4)), (128, (8, 2))], ids=str)
+@pytest.mark.parametrize("d,heads,rule", [(64, (4, 4), TILES), (128, (12, 2), SMALL), (256, (4, 1), SMALL),
+                                          (128, (8, 2), None)], ids=str)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_verify_rows_equal_decode_steps(any_backend, rng, dtype, d, heads):
+def test_verify_rows_equal_decode_steps(any_backend, rng, dtype, d, heads, rule):
     """Property 1: row i of a verify block == the decode step of the same token at pos + i, once
-    rows 0..i-1 are committed (by kv_commit). Three sessions verify together, then decode together."""
+    rows 0..i-1 are committed (by kv_commit). Three sessions verify together, then decode together;
+    one block straddles a split boundary, one a tile edge. rule None: the op's own choice."""
     be = any_backend
     vts = rng.integers(1, 9, 3)
-    ctxs = [int(rng.integers(0, 130)), 64 - int(rng.integers(0, 8)), int(rng.integers(0, 1000))]
+    vts[0] = 8
+    edge = int((rule or DEFAULT_SPLIT).start(int(rng.integers(1, 4))))
+    ctxs = [edge - int(rng.integers(1, 8)), 64 - int(rng.integers(0, 8)), int(rng.integers(0, 700))]
     case = make_case(rng, dtype, d, *heads, vts, ctxs)
     dev = on(be, case)
-    verify = be.to_host(attention(be, *dev.args()))
+    verify = be.to_host(attention(be, *dev.args(), split=rule))
     for i in range(max(vts)):
         live = [b for b in range(3) if i < vts[b]]
         rows = [case.row_indptr[b] + i for b in live]
@@ -204,52 +315,205 @@ def test_verify_rows_equal_decode_steps(any_backend, rng, dtype, d, heads):
         kc, vc = [dev.k_caches[b] for b in live], [dev.v_caches[b] for b in live]
         pos = np.array([ctxs[b] + i for b in live], np.int32)
         one = indptr_of([1] * len(live))
-        decode = be.to_host(attention(be, q, kb, vb, kc, vc, pos, one))
+        decode = be.to_host(attention(be, q, kb, vb, kc, vc, pos, one, split=rule))
         np.testing.assert_array_equal(bits(decode), bits(verify[rows]), err_msg=f"decode step {i}")
         kv_commit(be, [kb], [vb], [kc], [vc], pos, np.ones(len(live), np.int32), one)
 
 
+@pytest.mark.parametrize("rule", [SMALL, None], ids=["small-splits", "default"])
 @pytest.mark.parametrize("mode", ["causal", "block"])
-@pytest.mark.parametrize("dtype", [np.dtype(np.float32), BF16], ids=str)
-def test_session_alone_equals_batched(any_backend, rng, mode, dtype):
-    """Property 2: a session's rows are the same alone and batched with 1-6 others of other lengths."""
+@pytest.mark.parametrize("dtype", [F32, BF16], ids=str)
+def test_session_alone_equals_batched(any_backend, rng, mode, dtype, rule):
+    """Property 2: a session's rows are the same alone and batched with 1-6 others of other
+    lengths, whichever kernel each launch takes (rule None: the op's own choice of everything)."""
     others = int(rng.integers(1, 7))
     lens = rng.integers(1, 9, others + 1)
     ctxs = rng.integers(0, 300, others + 1)
     ctxs[0] = 1000 if rng.random() < 0.5 else ctxs[0]
+    ctxs[int(rng.integers(1, others + 1))] = 1500  # another session's context reaches further
     order = rng.permutation(others + 1)  # the session of interest (index 0) lands anywhere
     case = make_case(rng, dtype, 128, 8, 2, lens[order], ctxs[order], mode=mode,
                      window=100 if mode == "block" else 0)
     b = int(np.flatnonzero(order == 0)[0])
-    batched = run(any_backend, case)
-    alone = run(any_backend, case.session(b))
     r0, r1 = case.row_indptr[b], case.row_indptr[b + 1]
-    np.testing.assert_array_equal(bits(alone), bits(batched[r0:r1]))
+    batched = run(any_backend, case, split=rule)
+    np.testing.assert_array_equal(bits(run(any_backend, case.session(b), split=rule)), bits(batched[r0:r1]))
+    for solo, batch in (("parallel", "serial"), ("serial", "parallel")):
+        alone = run(any_backend, case.session(b), split=rule, strategy=solo)
+        np.testing.assert_array_equal(bits(alone), bits(run(any_backend, case, split=rule, strategy=batch)[r0:r1]))
+
+
+@pytest.mark.parametrize("dtype,d", [(BF16, 64), (F32, 128)], ids=str)
+def test_prefill_rows_equal_decode_steps(any_backend, rng, dtype, d):
+    """A prefill of 120 rows over 30 committed ones: sampled rows equal the decode step at their
+    position, bitwise (the cache holding the rows before them), across 8 splits."""
+    be = any_backend
+    n, ctx = 120, 30
+    case = make_case(rng, dtype, d, 8, 2, [n], [ctx])
+    full = run(be, case, split=SMALL)
+    cache_k, cache_v = case.k_caches[0].copy(), case.v_caches[0].copy()
+    cache_k[:, ctx : ctx + n] = case.k_blk.transpose(1, 0, 2)
+    cache_v[:, ctx : ctx + n] = case.v_blk.transpose(1, 0, 2)
+    for i in sorted({0, 33, 34, 97, n - 1, *rng.integers(0, n, 2).tolist()}):
+        step = replace(case, q=case.q[i : i + 1], k_blk=case.k_blk[i : i + 1], v_blk=case.v_blk[i : i + 1],
+                       k_caches=[cache_k], v_caches=[cache_v], pos=np.array([ctx + i], np.int32),
+                       row_indptr=indptr_of([1]))
+        np.testing.assert_array_equal(bits(run(be, step, split=SMALL)), bits(full[i : i + 1]), err_msg=f"row {i}")
 
 
 def test_randomised_schedule(simt, rng):
-    """Threads in a random order between barriers: bitwise the same result."""
-    for mode, (lens, ctxs, window) in (("causal", (*CAUSAL["mixed7"], 0)), ("causal", (*CAUSAL["decode"], 0)),
-                                       ("block", BLOCK["ring3"])):
-        case = make_case(rng, np.float32, 64, 8, 2, lens, ctxs, mode=mode, window=window)
-        ordered = run(simt, case)
-        with simt.kernels.schedule(seed=int(rng.integers(1, 2**31))):
-            shuffled = run(simt, case)
-        np.testing.assert_array_equal(bits(shuffled), bits(ordered))
-        assert_close(shuffled, reference(case), np.float32)
+    """Threads in a random order between barriers, cp.async copies landing at random points up to
+    their wait: bitwise the same result, on both kernels."""
+    for mode, (lens, ctxs, window), dtype in (("causal", (*CAUSAL["mixed7"], 0), F32),
+                                              ("causal", ([1, 6], [200, 190], 0), BF16),
+                                              ("block", BLOCK["ring3"], F16)):
+        case = make_case(rng, dtype, 64, 8, 2, lens, ctxs, mode=mode, window=window)
+        for strategy in ("serial", "parallel"):
+            ordered = run(simt, case, split=SMALL, strategy=strategy)
+            with simt.kernels.schedule(seed=int(rng.integers(1, 2**31))):
+                shuffled = run(simt, case, split=SMALL, strategy=strategy)
+            np.testing.assert_array_equal(bits(shuffled), bits(ordered))
+        assert_close(ordered, reference(case, split=SMALL), dtype)
+
+
+# ---- the building blocks -------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", [BF16, F16], ids=str)
+def test_mma_and_ldmatrix_follow_the_ptx_fragment_layouts(kernel_backend, rng, dtype):
+    """Fragments packed by hand from the PTX ISA's layouts equal what ldmatrix (x4, x4 on the
+    K-tile layout, x2.trans and x4.trans on the V-tile layout) loads, and the MMA on them is
+    A B + C in the C layout. On simt this pins the emulation, on a GPU the hardware."""
+    be = kernel_backend
+    a, kt, vm = (rng.standard_normal(s).astype(np.float32).astype(dtype) for s in ((16, 16), (8, 16), (16, 16)))
+    c = rng.standard_normal((16, 8)).astype(np.float32)
+    regs, d = be.xp.zeros((2, 32, 12), np.uint32), be.xp.zeros((16, 8), np.float32)
+    name = f"attention_mma_probe_{'bf16' if dtype == BF16 else 'f16'}"
+    be.kernels.get_function(name)((1,), (32,), tuple(be.asarray(x) for x in (a, kt, vm, c)) + (regs, d),
+                                  shared_mem=2 * 640)
+    regs, d = be.to_host(regs), be.to_host(d)
+    np.testing.assert_array_equal(regs[1], regs[0])
+    exact = a.astype(np.float64) @ kt.astype(np.float64).T + c
+    bound = 17 * 2.0**-23 * (np.abs(a.astype(np.float64)) @ np.abs(kt.astype(np.float64)).T + np.abs(c))
+    assert np.all(np.abs(d - exact) <= bound)
+
+
+@pytest.mark.parametrize("zfill", [0, 1])
+def test_cp_async_groups(kernel_backend, rng, zfill):
+    """wait_group 0, and wait_group 1 behind a newer empty group, land the copy (zero-filled
+    where asked); on simt, a missing wait and a wait_group 1 that leaves the copy's group pending
+    read stale shared memory, in index order and under a random schedule."""
+    be = kernel_backend
+    fn = be.kernels.get_function("attention_cp_async_probe")
+    n = 64
+
+    def probe(wait):
+        src = rng.standard_normal(4 * n).astype(np.float32)
+        out = be.xp.zeros(4 * n, np.float32)
+        fn((1,), (n,), (be.asarray(src), out, np.int32(wait), np.int32(zfill)), shared_mem=16 * n)
+        want = src.reshape(n, 4).copy()
+        if zfill:
+            want[1::2] = 0
+        return np.array_equal(be.to_host(out), np.roll(want, -1, axis=0).reshape(-1))
+
+    assert probe(0) and probe(1)
+    if be.name == "simt":
+        assert not probe(2) and not probe(3)
+        with be.kernels.schedule(seed=int(rng.integers(1, 2**31))):
+            assert probe(0) and probe(1)
+            assert not all(probe(w) for w in (2, 3, 2, 3))
+
+
+# ---- the launch plan -----------------------------------------------------------------------------
+QWEN35 = dict(hq=24, hkv=4, head_dim=256, dtype="bfloat16")   # Qwen3.5-27B full-attention layers
+QWEN3_8B = dict(hq=32, hkv=8, head_dim=128, dtype="bfloat16")
+
+
+@pytest.mark.parametrize("shape", [QWEN35, QWEN3_8B], ids=["qwen3.5-27b", "qwen3-8b"])
+@pytest.mark.parametrize("vt", [1, 8])
+def test_plan_fills_an_h200_at_one_session(shape, vt):
+    """B = 1 at 32k: split-parallel, at least one CTA per SM of an H200 (132), each key read once
+    per kv head; the partials stay small next to the K/V."""
+    ctx = 32768
+    p = launch_plan([vt], [ctx], **shape)
+    kv = 2 * shape["hkv"] * (ctx + vt) * shape["head_dim"] * 2
+    assert p.strategy == "parallel" and p.launches == 2
+    assert p.ctas >= 132 and p.bytes["kv"] == kv
+    assert p.bytes["partials_written"] == p.bytes["partials_read"] < 0.08 * kv
+    assert p.cta_keys.max() <= 1024 and p.cta_keys.sum() == shape["hkv"] * (ctx + vt)
+
+
+@pytest.mark.parametrize("shape", [QWEN35, QWEN3_8B], ids=["qwen3.5-27b", "qwen3-8b"])
+def test_plan_walks_serially_when_the_batch_fills_the_gpu(shape):
+    """B = 32 verify blocks of 8 at 32k: one CTA per (session, kv head), K/V read once, no partials."""
+    p = launch_plan([8] * 32, [32768] * 32, **shape)
+    assert p.strategy == "serial" and p.launches == 1 and p.partial_bytes == 0
+    assert p.grid == (1, shape["hkv"], 32)
+    assert p.bytes["kv"] == 32 * 2 * shape["hkv"] * (32768 + 8) * shape["head_dim"] * 2
+
+
+@pytest.mark.parametrize("hq,hkv,d,dtype", [(4, 4, 64, F32), (8, 2, 128, BF16), (32, 4, 128, F16),
+                                            (24, 4, 256, BF16), (64, 8, 256, BF16)])
+def test_verify_reads_each_kv_head_once(numpy_backend, rng, hq, hkv, d, dtype):
+    """Work sharing: a verify block (vt <= 8) of every session is one CTA per (split, session, kv
+    head), so its K/V tiles are staged once for all rows and GQA heads; prefill is chunked."""
+    for lens, strategy in (([8, 1, 5], "serial"), ([8, 1, 5], "parallel"), ([200], "serial")):
+        case = make_case(rng, dtype, d, hq, hkv, lens, [70] * len(lens))
+        p = plan(validate(numpy_backend, *case.args(), "causal", 0, None), strategy=strategy)
+        chunks = 1 if max(lens) <= 8 else -(-max(lens) // p.rows_per_cta)
+        assert p.grid == (chunks * max(p.slots, 1), hkv, len(lens))
+        if max(lens) <= 8:
+            assert p.bytes["kv"] == 2 * hkv * sum(70 + n for n in lens) * d * dtype.itemsize
+
+
+def test_plan_and_op_launch_the_same(simt, rng):
+    """The op launches what launch_plan says: kernels, grids, blocks and shared memory."""
+    launched = []
+
+    class Recorder:
+        def get_function(self, name):
+            fn = simt.kernels.get_function(name)
+
+            def launch(grid, block, args, shared_mem=0):
+                launched.append((name, tuple(grid), tuple(block), shared_mem))
+                fn(grid, block, args, shared_mem=shared_mem)
+            return launch
+
+    case = make_case(rng, BF16, 256, 12, 2, [3, 1], [400, 90])
+    for strategy in ("serial", "parallel"):
+        launched.clear()
+        attention(replace(simt, kernels=Recorder()), *case.args(), strategy=strategy)
+        p = launch_plan([3, 1], [400, 90], hq=12, hkv=2, head_dim=256, dtype=BF16, strategy=strategy)
+        want = [(p.kernel, p.grid, p.block, shared_mem_bytes(2, 256))]
+        if p.combine_kernel:
+            want.append((p.combine_kernel, p.combine_grid, p.combine_block, 0))
+        assert launched == want
+
+
+def test_kernel_refuses_a_plan_with_too_little_shared_memory(simt, rng):
+    """The simt build checks the plan's shared memory against the kernel's layout."""
+    case = make_case(rng, BF16, 64, 4, 4, [1], [10])
+    p = launch_plan([1], [10], hq=4, hkv=4, head_dim=64, dtype=BF16, strategy="serial")
+    tables = np.array([case.k_caches[0].ctypes.data, case.v_caches[0].ctypes.data], np.uint64)
+    meta = np.array([0, 1, 10, case.k_caches[0].shape[1]], np.int32)
+    args = (case.q, case.k_blk, case.v_blk, tables[:1], tables[1:], meta[:2], meta[2:3], meta[3:],
+            np.int32(4), np.int32(4), np.int32(p.rows_per_cta), np.int32(0), np.int32(0), np.float32(0.125),
+            np.int32(256), np.int32(8), np.int32(1024), np.int32(0), None, None, np.zeros_like(case.q))
+    fn = simt.kernels.get_function(p.kernel)
+    fn(p.grid, p.block, args, shared_mem=p.shared_mem)
+    with pytest.raises(simt.kernels.fault_type, match="launch plan does not match"):
+        fn(p.grid, p.block, args, shared_mem=p.shared_mem - 16)
 
 
 def test_asan_clean():
     assert_clean(run_asan("""
-        from tests.kernels.test_attention import make_case, run, reference, assert_close
+        from tests.kernels.test_attention import make_case, run, reference, assert_close, SMALL
         import ml_dtypes
         rng = np.random.default_rng(0)
-        for dtype, d in ((np.float32, 64), (np.float16, 128), (ml_dtypes.bfloat16, 64)):
+        for dtype, d in ((np.float32, 64), (np.float16, 128), (ml_dtypes.bfloat16, 256), (np.float32, 256)):
             for mode, window in (("causal", 0), ("block", 70)):
-                for lens in ([8, 1, 0, 3], [1, 1]):  # 8 warps; 4 warps (decode)
-                    case = make_case(rng, dtype, d, 8, 2, lens, [65, 0, 4, 130][: len(lens)], mode=mode,
-                                     window=window, slack=0)
-                    assert_close(run(be, case), reference(case), dtype)
+                case = make_case(rng, dtype, d, 8, 2, [8, 1, 0, 3], [65, 0, 4, 130], mode=mode, window=window,
+                                 slack=0)
+                for strategy in ("serial", "parallel"):
+                    assert_close(run(be, case, split=SMALL, strategy=strategy), reference(case, split=SMALL), dtype)
         print("ok")
     """, families=["attention", "kv_commit"]))
 
@@ -261,13 +525,16 @@ def _bad_inputs():
 
     return [
         ("q 2-d", lambda c: replace(c, q=c.q[:, 0]), ShapeError, r"q has shape \(6, 64\): expected 3 dims"),
-        ("head dim", lambda c: replace(c, q=c.q[..., :32].copy()), ShapeError, "head dim 32: expected one of"),
+        ("head dim", lambda c: replace(c, q=c.q[..., :32].copy()), ShapeError,
+         r"head dim 32: expected one of \(64, 128, 256\)"),
         ("q float64", lambda c: replace(c, q=c.q.astype(np.float64)), DTypeError, "q has dtype float64"),
         ("k_blk dtype", lambda c: replace(c, k_blk=c.k_blk.astype(np.float16)), DTypeError,
          "k_blk has dtype float16: expected float32"),
         ("v_blk rows", lambda c: replace(c, v_blk=c.v_blk[:5]), ShapeError, r"v_blk has shape \(5, 2, 64\)"),
         ("gqa", lambda c: replace(c, q=np.concatenate([c.q, c.q[:, :1]], axis=1)), ShapeError,
          "q has 9 heads: expected a multiple of the 2 kv heads"),
+        ("gqa too wide", lambda c: replace(c, q=np.repeat(c.q, 9, axis=1)), ShapeError,
+         "q has 36 query heads per kv head: at most 32 for float32 at head dim 64"),
         ("indptr end", edit(row_indptr=np.array([0, 2, 5], np.int32)), ShapeError,
          "row_indptr must start at 0 and end at 6"),
         ("indptr dtype", edit(row_indptr=np.array([0, 2, 6], np.int64)), DTypeError, "row_indptr has dtype int64"),
@@ -294,6 +561,16 @@ def test_rejects_bad_input(kernel_backend, rng, name, mutate, error, match):
     case = mutate(make_case(rng, np.float32, 64, 8, 2, [2, 4], [3, 5], slack=3))
     with pytest.raises(error, match=match):
         attention(kernel_backend, *on(kernel_backend, case).args(), mode=case.mode, window=case.window)
+
+
+@pytest.mark.parametrize("kw,error,match", [({"split": 256}, TypeError, "split=256: expected a SplitRule"),
+                                            ({"strategy": "fast"}, ValueError, "strategy='fast'")])
+def test_rejects_bad_plan_knobs(kernel_backend, rng, kw, error, match):
+    case = on(kernel_backend, make_case(rng, np.float32, 64, 4, 4, [2], [3]))
+    out = kernel_backend.xp.zeros(case.q.shape, np.float32)
+    with pytest.raises(error, match=match):
+        attention(kernel_backend, *case.args(), out=out, **kw)
+    assert not kernel_backend.to_host(out).any()  # nothing was written
 
 
 def test_rejects_bad_out(kernel_backend, rng):
