@@ -30,7 +30,7 @@
 #include "rowsplit.cuh"
 
 struct ArgmaxSmem {
-  SplitPartial scratch[kSplitThreads];
+  SplitPartial scratch[kSplitThreads + 1];
 };
 
 // The partial (key, 0, 0, nan) of entries [lo, hi) of a row; every thread gets it.

@@ -134,8 +134,10 @@ DSPARK_DEVICE void split_combine(SplitPartial& a, const SplitPartial& b) {
   a.flags |= b.flags;
 }
 
-// Every thread gets the block's merge. `scratch` holds blockDim.x entries: each thread parks its
-// value, lane l of warp 0 folds entries l, l + 32, ..., then warp 0 halves the 32 in shared memory.
+// Every thread gets the block's merge. `scratch` holds blockDim.x + 1 entries: each thread parks
+// its value, lane l of warp 0 folds entries l, l + 32, ..., warp 0 halves the 32 in shared memory
+// and parks the result in the extra entry. Two barriers: the next merge's first barrier keeps its
+// writes away from this one's reads.
 DSPARK_DEVICE SplitPartial block_split_merge(SplitPartial p, SplitPartial* scratch) {
   scratch[threadIdx.x] = p;
   __syncthreads();
@@ -152,11 +154,10 @@ DSPARK_DEVICE SplitPartial block_split_merge(SplitPartial p, SplitPartial* scrat
       }
       __syncwarp();
     }
+    if (lane == 0) scratch[blockDim.x] = a;
   }
   __syncthreads();
-  const SplitPartial r = scratch[0];
-  __syncthreads();  // scratch is reused by the caller's next merge
-  return r;
+  return scratch[blockDim.x];
 }
 
 // ---- the last-CTA merge ---------------------------------------------------------------------------
@@ -166,13 +167,18 @@ DSPARK_DEVICE unsigned long long load_shared_u64(const unsigned long long* p) {
 }
 
 // Whether this CTA is the last of `count` CTAs arriving at `ticket` (the same answer in every
-// thread). Called by every thread after the CTA's partials are written. count 1 needs no ticket.
-DSPARK_DEVICE bool split_arrive(unsigned* ticket, unsigned count) {
+// thread); count 1 needs no ticket. Called by every thread once the CTA's partial is written:
+// by thread 0 alone (then after a barrier that every thread passed since), or, with
+// `all_wrote`, by any thread (each fences its own writes, then a barrier).
+DSPARK_DEVICE bool split_arrive(unsigned* ticket, unsigned count, bool all_wrote = false) {
   __shared__ int last;
   if (count == 1) return true;
-  __threadfence();  // this thread's partial writes reach L2 before the ticket is taken
-  __syncthreads();
+  if (all_wrote) {
+    __threadfence();  // this thread's writes reach L2 before the ticket is taken
+    __syncthreads();
+  }
   if (threadIdx.x == 0) {
+    __threadfence();
     const unsigned before = atomicAdd(ticket, 1u);
     last = before + 1 == count;
     if (last) {

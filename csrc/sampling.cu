@@ -84,14 +84,19 @@ DSPARK_DEVICE float sampling_ratio(unsigned long long w, unsigned long long tota
 constexpr int kRadixBins = 2048;
 constexpr uint32_t kMassFloorBits = 0x2f800000u;  // bits(2^-32): w >= 2^-32 <=> W > 0
 
-struct SamplingSmem {
-  unsigned hist_lo[kRadixBins], hist_hi[kRadixBins];  // this CTA's digit histogram (mass bits 0-15, 16-32)
-  unsigned long long bins[kRadixBins];                // the row's histogram, for the pick
-  SplitPartial scratch[kSplitThreads];
+// What every row-split sampling CTA needs: merges, scans, and what the last CTA broadcasts.
+struct SamplingCore {
+  SplitPartial scratch[kSplitThreads + 1];
   unsigned long long scan[32];
   unsigned long long above, base;
   unsigned digit;
   int token, slice;
+};
+
+// Filtered sampling adds the radix histograms.
+struct SamplingSmem : SamplingCore {
+  unsigned hist_lo[kRadixBins], hist_hi[kRadixBins];  // this CTA's digit histogram (mass bits 0-15, 16-32)
+  unsigned long long bins[kRadixBins];                // the row's histogram, for the pick
 };
 
 // ---- block-wide exclusive scan of u64 (exact, so the order is free) --------------------------
@@ -213,7 +218,7 @@ struct SampleArgs {
 // the target, and the owning thread walks its run.
 template <class Weight>
 DSPARK_DEVICE int sampling_walk(const Weight& weight, int lo, int hi, unsigned long long base,
-                                unsigned long long target, SamplingSmem& sm) {
+                                unsigned long long target, SamplingCore& sm) {
   const int n = hi - lo, run = (n + blockDim.x - 1) / blockDim.x;
   const int a = lo + min(n, (int)threadIdx.x * run), b = min(hi, a + run);
   unsigned long long own = 0;
@@ -239,7 +244,7 @@ DSPARK_DEVICE int sampling_walk(const Weight& weight, int lo, int hi, unsigned l
 // The slice s whose partial mass (word `word` of each partial) holds the target, and the mass of
 // the slices before it (sm.slice, sm.base); slice -1 when the total is 0. By the last CTA.
 DSPARK_DEVICE void sampling_find_slice(const unsigned long long* part, int S, int word, unsigned long long target,
-                                       SamplingSmem& sm) {
+                                       SamplingCore& sm) {
   const int run = (S + blockDim.x - 1) / blockDim.x;
   const int a = min(S, (int)threadIdx.x * run), b = min(S, a + run);
   unsigned long long own = 0;
@@ -286,7 +291,7 @@ DSPARK_DEVICE bool gather_histogram(SamplingSmem& sm, int nbins, unsigned long l
   if (S == 1) {
     for (int b = threadIdx.x; b < nbins; b += blockDim.x)
       sm.bins[b] = sm.hist_lo[b] + ((unsigned long long)sm.hist_hi[b] << 16);
-    __syncthreads();
+    if (nbins) __syncthreads();
     return true;
   }
   if (p) store_split_partial(part + kPartWords * s, *p);
@@ -295,7 +300,7 @@ DSPARK_DEVICE bool gather_histogram(SamplingSmem& sm, int nbins, unsigned long l
       const unsigned long long v = sm.hist_lo[b] + ((unsigned long long)sm.hist_hi[b] << 16);
       if (v) atomicAdd(ghist + b, v);
     }
-  if (!split_arrive(ticket, (unsigned)S)) return false;
+  if (!split_arrive(ticket, (unsigned)S, ghist != nullptr)) return false;
   if (p) *p = merge_split_partials(part, S, sm.scratch);
   if (ghist) {
     for (int b = threadIdx.x; b < nbins; b += blockDim.x) {
@@ -324,7 +329,6 @@ DSPARK_DEVICE void phase_scan(const SampleArgs<T>& a, SampleState* st, int r, in
     best = key > best ? key : best;
     if (topk) atomicAdd(&sm.hist_lo[order_key(v) >> 21], 1u);
   });
-  __syncthreads();
   SplitPartial p = block_split_merge(SplitPartial{best, 0ull, 0ull, bad}, sm.scratch);
   unsigned long long* ghist = topk && S > 1 ? a.hist + (int64_t)r * kRadixBins : nullptr;
   if (!gather_histogram(sm, topk ? kRadixBins : 0, ghist, a.part + kPartWords * ((int64_t)r * S), S, s, a.tickets + r, &p))
@@ -351,7 +355,6 @@ DSPARK_DEVICE void phase_scan(const SampleArgs<T>& a, SampleState* st, int r, in
       st->goal = goal;
     }
   }
-  __syncthreads();
 }
 
 // Digit d of top-k (topp false) or top-p.
@@ -395,7 +398,6 @@ DSPARK_DEVICE void phase_radix(const SampleArgs<T>& a, SampleState* st, bool top
       else st->k_key = chosen;
     }
   }
-  __syncthreads();
 }
 
 template <typename T>
@@ -438,7 +440,6 @@ DSPARK_DEVICE void phase_draw(const SampleArgs<T>& a, SampleState* st, int r, in
       sampling_find_slice(part, S, 1, target, sm);
       slice = sm.slice;
       base = sm.base;
-      __syncthreads();
     }
     if (slice >= 0)
       token = sampling_walk([&](int i) { float d; return f.kept(to_float(row[i]), &d); }, slice_lo(slice),
@@ -450,7 +451,6 @@ DSPARK_DEVICE void phase_draw(const SampleArgs<T>& a, SampleState* st, int r, in
     a.prob[r] = token >= 0 ? sampling_ratio(f.kept(to_float(row[token]), &d), total) : 0.0f;
     st->total = total;
   }
-  __syncthreads();
 }
 
 template <typename T>
@@ -519,7 +519,7 @@ DSPARK_DEVICE void spec_accept(const int* __restrict__ drafts, const int* __rest
                                const unsigned long long* __restrict__ counter, int* __restrict__ m_out,
                                int* __restrict__ next_out, int* __restrict__ source_out, int* __restrict__ status_out,
                                unsigned long long* __restrict__ part, unsigned* __restrict__ tickets) {
-  __shared__ SamplingSmem sm;
+  __shared__ SamplingCore sm;
   const int S = (vocab + kSliceElems - 1) / kSliceElems;
   const int b = blockIdx.x / S, s = blockIdx.x % S;
   const int c0 = draft_indptr[b], nd = draft_indptr[b + 1] - c0, pc0 = c0 + b;
@@ -579,7 +579,6 @@ DSPARK_DEVICE void spec_accept(const int* __restrict__ drafts, const int* __rest
     sampling_find_slice(mine, S, from_residual ? 1 : 2, target, sm);
     slice = sm.slice;
     base = sm.base;
-    __syncthreads();
   }
   int token = -1;
   if (total > 0 && slice >= 0) {
