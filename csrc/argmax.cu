@@ -29,8 +29,13 @@
 #include "common.cuh"
 #include "rowsplit.cuh"
 
+constexpr int kAcceptChunk = 64;  // verify columns greedy_accept's last CTA merges at once
+
 struct ArgmaxSmem {
   SplitPartial scratch[kSplitThreads + 1];
+  int pred[kAcceptChunk];
+  unsigned nan[kAcceptChunk];
+  int m, next;
 };
 
 // The partial (key, 0, 0, nan) of entries [lo, hi) of a row; every thread gets it.
@@ -93,17 +98,49 @@ DSPARK_DEVICE void greedy_accept(const T* __restrict__ logits, const int* __rest
   store_split_partial(part + kPartWords * ((int64_t)c * S + s), p);
   if (!split_arrive(tickets + b, (unsigned)(S * vt))) return;
 
+  // The columns' merges run side by side, a warp per column (lane l folds slices l, l + 32, ...);
+  // then thread 0 walks them in order, kAcceptChunk columns at a time.
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
   int m = -1, next = -1;
-  bool any_nan = false;
-  for (int j = 0; j < vt; ++j) {
-    const SplitPartial col = merge_split_partials(part + kPartWords * ((int64_t)(c0 + j) * S), S, sm.scratch);
-    any_nan = any_nan || col.flags;
-    const int pred = arg_key_index(col.key);
-    if (j == vt - 1 || pred != cand[c0 + j + 1]) {
-      m = j;
-      next = pred;
-      break;
+  bool any_nan = false;  // thread 0's
+  for (int j0 = 0; j0 < vt && m < 0; j0 += kAcceptChunk) {
+    const int n = min(kAcceptChunk, vt - j0);
+    for (int jj = warp; jj < n; jj += nwarps) {
+      const unsigned long long* col = part + kPartWords * ((int64_t)(c0 + j0 + jj) * S);
+      unsigned long long key = 0;
+      unsigned flags = 0;
+      for (int i = lane; i < S; i += 32) {
+        const unsigned long long k = load_shared_u64(col + kPartWords * i);
+        key = k > key ? k : key;
+        flags |= (unsigned)load_shared_u64(col + kPartWords * i + 3);
+      }
+      for (int o = 16; o > 0; o >>= 1) {
+        const unsigned long long k = __shfl_xor_sync(0xffffffffu, key, o);
+        key = k > key ? k : key;
+        flags |= __shfl_xor_sync(0xffffffffu, flags, o);
+      }
+      if (lane == 0) {
+        sm.pred[jj] = arg_key_index(key);
+        sm.nan[jj] = flags;
+      }
     }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      sm.m = -1;
+      for (int jj = 0; jj < n; ++jj) {
+        const int j = j0 + jj;
+        any_nan = any_nan || sm.nan[jj];
+        if (j == vt - 1 || sm.pred[jj] != cand[c0 + j + 1]) {
+          sm.m = j;
+          sm.next = sm.pred[jj];
+          break;
+        }
+      }
+    }
+    __syncthreads();
+    m = sm.m;
+    next = sm.next;
+    __syncthreads();  // sm.pred is rewritten by the next chunk
   }
   if (threadIdx.x == 0) {
     m_out[b] = m;

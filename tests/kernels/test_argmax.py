@@ -365,3 +365,17 @@ def test_odd_vocab_on_misaligned_rows(simt, rng, dtype, shift):
     w1, w2 = coarse_markov_head(rng, V, 3)
     got = markov_chain(simt, x[:4], w1, misaligned(w2, 4), [1, 2], 2)
     np.testing.assert_array_equal(got, markov_chain_ref(x[:4], w1, w2, [1, 2], 2)[0])
+
+
+def test_greedy_accept_blocks_longer_than_a_merge_chunk(kernel_backend, rng):
+    """The last CTA merges 64 columns at a time: full accepts of 70 and 65 columns, a mismatch in
+    the second chunk, one right at its start."""
+    be = kernel_backend
+    vts = [70, 65, 69, 66]
+    x, cand, indptr = make_verify_block(rng, vts, SLICE + 5, ml_dtypes.bfloat16, accept_prob=1.0)
+    best = argmax_rows_ref(x)[0]
+    cand[indptr[2] + 67] = best[indptr[2] + 66] + 1  # column 66 mismatches
+    cand[indptr[3] + 65] = best[indptr[3] + 64] + 1  # column 64, the first of the second chunk
+    m, nxt = greedy_accept(be, be.asarray(x), be.asarray(cand), be.asarray(indptr))
+    assert be.to_host(m).tolist() == [69, 64, 66, 64]
+    np.testing.assert_array_equal(be.to_host(nxt), greedy_accept_ref(x, cand, indptr)[1])
