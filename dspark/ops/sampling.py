@@ -348,15 +348,16 @@ def sample_plan(rows: int, vocab: int, itemsize: int = 4, *, top_k: bool = False
     dist_bytes = rows * vocab * F32 if dist else 0
     settings = rows * (4 * 4 + 2 * 8 + 4)  # temperature, top_k, top_p, min_p; seed, counter; stream
     outs = 3 * rows * I32
-    reads = sum(launch.passes for launch in launches) * row_bytes
-    # dist re-reads the row only to recompute the weights; partials and histograms go to L2
-    scratch = len(launches) * rows * S * PART_WORDS * U64 * 2 if S > 1 else 0
-    hist = (2 * len(PHASE_TOP_K) * top_k + 3 * top_p) * rows * S * rowsplit.RADIX_BINS * U64 // 8 if S > 1 else 0
+    state = rows * STATE_WORDS * U64 * len(phases)  # written by one phase, read by the next ones
+    merges = [p for p in phases if p != PHASE_DIST] if S > 1 else []
+    parts = len(merges) * rows * S * PART_WORDS * U64  # written by every CTA, read by the last
+    radix = sum(p in PHASE_TOP_K or p in PHASE_TOP_P or (p == PHASE_SCAN and top_k) for p in merges)
+    hist = radix * rows * rowsplit.RADIX_BINS * U64  # the last CTA reads a row's histogram, then zeroes it
     return Plan("sample_filtered", rows, vocab, S, launches,
-                bytes_read=int(reads) + settings + rows * STATE_WORDS * U64 * len(launches) + scratch // 2 + hist,
-                bytes_written=outs + dist_bytes + rows * STATE_WORDS * U64 + scratch // 2 + hist,
+                bytes_read=int(sum(launch.passes for launch in launches) * row_bytes) + settings + state + parts + hist,
+                bytes_written=outs + dist_bytes + state + parts + hist,
                 min_bytes=row_bytes + settings + outs + dist_bytes,
-                notes={"phases": phases})
+                notes={"phases": phases, "hist_atomics": "not counted: at most one per bin a CTA fills"})
 
 
 def accept_plan(sessions: int, drafts: int, vocab: int) -> Plan:
