@@ -35,7 +35,8 @@ def threads(vocab: int) -> int:
 
 @dataclass(frozen=True)
 class Launch:
-    """One kernel launch: `ctas` CTAs of `threads` threads, reading `passes` times over its rows."""
+    """One kernel launch: `ctas` CTAs of `threads` threads, reading `passes` times over its rows.
+    `kernel` is the entry point without its dtype suffix."""
     kernel: str
     ctas: int
     threads: int

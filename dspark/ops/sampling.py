@@ -369,7 +369,7 @@ def accept_plan(sessions: int, drafts: int, vocab: int) -> Plan:
     rows_read = 2 * sessions * vocab * F32  # the residual reads p_m and q_m; a bonus only p
     tests = sessions * drafts * 3 * I32 + (sessions + 1) * I32 + sessions * 2 * U64
     parts = ctas * PART_WORDS * U64 if S > 1 else 0
-    return Plan("spec_accept", sessions, vocab, S, (Launch("spec_accept_f32", ctas, threads(vocab), passes=1 + 1 / S),),
+    return Plan("spec_accept", sessions, vocab, S, (Launch("spec_accept", ctas, threads(vocab), passes=1 + 1 / S),),
                 bytes_read=int(rows_read * (1 + 1 / S)) + tests * S + parts,
                 bytes_written=4 * sessions * I32 + parts,
                 min_bytes=rows_read + tests + 4 * sessions * I32)
@@ -568,7 +568,7 @@ def speculative_accept(be, drafts, draft_indptr, q, p, seed, counter, m_out=None
             (run,) = accept_plan(B, 0, vocab).launches
             part = xp.empty(run.ctas * PART_WORDS, u64)
             tickets, _ = rowsplit.scratch(be, B)
-            rowsplit.launch(be, run.kernel, run.ctas, run.threads,
+            rowsplit.launch(be, "spec_accept_f32", run.ctas, run.threads,
                             (drafts, draft_indptr, q, p, np.int32(vocab), seed, counter, *outs, status, part, tickets))
         status = be.to_host(status)
     bad = np.flatnonzero(status)

@@ -14,8 +14,10 @@ from dspark.ops.argmax import (argmax_plan, argmax_rows, argmax_rows_ref, greedy
                                greedy_accept_ref, markov_chain, markov_chain_plan, markov_chain_ref)
 from dspark.ops.rowsplit import SLICE, splits
 from tests.conftest import poison
+from tests.kernels.asan import assert_clean, run_asan
 
 DTYPES = [np.float32, np.float16, ml_dtypes.bfloat16]
+ASAN_FAMILIES = ["argmax", "sampling"]  # one instrumented build shared with test_sampling
 SHAPES = [(1, 1), (1, 151936), (3, 258), (7, 1000), (19, 31), (4, 33), (2, 4097)]
 
 
@@ -379,3 +381,22 @@ def test_greedy_accept_blocks_longer_than_a_merge_chunk(kernel_backend, rng):
     m, nxt = greedy_accept(be, be.asarray(x), be.asarray(cand), be.asarray(indptr))
     assert be.to_host(m).tolist() == [69, 64, 66, 64]
     np.testing.assert_array_equal(be.to_host(nxt), greedy_accept_ref(x, cand, indptr)[1])
+
+
+def test_asan_clean():
+    """Partials, tickets and the walk over merged columns stay in bounds, split or not."""
+    r = run_asan("""
+    from dspark.ops.argmax import *
+    rng = np.random.default_rng(3)
+    for V in (300, 2 * 8192 + 3):
+        x = rng.standard_normal((7, V)).astype(np.float32)
+        assert (argmax_rows(be, x) == argmax_rows_ref(x)[0]).all()
+        cand, indptr = rng.integers(0, V, 7).astype(np.int32), np.array([0, 0, 3, 3, 7, 7], np.int32)
+        got, want = greedy_accept(be, x, cand, indptr), greedy_accept_ref(x, cand, indptr)
+        assert all((g == w).all() for g, w in zip(got, want))
+        w1, w2 = rng.standard_normal((V, 3)).astype(np.float32), rng.standard_normal((3, V)).astype(np.float32)
+        assert (markov_chain(be, x[:6], w1, w2, [1, 2], 3) == markov_chain_ref(x[:6], w1, w2, [1, 2], 3)[0]).all()
+    print("ok")
+    """, families=ASAN_FAMILIES)
+    assert_clean(r)
+    assert "ok" in r.stdout

@@ -21,6 +21,7 @@ from dspark.ops.sampling import (Filters, SamplingParamError, Source, Streams, a
 from dspark.philox import Tag
 from tests.conftest import poison
 from tests.kernels.asan import assert_clean, run_asan
+from tests.kernels.test_argmax import ASAN_FAMILIES
 
 f32, u32 = np.float32, np.uint32
 DTYPES = [np.float32, np.float16, ml_dtypes.bfloat16]
@@ -192,7 +193,7 @@ def test_asan_clean():
     philox_random(be, np.zeros((300, 4), np.uint32), np.ones((300, 2), np.uint32))
     print("ok")
     """
-    r = run_asan(script, families=["sampling"])
+    r = run_asan(script, families=ASAN_FAMILIES)
     assert_clean(r)
     assert "ok" in r.stdout
 
