@@ -97,7 +97,8 @@ def _grown(be, arr, n: int, dtype):
 def scratch(be, tickets: int, hist_rows: int = 0):
     """(tickets uint32 [>= tickets], hist uint64 [>= hist_rows * RADIX_BINS] or None): zeroed
     once when allocated; every kernel puts back to 0 what it used (the last CTA resets them), so
-    they stay zero between launches and a recorded launch can be replayed."""
+    they stay zero between launches and a recorded launch can be replayed. One pool per backend:
+    its launches must not overlap (they share one stream)."""
     pool = _POOLS.setdefault(be.name, _Pool())
     pool.tickets = _grown(be, pool.tickets, max(1, tickets), np.uint32)
     if hist_rows:
