@@ -163,10 +163,22 @@ DSPARK_DEVICE SplitPartial markov_slot(const T* __restrict__ row, const float* _
   __syncthreads();
   unsigned long long best = 0;
   unsigned nan = 0;
-  slice_for_each<1>(row, lo, hi, [&](int j, float x) {  // w2's loads are the bulk: one vector at a time
+  slice_for_each_rolled(row, lo, hi, [&](int j, float x) {
+    // four rows of w2 loaded at a time, added in increasing order as the reference does
+    const float* col = w2 + j;
     float bias = 0.0f;
+    int i = 0;
 #pragma unroll 1
-    for (int i = 0; i < rank; ++i) bias = __fadd_rn(bias, __fmul_rn(emb[i], w2[(int64_t)i * vocab + j]));
+    for (; i + 4 <= rank; i += 4) {
+      const float c0 = col[(int64_t)i * vocab], c1 = col[(int64_t)(i + 1) * vocab];
+      const float c2 = col[(int64_t)(i + 2) * vocab], c3 = col[(int64_t)(i + 3) * vocab];
+      bias = __fadd_rn(bias, __fmul_rn(emb[i], c0));
+      bias = __fadd_rn(bias, __fmul_rn(emb[i + 1], c1));
+      bias = __fadd_rn(bias, __fmul_rn(emb[i + 2], c2));
+      bias = __fadd_rn(bias, __fmul_rn(emb[i + 3], c3));
+    }
+#pragma unroll 1
+    for (; i < rank; ++i) bias = __fadd_rn(bias, __fmul_rn(emb[i], col[(int64_t)i * vocab]));
     const float v = __fadd_rn(x, bias);
     if (dspark_isnan(v)) {
       nan = 1;
@@ -229,7 +241,7 @@ DSPARK_DEVICE void markov_chain(const T* __restrict__ logits, const float* __res
                           unsigned long long* __restrict__ part, unsigned* __restrict__ tickets) {           \
     greedy_accept<T>(logits, cand, col_indptr, sessions, vocab, m_out, next_out, nan_flag, part, tickets);   \
   }                                                                                                          \
-  extern "C" __global__ void __launch_bounds__(kSplitThreads, 1)                                                \
+  extern "C" __global__ void __launch_bounds__(kSplitThreads)                                                   \
       markov_chain_##SUF(const T* __restrict__ logits, const float* __restrict__ w1,                         \
                          const float* __restrict__ w2, const int* __restrict__ anchors, int nd, int vocab,   \
                          int rank, int* __restrict__ drafts, int* __restrict__ nan_flag,                     \

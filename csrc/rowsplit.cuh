@@ -105,6 +105,51 @@ DSPARK_DEVICE void slice_for_each(const T* __restrict__ row, int lo, int hi, F&&
   }
 }
 
+// The same walk for a heavy f: U vectors in flight, but their entries go through one copy of f
+// in a loop (they leave a queue of registers one entry at a time) instead of U * 16 / sizeof(T)
+// inlined copies, which keeps the code small where f is long (exp, Philox, logs).
+DSPARK_DEVICE float queue_front(const uint32_t* q, const float*) { return __uint_as_float(q[0]); }
+template <typename H>
+DSPARK_DEVICE float queue_front(const uint32_t* q, const H*) {  // f16_t, bf16_t
+  return to_float(H{(uint16_t)q[0]});
+}
+template <typename T, int N>
+DSPARK_DEVICE void queue_pop(uint32_t* q) {
+#pragma unroll
+  for (int w = 0; w < N; ++w)
+    q[w] = sizeof(T) == 4 ? (w + 1 < N ? q[w + 1] : 0u) : (q[w] >> 16) | (w + 1 < N ? q[w + 1] << 16 : 0u);
+}
+
+template <int U = 4, typename T, class F>
+DSPARK_DEVICE void slice_for_each_rolled(const T* __restrict__ row, int lo, int hi, F&& f) {
+  constexpr int E = VecWidth<T>::n;
+  const int head = slice_head(row, lo, hi);
+  const int body = lo + head;
+  const int nvec = (hi - body) / E;
+  const int tail = body + nvec * E;
+  for (int k = threadIdx.x; k < head + (hi - tail); k += blockDim.x) {
+    const int i = k < head ? lo + k : tail + (k - head);
+    f(i, to_float(row[i]));
+  }
+  for (int v0 = threadIdx.x; v0 < nvec; v0 += U * blockDim.x) {
+    uint32_t q[4 * U];
+    int n = 0;  // vectors loaded
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int v = v0 + u * (int)blockDim.x;
+      const Vec16 raw = v < nvec ? load16(row + body + v * E) : Vec16{{0u, 0u, 0u, 0u}};
+#pragma unroll
+      for (int w = 0; w < 4; ++w) q[4 * u + w] = raw.w[w];
+      n += v < nvec;
+    }
+#pragma unroll 1
+    for (int k = 0; k < n * E; ++k) {
+      f(body + (v0 + (k / E) * (int)blockDim.x) * E + k % E, queue_front(q, row));
+      queue_pop<T, 4 * U>(q);
+    }
+  }
+}
+
 // ---- exact argmax keys ----------------------------------------------------------------------------
 // Order-preserving key of a float (no NaN): larger float, larger key; -0 ties with +0. -inf has
 // key 0x007fffff, so key 0 never names a value.

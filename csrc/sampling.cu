@@ -367,7 +367,7 @@ DSPARK_DEVICE void phase_radix(const SampleArgs<T>& a, SampleState* st, bool top
   const int high = shift + width;  // the key's bits from `high` up must equal the prefix's
   const SamplingRow f = row_filter(a, st, r);
   clear_histogram(sm);
-  slice_for_each(row, slice_lo(s), slice_hi(s, a.vocab), [&](int, float x) {
+  slice_for_each_rolled(row, slice_lo(s), slice_hi(s, a.vocab), [&](int, float x) {
     uint32_t key;
     unsigned long long w = 1;
     if (topp) {
@@ -410,7 +410,7 @@ DSPARK_DEVICE void phase_draw(const SampleArgs<T>& a, SampleState* st, int r, in
   unsigned long long best = 0, own = 0;
   int quad = -1;  // the Philox block of the last quad drawn (4 words: entries 4q .. 4q+3)
   Philox4 blk{0u, 0u, 0u, 0u};
-  slice_for_each(row, slice_lo(s), slice_hi(s, a.vocab), [&](int i, float x) {
+  slice_for_each_rolled(row, slice_lo(s), slice_hi(s, a.vocab), [&](int i, float x) {
     float d;
     const unsigned long long W = f.kept(x, &d);
     if (!W) return;  // no noise needed where nothing is kept
@@ -463,7 +463,7 @@ DSPARK_DEVICE void phase_dist(const SampleArgs<T>& a, const SampleState* st, int
   }
   const SamplingRow f = row_filter(a, st, r);
   const unsigned long long total = st->total;
-  slice_for_each(a.logits + (int64_t)r * a.vocab, lo, hi, [&](int i, float x) {
+  slice_for_each_rolled(a.logits + (int64_t)r * a.vocab, lo, hi, [&](int i, float x) {
     float d;
     dist[i] = sampling_ratio(f.kept(x, &d), total);
   });
@@ -499,13 +499,11 @@ DSPARK_DEVICE void sample_filtered(const SampleArgs<T>& a, int phase) {
   const int S = (a.vocab + kSliceElems - 1) / kSliceElems;
   const int r = blockIdx.x / S, s = blockIdx.x % S;
   if (r >= a.rows) return;
-  if (phase != kPhaseAll) {
-    sample_phase(a, phase, r, s, S, sm);
-    return;
-  }
+  // phase -1 (S = 1): every phase in turn, in this CTA; one inlined copy either way
+  const int first = phase == kPhaseAll ? 0 : phase, last = phase == kPhaseAll ? kPhases - 1 : phase;
 #pragma unroll 1
-  for (int p = 0; p < kPhases; ++p) {  // S = 1: this CTA is the row
-    sample_phase(a, p, r, 0, 1, sm);
+  for (int p = first; p <= last; ++p) {
+    sample_phase(a, p, r, s, S, sm);
     __syncthreads();
   }
 }

@@ -21,7 +21,7 @@ from dspark.ops.sampling import (Filters, SamplingParamError, Source, Streams, a
 from dspark.philox import Tag
 from tests.conftest import poison
 from tests.kernels.asan import assert_clean, run_asan
-from tests.kernels.test_argmax import ASAN_FAMILIES
+from tests.kernels.test_argmax import ASAN_FAMILIES, misaligned
 
 f32, u32 = np.float32, np.uint32
 DTYPES = [np.float32, np.float16, ml_dtypes.bfloat16]
@@ -742,3 +742,18 @@ def test_plans():
     small = sample_plan(7, 1000, top_k=True, dist=True)
     assert small.splits == 1 and len(small.launches) == 1 and small.launches[0].ctas == 7
     assert small.passes == 5 and splits(SLICE + 1) == 2
+
+
+@pytest.mark.parametrize("dtype,shift", [(np.float32, 4), (ml_dtypes.bfloat16, 2), (np.float16, 10)])
+def test_odd_vocab_on_misaligned_rows(simt, rng, dtype, shift):
+    """V = 151937 rows at every offset from a 16-byte boundary, the array `shift` bytes past one:
+    every phase's vector loads stay aligned (simt faults otherwise) and the draws match."""
+    V = 151937
+    x = misaligned(make_logits(rng, 3, V, dtype), shift)
+    f = Filters.full(3, temperature=[1.0, 0.7, 0.0], top_k=[200, 0, 0], top_p=[0.9, 0.95, 1.0], min_p=[0, 0.01, 0])
+    s = random_streams(rng, 3)
+    for method in METHODS:
+        assert_draw_matches(simt, x, f, s, method)
+    b = accept_batch(rng, [2, 1], V, rough=True)
+    b["p"], b["q"] = misaligned(b["p"], 4), misaligned(b["q"], 8)
+    assert_accept_matches(simt, b)
