@@ -4,15 +4,19 @@
     python profiling/bench_kernels.py --cpu        # tiny sizes through the simt backend (< 20 s)
     python profiling/bench_kernels.py --dry-run    # imports, one entry per family, the plan; times nothing
     python profiling/bench_kernels.py --family attention gdn_scan
+    python profiling/bench_kernels.py --plans      # the reductions' launch plans at the GPU sizes
 
 GPU sizes: the trunk of a hybrid shaped like Qwen3-8B (36 layers as [gdn, gdn, gdn, attn]): 9
 attention layers with 8 KV heads of dim 128 and GQA 4 (32 query heads), bf16 KV; 27 gdn layers
 with 16 heads, dk = dv = 128 (Qwen3-Next's linear-attention head; gdn_scan allows dv <= 128 at
-dk = 128); vocabulary 151936 (Qwen3); contexts 4k and 32k; verify width vt = 8 (7 drafts);
-batches of 1, 8 and 32 sessions.
+dk = 128); contexts 4k and 32k; verify width vt = 8 (7 drafts); batches of 1, 8 and 32 sessions.
+The vocabulary reductions (argmax, greedy accept, Markov chain, sampling, speculative accept) run at
+Qwen3.5's vocabulary 248320 with batches of 1, 2 and 32: each row is split across ceil(V / 8192)
+CTAs, and the shape column names the split (S), the launches and the passes over each row, from
+the op's own launch plan (dspark.ops.argmax / dspark.ops.sampling `*_plan`).
 
 Per call: the bytes the kernel must move at least and the flops it must do, counted from the
-shapes (each family's formulas are written out below), the time of the kernel alone
+shapes (each family's formulas are written out below, or the plan's `min_bytes`), the time of the kernel alone
 (profiling/timing.py), achieved GB/s and GFLOP/s, and the fraction of the roofline: the longer of
 bytes / copy bandwidth and flops / f32 GEMM rate, both measured in this run (every kernel does its
 math in f32 on CUDA cores). Then ratios of rows of this same run: verify vs decode, the fused
@@ -37,10 +41,11 @@ from bench_attention import storage_dtype
 from dspark.backends import cuda_available
 from dspark.dtypes import BF16, suffix
 from dspark.kernel_sources import kernel_files, scan
-from dspark.ops.argmax import argmax_rows, greedy_accept, markov_chain
+from dspark.ops.argmax import argmax_rows, greedy_accept, greedy_accept_plan, markov_chain, markov_chain_plan
+from dspark.ops.argmax import argmax_plan
 from dspark.ops.gdn import channels, gdn_scan
 from dspark.ops.kv_commit import kv_commit
-from dspark.ops.sampling import Filters, Streams, sample_filtered, speculative_accept
+from dspark.ops.sampling import Filters, Streams, accept_plan, sample_filtered, sample_plan, speculative_accept
 from dspark.ops.snapshot import checkpoint_select, snapshot_save
 from dspark.philox import Tag
 from timing import clock_for, gpu_module, measure_ceilings, record, replay, seconds, table
@@ -65,6 +70,7 @@ class Sizes:
     dk: int
     dv: int
     markov_rank: int
+    reduce_batches: tuple[int, ...]  # sessions for the vocabulary reductions
 
     @property
     def drafts(self) -> int:
@@ -72,12 +78,12 @@ class Sizes:
 
 
 GPU = Sizes("Qwen3-8B-shaped hybrid: 9 attention layers (Hkv=8, Hq=32, D=128, bf16 KV), 27 gdn layers "
-            "(H=16, dk=dv=128), V=151936", batches=(1, 8, 32), contexts=(4096, 32768), vt=8, hkv=8, gqa=4,
-            head_dim=128, kv_dtype=BF16, vocab=151936, attn_layers=9, gdn_layers=27, gdn_heads=16, dk=128, dv=128,
-            markov_rank=32)
+            "(H=16, dk=dv=128); reductions at V=248320 (Qwen3.5)", batches=(1, 8, 32), contexts=(4096, 32768), vt=8,
+            hkv=8, gqa=4, head_dim=128, kv_dtype=BF16, vocab=248320, attn_layers=9, gdn_layers=27, gdn_heads=16,
+            dk=128, dv=128, markov_rank=32, reduce_batches=(1, 2, 32))
 CPU = Sizes("tiny (simt, CPU): 2 attention layers (Hkv=2, Hq=8, D=64, bf16 KV), 3 gdn layers (H=2, dk=dv=16), "
             "V=1000", batches=(1, 3), contexts=(100,), vt=8, hkv=2, gqa=4, head_dim=64, kv_dtype=BF16, vocab=1000,
-            attn_layers=2, gdn_layers=3, gdn_heads=2, dk=16, dv=16, markov_rank=8)
+            attn_layers=2, gdn_layers=3, gdn_heads=2, dk=16, dv=16, markov_rank=8, reduce_batches=(1, 3))
 
 
 @dataclasses.dataclass
@@ -117,14 +123,22 @@ def indptr(counts) -> np.ndarray:
 
 
 # ---- argmax: argmax_rows, greedy_accept, markov_chain ------------------------------------------------
+def plan_shape(plan, **shape) -> dict:
+    """The shape keys of a reduction: its own, then the split, launches and passes of its plan."""
+    return {**shape, "S": plan.splits, "launches": len(plan.launches), "passes": round(plan.passes, 2)}
+
+
 def argmax_benches(be, s: Sizes) -> Iterator[Bench]:
+    """Bytes: the plan's min_bytes, what the op must move at least (logit rows once, the small
+    inputs and outputs); its partials and re-reads are on top (plan.bytes)."""
     V, vt, nd, r = s.vocab, s.vt, s.drafts, s.markov_rank
-    for B in s.batches:
+    for B in s.reduce_batches:
         # Decode: one f32 logits row per session; read once, write index and NaN flag.
         logits = randn(be, (B, V))
         out = be.xp.empty(B, np.int32)
-        yield Bench("argmax", "argmax_rows", {"B": B, "rows": B}, B * V * F32 + 2 * B * F32, 0,
-                    ("argmax_rows_f32",), lambda b, x=logits, o=out: argmax_rows(b, x, out=o))
+        plan = argmax_plan(B, V, F32)
+        yield Bench("argmax", "argmax_rows", plan_shape(plan, B=B, V=V), plan.min_bytes, 0, ("argmax_rows_f32",),
+                    lambda b, x=logits, o=out: argmax_rows(b, x, out=o))
 
         # Verify: every draft accepted (the worst case: all vt columns of each session are read).
         cols = B * vt
@@ -135,21 +149,20 @@ def argmax_benches(be, s: Sizes) -> Iterator[Bench]:
         cand[ptr[:-1]] = 0
         cand, dptr = be.asarray(cand), be.asarray(ptr)
         m, nxt = be.xp.empty(B, np.int32), be.xp.empty(B, np.int32)
-        nbytes = cols * V * F32 + cols * F32 + (B + 1) * F32 + 3 * B * F32  # logits, cand, indptr, m/next/flag
-        yield Bench("argmax", "greedy_accept", {"B": B, "vt": vt}, nbytes, 0, ("greedy_accept_f32",),
+        plan = greedy_accept_plan(B, cols, V, F32)
+        yield Bench("argmax", "greedy_accept", plan_shape(plan, B=B, vt=vt), plan.min_bytes, 0,
+                    ("greedy_accept_f32",),
                     lambda b, x=logits, c=cand, p=dptr, m=m, n=nxt: greedy_accept(b, x, c, p, m_out=m, next_out=n))
 
-        # Markov chain over nd slots: slot k adds w2^T w1[x_{k-1}] (r multiply-adds per entry).
+        # Markov chain over nd slots: slot k adds w2^T w1[x_{k-1}] (r multiply-adds per entry); the
+        # slots are serial, each reads all of w2 (min_bytes counts it once: L2 holds it).
         logits = randn(be, (B * nd, V))
         w1, w2 = randn(be, (V, r), scale=0.1), randn(be, (r, V), scale=0.1)
         anchors = _RNG.integers(0, V, B).astype(np.int32)
         drafts = be.xp.empty((B, nd), np.int32)
-        nbytes = (B * nd * V * F32        # slot logits
-                  + r * V * F32           # w2 (every slot reads all of it: from L2 after the first)
-                  + B * nd * r * F32      # the w1 rows of the chosen tokens
-                  + B * nd * F32 + 2 * B * F32)  # drafts, anchors, NaN flags
-        yield Bench("argmax", "markov_chain", {"B": B, "slots": nd, "r": r}, nbytes, 2 * B * nd * r * V,
-                    ("markov_chain_f32",),
+        plan = markov_chain_plan(B, nd, V, r, F32)
+        yield Bench("argmax", "markov_chain", plan_shape(plan, B=B, slots=nd, r=r), plan.min_bytes,
+                    plan.notes["flops"], ("markov_chain_f32",),
                     lambda b, x=logits, w1=w1, w2=w2, a=anchors, o=drafts: markov_chain(b, x, w1, w2, a, nd, out=o))
 
 
@@ -247,19 +260,19 @@ SAMPLE_FILTERS = (("sample T=1", dict(temperature=1.0)),
 
 
 def sampling_benches(be, s: Sizes) -> Iterator[Bench]:
+    """Bytes: the plan's min_bytes (the row once, settings, stream words, outputs); each phase of a
+    split row reads the row again (passes)."""
     V, nd = s.vocab, s.drafts
-    for B in s.batches:
+    for B in s.reduce_batches:
         logits = randn(be, (B, V), scale=3.0)
         streams = Streams.full(B, seed=_RNG.integers(0, 2**63, B, dtype=np.uint64), counter=7, tag=Tag.DECODE)
         streams = Streams(*(be.asarray(a) for a in (streams.seed, streams.counter, streams.stream)))
         token, prob = be.xp.empty(B, np.int32), be.xp.empty(B, np.float32)
         for case, settings in SAMPLE_FILTERS:
             f = Filters.full(B, **settings)
+            plan = sample_plan(B, V, F32, top_k="top_k" in settings, top_p="top_p" in settings)
             f = Filters(*(be.asarray(a) for a in (f.temperature, f.top_k, f.top_p, f.min_p)))
-            # the row read (the least: the kernel's filter passes re-read it), per-row settings and
-            # stream words (4 x 4 + 2 x 8 + 4 bytes) in, token and prob out
-            nbytes = B * V * F32 + B * (16 + 16 + 4) + 2 * B * F32
-            yield Bench("sampling", case, {"B": B, "V": V}, nbytes, 0, ("sample_filtered_f32",),
+            yield Bench("sampling", case, plan_shape(plan, B=B, V=V), plan.min_bytes, 0, ("sample_filtered_f32",),
                         lambda b, x=logits, f=f, s=streams, t=token, p=prob:
                         sample_filtered(b, x, f, s, "gumbel", t, p))
 
@@ -273,10 +286,29 @@ def sampling_benches(be, s: Sizes) -> Iterator[Bench]:
         outs = [be.xp.empty(B, np.int32) for _ in range(3)]
         # per session: q(d_j) and p(d_j) and the draft for each test, then one target row and one
         # drafter row for the residual draw (a bonus reads only the target row)
-        nbytes = B * (nd * 3 * F32 + 2 * V * F32) + (B + 1) * F32 + B * 16 + 3 * B * F32
-        yield Bench("sampling", "spec_accept", {"B": B, "drafts": nd, "V": V}, nbytes, 0, ("spec_accept_f32",),
+        plan = accept_plan(B, nd, V)
+        yield Bench("sampling", "spec_accept", plan_shape(plan, B=B, drafts=nd, V=V), plan.min_bytes, 0,
+                    ("spec_accept_f32",),
                     lambda b, d=drafts, i=dptr, q=q, p=p, s=seed, c=counter, o=outs:
                     speculative_accept(b, d, i, q, p, s, c, *o))
+
+
+def reduction_plans(s: Sizes) -> list[tuple]:
+    """The vocabulary reductions' launch plans at sizes `s`, from the plans alone (nothing runs):
+    the bytes they must move, the bytes their launches move (every pass, partials), CTAs,
+    launches and passes over each row."""
+    V, vt, nd, r = s.vocab, s.vt, s.drafts, s.markov_rank
+    rows = []
+    for B in s.reduce_batches:
+        for case, plan in (("argmax_rows", argmax_plan(B, V, F32)),
+                           ("greedy_accept", greedy_accept_plan(B, B * vt, V, F32)),
+                           ("markov_chain", markov_chain_plan(B, nd, V, r, F32)),
+                           ("sample T=1", sample_plan(B, V, F32)),
+                           ("sample top-k/p", sample_plan(B, V, F32, top_k=True, top_p=True)),
+                           ("spec_accept", accept_plan(B, nd, V))):
+            rows.append((case, f"B={B}", f"{V}", str(plan.splits), amount(plan.min_bytes / 1e6),
+                         amount(plan.bytes / 1e6), str(plan.ctas), str(len(plan.launches)), f"{plan.passes:.2f}"))
+    return rows
 
 
 FAMILIES: dict[str, Callable[[object, Sizes], Iterator[Bench]]] = {
@@ -401,9 +433,15 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--cpu", action="store_true", help="tiny sizes on the simt backend, even with a GPU")
     ap.add_argument("--dry-run", action="store_true", help="check imports, entries and the plan; time nothing")
+    ap.add_argument("--plans", action="store_true", help="the reductions' launch plans at the GPU sizes; run nothing")
     ap.add_argument("--family", nargs="+", choices=sorted(FAMILIES), default=list(FAMILIES))
     ap.add_argument("--reps", type=int, default=None, help="timed repeats per call (default 20 GPU, 3 CPU)")
     a = ap.parse_args(argv)
+    if a.plans:
+        print(f"launch plans of the vocabulary reductions (f32 rows): {GPU.label}")
+        print(table(("case", "batch", "V", "S", "min MB", "plan MB", "CTAs", "launches", "passes"),
+                    reduction_plans(GPU)))
+        return 0
     if a.dry_run:
         return dry_run(a.family)
     for p in family_problems():  # --dry-run (and its test) fail on these; a real run still times the rest

@@ -1,8 +1,12 @@
-"""Row argmax and the fused greedy accept (kernels: csrc/argmax.cu).
+"""Row argmax, the fused greedy accept and the Markov chain (kernels: csrc/argmax.cu).
 
 Ties go to the lowest index. A NaN is never chosen: it is flagged per row and the op raises
 NonFiniteError naming the row. The NumPy functions here are the reference the kernels are tested
 against, and the numpy backend's implementation.
+
+The kernels split each row across ceil(V / 8192) CTAs and merge exactly (dspark.ops.rowsplit);
+`argmax_plan`, `greedy_accept_plan` and `markov_chain_plan` give their launches and bytes for
+given shapes without running anything.
 """
 
 from __future__ import annotations
@@ -12,7 +16,9 @@ import numpy as np
 from ..dtypes import suffix, to_f32
 from ..errors import NonFiniteError, ShapeError
 from ..arrays import adopt
+from . import rowsplit
 from .checks import require_dtype, require_indptr, require_ndim, require_shape
+from .rowsplit import PART_WORDS, Launch, Plan, splits, threads
 
 
 # ---- NumPy reference ------------------------------------------------------------------------
@@ -42,10 +48,57 @@ def greedy_accept_ref(logits, cand, col_indptr) -> tuple[np.ndarray, np.ndarray,
     return m, nxt, flag
 
 
-# ---- launch plan ----------------------------------------------------------------------------
-def block_threads(vocab: int) -> int:
-    """Threads per row: enough warps to cover the row once, at most 1024."""
-    return max(32, min(1024, -(-vocab // 32) * 32))
+# ---- launch plans ---------------------------------------------------------------------------
+I32, U64 = 4, 8
+
+
+def _part_bytes(ctas: int, S: int) -> int:
+    """Partials written and read back by the last CTAs (none when a row is one CTA)."""
+    return ctas * PART_WORDS * U64 if S > 1 else 0
+
+
+def argmax_plan(rows: int, vocab: int, itemsize: int = 4) -> Plan:
+    """argmax_rows over logits [rows, V] of `itemsize`-byte entries: one launch, rows * S CTAs."""
+    S = splits(vocab)
+    ctas = rows * S
+    row_bytes = rows * vocab * itemsize
+    return Plan("argmax_rows", rows, vocab, S, (Launch("argmax_rows", ctas, threads(vocab)),),
+                bytes_read=row_bytes + _part_bytes(ctas, S), bytes_written=2 * rows * I32 + _part_bytes(ctas, S),
+                min_bytes=row_bytes + rows * I32)
+
+
+def greedy_accept_plan(sessions: int, cols: int, vocab: int, itemsize: int = 4) -> Plan:
+    """greedy_accept over `cols` verify columns of `sessions` sessions: one launch, cols * S CTAs
+    (every column's argmax at once; the walk reads the merged partials). min_bytes assumes a
+    full accept (every column read)."""
+    S = splits(vocab)
+    ctas = cols * S
+    col_bytes = cols * vocab * itemsize
+    small = cols * I32 + (sessions + 1) * I32
+    return Plan("greedy_accept", cols, vocab, S, (Launch("greedy_accept", ctas, threads(vocab)),),
+                bytes_read=col_bytes + small + ctas * PART_WORDS * U64,
+                bytes_written=3 * sessions * I32 + ctas * PART_WORDS * U64,
+                min_bytes=col_bytes + small + 2 * sessions * I32)
+
+
+def markov_chain_plan(sessions: int, nd: int, vocab: int, rank: int, itemsize: int = 4) -> Plan:
+    """markov_chain over nd slots of `sessions` sessions: nd launches of sessions * S CTAs (the
+    slots are serial), or one launch of `sessions` CTAs looping over the slots when S = 1. Every
+    slot reads all of w2 [r, V] (from L2 after the first)."""
+    S = splits(vocab)
+    t, smem = threads(vocab), 4 * rank
+    if S == 1:
+        launches = (Launch("markov_chain", sessions, t, smem, passes=nd),)
+    else:
+        launches = tuple(Launch("markov_chain", sessions * S, t, smem) for _ in range(nd))
+    slot_bytes = sessions * nd * vocab * itemsize
+    w_bytes = sessions * nd * (rank * vocab + rank) * 4
+    parts = _part_bytes(sessions * nd * S, S)
+    return Plan("markov_chain", sessions * nd, vocab, S, launches,
+                bytes_read=slot_bytes + w_bytes + sessions * I32 + parts,
+                bytes_written=sessions * (nd + 1) * I32 + parts,
+                min_bytes=slot_bytes + rank * vocab * 4 + sessions * nd * rank * 4 + sessions * (nd + 2) * I32,
+                notes={"flops": 2 * sessions * nd * rank * vocab})
 
 
 def _raise_on_nan(flag, what: str, unit: str) -> None:
@@ -68,10 +121,15 @@ def argmax_rows(be, logits, out=None):
         idx, flag = argmax_rows_ref(logits)
         out[...] = idx
     else:
-        flag = be.xp.empty(rows, be.xp.int32)
+        xp = be.xp
+        flag = xp.empty(rows, xp.int32)
         if rows:
-            fn = be.kernels.get_function(f"argmax_rows_{suf}")
-            fn((rows,), (block_threads(vocab),), (logits, np.int32(rows), np.int32(vocab), out, flag))
+            plan = argmax_plan(rows, vocab, logits.dtype.itemsize)
+            (run,) = plan.launches
+            part = xp.empty(run.ctas * PART_WORDS, np.uint64)
+            tickets, _ = rowsplit.scratch(be, rows)
+            rowsplit.launch(be, f"argmax_rows_{suf}", run.ctas, run.threads,
+                            (logits, np.int32(rows), np.int32(vocab), out, flag, part, tickets))
     _raise_on_nan(be.to_host(flag), "logits", "row")
     return out
 
@@ -103,11 +161,17 @@ def greedy_accept(be, logits, cand, col_indptr, m_out=None, next_out=None):
         m, nxt, flag = greedy_accept_ref(logits, cand, host_indptr)
         m_out[...], next_out[...] = m, nxt
     else:
-        flag = xp.empty(B, xp.int32)
-        if B:
-            fn = be.kernels.get_function(f"greedy_accept_{suf}")
-            fn((B,), (block_threads(vocab),),
-               (logits, cand, col_indptr, np.int32(vocab), m_out, next_out, flag))
+        flag = xp.zeros(B, xp.int32)
+        if B and not cols:  # no columns, no CTA: every session gets m = next = -1
+            m_out[...], next_out[...] = -1, -1
+        elif B:
+            plan = greedy_accept_plan(B, cols, vocab, logits.dtype.itemsize)
+            (run,) = plan.launches
+            part = xp.empty(run.ctas * PART_WORDS, np.uint64)
+            tickets, _ = rowsplit.scratch(be, B)
+            rowsplit.launch(be, f"greedy_accept_{suf}", run.ctas, run.threads,
+                            (logits, cand, col_indptr, np.int32(B), np.int32(vocab), m_out, next_out, flag, part,
+                             tickets))
     _raise_on_nan(be.to_host(flag), "logits", "session")
     return m_out, next_out
 
@@ -158,11 +222,16 @@ def markov_chain(be, logits, w1, w2, anchors, nd: int, out=None):
         drafts, flag = markov_chain_ref(logits, w1, w2, anchors, nd)
         out[...] = drafts
     else:
-        flag = xp.empty(B, xp.int32)
+        flag = xp.zeros(B, xp.int32)
         if B and nd:
-            fn = be.kernels.get_function(f"markov_chain_{suf}")
-            fn((B,), (block_threads(vocab),),
-               (logits, w1, w2, xp.asarray(anchors), np.int32(nd), np.int32(vocab), np.int32(rank), out, flag),
-               shared_mem=4 * rank)
+            plan = markov_chain_plan(B, nd, vocab, rank, logits.dtype.itemsize)
+            part = xp.empty(B * plan.splits * PART_WORDS, np.uint64)
+            tickets, _ = rowsplit.scratch(be, B)
+            dev_anchors = xp.asarray(anchors)
+            for k, run in enumerate(plan.launches):
+                rowsplit.launch(be, f"markov_chain_{suf}", run.ctas, run.threads,
+                                (logits, w1, w2, dev_anchors, np.int32(nd), np.int32(vocab), np.int32(rank), out,
+                                 flag, part, tickets, np.int32(k if plan.splits > 1 else -1)),
+                                shared_mem=run.shared_mem)
     _raise_on_nan(be.to_host(flag), "logits", "session")
     return out

@@ -28,6 +28,11 @@ from the last target column. The emitted tokens then follow p exactly (lossless)
 
 The NumPy functions here are the reference the kernels are tested against, and the numpy
 backend's implementation; they are vectorised over rows and sessions.
+
+The kernels split each row across ceil(V / 8192) CTAs and merge exactly (dspark.ops.rowsplit):
+filtered sampling runs one launch per phase (scan, top-k digits, top-p digits, draw, dist) when a
+row has several CTAs, one launch otherwise; the accept is one launch. `sample_plan` and
+`accept_plan` give the launches and bytes for given shapes without running anything.
 """
 
 from __future__ import annotations
@@ -42,12 +47,13 @@ from ..dtypes import suffix, to_f32
 from ..errors import CapacityError, DsparkError, DTypeError, NonFiniteError, TokenRangeError
 from ..philox import Tag
 from ..arrays import adopt
+from . import rowsplit
 from .checks import require_dtype, require_indptr, require_ndim, require_shape
+from .rowsplit import PART_WORDS, Launch, Plan, splits, threads
 
 u32, u64, f32 = np.uint32, np.uint64, np.float32
 
 MAX_VOCAB = 1 << 21           # keeps every integer mass below 2^53 (exact in float64)
-MAX_THREADS = 512             # sample_filtered / spec_accept are built for <= 512 threads
 METHODS = {"gumbel": 0, "inverse_cdf": 1}
 METHOD_NONE = 2               # distribution only (filtered_probs)
 ROW_OK, ROW_NON_FINITE, ROW_NO_FINITE = 0, 1, 2
@@ -306,13 +312,67 @@ def philox_random_ref(ctr, key) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.
     return bits, philox.uniform(bits), philox.uniform_open(bits), philox.gumbel(bits)
 
 
-# ---- launch plan --------------------------------------------------------------------------------
-def block_threads(vocab: int) -> int:
-    """Threads per row or session: a warp per 256 entries, at least 1 and at most 16 warps."""
-    return max(32, min(MAX_THREADS, -(-vocab // 256) * 32))
-
-
+# ---- launch plans -------------------------------------------------------------------------------
 PHILOX_THREADS, PHILOX_MAX_BLOCKS = 256, 1024
+STATE_WORDS = 7               # kStateWords: a row's state between the phases of sample_filtered
+PHASE_SCAN, PHASE_TOP_K, PHASE_TOP_P, PHASE_DRAW, PHASE_DIST, PHASE_ALL = 0, (1, 2), (3, 4, 5), 6, 7, -1
+I32, F32, U64 = 4, 4, 8
+
+
+def sample_phases(top_k: bool = False, top_p: bool = False, sampled: bool = True, dist: bool = False) -> list[int]:
+    """The phases a call runs: the scan always; top-k's last two digits when some row has top-k on
+    (its first rides on the scan); top-p's three when some row has it on; the draw when some row
+    samples (T > 0; it also sums the mass dist needs); dist when asked."""
+    return ([PHASE_SCAN] + (list(PHASE_TOP_K) if top_k else []) + (list(PHASE_TOP_P) if top_p else [])
+            + ([PHASE_DRAW] if sampled else []) + ([PHASE_DIST] if dist else []))
+
+
+def sample_plan(rows: int, vocab: int, itemsize: int = 4, *, top_k: bool = False, top_p: bool = False,
+                method: str | None = "gumbel", dist: bool = False, sampled: bool = True) -> Plan:
+    """sample_filtered (method None: filtered_probs) over logits [rows, V]: with S > 1 CTAs per
+    row one launch of rows * S CTAs per phase (notes["phases"]), else one launch of `rows` CTAs
+    running them all. Each phase reads the rows once; an inverse-CDF draw also walks one slice."""
+    S = splits(vocab)
+    phases = sample_phases(top_k, top_p, sampled, dist)
+    walk = 1 / S if sampled and method == "inverse_cdf" else 0.0
+
+    def passes(phase):
+        return 0.0 if phase == PHASE_DIST and not dist else 1.0 + (walk if phase == PHASE_DRAW else 0.0)
+
+    t = threads(vocab)
+    if S == 1:
+        launches = (Launch("sample_filtered", rows, t, passes=sum(passes(p) for p in phases)),)
+    else:
+        launches = tuple(Launch("sample_filtered", rows * S, t, passes=passes(p)) for p in phases)
+    row_bytes = rows * vocab * itemsize
+    dist_bytes = rows * vocab * F32 if dist else 0
+    settings = rows * (4 * 4 + 2 * 8 + 4)  # temperature, top_k, top_p, min_p; seed, counter; stream
+    outs = 3 * rows * I32
+    state = rows * STATE_WORDS * U64 * len(phases)  # written by one phase, read by the next ones
+    merges = [p for p in phases if p != PHASE_DIST] if S > 1 else []
+    parts = len(merges) * rows * S * PART_WORDS * U64  # written by every CTA, read by the last
+    radix = sum(p in PHASE_TOP_K or p in PHASE_TOP_P or (p == PHASE_SCAN and top_k) for p in merges)
+    hist = radix * rows * rowsplit.RADIX_BINS * U64  # the last CTA reads a row's histogram, then zeroes it
+    return Plan("sample_filtered", rows, vocab, S, launches,
+                bytes_read=int(sum(launch.passes for launch in launches) * row_bytes) + settings + state + parts + hist,
+                bytes_written=outs + dist_bytes + state + parts + hist,
+                min_bytes=row_bytes + settings + outs + dist_bytes,
+                notes={"phases": phases, "hist_atomics": "not counted: at most one per bin a CTA fills"})
+
+
+def accept_plan(sessions: int, drafts: int, vocab: int) -> Plan:
+    """spec_accept_f32 for `sessions` sessions of `drafts` drafts each: one launch of sessions * S
+    CTAs; each reads its slice of one target row and (after a reject) one drafter row, and the
+    last CTA of a session walks one slice of them again."""
+    S = splits(vocab)
+    ctas = sessions * S
+    rows_read = 2 * sessions * vocab * F32  # the residual reads p_m and q_m; a bonus only p
+    tests = sessions * drafts * 3 * I32 + (sessions + 1) * I32 + sessions * 2 * U64
+    parts = ctas * PART_WORDS * U64 if S > 1 else 0
+    return Plan("spec_accept", sessions, vocab, S, (Launch("spec_accept", ctas, threads(vocab), passes=1 + 1 / S),),
+                bytes_read=int(rows_read * (1 + 1 / S)) + tests * S + parts,
+                bytes_written=4 * sessions * I32 + parts,
+                min_bytes=rows_read + tests + 4 * sessions * I32)
 
 
 # ---- validation ---------------------------------------------------------------------------------
@@ -330,7 +390,8 @@ def _check_range(host, ok, what: str, expected: str) -> None:
         raise SamplingParamError(f"{what}[{bad[0]}]={host[bad[0]].item()!r} is outside {expected}")
 
 
-def _check_filters(be, filters: Filters, rows: int) -> Filters:
+def _check_filters(be, filters: Filters, rows: int) -> tuple[Filters, tuple]:
+    """The filters on the backend, and host copies (temperature, top_k, top_p, min_p)."""
     f = Filters(_vector(be, filters.temperature, rows, f32, "temperature"),
                 _vector(be, filters.top_k, rows, np.int32, "top_k"),
                 _vector(be, filters.top_p, rows, f32, "top_p"),
@@ -342,7 +403,7 @@ def _check_filters(be, filters: Filters, rows: int) -> Filters:
     _check_range(k, k >= 0, "top_k", "[0, inf) (0 = off)")
     _check_range(p, (p > 0) & (p <= 1), "top_p", "(0, 1] (1 = off)")
     _check_range(mp, (mp >= 0) & (mp <= 1), "min_p", "[0, 1] (0 = off)")
-    return f
+    return f, (t, k, p, mp)
 
 
 def _check_streams(be, streams: Streams, rows: int) -> Streams:
@@ -374,16 +435,32 @@ def _raise_rows(status, what: str) -> None:
 
 
 # ---- ops ----------------------------------------------------------------------------------------
-def _launch_filtered(be, logits, filters, streams, method_code, token, prob, dist):
+def _launch_filtered(be, logits, filters, streams, method_code, token, prob, dist, plan_flags):
     rows, vocab = logits.shape
-    status = be.xp.empty(rows, be.xp.int32)
+    xp = be.xp
+    status = xp.empty(rows, xp.int32)
     if rows:
-        fn = be.kernels.get_function(f"sample_filtered_{suffix(logits.dtype, 'logits')}")
-        fn((rows,), (block_threads(vocab),),
-           (logits, np.int32(rows), np.int32(vocab), filters.temperature, filters.top_k, filters.top_p,
-            filters.min_p, streams.seed, streams.counter, streams.stream, np.int32(method_code), token, prob,
-            dist, status))
+        plan = sample_plan(rows, vocab, logits.dtype.itemsize, **plan_flags)
+        S = plan.splits
+        state = xp.empty(rows * STATE_WORDS, u64)
+        part = xp.empty(rows * S * PART_WORDS, u64)
+        radix = S > 1 and (plan_flags["top_k"] or plan_flags["top_p"])
+        tickets, hist = rowsplit.scratch(be, rows, rows if radix else 0)
+        kernel = f"sample_filtered_{suffix(logits.dtype, 'logits')}"
+        phases = plan.notes["phases"] if S > 1 else [PHASE_ALL]
+        for phase, run in zip(phases, plan.launches):
+            rowsplit.launch(be, kernel, run.ctas, run.threads,
+                            (logits, np.int32(rows), np.int32(vocab), filters.temperature, filters.top_k,
+                             filters.top_p, filters.min_p, streams.seed, streams.counter, streams.stream,
+                             np.int32(method_code), token, prob, dist, status, state, part, tickets, hist,
+                             np.int32(phase)))
     return be.to_host(status)
+
+
+def _plan_flags(filters_host, vocab: int, method: str | None, dist: bool) -> dict:
+    t, k, p, _ = filters_host
+    return dict(top_k=bool(((k > 0) & (k < vocab)).any()), top_p=bool((p < 1).any()), method=method, dist=dist,
+                sampled=bool((t > 0).any()))
 
 
 def _prepare(be, logits, filters):
@@ -391,7 +468,7 @@ def _prepare(be, logits, filters):
     suffix(logits.dtype, "logits")
     rows, vocab = logits.shape
     _check_vocab(vocab, "logits")
-    return rows, vocab, _check_filters(be, filters, rows)
+    return (rows, vocab, *_check_filters(be, filters, rows))
 
 
 def sample_filtered(be, logits, filters: Filters, streams: Streams, method: str = "gumbel",
@@ -402,7 +479,7 @@ def sample_filtered(be, logits, filters: Filters, streams: Streams, method: str 
     logits, filters, streams, token_out, prob_out, dist_out = adopt(
         be, logits=logits, filters=filters, streams=streams, token_out=token_out, prob_out=prob_out,
         dist_out=dist_out, writes=("token_out", "prob_out", "dist_out"))
-    rows, vocab, filters = _prepare(be, logits, filters)
+    rows, vocab, filters, host = _prepare(be, logits, filters)
     streams = _check_streams(be, streams, rows)
     if method not in METHODS:
         raise SamplingParamError(f"method={method!r}: expected one of {', '.join(METHODS)}")
@@ -419,7 +496,8 @@ def sample_filtered(be, logits, filters: Filters, streams: Streams, method: str 
             dist_out[ok] = r["dist"][ok]
         status = r["status"]
     else:
-        status = _launch_filtered(be, logits, filters, streams, METHODS[method], token, prob, dist_out)
+        status = _launch_filtered(be, logits, filters, streams, METHODS[method], token, prob, dist_out,
+                                  _plan_flags(host, vocab, method, dist_out is not None))
     _raise_rows(status, "logits")
     return token, prob
 
@@ -427,7 +505,7 @@ def sample_filtered(be, logits, filters: Filters, streams: Streams, method: str 
 def filtered_probs(be, logits, filters: Filters, out=None):
     """The filtered distributions of `logits` [rows, V] -> float32 [rows, V] (no draw)."""
     logits, filters, out = adopt(be, logits=logits, filters=filters, out=out, writes=("out",))
-    rows, vocab, filters = _prepare(be, logits, filters)
+    rows, vocab, filters, host = _prepare(be, logits, filters)
     dist = _out(be, out, (rows, vocab), f32, "out")
     if be.kernels is None:
         r = sample_filtered_ref(logits, filters, None, method="none", with_dist=True)
@@ -438,7 +516,7 @@ def filtered_probs(be, logits, filters: Filters, out=None):
         xp = be.xp
         zeros = Streams(xp.zeros(rows, u64), xp.zeros(rows, u64), xp.zeros(rows, u32))
         status = _launch_filtered(be, logits, filters, zeros, METHOD_NONE, xp.empty(rows, xp.int32),
-                                  xp.empty(rows, f32), dist)
+                                  xp.empty(rows, f32), dist, _plan_flags(host, vocab, None, True))
     _raise_rows(status, "logits")
     return dist
 
@@ -484,11 +562,14 @@ def speculative_accept(be, drafts, draft_indptr, q, p, seed, counter, m_out=None
             o[...] = r[n]
         status = r["status"]
     else:
-        status = be.xp.empty(B, be.xp.int32)
+        xp = be.xp
+        status = xp.empty(B, xp.int32)
         if B:
-            fn = be.kernels.get_function("spec_accept_f32")
-            fn((B,), (block_threads(vocab),),
-               (drafts, draft_indptr, q, p, np.int32(vocab), seed, counter, *outs, status))
+            (run,) = accept_plan(B, 0, vocab).launches
+            part = xp.empty(run.ctas * PART_WORDS, u64)
+            tickets, _ = rowsplit.scratch(be, B)
+            rowsplit.launch(be, "spec_accept_f32", run.ctas, run.threads,
+                            (drafts, draft_indptr, q, p, np.int32(vocab), seed, counter, *outs, status, part, tickets))
         status = be.to_host(status)
     bad = np.flatnonzero(status)
     if bad.size:

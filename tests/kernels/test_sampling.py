@@ -13,12 +13,15 @@ from scipy import stats
 import dspark
 from dspark import philox
 from dspark.errors import CapacityError, DTypeError, NonFiniteError, ShapeError, TokenRangeError
-from dspark.ops import sampling
-from dspark.ops.sampling import (Filters, SamplingParamError, Source, Streams, filtered_probs, sample_filtered,
-                                 sample_filtered_ref, speculative_accept, speculative_accept_ref)
+from dspark.ops import rowsplit, sampling
+from dspark.ops.rowsplit import SLICE, splits
+from dspark.ops.sampling import (Filters, SamplingParamError, Source, Streams, accept_plan, filtered_probs,
+                                 sample_filtered, sample_filtered_ref, sample_plan, speculative_accept,
+                                 speculative_accept_ref)
 from dspark.philox import Tag
 from tests.conftest import poison
 from tests.kernels.asan import assert_clean, run_asan
+from tests.kernels.test_argmax import ASAN_FAMILIES, misaligned
 
 f32, u32 = np.float32, np.uint32
 DTYPES = [np.float32, np.float16, ml_dtypes.bfloat16]
@@ -131,19 +134,25 @@ def test_empty_batch(any_backend):
 
 
 def test_random_schedule_still_matches(simt, rng):
-    """Threads run in a random order between barriers: a missing barrier would show."""
+    """Threads run in a random order between barriers: a missing barrier would show. One CTA per
+    row (V = 1000) and three (V = 2 * SLICE + 3)."""
     x = make_logits(rng, 5, 1000)
     f = Filters.full(5, temperature=1.0, top_k=[0, 3, 400, 999, 1], top_p=[0.9, 1, 0.5, 0.99, 1], min_p=0.01)
     s = random_streams(rng, 5)
+    wide = make_logits(rng, 2, 2 * SLICE + 3)
+    fw, sw = Filters.full(2, temperature=[0.9, 0.0], top_k=[300, 0], top_p=[0.8, 1.0]), random_streams(rng, 2)
     b = accept_batch(rng, [3, 0, 8, 1], 600)
+    bw = accept_batch(rng, [2, 1], 2 * SLICE + 3)
     for seed in (1, 2, 3):
         with simt.kernels.schedule(seed):
             for method in METHODS:
-                token, _, dist = draw(simt, x, f, s, method)
-                ref = sample_filtered_ref(x, f, s, method, with_dist=True)
-                assert_bitwise(token, ref["token"], method)
-                assert_bitwise(dist, ref["dist"], method)
+                for xs, fs, ss in ((x, f, s), (wide, fw, sw)):
+                    token, _, dist = draw(simt, xs, fs, ss, method)
+                    ref = sample_filtered_ref(xs, fs, ss, method, with_dist=True)
+                    assert_bitwise(token, ref["token"], method)
+                    assert_bitwise(dist, ref["dist"], method)
             assert_accept_matches(simt, b)
+            assert_accept_matches(simt, bw)
 
 
 def test_asan_clean():
@@ -154,7 +163,7 @@ def test_asan_clean():
     nb = dspark.get_backend("numpy")
     rng = np.random.default_rng(5)
     for dt in (np.float32, np.float16, ml_dtypes.bfloat16):
-        for rows, V in ((3, 37), (2, 1000)):
+        for rows, V in ((3, 37), (2, 1000), (2, 2 * 8192 + 3)):  # the last: 3 CTAs per row
             x = (rng.standard_normal((rows, V)) * 3).astype(dt)
             f = Filters.full(rows, temperature=[0.0, 1.0, 0.5][:rows], top_k=[0, 5, 900][:rows],
                              top_p=[1, 0.8, 0.9][:rows], min_p=[0, 0.01, 0][:rows])
@@ -174,10 +183,17 @@ def test_asan_clean():
     got = speculative_accept(be, drafts, indptr, q, p, np.arange(4, dtype=np.uint64), np.ones(4, np.uint64))
     want = speculative_accept(nb, drafts, indptr, q, p, np.arange(4, dtype=np.uint64), np.ones(4, np.uint64))
     assert all(np.array_equal(a, b) for a, b in zip(got, want))
+    V = 8192 + 9
+    q = filtered_probs(nb, rng.standard_normal((3, V)).astype(np.float32), Filters.full(3, top_k=50))
+    p = filtered_probs(nb, rng.standard_normal((5, V)).astype(np.float32), Filters.full(5))
+    indptr, drafts = np.array([0, 2, 3], np.int32), np.array([np.argmax(r) for r in q], np.int32)
+    got = speculative_accept(be, drafts, indptr, q, p, np.arange(2, dtype=np.uint64), np.ones(2, np.uint64))
+    want = speculative_accept(nb, drafts, indptr, q, p, np.arange(2, dtype=np.uint64), np.ones(2, np.uint64))
+    assert all(np.array_equal(a, b) for a, b in zip(got, want))
     philox_random(be, np.zeros((300, 4), np.uint32), np.ones((300, 2), np.uint32))
     print("ok")
     """
-    r = run_asan(script, families=["sampling"])
+    r = run_asan(script, families=ASAN_FAMILIES)
     assert_clean(r)
     assert "ok" in r.stdout
 
@@ -372,12 +388,24 @@ def pick_rows(rng, prob_rows):
     return (cdf < rng.random((len(cdf), 1))).sum(axis=1).astype(np.int32)
 
 
-def accept_batch(rng, nds, vocab):
-    """A ragged batch: drafts drawn from q, target rows p (each session's own), seeds, counters."""
+def rough_dists(rng, rows, vocab, keep=1.0):
+    """Random float32 distributions without the filter pipeline (quick at any V): a fraction
+    `keep` of each row nonzero."""
+    w = rng.random((rows, vocab)) ** 8 * (rng.random((rows, vocab)) < keep)
+    w[np.arange(rows), rng.integers(0, vocab, rows)] += 1e-3
+    return (w / w.sum(axis=1, keepdims=True)).astype(f32)
+
+
+def accept_batch(rng, nds, vocab, rough=False):
+    """A ragged batch: drafts drawn from q, target rows p (each session's own), seeds, counters.
+    q and p are filtered distributions, or `rough_dists` (for wide rows)."""
     B = len(nds)
     indptr = np.concatenate([[0], np.cumsum(nds)]).astype(np.int32)
-    q = normalised(rng, int(indptr[-1]), vocab, top_k=max(2, vocab // 4))
-    p = normalised(rng, int(indptr[-1]) + B, vocab)
+    if rough:
+        q, p = rough_dists(rng, int(indptr[-1]), vocab, keep=0.25), rough_dists(rng, int(indptr[-1]) + B, vocab)
+    else:
+        q = normalised(rng, int(indptr[-1]), vocab, top_k=max(2, vocab // 4))
+        p = normalised(rng, int(indptr[-1]) + B, vocab)
     drafts = pick_rows(rng, q) if len(q) else np.zeros(0, np.int32)
     return dict(drafts=drafts, draft_indptr=indptr, q=q, p=p,
                 seed=rng.integers(0, 2**64, B, dtype=np.uint64), counter=rng.integers(0, 2**64, B, dtype=np.uint64))
@@ -600,3 +628,132 @@ def test_accept_rejects_bad_inputs(any_backend, rng):
     q[0, b["drafts"][0]] = -0.5  # read by the first accept test of session 0
     with pytest.raises(NonFiniteError, match="session 0 reads a probability outside"):
         call(q=q)
+
+
+# ---- row split: every row across ceil(V / SLICE) CTAs, merged exactly ------------------------------
+FULL_V = 248320  # Qwen3.5's vocabulary: 31 slices
+
+
+def assert_draw_matches(be, x, f, s, method, dist=True):
+    token, prob, d = draw(be, x, f, s, method, dist=dist)
+    ref = sample_filtered_ref(x, f, s, method, with_dist=dist)
+    assert_bitwise(token, ref["token"], f"{method} token")
+    assert_bitwise(prob, ref["prob"], f"{method} prob")
+    if dist:
+        assert_bitwise(d, ref["dist"], f"{method} dist")
+    return token
+
+
+@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_full_vocab_one_row_matches_reference(kernel_backend, rng, dtype, method):
+    """B = 1 at V = 248320 with every filter on: 31 CTAs, eight phases."""
+    x = make_logits(rng, 1, FULL_V, dtype)
+    f = Filters.full(1, temperature=0.8, top_k=int(rng.integers(20, 5000)), top_p=0.9, min_p=0.001)
+    assert_draw_matches(kernel_backend, x, f, random_streams(rng, 1), method)
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_full_vocab_mixed_rows_match_reference(kernel_backend, rng, method):
+    """Four rows, each its own filters: greedy with the maximum tied across slices, top-k at V - 1
+    with top-p near 1 (every radix digit over nearly the whole row), a top-p cut inside a run of
+    ties, min-p alone."""
+    x = make_logits(rng, 4, FULL_V, ml_dtypes.bfloat16).astype(f32)
+    x[0, [SLICE * 30 + 1, SLICE * 3, SLICE * 3 - 1]] = 64.0  # greedy: the lowest of these wins
+    x = x.astype(ml_dtypes.bfloat16)
+    f = Filters.full(4, temperature=[0.0, 1.0, 0.6, 2.0], top_k=[0, FULL_V - 1, 0, 0],
+                     top_p=[1.0, 0.999, 0.3, 1.0], min_p=[0.0, 0.0, 0.0, 0.05])
+    token = assert_draw_matches(kernel_backend, x, f, random_streams(rng, 4), method)
+    assert token[0] == SLICE * 3 - 1
+
+
+@pytest.mark.parametrize("dtype", [np.float32, ml_dtypes.bfloat16])
+def test_full_vocab_batch_32_matches_reference(kernel_backend, rng, dtype):
+    """B = 32 at V = 248320 (992 CTAs a launch): greedy rows among sampled ones, min-p on some,
+    the inverse-CDF target in any slice, and the distributions."""
+    x = make_logits(rng, 32, FULL_V, dtype)
+    f = Filters.full(32, temperature=rng.choice([0.0, 0.5, 1.0, 1.5], 32), min_p=rng.choice([0.0, 0.0, 1e-4], 32))
+    assert_draw_matches(kernel_backend, x, f, random_streams(rng, 32), "inverse_cdf")
+
+
+def test_bad_rows_found_in_any_slice(kernel_backend, rng):
+    be = kernel_backend
+    V = 3 * SLICE + 40
+    x = make_logits(rng, 4, V, ties=False)
+    x[1, 2 * SLICE + 5] = np.nan
+    x[2, 3 * SLICE + 39] = np.inf
+    x[3] = -np.inf
+    f, s = Filters.full(4, temperature=1.0, top_k=7), random_streams(rng, 4)
+    token, prob = poison(be.xp, 4, np.int32), poison(be.xp, 4, f32)
+    with pytest.raises(NonFiniteError, match=r"row 1 contains NaN or \+inf \(2 rows in all\)"):
+        sample_filtered(be, be.asarray(x), filters_on(be, f), streams_on(be, s), "gumbel", token, prob)
+    ref = sample_filtered_ref(x, f, s)
+    assert_bitwise(be.to_host(token), ref["token"], "token")
+    assert be.to_host(token)[1:].tolist() == [-1, -1, -1] and ref["status"].tolist() == [0, 1, 1, 2]
+
+
+def test_scratch_is_zero_at_rest(simt, rng):
+    """Every launch puts back to zero the tickets and histograms it counted in."""
+    x = make_logits(rng, 3, 2 * SLICE + 1)
+    f = Filters.full(3, temperature=1.0, top_k=[5, 0, 900], top_p=[0.5, 0.9, 1.0])
+    draw(simt, x, f, random_streams(rng, 3), "inverse_cdf")
+    assert_accept_matches(simt, accept_batch(rng, [1, 3], 2 * SLICE + 1))
+    tickets, hist = rowsplit.scratch(simt, 3, 3)
+    assert not tickets.any() and not hist.any()
+
+
+@pytest.mark.parametrize("B", [1, 32])
+def test_accept_full_vocab_matches_reference(kernel_backend, rng, B):
+    nds = [int(n) for n in rng.integers(0, 5, B)]
+    assert_accept_matches(kernel_backend, accept_batch(rng, nds, FULL_V, rough=True))
+
+
+def test_accept_fallback_and_disjoint_support_on_split_rows(kernel_backend, rng):
+    """The residual's mass, p's mass and the walk cross slices: p <= q everywhere (fallback to p),
+    and support disjoint from q's in the last slice only."""
+    vocab, nd = 3 * SLICE + 5, 2
+    b = accept_batch(rng, [nd] * 3, vocab)
+    flat = dict(b, q=np.full_like(b["q"], 1 / vocab), p=np.full_like(b["p"], 1 / vocab))
+    flat["p"][:, ::2] = 0.25 / vocab
+    flat["drafts"] = np.zeros(len(flat["drafts"]), np.int32)
+    m, nxt, source = accept(kernel_backend, flat)
+    want = speculative_accept_ref(**flat)
+    assert (source == Source.FALLBACK).any()
+    np.testing.assert_array_equal(nxt, want["next"])
+    np.testing.assert_array_equal(source, want["source"])
+    disjoint = dict(b, q=np.zeros_like(b["q"]), p=np.zeros_like(b["p"]))
+    disjoint["q"][:, :20] = 1 / 20
+    disjoint["p"][:, 3 * SLICE:] = 1 / 5
+    disjoint["drafts"] = pick_rows(rng, disjoint["q"])
+    m, nxt, source = accept(kernel_backend, disjoint)
+    assert (m == 0).all() and (nxt >= 3 * SLICE).all() and (source == Source.RESIDUAL).all()
+
+
+def test_plans():
+    """Split counts follow V alone; phases and passes follow the filters asked for."""
+    for B in (1, 2, 32):
+        p = sample_plan(B, FULL_V, 2, top_k=True, top_p=True, method="inverse_cdf", dist=True)
+        assert p.splits == 31 and p.notes["phases"] == [0, 1, 2, 3, 4, 5, 6, 7]
+        assert [launch.ctas for launch in p.launches] == [31 * B] * 8
+        assert p.passes == pytest.approx(8 + 1 / 31) and p.min_bytes < p.bytes
+        assert accept_plan(B, 7, FULL_V).launches[0].ctas == 31 * B
+    plain = sample_plan(1, FULL_V)
+    assert plain.notes["phases"] == [0, 6] and plain.passes == 2
+    small = sample_plan(7, 1000, top_k=True, dist=True)
+    assert small.splits == 1 and len(small.launches) == 1 and small.launches[0].ctas == 7
+    assert small.passes == 5 and splits(SLICE + 1) == 2
+
+
+@pytest.mark.parametrize("dtype,shift", [(np.float32, 4), (ml_dtypes.bfloat16, 2), (np.float16, 10)])
+def test_odd_vocab_on_misaligned_rows(simt, rng, dtype, shift):
+    """V = 151937 rows at every offset from a 16-byte boundary, the array `shift` bytes past one:
+    every phase's vector loads stay aligned (simt faults otherwise) and the draws match."""
+    V = 151937
+    x = misaligned(make_logits(rng, 3, V, dtype), shift)
+    f = Filters.full(3, temperature=[1.0, 0.7, 0.0], top_k=[200, 0, 0], top_p=[0.9, 0.95, 1.0], min_p=[0, 0.01, 0])
+    s = random_streams(rng, 3)
+    for method in METHODS:
+        assert_draw_matches(simt, x, f, s, method)
+    b = accept_batch(rng, [2, 1], V, rough=True)
+    b["p"], b["q"] = misaligned(b["p"], 4), misaligned(b["q"], 8)
+    assert_accept_matches(simt, b)
