@@ -258,8 +258,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="a Hugging Face target (qwen3, qwen3_5): a directory or a hub id in the local cache")
         p.add_argument("--max-new-tokens", type=positive_int, default=256)
         p.add_argument("--block", type=positive_int, default=None, help="drafter block size (default: trained)")
-        p.add_argument("--verify", choices=VERIFY_POLICIES, default="confidence",
-                       help="verify width: from the confidence head, or the ladder")
+        p.add_argument("--verify", choices=VERIFY_POLICIES, default="auto",
+                       help="verify width: the drafter's confidence head where it has one, else the ladder "
+                            "(auto); confidence, ladder, or full (every draft)")
         p.add_argument("--tau", type=unit_float, default=DEMO_TAU,
                        help=f"confidence threshold for the verify width (default {DEMO_TAU})")
         p.add_argument("--max-verify", type=int, default=DEMO_MAX_VERIFY,

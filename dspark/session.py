@@ -65,6 +65,7 @@ class DsparkSpecSession:
         s = object.__new__(cls)
         s.id = next(_ids)
         s.trunk, s.drafter, s.be, s.params = trunk, drafter, trunk.be, params
+        s.verify = verify_policy(params, drafter)
         s.owner = f"spec/{s.id}"
         s.rounds = 0
         s.emitted: list[int] = []
@@ -241,11 +242,24 @@ def _group(sessions: list[DsparkSpecSession]) -> tuple[HybridTrunk, DsparkDrafte
     return t, d
 
 
+def verify_policy(params: SpecParams, drafter: DsparkDrafter) -> str:
+    """SpecParams.verify resolved for this drafter: "auto" is its confidence head where it has one,
+    the ladder otherwise."""
+    if params.verify == "auto":
+        return "confidence" if drafter.has_confidence else "ladder"
+    if params.verify == "confidence" and not drafter.has_confidence:
+        raise ValueError("SpecParams.verify='confidence': this drafter has no confidence head; use 'auto', "
+                         "'ladder' or 'full'")
+    return params.verify
+
+
 def verify_width(s: DsparkSpecSession, conf: np.ndarray, nd: int) -> int:
-    """Columns to verify: 1 + the confident prefix (tau), or the ladder, clamped to
-    [2, min(nd + 1, max_verify)]."""
+    """Columns to verify: every draft ("full", as dflash_generate), 1 + the confident prefix (tau),
+    or the ladder; clamped to [2, min(nd + 1, max_verify)]."""
     cap = min(s.params.max_verify or nd + 1, nd + 1)
-    if s.params.verify == "confidence":
+    if s.verify == "full":
+        return cap
+    if s.verify == "confidence":
         below = np.flatnonzero(conf < s.params.tau)
         return min(max(1 + (int(below[0]) if below.size else nd), 2), cap)
     return min(max(s.m_prev + 2, 3), cap)
