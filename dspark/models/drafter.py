@@ -32,7 +32,7 @@ import numpy as np
 
 from ..errors import DTypeError, ShapeError, TokenRangeError
 from ..ops import dense
-from ..ops.argmax import markov_chain
+from ..ops.argmax import argmax_rows, markov_chain
 from ..ops.attention import attention
 from ..ops.kv_commit import kv_commit
 
@@ -267,6 +267,12 @@ class DsparkDrafter:
             prev = np.concatenate([anchors[:, None], drafts[:, :-1]], axis=1).reshape(-1)
             emb = self.w["markov.w1"][be.xp.asarray(prev)]
             return drafts, be.to_host(self.confidence(hidden, emb)).reshape(len(anchors), nd)
+        if c.markov == "none":   # no chain: every slot's argmax in one launch
+            ids = be.to_host(argmax_rows(be, logits)).reshape(len(anchors), nd)
+            drafts = self.d2t[ids] if self.d2t is not None else ids
+            conf = be.to_host(self.confidence(hidden, None)).reshape(drafts.shape) if self.has_confidence else \
+                np.full(drafts.shape, np.nan, np.float32)
+            return drafts.astype(np.int32), conf
         chain = self.chain(hidden, logits, anchors)
         for k in range(nd):
             chain.choose_greedy(k)
