@@ -117,7 +117,8 @@ class DsparkDrafter:
         w = random_weights(drafter_spec(config, trunk.config), seed)
         if config.draft_vocab:
             rng = np.random.default_rng(seed)
-            w["draft_to_target"] = np.sort(rng.choice(trunk.config.vocab, config.draft_vocab, replace=False)).astype(np.int32)
+            ids = rng.choice(trunk.config.vocab, config.draft_vocab, replace=False)
+            w["draft_to_target"] = np.sort(ids).astype(np.int32)
         return cls(config, w, trunk)
 
     @classmethod

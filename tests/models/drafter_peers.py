@@ -265,6 +265,11 @@ def dflash_round(model, target, cache, ctx_taps, anchor, start):
     return hidden[0], logits[0], [int(t) for t in drafts[0]], None
 
 
+def deepspec_cache():
+    """DeepSpec's draft cache (Qwen3DSparkEvaluator._init_context)."""
+    return DynamicCache()
+
+
 def dflash_cache(model):
     from dflash.model import _make_cache
     return _make_cache(model.config)
@@ -280,7 +285,8 @@ def speculators_model(seed, kind, *, taps=(2, 4), block=4, draft_vocab=V, target
     from speculators.models.dflash2 import DFlash2DraftModel, DFlash2SpeculatorConfig
     from speculators.models.dspark import DSparkDraftModel, DSparkSpeculatorConfig
     from speculators.proposals.greedy import GreedyTokenProposalConfig
-    cls, ccls = {"dflash": (DFlashDraftModel, DFlashSpeculatorConfig), "dspark": (DSparkDraftModel, DSparkSpeculatorConfig),
+    cls, ccls = {"dflash": (DFlashDraftModel, DFlashSpeculatorConfig),
+                 "dspark": (DSparkDraftModel, DSparkSpeculatorConfig),
                  "dflash2": (DFlash2DraftModel, DFlash2SpeculatorConfig)}[kind]
     sc = SpeculatorsConfig(algorithm=kind, proposal_methods=[GreedyTokenProposalConfig(speculative_tokens=block)],
                            default_proposal_method="greedy",
@@ -357,8 +363,9 @@ def sliding_mask(model, start: int, window: int):
     from speculators.models.dflash.attention import create_anchor_block_mask_mod
     b = model.config.block_size
     mod, q_len, kv_len = create_anchor_block_mask_mod(
-        document_ids=torch.zeros(start + b, dtype=torch.long), total_seq_len=start, anchor_positions=torch.tensor([start]),
-        block_size=b, sliding_window=window, sliding_window_non_causal=model.config.sliding_window_non_causal)
+        document_ids=torch.zeros(start + b, dtype=torch.long), total_seq_len=start,
+        anchor_positions=torch.tensor([start]), block_size=b, sliding_window=window,
+        sliding_window_non_causal=model.config.sliding_window_non_causal)
     q = torch.arange(q_len)[:, None]
     kv = torch.arange(kv_len)[None, :]
     visible = mod(torch.tensor(0), torch.tensor(0), q, kv)

@@ -125,7 +125,7 @@ def reference_rounds(case, model, fmt, target, ctx):
     """The peer's two rounds: lists of (hidden, logits, drafts, conf)."""
     out, start, cache = [], 0, None
     if fmt == "deepspec":
-        cache = peers.DynamicCache()
+        cache = peers.deepspec_cache()
     elif fmt == "dflash":
         cache = peers.dflash_cache(model)
     anchors = []
@@ -156,8 +156,8 @@ def check_round(be, drafter, kv, ref, anchor):
     hidden, logits = be.to_host(hidden), be.to_host(logits)
     want_h, want_l, want_drafts, want_conf = (x.numpy() if torch.is_tensor(x) else x for x in ref)
     scale_l, scale_h = np.abs(want_l).max(), np.abs(want_h).max()
-    assert np.abs(logits - want_l).max() <= TOL * scale_l, f"block logits: max |diff| {np.abs(logits - want_l).max():.3g}"
-    assert np.abs(hidden - want_h).max() <= TOL * scale_h, f"block hidden: max |diff| {np.abs(hidden - want_h).max():.3g}"
+    for what, got, want, scale in (("logits", logits, want_l, scale_l), ("hidden", hidden, want_h, scale_h)):
+        assert np.abs(got - want).max() <= TOL * scale, f"block {what}: max |diff| {np.abs(got - want).max():.3g}"
     drafts, conf = drafter.propose_greedy(*drafter.draft([kv], [anchor]), [anchor])
     assert drafts[0].tolist() == list(want_drafts), "Markov-chain proposals differ"
     if want_conf is None:
@@ -185,8 +185,9 @@ def run_case(case, be, saved, target):
 def test_format_matches_peer_numpy(case, numpy_backend, saved, target):
     drafter = run_case(case, numpy_backend, saved, target)
     cfg = drafter.config
-    assert cfg.harvest == ("mask_fill" if case.name in ("dflash", "dflash2", "speculators-dflash", "speculators-dflash2",
-                                                        "speculators-dspark-rnn-mask_fill-conf_hidden") else "shifted")
+    mask_fill = ("dflash", "dflash2", "speculators-dflash", "speculators-dflash2",
+                 "speculators-dspark-rnn-mask_fill-conf_hidden")
+    assert cfg.harvest == ("mask_fill" if case.name in mask_fill else "shifted")
 
 
 @pytest.mark.parametrize("case", [c for c in CASES if c.name in SIMT_CASES], ids=repr)
@@ -280,6 +281,20 @@ def test_unknown_tensor_is_an_error(numpy_backend, saved, target, tmp_path):
     _edit_tensors(path, put={"layers.0.self_attn.g_proj.weight": np.zeros((4, 4), np.float32)})
     with pytest.raises(CheckpointError, match="'layers.0.self_attn.g_proj.weight' matches nothing"):
         load_drafter(path, target.standin(numpy_backend, (1, 3)), numpy_backend)
+
+
+def test_bf16_sharded_checkpoint_loads_exactly(numpy_backend, saved, target, tmp_path):
+    """Released drafters are bf16 and may be sharded (model.safetensors.index.json): every tensor
+    arrives as the exact f32 widening of the stored bf16."""
+    model = saved["dflash"][0]
+    bf16 = type(model)(model.config).to(torch.bfloat16)
+    bf16.load_state_dict(model.state_dict())
+    bf16.save_pretrained(tmp_path, max_shard_size="40KB")
+    assert (tmp_path / "model.safetensors.index.json").exists()
+    drafter = load_drafter(tmp_path, target.standin(numpy_backend, (1, 3)), numpy_backend)
+    np.testing.assert_array_equal(drafter.host_weights["fc"], bf16.fc.weight.detach().float().numpy().T)
+    np.testing.assert_array_equal(drafter.host_weights["layers.1.attn.k_norm"],
+                                  bf16.layers[1].self_attn.k_norm.weight.detach().float().numpy())
 
 
 def test_format_detection_reads_the_peers_configs(saved):

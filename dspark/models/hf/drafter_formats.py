@@ -225,7 +225,8 @@ def dflash(raw: dict) -> Plan:
     if "DFlash2DraftModel" in (raw.get("architectures") or []) or value("conv_kernel_size", None) is not None:
         name = "z-lab DFlash2"
         f.update(conv_kernel=int(value("conv_kernel_size")), conv_group=int(value("conv_group_size")),
-                 markov="selector", selector_rank=int(value("selector_rank")), selector_top_k=int(value("selector_top_k")))
+                 markov="selector", selector_rank=int(value("selector_rank")),
+                 selector_top_k=int(value("selector_top_k")))
         # DFlash2DraftModel's codebooks are nn.Embedding (saved with ".weight"); released files
         # omit the suffix (its from_pretrained key_mapping): either is accepted
         aliases = {f"candidate_selector.{n}.weight": f"candidate_selector.{n}"

@@ -9,6 +9,8 @@ shape. Embedding, LM head and final norm copies equal to the target's are shared
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 
 from ...dtypes import to_f32
@@ -42,7 +44,8 @@ def check_plan(p: Plan, tc) -> None:
     if c.head_dim not in HEAD_DIMS:
         raise CheckpointError(f"{p.format}: head_dim={c.head_dim}: the attention kernels take {HEAD_DIMS}")
     if c.draft_vocab and c.draft_vocab > tc.vocab:
-        raise CheckpointError(f"{p.format}: draft_vocab_size={c.draft_vocab} exceeds the target's vocabulary {tc.vocab}")
+        raise CheckpointError(f"{p.format}: draft_vocab_size={c.draft_vocab} exceeds the target's vocabulary "
+                              f"{tc.vocab}")
     if c.markov == "selector" and c.draft_vocab:
         raise CheckpointError(f"{p.format}: draft_vocab_size={c.draft_vocab}: the DFlash2 selector needs the full "
                               f"vocabulary")
@@ -95,29 +98,30 @@ def read_weights(p: Plan, ckpt: Checkpoint, tc) -> dict[str, np.ndarray]:
     if p.config.draft_vocab and "t2d" in names:
         t2d = ckpt.array(names["t2d"]).astype(bool)
         d2t = weights["draft_to_target"]
-        if t2d.shape != (tc.vocab,) or int(t2d.sum()) != p.config.draft_vocab or not t2d[np.clip(d2t, 0, tc.vocab - 1)].all():
+        marked = t2d.shape == (tc.vocab,) and int(t2d.sum()) == p.config.draft_vocab
+        if not marked or not t2d[np.clip(d2t, 0, tc.vocab - 1)].all():
             raise CheckpointError(f"{p.format}: t2d does not mark exactly the {p.config.draft_vocab} target ids of d2t")
     return weights
 
 
 def _share_target_copies(p: Plan, weights: dict, trunk):
-    """Drop the checkpoint's embedding, LM head or final norm where it equals the target's bit for
-    bit (DeepSpec stores copies): the drafter then reads the trunk's and the result is the same."""
+    """Drop the checkpoint's embedding or LM head where it equals the target's bit for bit
+    (DeepSpec stores copies): the drafter then reads the trunk's and computes the same. The final
+    norm is always the drafter's own: a target's norm weight may follow another convention (Qwen3.5
+    stores 1 + w zero-centred) even where the numbers agree."""
     c = p.config
-    for ours, flag, target_name in (("embed", "own_embed", "embed"), ("lm_head", "own_head", "lm_head"),
-                                    ("final_norm", "own_norm", "final_norm")):
+    for ours, flag in (("embed", "own_embed"), ("lm_head", "own_head")):
         if ours in weights and not (ours == "lm_head" and c.draft_vocab):
-            theirs = to_f32(trunk.be.to_host(trunk.w[target_name]))
+            theirs = to_f32(trunk.be.to_host(trunk.w[ours]))
             if theirs.shape == weights[ours].shape and np.array_equal(theirs, weights[ours]):
                 del weights[ours]
-                c = c.__class__(**{**c.__dict__, flag: False})
+                c = replace(c, **{flag: False})
     return c
 
 
 def load_drafter(path, target, backend=None) -> DsparkDrafter:
-    """The drafter in HF directory `path` (config.json + safetensors; or a hub id in the local
-    cache) for trunk `target`, on the
-    target's backend. Raises CheckpointError (or ShapeError) naming the field or tensor when the
+    """The drafter in HF directory `path` (config.json + safetensors, or a hub id in the local
+    cache) for trunk `target`, on the target's backend. Raises CheckpointError (or ShapeError) naming the field or tensor when the
     checkpoint does not fit the target; nothing is allocated then."""
     if backend is not None and backend is not target.be:
         raise ValueError(f"backend={getattr(backend, 'name', backend)!r}: the target lives on {target.be.name!r}")
