@@ -195,6 +195,13 @@ def test_format_matches_peer_simt(case, simt, saved, target):
     run_case(case, simt, saved, target)
 
 
+@pytest.mark.parametrize("case", [c for c in CASES if c.name in SIMT_CASES], ids=repr)
+def test_format_matches_peer_on_the_cuda_path(case, saved, target):
+    """The `cuda` backend's code path, on the CuPy stand-in (dspark.backends.contract)."""
+    from dspark.backends import contract
+    run_case(case, contract.backend(), saved, target)
+
+
 def test_deepspec_copies_of_the_target_are_shared(numpy_backend, saved, target):
     """DeepSpec stores copies of the target's embedding and LM head: equal ones are not loaded
     twice; a trained-apart one is the drafter's own."""

@@ -1,5 +1,6 @@
 """Every drafter layout the released formats need, as random-weight configurations of the one
-drafter class on the tiny hybrid trunk: speculative greedy output stays exact, SpecParams.verify
+drafter class on the tiny hybrid trunk (on numpy, and on the `cuda` code path over the CuPy
+stand-in): speculative greedy output stays exact, SpecParams.verify
 picks the width as asked ("full" verifies every draft; "auto" the confidence head where there is
 one, else the ladder), proposals do not depend on the batch, sampled drafting puts no mass
 outside a draft vocabulary, and save/load keeps every tensor (the vocabulary map as int32)."""
@@ -36,9 +37,17 @@ def prompt(seed, n):
     return np.random.default_rng(seed).integers(0, 256, n).astype(np.int32)
 
 
+@pytest.fixture(scope="module")
+def contract_cuda():
+    """The `cuda` code path on the CuPy stand-in (dspark.backends.contract): no GPU needed."""
+    from dspark.backends import contract
+    return contract.backend()
+
+
+@pytest.mark.parametrize("backend", ["numpy_backend", "contract_cuda"])
 @pytest.mark.parametrize("name", VARIANTS)
-def test_full_verify_is_exact_and_verifies_every_draft(numpy_backend, name):
-    trunk, drafter = pair(numpy_backend, name)
+def test_full_verify_is_exact_and_verifies_every_draft(backend, name, request):
+    trunk, drafter = pair(request.getfixturevalue(backend), name)
     p = prompt(1, 20)
     s = DsparkSpecSession.prime(trunk, drafter, p, SpecParams(max_new_tokens=24, verify="full"))
     while not s.finished():
@@ -65,7 +74,7 @@ def test_auto_verify_follows_the_confidence_head(numpy_backend):
 
 @pytest.mark.parametrize("backend,name", [("numpy_backend", "rnn-mask_fill"), ("numpy_backend", "dflash2"),
                                           ("numpy_backend", "draft_vocab-sliding"), ("simt", "draft_vocab-sliding"),
-                                          ("cuda", "draft_vocab-sliding")])
+                                          ("contract_cuda", "dflash2"), ("cuda", "draft_vocab-sliding")])
 def test_proposals_do_not_depend_on_the_batch(backend, name, request):
     """The chain's per-slot ops (rnn state, selector top-k, vocabulary map) are per row: a session
     proposes the same drafts and confidences alone and in a batch (sampled streams rely on it)."""
@@ -88,12 +97,15 @@ def test_proposals_do_not_depend_on_the_batch(backend, name, request):
         kv.free()
 
 
-def test_sampled_drafts_stay_in_the_draft_vocabulary(numpy_backend):
-    trunk, drafter = pair(numpy_backend, "draft_vocab-sliding", seed=4)
+@pytest.mark.parametrize("backend", ["numpy_backend", "contract_cuda"])
+def test_sampled_drafts_stay_in_the_draft_vocabulary(backend, request):
+    be = request.getfixturevalue(backend)
+    trunk, drafter = pair(be, "draft_vocab-sliding", seed=4)
     p = prompt(5, 9)
     s = DsparkSpecSession.prime(trunk, drafter, p, SpecParams(sampling=SamplingParams(temperature=1.0, seed=7)))
     dh, dl = drafter.draft([s.kv], [s.last])
     drafts, _, q = propose_sampled([s], drafter, dl, dh, drafter.config.drafts)
+    q = be.to_host(q)
     outside = np.setdiff1d(np.arange(trunk.config.vocab), drafter.d2t)
     assert np.isin(drafts, drafter.d2t).all()
     assert q[..., outside].max() == 0 and np.allclose(q.sum(-1), 1, atol=1e-5)
