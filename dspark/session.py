@@ -33,12 +33,14 @@ _ids = itertools.count()
 class SpecBoundaryCapture:
     """The state at the end of the prompt: enough to start the same request again without a
     prefill. `cache` holds the attention rows and the recurrent snapshot; `draft_kv` the draft-KV
-    ring; `boundary_logits` the trunk logits at the last prompt row."""
+    ring, built from the trunk layers `taps`; `boundary_logits` the trunk logits at the last prompt
+    row."""
     prompt: tuple[int, ...]
     pos: int
     cache: Cache
     draft_kv: DraftKV
     boundary_logits: np.ndarray
+    taps: tuple[int, ...] = ()
 
     @property
     def nbytes(self) -> int:
@@ -101,7 +103,7 @@ class DsparkSpecSession:
             s.kv = drafter.new_kv(f"{s.owner}/draft_kv")
             s._allocate()
             with phase("prime"):
-                tp = trunk.prefill(s.cache, p)
+                tp = trunk.prefill(s.cache, p, taps=drafter.taps)
                 drafter.ingest([s.kv], tp.taps, tp.row_indptr)
             boundary = tp.logits[-1:]
             s.last = s._first_anchor(boundary)
@@ -109,7 +111,8 @@ class DsparkSpecSession:
             if params.capture:
                 s._capture = SpecBoundaryCapture(tuple(int(t) for t in p), s.cache.pos,
                                                  s.cache.copy(f"capture/{s.id}/cache"),
-                                                 s.kv.copy(f"capture/{s.id}/draft_kv"), s.be.to_host(boundary)[0])
+                                                 s.kv.copy(f"capture/{s.id}/draft_kv"), s.be.to_host(boundary)[0],
+                                                 drafter.taps)
         except BaseException:
             s._release_all()
             raise
@@ -122,6 +125,11 @@ class DsparkSpecSession:
         prefill. The output is byte-identical to a cold prime. The capture is not consumed."""
         params = params or SpecParams()
         s = cls._new(trunk, drafter, params)
+        kv_shape = (len(capture.draft_kv.k), *capture.draft_kv.shape)
+        want = (drafter.config.layers, drafter.config.kv_heads, drafter.ring, drafter.config.head_dim)
+        if capture.taps != drafter.taps or kv_shape != want:
+            raise ValueError(f"capture: its draft KV (layers, heads, ring, dim)={kv_shape} was built from trunk layers "
+                             f"{capture.taps}; this drafter taps {drafter.taps} into {want}")
         try:
             s.cache = capture.cache.copy(f"cache/{s.id}")
             s.kv = capture.draft_kv.copy(f"{s.owner}/draft_kv")
@@ -311,7 +319,8 @@ def _round(trunk: HybridTrunk, drafter: DsparkDrafter, live: list[DsparkSpecSess
     committed = False
     try:
         with phase("verify"):
-            tp = trunk.verify([s.cache for s in live], cands, checkpoints=live[0].params.rollback == "checkpoint")
+            tp = trunk.verify([s.cache for s in live], cands, checkpoints=live[0].params.rollback == "checkpoint",
+                              taps=drafter.taps)
         with phase("accept"):
             if greedy:
                 m, nxt = greedy_accept(be, tp.logits, be.asarray(np.concatenate(cands)), be.asarray(tp.row_indptr))

@@ -86,10 +86,11 @@ class DsparkDrafter:
         c, tc = config, trunk.config
         if c.d_model != tc.d_model:
             raise ValueError(f"drafter d_model={c.d_model} must equal the trunk's {tc.d_model}")
+        # The session asks the trunk for these layers on every pass, whatever its default taps.
         taps = tuple(c.taps or tc.tap_layers)
-        if tuple(tc.tap_layers) != taps:
-            raise ValueError(f"drafter taps={taps}: the trunk taps layers {tuple(tc.tap_layers)}; build the "
-                             f"trunk with tap_layers={taps}")
+        if any(not -1 <= t < len(tc.layers) for t in taps):
+            raise ShapeError(f"drafter taps={taps}: expected layer indices of the trunk in [-1, {len(tc.layers)}) "
+                             f"(-1: the embedding)")
         self.mask_id = c.mask_id if c.mask_id >= 0 else tc.mask_id
         if not 0 <= self.mask_id < tc.vocab:
             raise TokenRangeError(f"drafter mask_id={self.mask_id} is outside the vocabulary [0, {tc.vocab})")

@@ -8,11 +8,16 @@ A "round" follows the peer's own inference loop: the context rows committed sinc
 block is [anchor, MASK x (b-1)] at positions start..start+b-1. Each reference returns the block
 pass's hidden rows (after the drafter's final norm) and logits for every block row, the greedy
 Markov-chain proposals and the confidence of every draft slot.
+
+The builders size a drafter to a target (Sizes): the tiny stand-in of the format tests by default,
+or a real transformers target (sizes_of) for the end-to-end tests; "target" is anything with
+get_input_embeddings() and lm_head, the stand-in or a transformers causal LM.
 """
 
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from types import SimpleNamespace
 
 import numpy as np
@@ -22,14 +27,32 @@ from transformers import DynamicCache, Qwen3Config
 from transformers.models.qwen3.modeling_qwen3 import (Qwen3MLP, Qwen3PreTrainedModel, Qwen3RMSNorm,
                                                       Qwen3RotaryEmbedding, eager_attention_forward, rotate_half)
 
-H, V, MASK = 64, 300, 299          # target hidden size, vocabulary, mask token
+H, V, MASK = 64, 300, 299          # the stand-in target's hidden size, vocabulary, mask token
 TARGET_LAYERS = 6
 
 
-def layer_config(layers: int = 2, **extra) -> Qwen3Config:
+@dataclass(frozen=True)
+class Sizes:
+    """What a drafter takes from its target: hidden size, vocabulary, layer count; and its mask id."""
+    hidden: int = H
+    vocab: int = V
+    mask: int = MASK
+    target_layers: int = TARGET_LAYERS
+
+
+TINY = Sizes()
+
+
+def sizes_of(model) -> Sizes:
+    """The Sizes of a transformers causal LM (mask: its last token id)."""
+    c = model.config.get_text_config()
+    return Sizes(c.hidden_size, c.vocab_size, c.vocab_size - 1, c.num_hidden_layers)
+
+
+def layer_config(layers: int = 2, sizes: Sizes = TINY, **extra) -> Qwen3Config:
     """A tiny Qwen3 decoder config for the drafter layers (head dim 64: the attention kernels'),
     non-default rope theta and eps so a loader that ignores them fails."""
-    cfg = Qwen3Config(vocab_size=V, hidden_size=H, intermediate_size=96, num_hidden_layers=layers,
+    cfg = Qwen3Config(vocab_size=sizes.vocab, hidden_size=sizes.hidden, intermediate_size=96, num_hidden_layers=layers,
                       num_attention_heads=2, num_key_value_heads=1, head_dim=64, max_position_embeddings=512,
                       rms_norm_eps=1e-5, rope_parameters={"rope_type": "default", "rope_theta": 5000.0}, **extra)
     cfg._attn_implementation = "eager"
@@ -73,8 +96,8 @@ class Target(nn.Module):
                                                      for k, v in w.items()})
 
 
-def block_ids(anchor: int, b: int) -> torch.Tensor:
-    ids = torch.full((1, b), MASK, dtype=torch.long)
+def block_ids(anchor: int, b: int, mask: int = MASK) -> torch.Tensor:
+    ids = torch.full((1, b), mask, dtype=torch.long)
     ids[0, 0] = anchor
     return ids
 
@@ -87,7 +110,7 @@ class DeepSpecAttention(nn.Module):
 
     def __init__(self, config, layer_idx):
         super().__init__()
-        self.layer_idx, self.head_dim = layer_idx, config.head_dim
+        self.layer_idx, self.head_dim, H = layer_idx, config.head_dim, config.hidden_size
         self.num_key_value_groups = config.num_attention_heads // config.num_key_value_heads
         self.scaling, self.attention_dropout, self.training = self.head_dim ** -0.5, 0.0, False
         self.q_proj = nn.Linear(H, config.num_attention_heads * self.head_dim, bias=False)
@@ -121,8 +144,8 @@ class DeepSpecLayer(nn.Module):
         super().__init__()
         self.self_attn = DeepSpecAttention(config, layer_idx)
         self.mlp = Qwen3MLP(config)
-        self.input_layernorm = Qwen3RMSNorm(H, eps=config.rms_norm_eps)
-        self.post_attention_layernorm = Qwen3RMSNorm(H, eps=config.rms_norm_eps)
+        self.input_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.post_attention_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
     def forward(self, target_hidden_states, hidden_states, position_embeddings, past_key_values):
         h = hidden_states + self.self_attn(self.input_layernorm(hidden_states), target_hidden_states,
@@ -138,6 +161,7 @@ class Qwen3DSparkModel(Qwen3PreTrainedModel):
 
     def __init__(self, config):
         super().__init__(config)
+        H, V = config.hidden_size, config.vocab_size
         self.layers = nn.ModuleList([DeepSpecLayer(config, i) for i in range(config.num_hidden_layers)])
         self.embed_tokens = nn.Embedding(V, H)
         self.norm = Qwen3RMSNorm(H, eps=config.rms_norm_eps)
@@ -184,17 +208,19 @@ class Qwen3DSparkModel(Qwen3PreTrainedModel):
 
 
 @torch.no_grad()
-def deepspec_round(model, cache, ctx_taps, anchor, start):
+def deepspec_round(model, cache, ctx_taps, anchor, start, edit=None):
     """Mirrors deepspec/eval/dspark: forward_dspark_draft_block (the draft cache holds the context
     K/V; the block's are cropped off after), then build_dspark_proposal at temperature 0:
     sample_draft_tokens (markov sample_block_tokens) and predict_confidence_step (sigmoid of its
     logits, as _confident_prefix_length compares)."""
     b = model.config.block_size
-    ids = block_ids(anchor, b)
+    ids = block_ids(anchor, b, model.config.mask_token_id)
     past = cache.get_seq_length()
     hidden = model.backbone(ctx_taps, model.embed_tokens(ids), torch.arange(past, start + b)[None], cache)
     cache.crop(start)
     logits = model.lm_head(hidden)
+    if edit is not None:   # a test's change to the block logits (the oracle's boosts)
+        logits = edit(logits)
     prev, state, drafts, conf = ids[:, 0], torch.zeros(1, model.config.markov_rank), [], []
     for k in range(b):
         step = logits[:, k]
@@ -212,9 +238,10 @@ def deepspec_round(model, cache, ctx_taps, anchor, start):
 
 
 def deepspec_model(seed, *, markov_rank=8, markov_head_type="vanilla", confidence=True, with_markov=True,
-                   taps=(-1, 1, 3), block=4, target=None):
-    cfg = layer_config(architectures=["Qwen3DSparkModel"])
-    cfg.update(dict(num_target_layers=TARGET_LAYERS, block_size=block, mask_token_id=MASK, target_layer_ids=list(taps),
+                   taps=(-1, 1, 3), block=4, target=None, sizes: Sizes = TINY):
+    cfg = layer_config(sizes=sizes, architectures=["Qwen3DSparkModel"])
+    cfg.update(dict(num_target_layers=sizes.target_layers, block_size=block, mask_token_id=sizes.mask,
+                    target_layer_ids=list(taps),
                     num_anchors=64, enable_confidence_head=confidence, markov_rank=markov_rank,
                     tie_word_embeddings=False))
     if confidence:
@@ -225,16 +252,16 @@ def deepspec_model(seed, *, markov_rank=8, markov_head_type="vanilla", confidenc
     randomize(m, seed)
     if target is not None:   # initialize_embeddings_and_head: copies of the target's
         with torch.no_grad():
-            m.embed_tokens.weight.copy_(target.embed_tokens.weight)
+            m.embed_tokens.weight.copy_(target.get_input_embeddings().weight)
             m.lm_head.weight.copy_(target.lm_head.weight)
     return m
 
 
 # ---- z-lab dflash ----------------------------------------------------------------------------
-def dflash_model(seed, *, v2=False, taps=(1, 3), block=4, extra=None):
+def dflash_model(seed, *, v2=False, taps=(1, 3), block=4, extra=None, sizes: Sizes = TINY):
     from dflash.model import DFlash2DraftModel, DFlashDraftModel
-    cfg = layer_config(num_target_layers=TARGET_LAYERS, block_size=block)
-    cfg.dflash_config = {"target_layer_ids": list(taps), "mask_token_id": MASK, **(extra or {})}
+    cfg = layer_config(sizes=sizes, num_target_layers=sizes.target_layers, block_size=block)
+    cfg.dflash_config = {"target_layer_ids": list(taps), "mask_token_id": sizes.mask, **(extra or {})}
     if v2:
         cfg.dflash_config.update(conv_kernel_size=2, conv_group_size=16, selector_rank=8, selector_top_k=5)
         cfg.architectures = ["DFlash2DraftModel"]
@@ -251,7 +278,7 @@ def dflash_round(model, target, cache, ctx_taps, anchor, start):
     candidate selector)."""
     from dflash.model import DFlash2DraftModel, _crop_to, _draft_value, _raw_input_embeddings
     b = model.block_size
-    ids = block_ids(anchor, b)
+    ids = block_ids(anchor, b, model.mask_token_id)
     noise = _raw_input_embeddings(target, ids, float(_draft_value(model.config, "input_embedding_scale", 1.0)))
     hidden = model(target_hidden=ctx_taps, noise_embedding=noise,
                    position_ids=torch.arange(start - ctx_taps.shape[1], start + b)[None], past_key_values=cache,
@@ -276,7 +303,8 @@ def dflash_cache(model):
 
 
 # ---- speculators ------------------------------------------------------------------------------
-def speculators_model(seed, kind, *, taps=(2, 4), block=4, draft_vocab=V, target=None, layer_cfg=None, **fields):
+def speculators_model(seed, kind, *, taps=(2, 4), block=4, draft_vocab=None, target=None, layer_cfg=None,
+                      sizes: Sizes = TINY, **fields):
     """speculators' DFlash / DSpark / DFlash2 draft model, built as from_training_args does but
     without a verifier on disk: the embedding (and the LM head of a full-vocabulary draft) are the
     target's, loaded here as load_verifier_weights would."""
@@ -291,8 +319,11 @@ def speculators_model(seed, kind, *, taps=(2, 4), block=4, draft_vocab=V, target
     sc = SpeculatorsConfig(algorithm=kind, proposal_methods=[GreedyTokenProposalConfig(speculative_tokens=block)],
                            default_proposal_method="greedy",
                            verifier=VerifierConfig(name_or_path=None, architectures=["Qwen3ForCausalLM"]))
-    cfg = ccls(transformer_layer_config=layer_cfg or layer_config(), draft_vocab_size=draft_vocab, block_size=block,
-               aux_hidden_state_layer_ids=list(taps), mask_token_id=MASK, speculators_config=sc, **fields)
+    V = sizes.vocab
+    draft_vocab = draft_vocab or V
+    cfg = ccls(transformer_layer_config=layer_cfg or layer_config(sizes=sizes), draft_vocab_size=draft_vocab,
+               block_size=block, aux_hidden_state_layer_ids=list(taps), mask_token_id=sizes.mask,
+               speculators_config=sc, **fields)
     m = cls(cfg).eval()
     g = torch.Generator().manual_seed(seed + 1)
     if draft_vocab != V:
@@ -302,7 +333,7 @@ def speculators_model(seed, kind, *, taps=(2, 4), block=4, draft_vocab=V, target
         m.load_vocab_mappings(t2d, keep - torch.arange(draft_vocab))   # d2t holds offsets
     randomize(m, seed)
     with torch.no_grad():
-        m.embed_tokens.weight.copy_(target.embed_tokens.weight)
+        m.embed_tokens.weight.copy_(target.get_input_embeddings().weight)
         head = target.lm_head.weight if draft_vocab == V else target.lm_head.weight[m.t2d]
         if draft_vocab != V:   # a trained reduced head: make it differ from the target's rows
             head = head + 0.1 * torch.randn(head.shape, generator=g)
@@ -311,16 +342,17 @@ def speculators_model(seed, kind, *, taps=(2, 4), block=4, draft_vocab=V, target
 
 
 @torch.no_grad()
-def speculators_round(model, ctx_taps, anchor, start, window_mask=None):
+def speculators_round(model, ctx_taps, anchor, start, window_mask=None, edit=None):
     """speculators' _backbone_forward for one anchored block (its inference runs in vLLM): the
     block [anchor, MASK...] embedded, fc + hidden_norm of all context rows so far, the layers
     with no mask (full attention is non-causal), norm, lm_head; then DSpark's Markov block_bias
     along the chain's own tokens (prev of the first slot = the anchor; with sample_from_anchor
     False slot k is row k+1), the confidence head on [hidden ; W1[prev]], and DFlash2's candidate
-    selector. Returns drafts as target ids (d2t offsets applied)."""
+    selector. Returns drafts as target ids (d2t offsets applied). `edit`, where given, changes the
+    block logits before the proposals (in deepspec_round too)."""
     cfg = model.config
     b = cfg.block_size
-    ids = block_ids(anchor, b)
+    ids = block_ids(anchor, b, cfg.mask_token_id)
     x = model.embed_tokens(ids)
     ctx = model.hidden_norm(model.fc(ctx_taps))
     positions = torch.arange(0, start + b)[None]
@@ -331,6 +363,8 @@ def speculators_round(model, ctx_taps, anchor, start, window_mask=None):
                   position_embeddings=pe, use_cache=False)
     hidden = model.norm(x)
     logits = model.lm_head(hidden)
+    if edit is not None:
+        logits = edit(logits)
     first = 0 if cfg.sample_from_anchor else 1
     h, l = hidden[:, first:], logits[:, first:]
     to_target = (lambda j: j + int(model.d2t[j])) if model.d2t is not None else (lambda j: j)
