@@ -66,6 +66,7 @@ N = 24                             # new tokens per request
 BLOCK = 4
 HIT = 0.8                          # oracle hit rate per slot
 MIN_MEAN = 2.0                     # mean accepted length (tokens per round) the boosts must reach
+HIDDEN_TOL = 1e-4
 SEED = 20240611
 
 
@@ -156,21 +157,28 @@ def boost(logits, stream, start, first):
 
 def run_session(trunk, drafter, prompt, verify, monkeypatch):
     """Greedy speculative decoding of N tokens; returns (session, rounds) with one (anchor position,
-    verified block) per round, read off the trunk's verify calls."""
-    rounds, verify_pass = [], trunk.verify
+    verified block, accepted drafts, the block pass's hidden rows) per round, read off the
+    drafter's and the trunk's passes."""
+    rounds, passes, verify_pass, block_pass = [], [], trunk.verify, drafter.block_pass
 
     def logged(caches, cands, **kw):
         rounds.append((caches[0].pos, [int(t) for t in cands[0]]))
         return verify_pass(caches, cands, **kw)
+
+    def drafted(kvs, anchors):
+        hidden, logits = block_pass(kvs, anchors)
+        passes.append(drafter.be.to_host(hidden)[: drafter.config.block])
+        return hidden, logits
     with monkeypatch.context() as m:
         m.setattr(trunk, "verify", logged)
+        m.setattr(drafter, "block_pass", drafted)
         s = DsparkSpecSession.prime(trunk, drafter, prompt, SpecParams(max_new_tokens=N, verify=verify, burst_target=5))
         accepted = []
         while not s.finished():
             before = s.stats.accepted
             s.round()
             accepted.append(s.stats.accepted - before)
-    return s, [(pos, block, m) for (pos, block), m in zip(rounds, accepted)]
+    return s, [(pos, block, m, h) for (pos, block), m, h in zip(rounds, accepted, passes)]
 
 
 @pytest.mark.parametrize("name", FORMATS)
@@ -186,7 +194,7 @@ def test_greedy_speculative_equals_plain(world, case, name, monkeypatch):
         s, rounds = run_session(w.trunk, drafter, w.prompt, verify, monkeypatch)
         assert s.emitted == w.want[:N], verify
         if verify == "full":
-            assert all(len(block) == nd + 1 for _, block, _ in rounds), "verify='full' left drafts unverified"
+            assert all(len(block) == nd + 1 for _, block, _, _ in rounds), "verify='full' left drafts unverified"
             assert s.stats.mean_accepted_length >= MIN_MEAN, s.stats.summary()
             hist = s.stats.histogram
             assert hist[0] > 0 and sum(hist[1:nd]) > 0, f"no partial accepts: {hist}"
@@ -194,6 +202,15 @@ def test_greedy_speculative_equals_plain(world, case, name, monkeypatch):
 
 
 # ---- round by round against the peers ----------------------------------------------------------
+def assert_hidden_close(got, want, what):
+    """The block pass's hidden rows (after the drafter's final norm) within HIDDEN_TOL of the
+    largest |h|: the context taps come from dspark's trunk on one side and transformers' on the
+    other, which agree to about 1e-5."""
+    want = want.detach().numpy() if torch.is_tensor(want) else want
+    err, scale = float(np.abs(got - want).max()), float(np.abs(want).max())
+    assert err <= HIDDEN_TOL * scale, f"{what}: block hidden rows differ by {err:.3g} (max |h| {scale:.3g})"
+
+
 def target_taps(model, seq, taps):
     """[len(seq), n_taps * H]: tap t is the output of target layer t (-1: the embedding), i.e.
     transformers' hidden_states[t + 1], except the last layer's, whose hidden_states entry is the
@@ -223,16 +240,18 @@ def test_rounds_equal_the_peers_draft_step(world, case, name, monkeypatch):
     seq = [*w.prompt.tolist(), *s.emitted]
     ctx = target_taps(w.model, seq, d.taps)
     cache, seen = peers.deepspec_cache(), 0
-    for r, (start, block, _) in enumerate(rounds):
+    for r, (start, block, _, hidden) in enumerate(rounds):
         anchor = block[0]
         assert anchor == seq[start], f"round {r}: the anchor is not the committed stream's token at {start}"
         if name == "deepspec":   # every block row is a draft
             edit = partial(boost, stream=stream, start=start, first=0)
-            want = peers.deepspec_round(d.peer, cache, ctx[seen:start][None], anchor, start, edit)[2]
+            ref = peers.deepspec_round(d.peer, cache, ctx[seen:start][None], anchor, start, edit)
             seen = start
         else:
             edit = partial(boost, stream=stream, start=start, first=0 if d.peer.config.sample_from_anchor else 1)
-            want = peers.speculators_round(d.peer, ctx[:start][None], anchor, start, edit=edit)[2]
+            ref = peers.speculators_round(d.peer, ctx[:start][None], anchor, start, edit=edit)
+        assert_hidden_close(hidden, ref[0], f"round {r} at {start}")
+        want = ref[2]
         assert block[1:] == want, f"round {r} at {start}: proposals {block[1:]}, the peer's {want}"
 
 
@@ -273,10 +292,11 @@ class NoCache:
 
 def run_dflash_generate(w, name, n, monkeypatch):
     """dflash.model.dflash_generate, greedy, with the oracle's boosts on its draft logits. Returns
-    (new tokens, accepted drafts per round, the block each round verified)."""
+    (new tokens, accepted drafts per round, the block each round verified, the draft rows' hidden
+    states of each round)."""
     model, stream = w.drafters[name].peer, [*w.prompt.tolist(), *w.want]
     target = w.model if w.model.config.model_type == "qwen3" else ExactCache(w.model)
-    where, blocks = {}, []
+    where, blocks, hidden = {}, [], []
     draft_pass, draft_logits, target_pass = model.forward, model.compute_logits, target.forward
 
     def drafted(**kw):   # the block starts at the anchor's position
@@ -288,7 +308,10 @@ def run_dflash_generate(w, name, n, monkeypatch):
         return target_pass(input_ids, **kw)
     make_cache = dflash_model._make_cache
     monkeypatch.setattr(model, "forward", drafted)
-    monkeypatch.setattr(model, "compute_logits", lambda h, head: boost(draft_logits(h, head), stream, where["start"], 0))
+    def logits(h, head):   # h: the draft rows 1..b-1 after the drafter's norm
+        hidden.append(h[0])
+        return boost(draft_logits(h, head), stream, where["start"], 0)
+    monkeypatch.setattr(model, "compute_logits", logits)
     monkeypatch.setattr(target, "forward", verified)
     monkeypatch.setattr(dflash_model, "_cuda_time", time.perf_counter)   # return_stats times with CUDA otherwise
     monkeypatch.setattr(dflash_model, "_make_cache", lambda cfg: NoCache() if isinstance(target, ExactCache) and
@@ -296,7 +319,7 @@ def run_dflash_generate(w, name, n, monkeypatch):
     out = dflash_model.dflash_generate(model, target, torch.tensor(w.prompt[None].astype(np.int64)), n, None,
                                        return_stats=True)
     monkeypatch.undo()
-    return out.output_ids[0, len(w.prompt):].tolist(), [a - 1 for a in out.acceptance_lengths], blocks[1:]
+    return out.output_ids[0, len(w.prompt):].tolist(), [a - 1 for a in out.acceptance_lengths], blocks[1:], hidden
 
 
 @pytest.mark.parametrize("name", Z_LAB)
@@ -306,11 +329,12 @@ def test_rounds_equal_dflash_generate(world, case, name, monkeypatch):
     draft) each round verifies the same block and accepts the same number of drafts. dflash_generate
     runs BLOCK + 1 tokens further so that its blocks do not shrink at the budget while ours run."""
     w = world(case)
-    theirs, accepted, blocks = run_dflash_generate(w, name, N + BLOCK + 1, monkeypatch)
+    theirs, accepted, blocks, hidden = run_dflash_generate(w, name, N + BLOCK + 1, monkeypatch)
     s, rounds = run_session(w.trunk, oracle(w, name), w.prompt, "full", monkeypatch)
     assert s.emitted == theirs[:N] == w.want[:N]
     assert len(rounds) <= len(accepted)
-    for r, (start, block, m) in enumerate(rounds):
+    for r, (start, block, m, h) in enumerate(rounds):
+        assert_hidden_close(h[1:], hidden[r], f"round {r} at {start}")
         assert (block, m) == (blocks[r], accepted[r]), f"round {r} at {start}: verified {block}, accepted {m}; " \
                                                       f"dflash_generate {blocks[r]}, {accepted[r]}"
     assert 1 + np.mean(accepted[: len(rounds)]) >= MIN_MEAN
