@@ -101,6 +101,7 @@ class DsparkDrafter:
                 raise TokenRangeError(f"drafter draft_to_target has ids outside the vocabulary [0, {tc.vocab})")
         self.config, self.trunk, self.be = c, trunk, trunk.be
         self.taps = taps
+        self.source = None  # a description when loaded from a released checkpoint (dspark.models.hf)
         # Window 0 means every committed row, as the references attend: the ring then holds the
         # whole context the trunk's cache can.
         self.windows = tuple(w or tc.max_ctx for w in c.windows())

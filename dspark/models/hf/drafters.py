@@ -121,8 +121,9 @@ def _share_target_copies(p: Plan, weights: dict, trunk):
 
 def load_drafter(path, target, backend=None) -> DsparkDrafter:
     """The drafter in HF directory `path` (config.json + safetensors, or a hub id in the local
-    cache) for trunk `target`, on the target's backend. Raises CheckpointError (or ShapeError) naming the field or tensor when the
-    checkpoint does not fit the target; nothing is allocated then."""
+    cache) for trunk `target`, on the target's backend. Raises CheckpointError (or ShapeError)
+    naming the field or tensor when the checkpoint does not fit the target; nothing is allocated
+    then. `drafter.source` says what was loaded."""
     if backend is not None and backend is not target.be:
         raise ValueError(f"backend={getattr(backend, 'name', backend)!r}: the target lives on {target.be.name!r}")
     ckpt = Checkpoint(path)
@@ -130,4 +131,7 @@ def load_drafter(path, target, backend=None) -> DsparkDrafter:
     check_plan(p, target.config)
     weights = read_weights(p, ckpt, target.config)
     config = _share_target_copies(p, weights, target)
-    return DsparkDrafter(config, weights, target)
+    drafter = DsparkDrafter(config, weights, target)
+    drafter.source = (f"{p.format} drafter from {ckpt.path} (block {config.block}, {config.drafts} drafts, taps "
+                      f"{drafter.taps}, Markov head {config.markov}, confidence head {config.confidence})")
+    return drafter
