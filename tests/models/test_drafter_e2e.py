@@ -338,3 +338,28 @@ def test_rounds_equal_dflash_generate(world, case, name, monkeypatch):
         assert (block, m) == (blocks[r], accepted[r]), f"round {r} at {start}: verified {block}, accepted {m}; " \
                                                       f"dflash_generate {blocks[r]}, {accepted[r]}"
     assert 1 + np.mean(accepted[: len(rounds)]) >= MIN_MEAN
+
+
+def test_restore_takes_captures_of_the_same_taps_only(world, numpy_backend):
+    """A prompt-end capture (its draft KV built from one drafter's taps) restores a session of that
+    drafter byte for byte; a drafter tapping other layers refuses it, naming both, and allocates
+    nothing."""
+    w = world(TARGETS[1])
+    dflash, deepspec = (load_drafter(w.drafters[n].path, w.trunk) for n in ("dflash", "deepspec"))
+    params = SpecParams(max_new_tokens=12, verify="full")
+    cold = DsparkSpecSession.prime(w.trunk, dflash, w.prompt, params)
+    cap = cold.take_prefix_capture()
+    assert cap.taps == dflash.taps
+    warm = DsparkSpecSession.restore(w.trunk, dflash, cap, params)
+    for s in (cold, warm):
+        while not s.finished():
+            s.burst()
+    assert cold.emitted == warm.emitted == w.want[:12]
+    assert cold.stats.histogram == warm.stats.histogram
+    before = numpy_backend.alloc.owners()
+    with pytest.raises(ValueError, match=rf"built from trunk layers \(0, 2\); this drafter taps \(-1, 2\)"):
+        DsparkSpecSession.restore(w.trunk, deepspec, cap, params)
+    assert numpy_backend.alloc.owners() == before
+    for s in (cold, warm):
+        s.close()
+    cap.free()

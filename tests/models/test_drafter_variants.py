@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from dspark.decode import plain_generate
+from dspark.errors import ShapeError
 from dspark.models import DsparkDrafter
 from dspark.models.presets import TINY_DRAFTER, TINY_TRUNK
 from dspark.models.trunk import HybridTrunk
@@ -121,3 +122,28 @@ def test_save_and_load_keep_every_tensor(numpy_backend, name, tmp_path):
     for k, v in drafter.host_weights.items():
         np.testing.assert_array_equal(again.host_weights[k], v)
         assert again.host_weights[k].dtype == v.dtype
+
+
+def test_one_trunk_serves_drafters_of_any_taps(numpy_backend):
+    """The session asks the trunk for its drafter's taps (-1: the embedding) whatever the trunk's
+    default: prime's draft KV is bitwise what ingesting a prefill with those taps gives, and the
+    output stays exact. Taps outside the trunk are refused by name."""
+    trunk = HybridTrunk.random(TINY_TRUNK, 0, numpy_backend)
+    p = prompt(6, 11)
+    want = plain_generate(trunk, p, 16)
+    for taps in ((-1, 2), (0,), (3, 1, 2)):
+        drafter = DsparkDrafter.random(replace(TINY_DRAFTER, taps=taps), trunk, 1)
+        s = DsparkSpecSession.prime(trunk, drafter, p, SpecParams(max_new_tokens=16, verify="full"))
+        kv, cache = drafter.new_kv("t/kv"), trunk.new_cache(owner="t/cache")
+        tp = trunk.prefill(cache, p, taps=taps)
+        drafter.ingest([kv], tp.taps, tp.row_indptr)
+        for a, b in zip(s.kv.k + s.kv.v, kv.k + kv.v):
+            np.testing.assert_array_equal(a, b)
+        while not s.finished():
+            s.burst()
+        assert s.emitted == want, taps
+        s.close()
+        kv.free()
+        cache.free()
+    with pytest.raises(ShapeError, match=r"drafter taps=\(4,\): expected layer indices of the trunk in \[-1, 4\)"):
+        DsparkDrafter.random(replace(TINY_DRAFTER, taps=(4,)), trunk, 1)
