@@ -103,8 +103,8 @@ def one_torch_thread():
 
 @pytest.fixture(scope="module")
 def world(tmp_path_factory, numpy_backend):
-    """case name -> the target (transformers' model, dspark's trunk, one prompt and its plain greedy
-    stream) and every format's drafter, built and saved once."""
+    """case name -> the target (its directory, transformers' model, dspark's trunk on numpy, one
+    prompt and its plain greedy stream) and every format's drafter, built and saved once."""
     made = {}
 
     def get(case):
@@ -122,7 +122,8 @@ def world(tmp_path_factory, numpy_backend):
             path = d / name
             peer.save_pretrained(path)
             drafters[name] = SimpleNamespace(peer=peer, path=path, taps=taps)
-        made[case.name] = SimpleNamespace(model=model, trunk=trunk, prompt=prompt, want=want, drafters=drafters)
+        made[case.name] = SimpleNamespace(path=d, model=model, trunk=trunk, prompt=prompt, want=want,
+                                          drafters=drafters)
         return made[case.name]
     return get
 
@@ -363,3 +364,19 @@ def test_restore_takes_captures_of_the_same_taps_only(world, numpy_backend):
     for s in (cold, warm):
         s.close()
     cap.free()
+
+
+@pytest.mark.parametrize("name", ["deepspec", "dflash2"])
+def test_simt_rounds_equal_numpy(world, simt, name, monkeypatch):
+    """The same sessions with the kernels on simt: every round verifies the same block and
+    accepts as many drafts as on numpy (checked against the peers above), output exact."""
+    w = world(TARGETS[1])
+    trunk = load_target(w.path, simt)
+    drafter = OracleDrafter(load_drafter(w.drafters[name].path, trunk), hit_rate=HIT, seed=SEED)
+    drafter.next_stream = [*w.prompt.tolist(), *w.want]
+    s, rounds = run_session(trunk, drafter, w.prompt, "full", monkeypatch)
+    s_np, rounds_np = run_session(w.trunk, oracle(w, name), w.prompt, "full", monkeypatch)
+    assert s.emitted == s_np.emitted == w.want[:N]
+    assert [r[:3] for r in rounds] == [r[:3] for r in rounds_np]
+    for r, (a, b) in enumerate(zip(rounds, rounds_np)):
+        assert_hidden_close(a[3], b[3], f"round {r}")

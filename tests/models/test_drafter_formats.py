@@ -245,6 +245,7 @@ MALFORMED = [
     ("deepspec-vanilla-conf_markov", None, {"put": {"fc.weight": np.zeros((64, 128), np.float32)}}, ShapeError,
      "fc.weight"),
     ("dflash", {"dflash_config__mask_token_id": -3}, None, CheckpointError, "mask_token_id=-3"),
+    ("dflash", {"head_dim": 96}, None, CheckpointError, "head_dim=96: the attention kernels take"),   # HEAD_DIMS
     ("dflash", {"dflash_config__mask_token_id": None}, None, CheckpointError, "mask_token_id is missing"),
     ("dflash", {"layer_types": ["sliding_attention", "full_attention"], "sliding_window": 4}, None, CheckpointError,
      "layer_types[0]='sliding_attention'"),
