@@ -358,7 +358,7 @@ def test_restore_takes_captures_of_the_same_taps_only(world, numpy_backend):
     assert cold.emitted == warm.emitted == w.want[:12]
     assert cold.stats.histogram == warm.stats.histogram
     before = numpy_backend.alloc.owners()
-    with pytest.raises(ValueError, match=rf"built from trunk layers \(0, 2\); this drafter taps \(-1, 2\)"):
+    with pytest.raises(ValueError, match=r"built from trunk layers \(0, 2\); this drafter taps \(-1, 2\)"):
         DsparkSpecSession.restore(w.trunk, deepspec, cap, params)
     assert numpy_backend.alloc.owners() == before
     for s in (cold, warm):
