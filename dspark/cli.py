@@ -2,7 +2,9 @@
 
     dspark demo       the embedded pair on a code prompt: speculative vs plain greedy, side by side
     dspark generate   one request: prompt, sampling options, --no-spec
-    (both take --model DIR: a Hugging Face target and its tokenizer.json instead of the embedded pair)
+    (both take --model DIR: a Hugging Face target and its tokenizer.json instead of the embedded pair,
+    and with it --drafter DIR: a released drafter for that target, DeepSpec DSpark, z-lab DFlash or
+    speculators)
     dspark info       backends, device, compiled kernels
     dspark bench      the profiling benchmarks
 
@@ -101,14 +103,22 @@ def cmd_info(args) -> int:
 
 
 # ---- generation ------------------------------------------------------------------------------------
+def with_block(drafter, block: int | None):
+    """The drafter with another block size (--block): the weights do not depend on it."""
+    from .models import DsparkDrafter
+    if block is None or block == drafter.config.block:
+        return drafter
+    if block < 2:
+        raise CliError(f"--block {block}: expected at least 2")
+    resized = DsparkDrafter(replace(drafter.config, block=block), drafter.host_weights, drafter.trunk)
+    resized.source = drafter.source
+    return resized
+
+
 def load_pair(be, block: int | None):
-    from .models import DsparkDrafter, load_default
+    from .models import load_default
     trunk, drafter = load_default(be)
-    if block is not None and block != drafter.config.block:
-        if block < 2:
-            raise CliError(f"--block {block}: expected at least 2")
-        drafter = DsparkDrafter(replace(drafter.config, block=block), drafter.host_weights, trunk)
-    return trunk, drafter
+    return trunk, with_block(drafter, block)
 
 
 def load_model(be, path: str):
@@ -119,6 +129,20 @@ def load_model(be, path: str):
     tokenizer = load_tokenizer(path)
     print(f"dspark: loaded {trunk.source.summary()}", file=sys.stderr)
     return trunk, tokenizer
+
+
+def load_released_drafter(args, trunk):
+    """--drafter: a released drafter (dspark.models.hf.load_drafter) for the --model target; its
+    description goes to stderr."""
+    from .models.hf import load_drafter
+    drafter = with_block(load_drafter(args.drafter, trunk), args.block)
+    print(f"dspark: loaded {drafter.source}", file=sys.stderr)
+    return drafter
+
+
+def check_drafter_option(args) -> None:
+    if args.drafter and not args.model:
+        raise CliError("--drafter needs --model: the Hugging Face target the drafter was trained for")
 
 
 def run_spec(trunk, drafter, prompt, params, progress=None):
@@ -169,13 +193,18 @@ def end_progress():
 
 def cmd_demo(args) -> int:
     from .session import SpecParams
+    check_drafter_option(args)
     be = backend_of(args.backend)
-    if args.model:  # no trained drafter given: a random one, so the demo still shows exactness
-        from .models.presets import random_drafter
+    if args.model:
         trunk, tokenizer = load_model(be, args.model)
-        drafter = random_drafter(trunk, block=args.block or 8)
-        what, text = f"{args.model} with a random drafter", tokenizer.decode
-        prompt = tokenizer.encode(DEMO_PROMPT)
+        if args.drafter:
+            drafter = load_released_drafter(args, trunk)
+            what = f"{args.model} with the drafter {args.drafter}"
+        else:  # no trained drafter given: a random one, so the demo still shows exactness
+            from .models.presets import random_drafter
+            drafter = random_drafter(trunk, block=args.block or 8)
+            what = f"{args.model} with a random drafter"
+        text, prompt = tokenizer.decode, tokenizer.encode(DEMO_PROMPT)
     else:
         trunk, drafter = load_pair(be, args.block)
         what, text, prompt = "embedded pair", decode, encode(DEMO_PROMPT)
@@ -193,9 +222,7 @@ def cmd_demo(args) -> int:
     print("---- prompt + speculative output " + "-" * 40)
     print(DEMO_PROMPT + text(spec))
     print("-" * 73)
-    acc = " ".join(f"{a:.2f}" for a in stats.acceptance_by_position)
-    print(f"mean accepted length   {stats.mean_accepted_length:.2f} tokens per round ({stats.rounds} rounds)")
-    print(f"acceptance by position {acc}")
+    print_acceptance(stats, sys.stdout)
     spec_tps, plain_tps = len(spec) / t_spec, len(plain) / t_plain
     print(f"speculative            {spec_tps:8.1f} tokens/s   (prime {t_prime * 1e3:.0f} ms)")
     print(f"plain greedy           {plain_tps:8.1f} tokens/s   (prefill {t_prefill * 1e3:.0f} ms)")
@@ -206,24 +233,33 @@ def cmd_demo(args) -> int:
     return 0 if exact else 1
 
 
+def print_acceptance(stats, file) -> None:
+    acc = " ".join(f"{a:.2f}" for a in stats.acceptance_by_position)
+    print(f"mean accepted length   {stats.mean_accepted_length:.2f} tokens per round ({stats.rounds} rounds)",
+          file=file)
+    print(f"acceptance by position {acc}", file=file)
+
+
 def cmd_generate(args) -> int:
     from .params import SamplingParams
     from .session import SpecParams
+    check_drafter_option(args)
     be = backend_of(args.backend)
     try:
         sampling = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                                   min_p=args.min_p, seed=args.seed)
     except ValueError as e:
         raise CliError(str(e).replace("SamplingParams.", "--").replace("_", "-")) from None
-    if args.model:  # no drafter for a Hugging Face target yet: plain decode
+    if args.model:  # speculative with --drafter, else plain decode
         trunk, tokenizer = load_model(be, args.model)
-        drafter, text, prompt = None, tokenizer.decode, tokenizer.encode(args.prompt)
+        drafter = load_released_drafter(args, trunk) if args.drafter else None
+        text, prompt = tokenizer.decode, tokenizer.encode(args.prompt)
     else:
         trunk, drafter = load_pair(be, args.block)
         text, prompt = decode, encode(args.prompt)
     if args.no_spec or drafter is None:
         out, dt, _ = run_plain(trunk, prompt, args.max_new_tokens, sampling)
-        note = "plain" if drafter is not None else "plain: no drafter for --model"
+        note, stats = ("plain" if drafter is not None else "plain: no --drafter for --model"), None
     else:
         out, dt, stats, _ = run_spec(trunk, drafter, prompt, SpecParams(
             max_new_tokens=args.max_new_tokens, verify=args.verify, tau=args.tau, max_verify=args.max_verify,
@@ -231,6 +267,8 @@ def cmd_generate(args) -> int:
         note = f"spec, mean accepted length {stats.mean_accepted_length:.2f}"
     print(args.prompt + text(out))
     print(f"[{len(out)} tokens in {dt:.2f}s, {len(out) / dt:.1f} tokens/s, {note}]", file=sys.stderr)
+    if stats is not None:
+        print_acceptance(stats, sys.stderr)
     return 0
 
 
@@ -256,10 +294,15 @@ def build_parser() -> argparse.ArgumentParser:
                                                       "else numpy)")
         p.add_argument("--model", default=None, metavar="DIR",
                        help="a Hugging Face target (qwen3, qwen3_5): a directory or a hub id in the local cache")
+        p.add_argument("--drafter", default=None, metavar="DIR",
+                       help="a released drafter for --model (DeepSpec DSpark, z-lab DFlash / DFlash2, speculators): "
+                            "a directory or a hub id in the local cache")
         p.add_argument("--max-new-tokens", type=positive_int, default=256)
-        p.add_argument("--block", type=positive_int, default=None, help="drafter block size (default: trained)")
-        p.add_argument("--verify", choices=VERIFY_POLICIES, default="confidence",
-                       help="verify width: from the confidence head, or the ladder")
+        p.add_argument("--block", type=positive_int, default=None,
+                       help="drafter block size (default: the drafter's own)")
+        p.add_argument("--verify", choices=VERIFY_POLICIES, default="auto",
+                       help="verify width: the drafter's confidence head where it has one, else the ladder "
+                            "(auto); confidence, ladder, or full (every draft)")
         p.add_argument("--tau", type=unit_float, default=DEMO_TAU,
                        help=f"confidence threshold for the verify width (default {DEMO_TAU})")
         p.add_argument("--max-verify", type=int, default=DEMO_MAX_VERIFY,

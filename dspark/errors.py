@@ -36,3 +36,8 @@ class KernelArgumentError(DsparkError, TypeError):
 
 class BackendUnavailable(DsparkError, RuntimeError):
     """The requested backend cannot run on this machine."""
+
+
+class CheckpointError(DsparkError, ValueError):
+    """A checkpoint that cannot be found, read or served (config or tensors): the message names the
+    field or tensor and what was expected."""

@@ -33,7 +33,7 @@ class SamplingParams:
         return self.temperature == 0.0
 
 
-VERIFY_POLICIES = ("confidence", "ladder")
+VERIFY_POLICIES = ("auto", "confidence", "ladder", "full")
 ROLLBACKS = ("checkpoint", "replay")
 
 
@@ -41,7 +41,8 @@ ROLLBACKS = ("checkpoint", "replay")
 class SpecParams:
     max_new_tokens: int = 256
     burst_target: int = 32
-    verify: str = "confidence"   # verify width from the confidence head, or the ladder
+    verify: str = "auto"         # verify width: the drafter's confidence head where it has one, else the
+                                 # ladder ("auto"); "confidence", "ladder", or "full" (every draft)
     tau: float = 0.5
     max_verify: int = 0          # cap on vt for both policies (the ladder's cap); 0: nd + 1
     rollback: str = "checkpoint"  # per-column checkpoint select, or snapshot restore + replay

@@ -33,12 +33,14 @@ _ids = itertools.count()
 class SpecBoundaryCapture:
     """The state at the end of the prompt: enough to start the same request again without a
     prefill. `cache` holds the attention rows and the recurrent snapshot; `draft_kv` the draft-KV
-    ring; `boundary_logits` the trunk logits at the last prompt row."""
+    ring, built from the trunk layers `taps`; `boundary_logits` the trunk logits at the last prompt
+    row."""
     prompt: tuple[int, ...]
     pos: int
     cache: Cache
     draft_kv: DraftKV
     boundary_logits: np.ndarray
+    taps: tuple[int, ...] = ()
 
     @property
     def nbytes(self) -> int:
@@ -65,6 +67,7 @@ class DsparkSpecSession:
         s = object.__new__(cls)
         s.id = next(_ids)
         s.trunk, s.drafter, s.be, s.params = trunk, drafter, trunk.be, params
+        s.verify = verify_policy(params, drafter)
         s.owner = f"spec/{s.id}"
         s.rounds = 0
         s.emitted: list[int] = []
@@ -100,7 +103,7 @@ class DsparkSpecSession:
             s.kv = drafter.new_kv(f"{s.owner}/draft_kv")
             s._allocate()
             with phase("prime"):
-                tp = trunk.prefill(s.cache, p)
+                tp = trunk.prefill(s.cache, p, taps=drafter.taps)
                 drafter.ingest([s.kv], tp.taps, tp.row_indptr)
             boundary = tp.logits[-1:]
             s.last = s._first_anchor(boundary)
@@ -108,7 +111,8 @@ class DsparkSpecSession:
             if params.capture:
                 s._capture = SpecBoundaryCapture(tuple(int(t) for t in p), s.cache.pos,
                                                  s.cache.copy(f"capture/{s.id}/cache"),
-                                                 s.kv.copy(f"capture/{s.id}/draft_kv"), s.be.to_host(boundary)[0])
+                                                 s.kv.copy(f"capture/{s.id}/draft_kv"), s.be.to_host(boundary)[0],
+                                                 drafter.taps)
         except BaseException:
             s._release_all()
             raise
@@ -121,6 +125,11 @@ class DsparkSpecSession:
         prefill. The output is byte-identical to a cold prime. The capture is not consumed."""
         params = params or SpecParams()
         s = cls._new(trunk, drafter, params)
+        kv_shape = (len(capture.draft_kv.k), *capture.draft_kv.shape)
+        want = (drafter.config.layers, drafter.config.kv_heads, drafter.ring, drafter.config.head_dim)
+        if capture.taps != drafter.taps or kv_shape != want:
+            raise ValueError(f"capture: its draft KV (layers, heads, ring, dim)={kv_shape} was built from trunk layers "
+                             f"{capture.taps}; this drafter taps {drafter.taps} into {want}")
         try:
             s.cache = capture.cache.copy(f"cache/{s.id}")
             s.kv = capture.draft_kv.copy(f"{s.owner}/draft_kv")
@@ -241,11 +250,24 @@ def _group(sessions: list[DsparkSpecSession]) -> tuple[HybridTrunk, DsparkDrafte
     return t, d
 
 
+def verify_policy(params: SpecParams, drafter: DsparkDrafter) -> str:
+    """SpecParams.verify resolved for this drafter: "auto" is its confidence head where it has one,
+    the ladder otherwise."""
+    if params.verify == "auto":
+        return "confidence" if drafter.has_confidence else "ladder"
+    if params.verify == "confidence" and not drafter.has_confidence:
+        raise ValueError("SpecParams.verify='confidence': this drafter has no confidence head; use 'auto', "
+                         "'ladder' or 'full'")
+    return params.verify
+
+
 def verify_width(s: DsparkSpecSession, conf: np.ndarray, nd: int) -> int:
-    """Columns to verify: 1 + the confident prefix (tau), or the ladder, clamped to
-    [2, min(nd + 1, max_verify)]."""
+    """Columns to verify: every draft ("full", as dflash_generate), 1 + the confident prefix (tau),
+    or the ladder; clamped to [2, min(nd + 1, max_verify)]."""
     cap = min(s.params.max_verify or nd + 1, nd + 1)
-    if s.params.verify == "confidence":
+    if s.verify == "full":
+        return cap
+    if s.verify == "confidence":
         below = np.flatnonzero(conf < s.params.tau)
         return min(max(1 + (int(below[0]) if below.size else nd), 2), cap)
     return min(max(s.m_prev + 2, 3), cap)
@@ -297,7 +319,8 @@ def _round(trunk: HybridTrunk, drafter: DsparkDrafter, live: list[DsparkSpecSess
     committed = False
     try:
         with phase("verify"):
-            tp = trunk.verify([s.cache for s in live], cands, checkpoints=live[0].params.rollback == "checkpoint")
+            tp = trunk.verify([s.cache for s in live], cands, checkpoints=live[0].params.rollback == "checkpoint",
+                              taps=drafter.taps)
         with phase("accept"):
             if greedy:
                 m, nxt = greedy_accept(be, tp.logits, be.asarray(np.concatenate(cands)), be.asarray(tp.row_indptr))

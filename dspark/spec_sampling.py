@@ -30,29 +30,24 @@ def sample_boundary(session, boundary_logits) -> int:
 
 
 def propose_sampled(live, drafter, dl, dh, nd: int):
-    """Draft slot by slot from the Markov-biased drafter distributions q (filtered with each
-    session's own settings). Returns (drafts [B, nd], confidence [B, nd], q [B, nd, V])."""
+    """Draft slot by slot from the drafter's Markov-chain distributions q (over the target
+    vocabulary, filtered with each session's own settings). Returns (drafts [B, nd], confidence
+    [B, nd], q [B, nd, V])."""
     be, xp = drafter.be, drafter.be.xp
-    B, V = len(live), dl.shape[1]
+    B, V = len(live), drafter.trunk.config.vocab
     samplings = [s.params.sampling for s in live]
     filters = filters_for(samplings)
     seeds = [sp.seed for sp in samplings]
     counters = [int(s.rng[0]) for s in live]
-    drafts = np.zeros((B, nd), np.int32)
-    conf = np.zeros((B, nd), np.float32)
     q = xp.empty((B, nd, V), np.float32)
-    prev = np.array([s.last for s in live], np.int32)
+    chain = drafter.chain(dh, dl, [s.last for s in live])
     for k in range(nd):
-        rows = xp.asarray(np.arange(B) * nd + k)
-        bias, emb = drafter.markov_bias(prev)
         dist = xp.empty((B, V), np.float32)
-        tok, _ = sample_filtered(be, dl[rows] + bias, filters, Streams.full(B, seeds, counters, Tag.DRAFT, k),
-                                 dist_out=dist)
+        tok, _ = sample_filtered(be, drafter.to_target_vocab(chain.step(k)), filters,
+                                 Streams.full(B, seeds, counters, Tag.DRAFT, k), dist_out=dist)
         q[:, k] = dist
-        drafts[:, k] = be.to_host(tok)
-        conf[:, k] = be.to_host(drafter.confidence(dh[rows], emb))
-        prev = drafts[:, k]
-    return drafts, conf, q
+        chain.choose(k, be.to_host(tok))
+    return chain.drafts, chain.conf, q
 
 
 def accept_sampled(live, tp, cands, q, vts):

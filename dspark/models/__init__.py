@@ -1,7 +1,8 @@
 """Reference models: the hybrid trunk and the DSpark drafter."""
 
 from .cache import Cache
-from .config import DrafterConfig, TrunkConfig
+from .config import TrunkConfig
+from .drafter_config import DrafterConfig
 from .drafter import DraftKV, DsparkDrafter
 from .trunk import HybridTrunk, TrunkPass
 

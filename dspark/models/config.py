@@ -3,13 +3,19 @@
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 MIXERS = ("gdn", "attn")
 
 
 ROPE_TYPES = ("default", "linear", "yarn")
+
+
+def extension(default):
+    """A field added after the first file format: left out of the JSON while it holds its default
+    (to_json), so the files written before it read and write as they were."""
+    return field(default=default, metadata={"omit_default": True})
 
 
 @dataclass(frozen=True)
@@ -38,16 +44,16 @@ class TrunkConfig:
     kv_dtype: str = "float32"
     # Conventions of other checkpoints, as data. Each default is the embedded trunk's, and a field
     # at its default is left out of the JSON (to_json), so older files stay as they were.
-    gdn_k_heads: int = 0             # key heads; 0: one per value head. Value head h reads key
-                                     # head h // (gdn_heads / gdn_k_heads) (Qwen3.5: 2 or 3 per key head)
-    norm_offset: float = 0.0         # RMSNorm scales by (norm_offset + w): 1.0 for zero-centred
-                                     # weights (Qwen3.5); never applied to the gdn output norm
-    qk_norm: bool = False            # RMSNorm over each q and k head before RoPE (Qwen3, Qwen3.5)
-    attn_gate: bool = False          # the q projection also yields a sigmoid output gate per head:
-                                     # columns [q_h (head_dim) | gate_h (head_dim)] for each head h
-    rope_fraction: float = 1.0       # RoPE rotates the first int(head_dim * fraction) dims of a head
-    rope_scaling: tuple = ()         # (key, value) pairs: rope_type linear | yarn and its parameters
-    tie_embeddings: bool = False     # LM head = embedding^T (no lm_head tensor)
+    gdn_k_heads: int = extension(0)         # key heads; 0: one per value head. Value head h reads key head
+                                            # h // (gdn_heads / gdn_k_heads) (Qwen3.5: 2 or 3 per key head)
+    norm_offset: float = extension(0.0)     # RMSNorm scales by (norm_offset + w): 1.0 for zero-centred
+                                            # weights (Qwen3.5); never applied to the gdn output norm
+    qk_norm: bool = extension(False)        # RMSNorm over each q and k head before RoPE (Qwen3, Qwen3.5)
+    attn_gate: bool = extension(False)      # the q projection also yields a sigmoid output gate per head:
+                                            # columns [q_h (head_dim) | gate_h (head_dim)] for each head h
+    rope_fraction: float = extension(1.0)   # RoPE rotates the first int(head_dim * fraction) dims of a head
+    rope_scaling: tuple = extension(())     # (key, value) pairs: rope_type linear | yarn and its parameters
+    tie_embeddings: bool = extension(False)  # LM head = embedding^T (no lm_head tensor)
 
     def __post_init__(self):
         bad = [m for m in self.layers if m not in MIXERS]
@@ -90,52 +96,11 @@ class TrunkConfig:
         return dict(self.rope_scaling)
 
 
-@dataclass(frozen=True)
-class DrafterConfig:
-    block: int = 8                   # b: rows per drafter pass
-    window: int = 64                 # committed rows of draft KV each block row sees
-    d_model: int = 128               # must equal the trunk's (shared embedding and LM head)
-    layers: int = 1
-    heads: int = 4
-    kv_heads: int = 2
-    head_dim: int = 64
-    mlp_hidden: int = 256
-    markov_rank: int = 32
-    harvest: str = "shifted"         # DSpark: every row is a draft; "mask_fill": rows 1..b-1 (DFlash)
-    rope_theta: float = 10000.0
-    norm_eps: float = 1e-6
-
-    def __post_init__(self):
-        if self.harvest not in ("shifted", "mask_fill"):
-            raise ValueError(f"harvest={self.harvest!r}: expected 'shifted' or 'mask_fill'")
-        if self.block < 2:
-            raise ValueError(f"block={self.block}: expected at least 2")
-        if self.heads % self.kv_heads:
-            raise ValueError(f"heads={self.heads} must be a multiple of kv_heads={self.kv_heads}")
-
-    @property
-    def drafts(self) -> int:
-        """Draft tokens per pass: b when every row is a draft, b-1 in mask-fill."""
-        return self.block if self.harvest == "shifted" else self.block - 1
-
-    @property
-    def ring(self) -> int:
-        """Draft-KV ring capacity: the window plus one block of newly committed rows."""
-        return self.window + self.block
-
-
-# Fields added after the first file format: written only when they differ from their defaults.
-EXTENSIONS = {"TrunkConfig": ("gdn_k_heads", "norm_offset", "qk_norm", "attn_gate", "rope_fraction", "rope_scaling",
-                              "tie_embeddings")}
-
-
 def to_json(cfg) -> str:
-    data = asdict(cfg)
-    defaults = {f.name: f.default for f in fields(cfg)}
-    for name in EXTENSIONS.get(type(cfg).__name__, ()):
-        if data[name] == defaults[name]:
-            del data[name]
-    return json.dumps({"kind": type(cfg).__name__, **data}, indent=1)
+    """Every field, except those marked omit_default while they hold their default."""
+    skip = {f.name for f in fields(cfg) if f.metadata.get("omit_default") and getattr(cfg, f.name) == f.default}
+    return json.dumps({"kind": type(cfg).__name__, **{k: v for k, v in asdict(cfg).items() if k not in skip}},
+                      indent=1)
 
 
 def from_json(text_or_path, kind):

@@ -1,44 +1,58 @@
-"""The DSpark block drafter.
+"""The block drafter: one model code for the embedded drafter, DeepSpec DSpark, z-lab DFlash /
+DFlash2 and speculators checkpoints, configured by DrafterConfig (dspark.models.hf loads the
+released formats; each is a mapping onto these names).
 
-Context: each committed trunk row's taps become a feature f = norm(fc(concat(taps))); every
-drafter layer projects f to K (normed, RoPE at the row's position) and V and keeps them in a
-ring of `window + block` rows (the draft KV). Only committed rows are ever ingested.
+Context: each committed trunk row's taps (the target's hidden_states[t + 1] for each tap layer t,
+concatenated) become a feature f = norm(fc(taps)). Every drafter layer projects f to K (k_norm,
+RoPE at the row's absolute position) and V and keeps them in a ring of `window + block` rows (the
+draft KV). Context rows do NOT pass the layer's input norm, and f is the same for every layer (as
+in all three references). Only committed rows are ever ingested.
 
-Block: one parallel pass over [anchor, MASK x (b-1)] at positions pos..pos+b-1. Each layer
-attends bidirectionally to the window of draft KV plus the block's own K/V, then an MLP. Rows go
-through the trunk's final norm and LM head (shared, as is the embedding).
+Block: one parallel pass over [anchor, MASK x (b-1)] at positions pos..pos+b-1, embedded with the
+trunk's embedding (or the checkpoint's own copy) times embed_scale. Each layer: h = norm1(x); q
+(q_norm when the checkpoint has it, RoPE), k (k_norm, RoPE) and v of the block rows; every row
+attends, without a causal mask, to the layer's window of draft KV (all committed rows when the
+window is 0, as the references do) plus the whole block; x += wo(o); x += MLP(norm2(x)). DFlash2
+wraps the attention and the MLP in grouped dynamic causal convolutions over the block rows. Rows
+go through the final norm (the checkpoint's own for the released formats, the trunk's for the
+embedded drafter) and the LM head (the trunk's, or the checkpoint's own for a reduced draft
+vocabulary), times logit_scale, soft-capped when logit_softcap > 0.
 
-Heads: a low-rank Markov head adds W2 . W1[x_{k-1}] to slot k's logits, and a confidence head
-scores each slot, c_k = sigmoid(w . [h_k ; W1[x_{k-1}]] + b).
+Harvest: "shifted" (DeepSpec DSpark, speculators sample_from_anchor=True, the embedded drafter):
+every row is a draft, row k predicts the token at pos+k+1. "mask_fill" (z-lab DFlash,
+speculators sample_from_anchor=False): rows 1..b-1 are the drafts, row k predicts pos+k.
+
+Heads (dspark.models.drafter_heads): the Markov chain over the draft slots (vanilla, gated, rnn,
+or DFlash2's candidate selector) and the confidence head.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
+from ..errors import DTypeError, ShapeError, TokenRangeError
 from ..ops import dense
-from ..ops.argmax import markov_chain
+from ..ops.argmax import argmax_rows, markov_chain
 from ..ops.attention import attention
 from ..ops.kv_commit import kv_commit
-from .config import DrafterConfig
-from .trunk import HybridTrunk
-from .weights import check_weights, drafter_spec, load_model, random_weights, save_model, to_backend
+
+from .drafter_config import INT_TENSORS, DrafterConfig, drafter_spec
+from .drafter_heads import Chain
+from .weights import load_model, random_weights, save_model, to_backend
 
 
 class DraftKV:
-    """One session's draft KV: per drafter layer a K and V ring [Hkv, window + block, D], and
-    `pos`, the number of committed rows ingested so far."""
+    """One session's draft KV: per drafter layer a K and V ring [Hkv, ring, D], and `pos`, the
+    number of committed rows ingested so far."""
 
-    def __init__(self, be, config: DrafterConfig, owner: str):
-        c = config
-        self.be, self.config, self.owner = be, c, owner
-        shape = (c.kv_heads, c.ring, c.head_dim)
-        self.k = [be.alloc.zeros(shape, np.float32, owner) for _ in range(c.layers)]
-        self.v = [be.alloc.zeros(shape, np.float32, owner) for _ in range(c.layers)]
+    def __init__(self, be, shape: tuple[int, int, int], layers: int, owner: str):
+        self.be, self.shape, self.owner = be, shape, owner
+        self.k = [be.alloc.zeros(shape, np.float32, owner) for _ in range(layers)]
+        self.v = [be.alloc.zeros(shape, np.float32, owner) for _ in range(layers)]
         self.pos = 0
 
     def copy(self, owner: str) -> "DraftKV":
-        new = DraftKV(self.be, self.config, owner)
+        new = DraftKV(self.be, self.shape, len(self.k), owner)
         for dst, src in zip(new.k + new.v, self.k + self.v):
             dst[...] = src
         new.pos = self.pos
@@ -50,21 +64,67 @@ class DraftKV:
         return n
 
 
+def check_drafter_weights(weights: dict, spec: dict[str, tuple[int, ...]]) -> None:
+    """Every tensor of the spec, nothing else, each of its shape; f32 (int32 for the vocab map)."""
+    missing = sorted(set(spec) - set(weights))
+    if missing:
+        raise ShapeError(f"drafter: tensor {missing[0]!r} is missing ({len(missing)} missing in all)")
+    extra = sorted(set(weights) - set(spec))
+    if extra:
+        raise ShapeError(f"drafter: unexpected tensor {extra[0]!r}")
+    for name, shape in spec.items():
+        w = weights[name]
+        if tuple(w.shape) != tuple(shape):
+            raise ShapeError(f"drafter: tensor {name!r} has shape {tuple(w.shape)}, expected {tuple(shape)}")
+        want = np.int32 if name in INT_TENSORS else np.float32
+        if w.dtype != want:
+            raise DTypeError(f"drafter: tensor {name!r} has dtype {w.dtype}, expected {np.dtype(want)}")
+
+
 class DsparkDrafter:
-    def __init__(self, config: DrafterConfig, weights: dict[str, np.ndarray], trunk: HybridTrunk):
-        if config.d_model != trunk.config.d_model:
-            raise ValueError(f"drafter d_model={config.d_model} must equal the trunk's {trunk.config.d_model}")
-        check_weights(weights, drafter_spec(config, trunk.config), "drafter")
-        self.config, self.trunk, self.be = config, trunk, trunk.be
+    def __init__(self, config: DrafterConfig, weights: dict[str, np.ndarray], trunk):
+        c, tc = config, trunk.config
+        if c.d_model != tc.d_model:
+            raise ValueError(f"drafter d_model={c.d_model} must equal the trunk's {tc.d_model}")
+        # The session asks the trunk for these layers on every pass, whatever its default taps.
+        taps = tuple(c.taps or tc.tap_layers)
+        if any(not -1 <= t < len(tc.layers) for t in taps):
+            raise ShapeError(f"drafter taps={taps}: expected layer indices of the trunk in [-1, {len(tc.layers)}) "
+                             f"(-1: the embedding)")
+        self.mask_id = c.mask_id if c.mask_id >= 0 else tc.mask_id
+        if not 0 <= self.mask_id < tc.vocab:
+            raise TokenRangeError(f"drafter mask_id={self.mask_id} is outside the vocabulary [0, {tc.vocab})")
+        check_drafter_weights(weights, drafter_spec(c, tc))
+        if c.draft_vocab:
+            d2t = weights["draft_to_target"]
+            if np.any((d2t < 0) | (d2t >= tc.vocab)):
+                raise TokenRangeError(f"drafter draft_to_target has ids outside the vocabulary [0, {tc.vocab})")
+        self.config, self.trunk, self.be = c, trunk, trunk.be
+        self.taps = taps
+        self.source = None  # a description when loaded from a released checkpoint (dspark.models.hf)
+        # Window 0 means every committed row, as the references attend: the ring then holds the
+        # whole context the trunk's cache can.
+        self.windows = tuple(w or tc.max_ctx for w in c.windows())
+        self.ring = max(self.windows) + c.block
         self.host_weights = weights
-        self.w = to_backend(self.be, weights)
+        self.w = to_backend(self.be, {k: v for k, v in weights.items() if k not in INT_TENSORS})
+        self.d2t = weights["draft_to_target"] if c.draft_vocab else None  # host: draft row -> target id
+        self.embed = self.w["embed"] if c.own_embed else trunk.w["embed"]
+        self.final_norm = self.w["final_norm"] if c.own_norm else trunk.w["final_norm"]
+        self.final_eps = c.norm_eps if c.own_norm else tc.norm_eps
+        self.lm_head = self.w["lm_head"] if c.own_head else trunk.w["lm_head"]
 
     @classmethod
-    def random(cls, config: DrafterConfig, trunk: HybridTrunk, seed: int) -> "DsparkDrafter":
-        return cls(config, random_weights(drafter_spec(config, trunk.config), seed), trunk)
+    def random(cls, config: DrafterConfig, trunk, seed: int) -> "DsparkDrafter":
+        w = random_weights(drafter_spec(config, trunk.config), seed)
+        if config.draft_vocab:
+            rng = np.random.default_rng(seed)
+            ids = rng.choice(trunk.config.vocab, config.draft_vocab, replace=False)
+            w["draft_to_target"] = np.sort(ids).astype(np.int32)
+        return cls(config, w, trunk)
 
     @classmethod
-    def load(cls, directory, trunk: HybridTrunk, name: str = "drafter") -> "DsparkDrafter":
+    def load(cls, directory, trunk, name: str = "drafter") -> "DsparkDrafter":
         config, tensors = load_model(directory, name, DrafterConfig)
         return cls(config, tensors, trunk)
 
@@ -72,7 +132,12 @@ class DsparkDrafter:
         save_model(directory, name, self.config, self.host_weights, fmt)
 
     def new_kv(self, owner: str) -> DraftKV:
-        return DraftKV(self.be, self.config, owner)
+        c = self.config
+        return DraftKV(self.be, (c.kv_heads, self.ring, c.head_dim), c.layers, owner)
+
+    @property
+    def has_confidence(self) -> bool:
+        return self.config.confidence != "none"
 
     # ---- context ------------------------------------------------------------------------------
     def _kv(self, h, layer: int, positions):
@@ -92,7 +157,7 @@ class DsparkDrafter:
         session's last `ring` rows are computed and written."""
         c, w = self.config, self.w
         lens = np.diff(row_indptr).astype(np.int64)
-        skip = np.maximum(lens - c.ring, 0)
+        skip = np.maximum(lens - self.ring, 0)
         take = (lens - skip).astype(np.int32)
         pos = np.array([kv.pos for kv in kvs], np.int64) + skip
         rows = np.concatenate([row_indptr[i] + skip[i] + np.arange(take[i]) for i in range(len(kvs))]) if kvs else []
@@ -109,30 +174,70 @@ class DsparkDrafter:
     # ---- the block pass -----------------------------------------------------------------------
     def block_pass(self, kvs: list[DraftKV], anchors) -> tuple[object, object]:
         """One parallel pass over [anchor, MASK x (b-1)] per session at positions kv.pos...
-        Returns (hidden [B*b, d] after the trunk's final norm, logits [B*b, V])."""
-        c, w, tw, tc = self.config, self.w, self.trunk.w, self.trunk.config
+        Returns (hidden [B*b, d] after the final norm, logits [B*b, V or draft_vocab])."""
+        c, w = self.config, self.w
         xp, b, B = self.be.xp, c.block, len(kvs)
-        ids = np.full((B, b), tc.mask_id, np.int32)
+        ids = np.full((B, b), self.mask_id, np.int32)
         ids[:, 0] = np.asarray(anchors, np.int32)
         pos = np.array([kv.pos for kv in kvs], np.int32)
         positions = (pos[:, None] + np.arange(b)[None, :]).reshape(-1)
         indptr = (np.arange(B + 1) * b).astype(np.int32)
-        x = tw["embed"][xp.asarray(ids.reshape(-1))]
+        x = self.embed[xp.asarray(ids.reshape(-1))]
+        if c.embed_scale != 1.0:
+            x = x * np.float32(c.embed_scale)
         rows = B * b
         for i in range(c.layers):
             p = f"layers.{i}."
             h = dense.rmsnorm(x, w[p + "norm1"], c.norm_eps)
+            if c.conv_kernel:
+                h, out_kernel = self._conv_prepare(h, p + "attn_conv.", B)
             q = dense.linear(h, w[p + "attn.wq"]).reshape(rows, c.heads, c.head_dim)
+            if c.q_norm:
+                q = dense.rmsnorm(q, w[p + "attn.q_norm"], c.norm_eps)
             q = dense.rope(q, positions, c.rope_theta)
             k, v = self._kv(h, i, positions)
             o = attention(self.be, q, k, v, [kv.k[i] for kv in kvs], [kv.v[i] for kv in kvs], pos, indptr,
-                          mode="block", window=c.window)
-            x = x + dense.linear(o.reshape(rows, -1), w[p + "attn.wo"])
+                          mode="block", window=self.windows[i])
+            if c.conv_kernel:
+                x = x + self._conv(dense.linear(o.reshape(rows, -1), w[p + "attn.wo"]), out_kernel,
+                                   w[p + "attn_conv.base"][1], B)
+            else:
+                x = x + dense.linear(o.reshape(rows, -1), w[p + "attn.wo"])
             h = dense.rmsnorm(x, w[p + "norm2"], c.norm_eps)
-            x = x + dense.linear(dense.swiglu(dense.linear(h, w[p + "mlp.w_gate"]), dense.linear(h, w[p + "mlp.w_up"])),
-                                 w[p + "mlp.w_down"])
-        hidden = dense.rmsnorm(x, tw["final_norm"], tc.norm_eps)
-        return hidden, dense.linear(hidden, tw["lm_head"])
+            if c.conv_kernel:
+                h, out_kernel = self._conv_prepare(h, p + "mlp_conv.", B)
+            m = dense.linear(dense.swiglu(dense.linear(h, w[p + "mlp.w_gate"]), dense.linear(h, w[p + "mlp.w_up"])),
+                             w[p + "mlp.w_down"])
+            x = x + (self._conv(m, out_kernel, w[p + "mlp_conv.base"][1], B) if c.conv_kernel else m)
+        hidden = dense.rmsnorm(x, self.final_norm, self.final_eps)
+        logits = dense.linear(hidden, self.lm_head)
+        if c.logit_scale != 1.0:
+            logits = logits * np.float32(c.logit_scale)
+        if c.logit_softcap > 0:
+            cap = np.float32(c.logit_softcap)
+            logits = xp.tanh(logits / cap) * cap
+        return hidden, logits
+
+    def _conv_prepare(self, h, p: str, B: int):
+        """DFlash2: the input-side convolution of a sublayer, and the output side's dynamic kernel
+        (both from one projection of the sublayer's input)."""
+        c = self.config
+        dyn = dense.linear(h, self.w[p + "proj"]).reshape(B, c.block, 2, c.conv_kernel, c.d_model // c.conv_group)
+        return self._conv(h, dyn[:, :, 0], self.w[p + "base"][0], B), dyn[:, :, 1]
+
+    def _conv(self, x, dyn, base, B: int):
+        """Grouped dynamic causal convolution over each session's block rows (DFlash2):
+        out_t = sum_o (base[o] + dyn_t[o, g]) * x_{t-o} per channel group g, x before the block = 0,
+        accumulated over o in increasing order as the reference does."""
+        c, xp = self.config, self.be.xp
+        G = c.d_model // c.conv_group
+        xs = x.reshape(B, c.block, G, c.conv_group)
+        out = xp.zeros_like(xs)
+        for o in range(c.conv_kernel):
+            shifted = xs if o == 0 else xp.concatenate([xp.zeros_like(xs[:, :o]), xs[:, :-o]], axis=1)
+            out = out + base[o].reshape(G, c.conv_group) * shifted
+            out = out + dyn[:, :, o, :, None] * shifted
+        return out.reshape(B * c.block, c.d_model)
 
     def draft(self, kvs: list[DraftKV], anchors) -> tuple[object, object]:
         """The block pass, harvested: (hidden, logits) of the draft slots only, [B*nd, ...]
@@ -141,20 +246,6 @@ class DsparkDrafter:
         rows = self.be.xp.asarray(self.draft_rows(len(kvs)))
         return hidden[rows], logits[rows]
 
-    def propose_greedy(self, hidden, logits, anchors) -> tuple[np.ndarray, np.ndarray]:
-        """The Markov chain x_k = argmax(logits_k + W2 . W1[x_{k-1}]), x_{-1} = anchor (one fused
-        launch), then the confidence c_k of every slot. Returns host (drafts, conf) [B, nd]."""
-        be, nd = self.be, self.config.drafts
-        anchors = np.asarray(anchors, np.int32)
-        drafts = be.to_host(markov_chain(be, logits, self.w["markov.w1"], self.w["markov.w2"], anchors, nd))
-        prev = np.concatenate([anchors[:, None], drafts[:, :-1]], axis=1).reshape(-1)
-        emb = self.w["markov.w1"][be.xp.asarray(prev)]
-        return drafts, be.to_host(self.confidence(hidden, emb)).reshape(len(anchors), nd)
-
-    def propose(self, kvs: list[DraftKV], anchors) -> tuple[np.ndarray, np.ndarray]:
-        """Greedy drafts and their confidences for each session: draft, then the Markov chain."""
-        return self.propose_greedy(*self.draft(kvs, anchors), anchors)
-
     def draft_rows(self, B: int) -> np.ndarray:
         """Indices (into the B*b block rows) of the rows that are drafts, per harvest mode:
         shifted: every row (row k predicts the token at pos+k+1); mask_fill: rows 1..b-1."""
@@ -162,13 +253,57 @@ class DsparkDrafter:
         first = 0 if self.config.harvest == "shifted" else 1
         return (np.arange(B)[:, None] * b + np.arange(first, b)[None, :]).reshape(-1)
 
+    # ---- proposals ----------------------------------------------------------------------------
+    def chain(self, hidden, logits, anchors) -> Chain:
+        """The Markov chain over the draft slots of one round (dspark.models.drafter_heads)."""
+        return Chain(self, hidden, logits, anchors)
+
+    def propose_greedy(self, hidden, logits, anchors) -> tuple[np.ndarray, np.ndarray]:
+        """x_k = argmax of slot k's Markov-chain logits, x_{-1} = anchor, and the confidence c_k
+        of every slot (NaN without a confidence head). Returns host (drafts, conf) [B, nd]."""
+        c, be, nd = self.config, self.be, self.config.drafts
+        anchors = np.asarray(anchors, np.int32)
+        if c.markov == "vanilla" and not c.draft_vocab:  # the fused chain: one launch
+            drafts = be.to_host(markov_chain(be, logits, self.w["markov.w1"], self.w["markov.w2"], anchors, nd))
+            if not self.has_confidence:
+                return drafts, np.full(drafts.shape, np.nan, np.float32)
+            prev = np.concatenate([anchors[:, None], drafts[:, :-1]], axis=1).reshape(-1)
+            emb = self.w["markov.w1"][be.xp.asarray(prev)]
+            return drafts, be.to_host(self.confidence(hidden, emb)).reshape(len(anchors), nd)
+        if c.markov == "none":   # no chain: every slot's argmax in one launch
+            ids = be.to_host(argmax_rows(be, logits)).reshape(len(anchors), nd)
+            drafts = self.d2t[ids] if self.d2t is not None else ids
+            conf = be.to_host(self.confidence(hidden, None)).reshape(drafts.shape) if self.has_confidence else \
+                np.full(drafts.shape, np.nan, np.float32)
+            return drafts.astype(np.int32), conf
+        chain = self.chain(hidden, logits, anchors)
+        for k in range(nd):
+            chain.choose_greedy(k)
+        return chain.drafts, chain.conf
+
+    def propose(self, kvs: list[DraftKV], anchors) -> tuple[np.ndarray, np.ndarray]:
+        """Greedy drafts and their confidences for each session: draft, then the Markov chain."""
+        return self.propose_greedy(*self.draft(kvs, anchors), anchors)
+
     def markov_bias(self, prev_tokens):
-        """W2 . W1[x_{k-1}] for a batch of previous tokens -> [n, V]; also returns W1[x]."""
+        """The vanilla head's W2 . W1[x_{k-1}] for a batch of previous tokens -> [n, V]; also
+        returns W1[x]."""
         e = self.w["markov.w1"][self.be.xp.asarray(np.asarray(prev_tokens, np.int32))]
         return dense.linear(e, self.w["markov.w2"]), e
 
     def confidence(self, hidden, markov_embed):
-        """c_k = sigmoid(w . [h_k ; W1[x_{k-1}]] + b) for rows of hidden [n, d]."""
+        """c_k = sigmoid(w . [h_k ; W1[x_{k-1}]] + b) ("markov"), or sigmoid(w . h_k + b)
+        ("hidden"), for rows of hidden [n, d]."""
         xp = self.be.xp
-        feats = xp.concatenate([hidden, markov_embed], axis=1)
+        feats = xp.concatenate([hidden, markov_embed], axis=1) if self.config.confidence == "markov" else hidden
         return dense.sigmoid(dense.linear(feats, self.w["conf.w"][:, None])[:, 0] + self.w["conf.b"][0])
+
+    def to_target_vocab(self, logits):
+        """Draft-vocabulary logits [n, draft_vocab] as target-vocabulary logits [n, V] (-inf on
+        tokens the draft vocabulary lacks); the identity without a draft vocabulary."""
+        if self.d2t is None:
+            return logits
+        xp = self.be.xp
+        out = xp.full((logits.shape[0], self.trunk.config.vocab), -np.inf, np.float32)
+        out[:, xp.asarray(self.d2t)] = logits
+        return out

@@ -3,7 +3,8 @@ benchmarks."""
 
 from dataclasses import replace
 
-from .config import DrafterConfig, TrunkConfig
+from .config import TrunkConfig
+from .drafter_config import DrafterConfig
 from .drafter import DsparkDrafter
 from .trunk import HybridTrunk
 

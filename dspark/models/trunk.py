@@ -117,8 +117,9 @@ class HybridTrunk:
         commit=False leaves the attention caches and pos alone (verify): the K/V rows stay in the
         returned scratch for `commit_rows`. The gdn state always advances through every column;
         record_gdn keeps the scan inputs for replay, checkpoints keeps the state after each column.
-        taps: the layers whose outputs (hidden_states[layer + 1] in transformers' terms) make
-        TrunkPass.taps, in that order; default config.tap_layers. A drafter passes its own.
+        taps: the layers whose outputs (hidden_states[layer + 1] in transformers' terms; -1 is the
+        embedding, hidden_states[0]) make TrunkPass.taps, in that order; default config.tap_layers.
+        The session passes its drafter's, so one loaded target serves any drafter.
         """
         c, be, w = self.config, self.be, self.w
         xp = be.xp
@@ -136,7 +137,7 @@ class HybridTrunk:
         dev_indptr = xp.asarray(indptr)
         x = dense.widen(w["embed"][ids])
         out = TrunkPass(logits=None, taps=None, row_indptr=indptr, tap_layers=tap_layers)
-        taps_of = {}
+        taps_of = {-1: x}
         ia = ig = 0
         for i, kind in enumerate(c.layers):
             p = f"layers.{i}."
@@ -163,8 +164,9 @@ class HybridTrunk:
             return self.config.tap_layers
         n = len(self.config.layers)
         t = tuple(int(i) for i in taps)
-        if not t or any(not 0 <= i < n for i in t):
-            raise ShapeError(f"taps={tuple(taps)}: expected one or more layer indices in [0, {n})")
+        if not t or any(not -1 <= i < n for i in t):
+            raise ShapeError(f"taps={tuple(taps)}: expected one or more layer indices in [-1, {n}) "
+                             f"(-1: the embedding)")
         return t
 
     def _attention(self, h, p, caches, ia, pos, indptr, positions, out):

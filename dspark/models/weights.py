@@ -18,7 +18,8 @@ import numpy as np
 
 from ..dtypes import BF16
 from ..errors import DTypeError, ShapeError
-from .config import DrafterConfig, TrunkConfig
+from .config import TrunkConfig
+from .drafter_config import drafter_spec  # noqa: F401  (the drafter's table lives beside its config)
 
 F32 = np.dtype(np.float32)
 STORAGE = (F32, np.dtype(np.float16), BF16)
@@ -58,28 +59,6 @@ def trunk_spec(c: TrunkConfig) -> dict[str, tuple[int, ...]]:
     spec["final_norm"] = (d,)
     if not c.tie_embeddings:
         spec["lm_head"] = (d, c.vocab)
-    return spec
-
-
-def drafter_spec(c: DrafterConfig, t: TrunkConfig) -> dict[str, tuple[int, ...]]:
-    d, F = c.d_model, c.mlp_hidden
-    spec = {"fc": (len(t.tap_layers) * t.d_model, d), "fc_norm": (d,)}
-    for i in range(c.layers):
-        p = f"layers.{i}."
-        spec[p + "norm1"] = (d,)
-        spec[p + "norm2"] = (d,)
-        spec[p + "attn.wq"] = (d, c.heads * c.head_dim)
-        spec[p + "attn.wk"] = (d, c.kv_heads * c.head_dim)
-        spec[p + "attn.wv"] = (d, c.kv_heads * c.head_dim)
-        spec[p + "attn.k_norm"] = (c.head_dim,)
-        spec[p + "attn.wo"] = (c.heads * c.head_dim, d)
-        spec[p + "mlp.w_gate"] = (d, F)
-        spec[p + "mlp.w_up"] = (d, F)
-        spec[p + "mlp.w_down"] = (F, d)
-    spec["markov.w1"] = (t.vocab, c.markov_rank)
-    spec["markov.w2"] = (c.markov_rank, t.vocab)
-    spec["conf.w"] = (d + c.markov_rank,)
-    spec["conf.b"] = (1,)
     return spec
 
 

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..models.config import DrafterConfig, TrunkConfig
+from ..models.config import TrunkConfig
+from ..models.drafter_config import DrafterConfig
 
 TRUNK = TrunkConfig(d_model=192, mlp_hidden=416, layers=("gdn", "gdn", "gdn", "attn"), attn_heads=4,
                     attn_kv_heads=2, head_dim=64, gdn_heads=2, gdn_dk=64, gdn_dv=64, tap_layers=(1, 3),

@@ -15,7 +15,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from ..models.config import DrafterConfig, TrunkConfig
+from ..models.config import TrunkConfig
+from ..models.drafter_config import DrafterConfig
 from ..models.weights import drafter_spec, trunk_spec
 from . import torch_gdn
 

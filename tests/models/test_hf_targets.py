@@ -4,12 +4,14 @@ greedy generation, taps, the storage dtype; and speculative decoding on them sta
 batched, demoted at a burst boundary, both rollback methods)."""
 
 import json
+import re
 
 import numpy as np
 import pytest
 
 from dspark.decode import PlainBatch, plain_generate
 from dspark.dtypes import BF16
+from dspark.errors import ShapeError
 from dspark.models.hf import load_target
 from dspark.models.oracle import OracleDrafter
 from dspark.models.presets import random_drafter
@@ -120,7 +122,8 @@ def test_bf16_kv_cache(saved, numpy_backend):
 
 
 def test_taps_are_transformers_hidden_states(saved, numpy_backend):
-    """trunk taps (layers i, in the order asked) are transformers' hidden_states[i + 1]."""
+    """trunk taps (layers i, in the order asked; -1 the embedding) are transformers'
+    hidden_states[i + 1]; a layer outside [-1, L) is refused by name."""
     import torch
     case = QWEN35[1]
     d, model = saved(case)
@@ -128,13 +131,18 @@ def test_taps_are_transformers_hidden_states(saved, numpy_backend):
     with torch.no_grad():
         hs = model(torch.tensor(p[None]), output_hidden_states=True).hidden_states
     trunk = load_target(d, numpy_backend)
-    layers = (2, 0)
+    layers = (2, -1, 0)
     got = trunk.prefill(trunk.new_cache(), p, taps=layers)
     assert got.tap_layers == layers
     want = np.concatenate([hs[i + 1][0].numpy() for i in layers], axis=1)
     np.testing.assert_allclose(got.taps, want, rtol=0, atol=1e-4 * np.abs(want).max())
     default = trunk.prefill(trunk.new_cache(), p)
     assert default.tap_layers == trunk.config.tap_layers
+    cache = trunk.new_cache()
+    for bad in ((0, 4), (-2,), ()):
+        with pytest.raises(ShapeError, match=rf"taps={re.escape(str(bad))}: expected one or more layer indices"):
+            trunk.prefill(cache, p, taps=bad)
+    assert cache.pos == 0
 
 
 # ---- speculative decoding on real targets ---------------------------------------------------

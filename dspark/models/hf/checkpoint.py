@@ -3,7 +3,8 @@
 Tensors are read from the safetensors files directly (an 8-byte header length, a JSON header of
 name -> dtype, shape and byte range, then the data), memory-mapped, so that checking every name,
 shape and dtype costs no tensor reads and a 27B checkpoint is never held in memory twice. bf16
-is `ml_dtypes.bfloat16`, which the `safetensors` NumPy API cannot return.
+is `ml_dtypes.bfloat16`, which the `safetensors` NumPy API cannot return. Targets and drafters
+(dspark.models.hf.target, dspark.models.hf.drafters) both read through this one reader.
 """
 
 from __future__ import annotations
@@ -16,15 +17,15 @@ from pathlib import Path
 import numpy as np
 
 from ...dtypes import BF16
-from ...errors import DsparkError
+from ...errors import CheckpointError
 
 SINGLE = "model.safetensors"
 INDEX = "model.safetensors.index.json"
-DTYPES = {"F32": np.dtype(np.float32), "F16": np.dtype(np.float16), "BF16": BF16}
+# Weights are float; drafters also store integer and bool token maps (speculators' d2t / t2d).
+DTYPES = {"F32": np.dtype(np.float32), "F16": np.dtype(np.float16), "BF16": BF16, "I64": np.dtype(np.int64),
+          "I32": np.dtype(np.int32), "BOOL": np.dtype(np.bool_)}
 
-
-class CheckpointError(DsparkError, ValueError):
-    """A checkpoint that cannot be found, read or served, named with what is wrong."""
+__all__ = ["Checkpoint", "CheckpointError", "TensorInfo", "locate", "read_header", "read_json"]
 
 
 @dataclass(frozen=True)
@@ -127,7 +128,7 @@ class Checkpoint:
         return tensors
 
     def array(self, name: str) -> np.ndarray:
-        """The tensor as a read-only memory-mapped NumPy array (f32, f16 or bf16)."""
+        """The tensor as a read-only memory-mapped NumPy array, in its stored dtype."""
         info = self.tensors[name]
         dtype = DTYPES.get(info.dtype)
         if dtype is None:

@@ -1,0 +1,87 @@
+"""The heads that turn one block pass into drafts: the Markov chain and the confidence head.
+
+Slot k (k = 0 .. nd-1) has the block pass's hidden h_k [d] and logits l_k (over the draft
+vocabulary); x_{-1} is the anchor, x_k the slot's proposal (a target token id) and e_k = W1[x_{k-1}]
+[r]. Slot k's chain logits, by the checkpoint's `markov` head:
+
+* none:     l_k                                             (z-lab DFlash)
+* vanilla:  l_k + W2 e_k                                    (DeepSpec VanillaMarkov; speculators)
+* gated:    l_k + W2 (sigmoid(Wg [h_k ; e_k] + bg) * e_k)   (DeepSpec GatedMarkovHead)
+* rnn:      [g ; c ; o] = Wj [s_{k-1} ; e_k ; h_k] + bj,  s_k = sigmoid(g) s_{k-1} + (1 - sigmoid(g)) tanh(c),
+            s_{-1} = 0;  l_k + W2 tanh(o)                   (DeepSpec RNNHead)
+* selector: the top-K tokens C of l_k, scored l_k[C] + (P[x_{k-1}] * (H h_k)) . S[C]; every other token
+            -inf                                            (DFlash2's CandidateSelector)
+
+W1 and P index the target vocabulary; W2 and the logits cover the draft vocabulary, whose row j
+is the target token draft_to_target[j] (speculators' d2t holds j + d2t[j]). Greedy: x_k = the
+argmax (lowest index on ties) of slot k's chain logits, mapped to its target id. Confidence:
+c_k = sigmoid(w . h_k + b) ("hidden") or sigmoid(w . [h_k ; e_k] + b) ("markov"), with the e_k of
+the chain's own x_{k-1}.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..ops import dense
+from ..ops.argmax import argmax_rows
+
+
+class Chain:
+    """One round's chain over B sessions' draft slots. For k = 0, 1, ... in order: step(k), then
+    choose(k, tokens) (or choose_greedy(k) for both); the rnn state and x_{k-1} carry over.
+    `drafts` and `conf` [B, nd] fill in as it goes."""
+
+    def __init__(self, drafter, hidden, logits, anchors):
+        self.dr, self.be = drafter, drafter.be
+        self.c = drafter.config
+        self.B, self.nd = len(anchors), self.c.drafts
+        self.hidden, self.logits = hidden, logits  # [B*nd, .] session-major
+        self.prev = np.asarray(anchors, np.int32)
+        self.drafts = np.zeros((self.B, self.nd), np.int32)
+        self.conf = np.full((self.B, self.nd), np.nan, np.float32)
+        r = self.c.markov_rank
+        self.state = self.be.xp.zeros((self.B, r), np.float32) if self.c.markov == "rnn" else None
+
+    def step(self, k: int):
+        """Slot k's chain logits [B, draft vocab] given x_{k-1}; records its confidence."""
+        xp, w, c = self.be.xp, self.dr.w, self.c
+        rows = xp.asarray(np.arange(self.B) * self.nd + k)
+        h, logits = self.hidden[rows], self.logits[rows]
+        e = w["markov.w1"][xp.asarray(self.prev)] if c.markov_rank else None
+        if c.markov == "vanilla":
+            logits = logits + dense.linear(e, w["markov.w2"])
+        elif c.markov == "gated":
+            gate = dense.sigmoid(dense.linear(xp.concatenate([h, e], axis=1), w["markov.gate_w"]) + w["markov.gate_b"])
+            logits = logits + dense.linear(gate * e, w["markov.w2"])
+        elif c.markov == "rnn":
+            r = c.markov_rank
+            z = dense.linear(xp.concatenate([self.state, e, h], axis=1), w["markov.rnn_w"]) + w["markov.rnn_b"]
+            gate = dense.sigmoid(z[:, :r])
+            self.state = gate * self.state + (np.float32(1) - gate) * xp.tanh(z[:, r : 2 * r])
+            logits = logits + dense.linear(xp.tanh(z[:, 2 * r :]), w["markov.w2"])
+        elif c.markov == "selector":
+            logits = self._select(h, logits)
+        if self.dr.has_confidence:
+            self.conf[:, k] = self.be.to_host(self.dr.confidence(h, e))
+        return logits
+
+    def _select(self, h, logits):
+        """DFlash2: only the unary top-K survive, rescored by the bilinear selector."""
+        xp, w, K = self.be.xp, self.dr.w, self.c.selector_top_k
+        cand = xp.argsort(-logits, axis=1, kind="stable")[:, :K]   # ties: the lower index first
+        ctx = w["selector.pred"][xp.asarray(self.prev)] * dense.linear(h, w["selector.hidden"])   # [B, rank]
+        scores = xp.take_along_axis(logits, cand, axis=1) + (ctx[:, None, :] * w["selector.succ"][cand]).sum(-1)
+        out = xp.full(logits.shape, -np.inf, np.float32)
+        out[xp.arange(self.B)[:, None], cand] = scores
+        return out
+
+    def choose(self, k: int, tokens) -> None:
+        """Fix slot k to target token ids tokens [B] (x_k, the next step's x_{k-1})."""
+        self.drafts[:, k] = np.asarray(tokens, np.int32)
+        self.prev = self.drafts[:, k].copy()
+
+    def choose_greedy(self, k: int) -> None:
+        """x_k = the argmax of slot k's chain logits, as a target id."""
+        ids = self.be.to_host(argmax_rows(self.be, self.step(k)))
+        self.choose(k, self.dr.d2t[ids] if self.dr.d2t is not None else ids)
