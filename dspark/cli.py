@@ -23,6 +23,7 @@ from .byte_vocab import decode, encode
 from .errors import DsparkError
 from .ops.dense import ROW_CHUNK
 from .params import VERIFY_POLICIES
+from .stats import REPEAT_SPAN, RepetitionSplit
 
 DEMO_PROMPT = '''import os
 
@@ -121,19 +122,25 @@ def load_model(be, path: str):
     return trunk, tokenizer
 
 
-def run_spec(trunk, drafter, prompt, params, progress=None):
-    """Speculative generation; returns (tokens, decode seconds, stats, prime seconds)."""
+def run_spec(trunk, drafter, prompt, params, progress=None, split=None):
+    """Speculative generation; returns (tokens, decode seconds, stats, prime seconds). Rounds
+    are also recorded into `split` (a dspark.stats.RepetitionSplit) when one is given."""
     from .session import DsparkSpecSession
     t0 = time.perf_counter()
     s = DsparkSpecSession.prime(trunk, drafter, prompt, params)
     t1 = time.perf_counter()
-    while not s.finished():
-        s.burst()
+    rounds = []  # (tokens emitted before the round, drafts verified, drafts accepted)
+    while not s.finished():  # bursts are whole rounds: run them one by one to log each
+        before = (len(s.emitted), s.stats.drafted, s.stats.accepted)
+        s.round()
+        rounds.append((before[0], s.stats.drafted - before[1], s.stats.accepted - before[2]))
         if progress:
             progress(len(s.emitted), params.max_new_tokens)
     dt = time.perf_counter() - t1
     out, stats = list(s.emitted), s.stats
     s.close()
+    if split is not None:
+        split.record_rounds([*map(int, prompt), *out], len(prompt), rounds)
     return out, dt, stats, t1 - t0
 
 
@@ -186,7 +193,8 @@ def cmd_demo(args) -> int:
                         max_verify=args.max_verify, capture=False)
     run_spec(trunk, drafter, prompt[:8], replace(params, max_new_tokens=8))  # warm both paths
     run_plain(trunk, prompt[:8], 8)
-    spec, t_spec, stats, t_prime = run_spec(trunk, drafter, prompt, params, progress_bar("spec"))
+    split = RepetitionSplit()
+    spec, t_spec, stats, t_prime = run_spec(trunk, drafter, prompt, params, progress_bar("spec"), split)
     end_progress()
     plain, t_plain, t_prefill = run_plain(trunk, prompt, args.max_new_tokens, progress=progress_bar("plain"))
     end_progress()
@@ -195,6 +203,9 @@ def cmd_demo(args) -> int:
     print("-" * 73)
     acc = " ".join(f"{a:.2f}" for a in stats.acceptance_by_position)
     print(f"mean accepted length   {stats.mean_accepted_length:.2f} tokens per round ({stats.rounds} rounds)")
+    for name, part in (("on fresh text", split.fresh), ("inside a repetition", split.repeat)):
+        print(f"  {name:20s} {part.mean_accepted_length:.2f} ({part.rounds} rounds)")
+    print(f"  (a round is inside a repetition when the last {REPEAT_SPAN} tokens up to its anchor occurred earlier)")
     print(f"acceptance by position {acc}")
     spec_tps, plain_tps = len(spec) / t_spec, len(plain) / t_plain
     print(f"speculative            {spec_tps:8.1f} tokens/s   (prime {t_prime * 1e3:.0f} ms)")
