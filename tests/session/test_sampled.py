@@ -57,6 +57,42 @@ def test_same_seed_same_stream_alone_and_batched(model_backend):
         s.close()
 
 
+def test_no_draw_is_ever_reused(monkeypatch):
+    """Every Philox draw of a sampled session, over several bursts, comes from its own (seed,
+    counter, stream): the first anchor (BOUNDARY), each draft slot (DRAFT, slot k) and each round's
+    accept (which derives its ACCEPT, RESIDUAL and BONUS words from (seed, counter) inside)."""
+    import dspark
+    import dspark.spec_sampling as ss
+    trunk, base = tiny_pair(dspark.get_backend("numpy"), 31, max_ctx=96)
+    seen = []
+
+    def spy_sample(be, logits, filters, streams, *a, **k):
+        seen.extend(zip(*(np.asarray(x).tolist() for x in (streams.seed, streams.counter, streams.stream))))
+        return real_sample(be, logits, filters, streams, *a, **k)
+
+    def spy_accept(be, drafts, indptr, q, p, seed, counter, **k):
+        seen.extend((s, c, "accept") for s, c in zip(np.asarray(seed).tolist(), np.asarray(counter).tolist()))
+        return real_accept(be, drafts, indptr, q, p, seed, counter, **k)
+
+    real_sample, real_accept = ss.sample_filtered, ss.speculative_accept
+    monkeypatch.setattr(ss, "sample_filtered", spy_sample)
+    monkeypatch.setattr(ss, "speculative_accept", spy_accept)
+    drafter = TrunkDrafter(base, tilt=0.25, seed=7)
+    sessions = []
+    for seed, n in ((5, 12), (6, 30)):
+        p = np.random.default_rng(seed).integers(0, 256, n).astype(np.int32)
+        s = DsparkSpecSession.prime(trunk, drafter, p, SpecParams(max_new_tokens=40, burst_target=4, tau=0.0,
+                                                                  sampling=SamplingParams(temperature=0.8, seed=seed)))
+        drafter.follow(s)
+        sessions.append(s)
+    while not all(s.finished() for s in sessions):
+        spec_burst(sessions)
+    assert sum(s.stats.rounds for s in sessions) >= 8 and len(seen) > 40
+    assert len(set(seen)) == len(seen), "a draw was reused"
+    for s in sessions:
+        s.close()
+
+
 def test_greedy_sampling_params_are_plain_greedy():
     import dspark
     trunk, drafter = tiny_pair(dspark.get_backend("numpy"), 31)

@@ -71,6 +71,8 @@ def test_batched_sessions_equal_solo_sessions(model_backend):
         for s, p in zip(batch, prompts):
             assert s.finished() or s.cache.pos == len(p) + len(s.emitted)
     assert [s.emitted for s in batch] == solo
+    # the drafter is row-invariant too: every session drafted and accepted as it did alone
+    assert [(s.stats.histogram, s.stats.verified_at) for s in batch] == [(st.histogram, st.verified_at) for st in stats]
     assert solo == [plain_generate(trunk, p, 24) for p in prompts]
     total = stats[0]
     for st in stats[1:]:
