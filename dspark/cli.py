@@ -25,6 +25,7 @@ from .byte_vocab import decode, encode
 from .errors import DsparkError
 from .ops.dense import ROW_CHUNK
 from .params import VERIFY_POLICIES
+from .stats import REPEAT_SPAN, RepetitionSplit
 
 DEMO_PROMPT = '''import os
 
@@ -145,19 +146,25 @@ def check_drafter_option(args) -> None:
         raise CliError("--drafter needs --model: the Hugging Face target the drafter was trained for")
 
 
-def run_spec(trunk, drafter, prompt, params, progress=None):
-    """Speculative generation; returns (tokens, decode seconds, stats, prime seconds)."""
+def run_spec(trunk, drafter, prompt, params, progress=None, split=None):
+    """Speculative generation; returns (tokens, decode seconds, stats, prime seconds). Rounds
+    are also recorded into `split` (a dspark.stats.RepetitionSplit) when one is given."""
     from .session import DsparkSpecSession
     t0 = time.perf_counter()
     s = DsparkSpecSession.prime(trunk, drafter, prompt, params)
     t1 = time.perf_counter()
-    while not s.finished():
-        s.burst()
+    rounds = []  # (tokens emitted before the round, drafts verified, drafts accepted)
+    while not s.finished():  # bursts are whole rounds: run them one by one to log each
+        before = (len(s.emitted), s.stats.drafted, s.stats.accepted)
+        s.round()
+        rounds.append((before[0], s.stats.drafted - before[1], s.stats.accepted - before[2]))
         if progress:
             progress(len(s.emitted), params.max_new_tokens)
     dt = time.perf_counter() - t1
     out, stats = list(s.emitted), s.stats
     s.close()
+    if split is not None:
+        split.record_rounds([*map(int, prompt), *out], len(prompt), rounds)
     return out, dt, stats, t1 - t0
 
 
@@ -215,14 +222,15 @@ def cmd_demo(args) -> int:
                         max_verify=args.max_verify, capture=False)
     run_spec(trunk, drafter, prompt[:8], replace(params, max_new_tokens=8))  # warm both paths
     run_plain(trunk, prompt[:8], 8)
-    spec, t_spec, stats, t_prime = run_spec(trunk, drafter, prompt, params, progress_bar("spec"))
+    split = RepetitionSplit()
+    spec, t_spec, stats, t_prime = run_spec(trunk, drafter, prompt, params, progress_bar("spec"), split)
     end_progress()
     plain, t_plain, t_prefill = run_plain(trunk, prompt, args.max_new_tokens, progress=progress_bar("plain"))
     end_progress()
     print("---- prompt + speculative output " + "-" * 40)
     print(DEMO_PROMPT + text(spec))
     print("-" * 73)
-    print_acceptance(stats, sys.stdout)
+    print_acceptance(stats, sys.stdout, split)
     spec_tps, plain_tps = len(spec) / t_spec, len(plain) / t_plain
     print(f"speculative            {spec_tps:8.1f} tokens/s   (prime {t_prime * 1e3:.0f} ms)")
     print(f"plain greedy           {plain_tps:8.1f} tokens/s   (prefill {t_prefill * 1e3:.0f} ms)")
@@ -233,10 +241,17 @@ def cmd_demo(args) -> int:
     return 0 if exact else 1
 
 
-def print_acceptance(stats, file) -> None:
+def print_acceptance(stats, file, split=None) -> None:
+    """Mean accepted length (also apart for fresh text and repetitions when `split` is given, a
+    dspark.stats.RepetitionSplit) and acceptance by draft position."""
     acc = " ".join(f"{a:.2f}" for a in stats.acceptance_by_position)
     print(f"mean accepted length   {stats.mean_accepted_length:.2f} tokens per round ({stats.rounds} rounds)",
           file=file)
+    if split is not None:
+        for name, part in (("on fresh text", split.fresh), ("inside a repetition", split.repeat)):
+            print(f"  {name:20s} {part.mean_accepted_length:.2f} ({part.rounds} rounds)", file=file)
+        print(f"  (a round is inside a repetition when the last {REPEAT_SPAN} tokens up to its anchor occurred "
+              "earlier)", file=file)
     print(f"acceptance by position {acc}", file=file)
 
 

@@ -1,8 +1,16 @@
-"""Speculation statistics, per session and aggregated."""
+"""Speculation statistics, per session and aggregated; and rounds split by whether they start on
+fresh text or inside a repetition."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
+import numpy as np
+
+# A round is "inside a repetition" when the last REPEAT_SPAN tokens of its context, ending with
+# its anchor, already occurred earlier in that context: the text is repeating itself, and a
+# drafter that has seen the loop predicts it far better than fresh text.
+REPEAT_SPAN = 16
 
 
 @dataclass
@@ -49,3 +57,38 @@ class SpecStats:
         pos = " ".join(f"{p:.2f}" for p in self.acceptance_by_position)
         return (f"rounds {self.rounds}, drafted {self.drafted}, accepted {self.accepted}, "
                 f"mean accepted length {self.mean_accepted_length:.2f}, acceptance by position [{pos}]")
+
+
+def repeats_earlier(context, span: int = REPEAT_SPAN) -> bool:
+    """Whether the last `span` tokens of `context` (prompt, emitted tokens, then the round's
+    anchor) also occur at an earlier start in it (occurrences may overlap the suffix)."""
+    c = np.asarray(context, np.int64)
+    if c.size <= span:
+        return False
+    windows = np.lib.stride_tricks.sliding_window_view(c[:-1], span)
+    return bool((windows == c[-span:]).all(axis=1).any())
+
+
+@dataclass
+class RepetitionSplit:
+    """SpecStats of the rounds that start on fresh text and of those inside a repetition
+    (`repeats_earlier` of the round's context)."""
+    fresh: SpecStats = field(default_factory=SpecStats)
+    repeat: SpecStats = field(default_factory=SpecStats)
+
+    def record(self, context, verified: int, accepted: int) -> None:
+        (self.repeat if repeats_earlier(context) else self.fresh).record(verified, accepted)
+
+    def record_rounds(self, stream, start: int, rounds) -> None:
+        """`rounds`: (tokens emitted before the round, verified, accepted) of each round of one
+        request whose prompt and output are `stream`, the output starting at `start`."""
+        for before, verified, accepted in rounds:
+            self.record(stream[: start + before + 1], verified, accepted)
+
+    def merge(self, other: "RepetitionSplit") -> "RepetitionSplit":
+        return RepetitionSplit(self.fresh.merge(other.fresh), self.repeat.merge(other.repeat))
+
+    def summary(self) -> str:
+        return (f"fresh text: {self.fresh.rounds} rounds, mean accepted length {self.fresh.mean_accepted_length:.2f}; "
+                f"inside a repetition: {self.repeat.rounds} rounds, mean accepted length "
+                f"{self.repeat.mean_accepted_length:.2f}")

@@ -1,46 +1,169 @@
-"""OracleDrafter: a DsparkDrafter whose proposals hit a known continuation at a chosen rate.
+"""Test drafters that accept: the real DsparkDrafter with its proposals steered.
 
 Random-weight drafters almost never agree with a random trunk, so every round would accept zero
-drafts and the rollback paths for partial accepts would go unexercised. The oracle is the real
-drafter (same ring, same kernels) with one change: after its block pass, the logit of the known
-next token (the trunk's plain greedy stream) is raised in a slot with probability `hit_rate`,
-decided by a generator seeded from (seed, pos, slot), so runs are reproducible and independent
-of batching. Exactness must hold whatever the drafts are; this only makes every accepted length
-from 0 to nd occur.
+drafts: rollbacks of partial accepts, cuts at EOS and at the budget, and the sampled accept's
+rejection path would go unexercised, and greedy exactness would hold whatever the session did
+with its drafts. These two make most rounds accept several drafts.
+
+* `OracleDrafter` (greedy): after the block pass, the logit of the known next token (the trunk's
+  greedy stream) is raised in a slot with probability `hit_rate`, decided by a generator seeded
+  from (seed, pos, slot), so runs are reproducible and independent of batching. A hit slot also
+  gets confidence 1, so the confidence policy verifies it. Given `stop` (the position of the
+  request's last token), the oracle knows the stream past it: every slot that targets a position
+  after `stop - lead` hits, and the slot that targets `stop - lead` misses. The round that
+  reaches the end therefore starts at `stop - lead` and accepts past the end, so the session
+  must cut its accepted block at the EOS or at the budget (lead 0: the last token is the
+  anchor; lead 1: it is an accepted draft).
+* `TrunkDrafter` (sampled): each slot's distribution q is the trunk's own distribution for that
+  slot given the drafts before it (a shadow trunk pass over a copy of the session's cache),
+  tilted by a fixed per-token pattern (`tilt`) or with mass `escape` moved onto the trunk's least
+  likely token. The accept is lossless whatever q is; a q close to p makes most rounds accept
+  several drafts, and a tilted one makes the rejection and residual paths matter.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
+from ..ops.argmax import argmax_rows
 from .drafter import DsparkDrafter
 
 BOOST = 1.0e4
 
 
+def greedy_continuation(trunk, prompt_ids, n: int) -> list[int]:
+    """The trunk's greedy continuation of the prompt, n tokens, straight past EOS: what the
+    trunk would verify beyond the end of a request."""
+    be = trunk.be
+    cache = trunk.new_cache(owner="oracle/continuation")
+    try:
+        logits = trunk.prefill(cache, np.asarray(prompt_ids, np.int32)).logits[-1:]
+        out = []
+        for _ in range(n):
+            out.append(int(be.to_host(argmax_rows(be, logits))[0]))
+            if len(out) < n and cache.pos < cache.capacity:
+                logits = trunk.decode([cache], [out[-1]]).logits
+            elif len(out) < n:
+                break
+        return out
+    finally:
+        cache.free()
+
+
 class OracleDrafter(DsparkDrafter):
-    def __init__(self, base: DsparkDrafter, hit_rate: float = 0.75, seed: int = 0):
+    def __init__(self, base: DsparkDrafter, hit_rate: float = 0.75, seed: int = 0, lead: int = 0):
         self.__dict__.update(base.__dict__)
-        self.hit_rate, self.seed = hit_rate, seed
+        self.hit_rate, self.seed, self.lead = hit_rate, seed, lead
         self.next_stream: list[int] | None = None
+        self.next_stop: int | None = None
+        self._trusted = None
 
     def new_kv(self, owner: str):
-        """Draft KVs made from here on follow `next_stream`: the request's prompt followed by its
-        plain greedy output (None: no help)."""
+        """Draft KVs made from here on follow `next_stream` (the request's prompt, then the
+        trunk's greedy continuation; None: no help) and end at `next_stop`."""
         kv = super().new_kv(owner)
-        kv.oracle_stream = self.next_stream
+        kv.oracle_stream, kv.oracle_stop = self.next_stream, self.next_stop
         return kv
+
+    def steer(self, kv, k: int) -> int:
+        """+1: slot k of this kv proposes the stream's token; -1: it must not; 0: left alone."""
+        seq, stop = getattr(kv, "oracle_stream", None), getattr(kv, "oracle_stop", None)
+        target = kv.pos + k + 1  # slot k proposes the token at pos + k + 1
+        if seq is None or target >= len(seq):
+            return 0
+        if stop is not None and target >= stop - self.lead:
+            return -1 if target == stop - self.lead else 1
+        return int(np.random.default_rng([self.seed, kv.pos, k]).random() < self.hit_rate)
 
     def block_pass(self, kvs, anchors):
         hidden, logits = super().block_pass(kvs, anchors)
         b, nd = self.config.block, self.config.drafts
         first = b - nd  # shifted: row k is slot k; mask_fill: row k+1 is slot k
         host = self.be.to_host(logits).copy()
+        self._trusted = np.zeros((len(kvs), nd), bool)
         for i, kv in enumerate(kvs):
-            seq = getattr(kv, "oracle_stream", None)
-            for k in range(nd if seq is not None else 0):
-                target = kv.pos + k + 1  # slot k proposes the token at pos + k + 1
-                rng = np.random.default_rng([self.seed, kv.pos, k])
-                if target < len(seq) and rng.random() < self.hit_rate:
-                    host[i * b + first + k, seq[target]] += BOOST
+            for k in range(nd):
+                s = self.steer(kv, k)
+                if s:
+                    host[i * b + first + k, kv.oracle_stream[kv.pos + k + 1]] += s * BOOST
+                self._trusted[i, k] = s > 0
         return hidden, self.be.asarray(host)
+
+    def propose_greedy(self, hidden, logits, anchors):
+        drafts, conf = super().propose_greedy(hidden, logits, anchors)
+        if self._trusted is not None and self._trusted.shape == conf.shape:
+            conf = np.where(self._trusted, np.float32(1), conf)
+        return drafts, conf
+
+
+class TrunkDrafter(DsparkDrafter):
+    """Sampled-mode drafter whose q is the trunk's own distribution, perturbed (module doc).
+
+    `follow(session)` before its first round: the drafter reads the session's trunk cache and
+    filters through its draft KV. The acceptance probability of each slot, sum(min(p, q)) over
+    the filtered rows the accept sees, is logged per round on the draft KV (`kv.alphas`). Only
+    the sampled propose path (Markov bias per slot, in slot order) is steered: with greedy
+    sessions this drafter proposes nonsense, which is still exact."""
+
+    def __init__(self, base: DsparkDrafter, tilt: float = 0.0, escape: float = 0.0, seed: int = 0):
+        self.__dict__.update(base.__dict__)
+        self.tilt, self.escape = float(tilt), float(escape)
+        vocab = self.trunk.config.vocab
+        self.pattern = np.random.default_rng(seed).choice([-1.0, 1.0], vocab).astype(np.float32)
+        self._round = None
+
+    def follow(self, session) -> None:
+        session.kv.trunk_cache = session.cache
+        session.kv.sampling = session.params.sampling
+        session.kv.alphas = []
+
+    def draft(self, kvs, anchors):
+        hidden, logits = super().draft(kvs, anchors)
+        shadows = [kv.trunk_cache.copy(f"oracle/shadow/{i}") for i, kv in enumerate(kvs)]
+        self._round = {"kvs": kvs, "shadows": shadows, "slot": 0}
+        for kv in kvs:
+            kv.alphas.append([])
+        return hidden, logits * 0  # q comes from markov_bias alone
+
+    def markov_bias(self, prev_tokens):
+        from ..ops.sampling import filtered_probs
+        from ..spec_sampling import filters_for
+        _, emb = super().markov_bias(prev_tokens)  # the confidence head's input stays the real one
+        r, be = self._round, self.be
+        if r is None:
+            raise RuntimeError("TrunkDrafter.markov_bias outside a sampled propose")
+        live = [i for i, c in enumerate(r["shadows"]) if c.pos < c.capacity]
+        x = np.zeros((len(r["shadows"]), self.trunk.config.vocab), np.float32)
+        if live:
+            tp = self.trunk.decode([r["shadows"][i] for i in live], np.asarray(prev_tokens)[live])
+            x[live] = be.to_host(tp.logits)
+        samplings = [kv.sampling for kv in r["kvs"]]
+        filters = filters_for(samplings)
+        p = be.to_host(filtered_probs(be, be.asarray(x), filters)).astype(np.float64)
+        # The tilt stays inside p's support, so q's filters keep exactly p's tokens.
+        y = np.where(p > 0, x + np.float32(self.tilt) * self.pattern, x - np.float32(BOOST)).astype(np.float32)
+        if self.escape:
+            y = self._escape(y, np.array([sp.temperature for sp in samplings], np.float64))
+        q = be.to_host(filtered_probs(be, be.asarray(y), filters)).astype(np.float64)
+        for i, kv in enumerate(r["kvs"]):
+            kv.alphas[-1].append(float(np.minimum(p[i], q[i]).sum()))
+        r["slot"] += 1
+        if r["slot"] == self.config.drafts:
+            for c in r["shadows"]:
+                c.free()
+            self._round = None
+        return be.asarray(y), emb
+
+    def _escape(self, y: np.ndarray, t: np.ndarray) -> np.ndarray:
+        """Raise each row's least likely token z until it holds `escape` of the mass at the
+        row's temperature t (no other filter: every token stays in p's support)."""
+        t = t[:, None]
+        y = y.astype(np.float64)
+        z = y.argmin(axis=1)
+        rows = np.arange(len(y))
+        top = y.max(axis=1)
+        w = np.exp((y - top[:, None]) / t)
+        w[rows, z] = 0
+        share = self.escape / (1 - self.escape) * w.sum(axis=1)
+        y[rows, z] = top + t[:, 0] * np.log(share)
+        return y.astype(np.float32)

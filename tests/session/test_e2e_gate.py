@@ -1,10 +1,15 @@
-"""profiling/e2e_gate.py as a test: it must print ALL EXACT."""
+"""profiling/e2e_gate.py as a test: it must print ALL EXACT, and every case must have cut its last
+round's accepted block where its label says (at the EOS or at the budget), with the end token
+both as the cut round's anchor and as one of its accepted drafts."""
 
 import importlib.util
+import re
 import sys
 from pathlib import Path
 
 GATE = Path(__file__).resolve().parents[2] / "profiling" / "e2e_gate.py"
+LINE = re.compile(r"^EXACT  .* cut=(\w+) +lead=(\d) .* cuts eos=(\d+) budget=(\d+); .*last round: (\w+) token as "
+                  r"(anchor|draft \d+), (\d+) accepted tokens cut$")
 
 
 def load_gate():
@@ -15,6 +20,18 @@ def load_gate():
     return mod
 
 
+def check_cuts(out: str, cases: int) -> None:
+    seen = set()
+    rows = [LINE.match(line) for line in out.splitlines() if line.startswith(("EXACT", "MISMATCH"))]
+    assert len(rows) == cases and all(rows), out
+    for m in rows:
+        label, lead, eos, budget, reason, role, cut = m.groups()
+        assert {"eos": int(eos), "budget": int(budget)}[label] >= 1 and reason == label and int(cut) >= 1, m.group(0)
+        assert (role == "anchor") == (lead == "0"), m.group(0)
+        seen.add((label, role == "anchor"))
+    assert seen == {(c, a) for c in ("eos", "budget") for a in (True, False)}
+
+
 def test_gate_numpy_all_cases(capsys):
     gate = load_gate()
     assert len(gate.cases(quick=False)) >= 24
@@ -22,11 +39,13 @@ def test_gate_numpy_all_cases(capsys):
     out = capsys.readouterr().out
     print(out)
     assert rc == 0 and out.rstrip().endswith("ALL EXACT")
-    assert out.count("EXACT  prompt=") >= 24
+    check_cuts(out, len(gate.cases(quick=False)))
 
 
 def test_gate_simt_quick(capsys, simt):
-    rc = load_gate().main(["--backend", "simt", "--quick"])
+    gate = load_gate()
+    rc = gate.main(["--backend", "simt", "--quick"])
     out = capsys.readouterr().out
     print(out)
     assert rc == 0 and out.rstrip().endswith("ALL EXACT")
+    check_cuts(out, len(gate.cases(quick=True)))

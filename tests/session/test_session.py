@@ -6,7 +6,7 @@ import pytest
 
 from dspark.decode import PlainBatch, plain_generate
 from dspark.errors import CapacityError, ShapeError, StateError, TokenRangeError
-from dspark.models.oracle import OracleDrafter
+from dspark.models.oracle import OracleDrafter, greedy_continuation
 from dspark.models.presets import tiny_pair
 from dspark.profile import phase
 from dspark.session import DsparkSpecSession, SamplingParams, SpecParams, spec_burst
@@ -17,9 +17,12 @@ def prompt(rng, n):
 
 
 def oracle(trunk, drafter, p, max_new, hit_rate=0.8):
-    """The drafter, made to hit the plain stream often, so partial accepts of every length occur."""
+    """The drafter, made to hit the trunk's greedy stream often (partial accepts of every length
+    occur) and to accept drafts past the request's end (its last round is cut at the EOS or at
+    the budget)."""
     o = OracleDrafter(drafter, hit_rate=hit_rate, seed=len(p))
-    o.next_stream = [*np.asarray(p).tolist(), *plain_generate(trunk, p, max_new)]
+    o.next_stream = [*np.asarray(p).tolist(), *greedy_continuation(trunk, p, max_new + drafter.config.block)]
+    o.next_stop = len(p) + len(plain_generate(trunk, p, max_new)) - 1
     return o
 
 
@@ -42,24 +45,39 @@ def test_greedy_spec_equals_plain(model_backend, rng, verify, rollback):
     assert s.emitted == want
     assert len(want) < 10 or sum(s.stats.histogram[1:]) > 0  # partial accepts were exercised
     assert s.finish_reason == ("eos" if want[-1] == trunk.config.eos_id else "budget")
+    assert s.stats.rounds + s.stats.accepted > len(s.emitted)  # the last round's accepted block was cut
 
 
-def test_batched_sessions_equal_solo_sessions(numpy_backend, rng):
-    trunk, drafter = tiny_pair(numpy_backend, 3)
+def test_batched_sessions_equal_solo_sessions(model_backend):
+    """Five sessions that accept several drafts per round (an oracle drafter), in one batch that
+    they join at different rounds, emit exactly what each emits alone, on every backend."""
+    trunk, drafter = tiny_pair(model_backend, 3)
+    rng = np.random.default_rng(3)
     prompts = [prompt(rng, int(n)) for n in rng.integers(1, 50, 5)]
     params = SpecParams(max_new_tokens=24, burst_target=5)
-    o = OracleDrafter(drafter, hit_rate=0.6)
-    solo, batch = [], []
+    o = OracleDrafter(drafter, hit_rate=0.85, seed=3)
+    solo, batch, stats = [], [], []
     for p in prompts:
-        o.next_stream = [*p.tolist(), *plain_generate(trunk, p, 24)]  # each kv follows its own stream
-        solo.append(run_spec(trunk, o, p, params).emitted)
+        o.next_stream = [*p.tolist(), *greedy_continuation(trunk, p, 24 + drafter.config.block)]  # each kv its own
+        s = run_spec(trunk, o, p, params)
+        solo.append(s.emitted)
+        stats.append(s.stats)
+        s.close()
         batch.append(DsparkSpecSession.prime(trunk, o, p, params))
+    joined = []
     while not all(s.finished() for s in batch):
-        spec_burst(batch)
+        joined = batch[: len(joined) + 1] if len(joined) < len(batch) else joined  # one more joins each burst
+        spec_burst(joined)
         for s, p in zip(batch, prompts):
             assert s.finished() or s.cache.pos == len(p) + len(s.emitted)
     assert [s.emitted for s in batch] == solo
+    # the drafter is row-invariant too: every session drafted and accepted as it did alone
+    assert [(s.stats.histogram, s.stats.verified_at) for s in batch] == [(st.histogram, st.verified_at) for st in stats]
     assert solo == [plain_generate(trunk, p, 24) for p in prompts]
+    total = stats[0]
+    for st in stats[1:]:
+        total = total.merge(st)
+    assert total.mean_accepted_length >= 3.0, total.summary()
 
 
 @pytest.mark.parametrize("verify", ["confidence", "ladder"])
@@ -83,9 +101,11 @@ def test_context_cap_stops_exactly_where_plain_does(numpy_backend, rng):
 
 def live_after_a_burst(trunk, drafter, rng, params, target=None):
     """(session, prompt): a session still unfinished after one burst (a random trunk may emit EOS
-    early: try another prompt then)."""
+    early: try another prompt then). An OracleDrafter is pointed at each prompt's stream."""
     for _ in range(20):
         p = prompt(rng, 20)
+        if isinstance(drafter, OracleDrafter):
+            drafter.next_stream = [*p.tolist(), *greedy_continuation(trunk, p, params.max_new_tokens + 8)]
         s = DsparkSpecSession.prime(trunk, drafter, p, params)
         s.burst(target)
         if not s.finished():
@@ -98,10 +118,15 @@ def owners(be, sid):
     return {o: b for o, b in be.alloc.owners().items() if o.startswith((f"spec/{sid}/", f"cache/{sid}"))}
 
 
-def test_demotion_frees_the_speculative_state(numpy_backend, rng):
+def test_demotion_frees_the_speculative_state(numpy_backend):
+    """A session that accepted several drafts per round (partial accepts rolled back) is demoted
+    after a burst and finishes exactly in plain decode."""
     be = numpy_backend
     trunk, drafter = tiny_pair(be, 5)
-    s, p = live_after_a_burst(trunk, drafter, rng, SpecParams(max_new_tokens=50, burst_target=6, capture=False))
+    drafter = OracleDrafter(drafter, hit_rate=0.9, seed=5)
+    s, p = live_after_a_burst(trunk, drafter, np.random.default_rng(5),
+                              SpecParams(max_new_tokens=50, burst_target=24, capture=False))
+    assert s.stats.mean_accepted_length >= 3.0 and sum(s.stats.histogram[1:-1]) > 0, s.stats.summary()
     before = owners(be, s.id)
     assert before[f"spec/{s.id}/draft_kv"] > 0 and before[f"spec/{s.id}/snapshot"] > 0
     assert before[f"spec/{s.id}/rng"] > 0

@@ -1,5 +1,13 @@
 """Worker: the gate's transitions, prefix publication and restore, failure isolation, and a
-seeded simulated load whose greedy outputs must equal solo plain decode byte for byte."""
+seeded simulated load whose greedy outputs must equal solo plain decode byte for byte.
+
+The gate and load tests run the shipped pair on held-out code, so speculative sessions accept
+several drafts per round (mean accepted length >= 3) before they are demoted or finish: a random
+drafter accepts nothing, and the state a demotion hands over would then never have been through
+a partial accept and its rollback."""
+
+import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -10,6 +18,7 @@ from dspark.errors import CapacityError, NonFiniteError, TokenRangeError
 from dspark.models.presets import tiny_pair
 from dspark.prefix_store import PrefixStore
 from dspark.session import SamplingParams, SpecParams
+from dspark.stats import SpecStats
 from dspark.worker import GateConfig, Worker
 
 
@@ -19,8 +28,25 @@ def pair():
     return tiny_pair(dspark.get_backend("numpy"), 21)
 
 
+@pytest.fixture(scope="module")
+def shipped():
+    import dspark
+    from dspark.models import load_default
+    return load_default(dspark.get_backend("numpy"))
+
+
 def prompt(rng, n):
     return rng.integers(0, 256, n).astype(np.int32)
+
+
+HELDOUT = [bytes.fromhex(h) for h in json.loads(Path(__file__).with_name("heldout_prompts.json").read_text())["prompts"]]
+
+
+def code_prompt(trunk, rng, n, follow=48):
+    """The last n bytes of a held-out prompt (code the shipped pair never saw), then `follow`
+    tokens of the trunk's own greedy continuation: text of the kind the drafter learnt to follow."""
+    p = np.frombuffer(HELDOUT[int(rng.integers(len(HELDOUT)))][-n:], np.uint8).astype(np.int32)
+    return np.concatenate([p, plain_generate(trunk, p, follow)]).astype(np.int32)
 
 
 def test_gate_config():
@@ -32,22 +58,25 @@ def test_gate_config():
             GateConfig(**bad)
 
 
-def test_scripted_arrivals_pin_the_gate_transitions(pair):
+def test_scripted_arrivals_pin_the_gate_transitions(shipped):
     """low=2, high=3: two requests get spec; the third goes plain, and once three are active at
     a burst boundary the live greedy spec sessions are demoted. A sampled one is never demoted."""
-    trunk, drafter = pair
+    trunk, drafter = shipped
     rng = np.random.default_rng(0)
-    w = Worker(trunk, drafter, GateConfig(low=2, high=3), spec=SpecParams(burst_target=4))
-    a = w.submit(prompt(rng, 9), 40)
-    b = w.submit(prompt(rng, 12), 40, SamplingParams(temperature=0.9, seed=3))
+    w = Worker(trunk, drafter, GateConfig(low=2, high=3), spec=SpecParams(burst_target=16))
+    a = w.submit(code_prompt(trunk, rng, 90), 60)
+    b = w.submit(code_prompt(trunk, rng, 100), 40, SamplingParams(temperature=0.7, top_k=20, seed=3))
     w.step()  # both admitted to spec (active 1 <= 2, then 2 <= 2)
-    c = w.submit(prompt(rng, 7), 40)
+    c = w.submit(code_prompt(trunk, rng, 70), 40)
     w.step()  # c: active 3 > 2 -> plain; now active 3 >= 3: a is demoted, b (sampled) is not
+    at_demotion = w.stats  # a's rounds alone (b is still running)
     w.run()
     got = [(e.step, e.request, e.what) for e in w.events if e.what != "finish"]
     assert got == [(1, a, "admit_spec"), (1, b, "admit_spec"), (2, c, "admit_plain"), (2, a, "demote")]
     assert w.requests[a].demoted and not w.requests[b].demoted
-    assert w.result(a) == plain_generate(trunk, w.requests[a].prompt, 40)
+    print(f"a before its demotion: {at_demotion.summary()}")
+    assert at_demotion.mean_accepted_length >= 3.0, at_demotion.summary()  # a accepted drafts, then demoted
+    assert w.result(a) == plain_generate(trunk, w.requests[a].prompt, 60)
     assert w.result(c) == plain_generate(trunk, w.requests[c].prompt, 40)
 
 
@@ -146,24 +175,34 @@ def test_tokens_stream_through_the_callback(pair):
     assert got[rid] == w.result(rid)
 
 
-def test_seeded_simulated_load(pair):
+def test_seeded_simulated_load(shipped, monkeypatch):
     """32 requests arriving over time, greedy and sampled, 3 namespaces, repeated prompts."""
-    trunk, drafter = pair
+    trunk, drafter = shipped
+    greedy_stats = {}  # session id -> its SpecStats after its latest burst (greedy sessions)
+
+    def spy_burst(sessions, target=None):
+        out = real_burst(sessions, target)
+        greedy_stats.update({s.id: s.stats for s in sessions if s.params.sampling.greedy})
+        return out
+
+    real_burst = worker_mod.spec_burst
+    monkeypatch.setattr(worker_mod, "spec_burst", spy_burst)
     be = trunk.be
     rng = np.random.default_rng(77)
-    base_prompts = [prompt(rng, int(n)) for n in rng.integers(3, 40, 6)]
+    base_prompts = [code_prompt(trunk, rng, int(n)) for n in rng.integers(64, 129, 6)]
     arrivals = []  # (step, prompt, max_new, sampling, namespace)
     for i in range(32):
         p = base_prompts[int(rng.integers(len(base_prompts)))]
         sampled = rng.random() < 0.3
         sampling = SamplingParams(temperature=0.8, top_k=20, seed=i) if sampled else SamplingParams()
-        arrivals.append((int(rng.integers(0, 12)), p, int(rng.integers(5, 30)), sampling,
+        arrivals.append((int(rng.integers(0, 40)), p, int(rng.integers(16, 64)), sampling,
                          ("alpha", "beta", "gamma")[int(rng.integers(3))]))
     arrivals.sort(key=lambda a: a[0])
     before = be.alloc.owners()
-    store = PrefixStore(3 * 2**20)
+    store = PrefixStore(8 * 2**20)  # three or so captures of the shipped pair: entries get evicted
     budget_seen = []
-    w = Worker(trunk, drafter, GateConfig(low=3, high=5), store=store, spec=SpecParams(burst_target=6))
+    w = Worker(trunk, drafter, GateConfig(low=3, high=5), store=store,
+               spec=SpecParams(burst_target=6, tau=0.35, max_verify=8))  # the command line's width
     lookups, owner_ns = [], {}
     real_lookup, real_publish = store.lookup, store.publish
 
@@ -196,6 +235,12 @@ def test_seeded_simulated_load(pair):
         else:
             assert rid not in demoted
     assert demoted and restored, "the load must exercise demotion and restore"
+    greedy = SpecStats()
+    for st in greedy_stats.values():
+        greedy = greedy.merge(st)
+    # the greedy sessions (the ones that get demoted) accepted several drafts per round
+    print(f"greedy spec rounds: {greedy.summary()}")
+    assert greedy.rounds >= 12 and greedy.mean_accepted_length >= 3.0, greedy.summary()
     assert any(w.requests[r].sampling.greedy for r in restored)
     assert max(budget_seen) <= store.budget and store.peak_bytes <= store.budget
     hits = [(ns, key, hit) for ns, key, hit in lookups if hit is not None]
