@@ -49,8 +49,9 @@ class Chain:
         rows = xp.asarray(np.arange(self.B) * self.nd + k)
         h, logits = self.hidden[rows], self.logits[rows]
         e = w["markov.w1"][xp.asarray(self.prev)] if c.markov_rank else None
-        if c.markov == "vanilla":
-            logits = logits + dense.linear(e, w["markov.w2"])
+        if c.markov == "vanilla":  # through the drafter's own bias, the one place it is defined
+            bias, e = self.dr.markov_bias(self.prev)
+            logits = logits + bias
         elif c.markov == "gated":
             gate = dense.sigmoid(dense.linear(xp.concatenate([h, e], axis=1), w["markov.gate_w"]) + w["markov.gate_b"])
             logits = logits + dense.linear(gate * e, w["markov.w2"])
