@@ -187,6 +187,19 @@ def run_plain(trunk, prompt, max_new, sampling=None, progress=None):
     return out, dt, t1 - t0
 
 
+def body(trunk, out: list[int]) -> list[int]:
+    """The tokens to print as text: an end-of-sequence id that ended the stream (any of
+    config.eos_ids) is not text, whether or not the tokenizer calls it special."""
+    return out[:-1] if out and out[-1] in trunk.config.eos_ids else out
+
+
+def ending(trunk, out: list[int], max_new: int) -> str:
+    """Why a stream stopped, for the summary line."""
+    if out and out[-1] in trunk.config.eos_ids:
+        return f"end-of-sequence id {out[-1]}"
+    return "token budget" if len(out) >= max_new else "context full"
+
+
 def progress_bar(label: str):
     def show(done: int, total: int):
         n = 30 * min(done, total) // max(total, 1)
@@ -228,7 +241,7 @@ def cmd_demo(args) -> int:
     plain, t_plain, t_prefill = run_plain(trunk, prompt, args.max_new_tokens, progress=progress_bar("plain"))
     end_progress()
     print("---- prompt + speculative output " + "-" * 40)
-    print(DEMO_PROMPT + text(spec))
+    print(DEMO_PROMPT + text(body(trunk, spec)))
     print("-" * 73)
     print_acceptance(stats, sys.stdout, split)
     spec_tps, plain_tps = len(spec) / t_spec, len(plain) / t_plain
@@ -280,8 +293,9 @@ def cmd_generate(args) -> int:
             max_new_tokens=args.max_new_tokens, verify=args.verify, tau=args.tau, max_verify=args.max_verify,
             capture=False, sampling=sampling))
         note = f"spec, mean accepted length {stats.mean_accepted_length:.2f}"
-    print(args.prompt + text(out))
-    print(f"[{len(out)} tokens in {dt:.2f}s, {len(out) / dt:.1f} tokens/s, {note}]", file=sys.stderr)
+    print(args.prompt + text(body(trunk, out)))
+    print(f"[{len(out)} tokens in {dt:.2f}s, {len(out) / dt:.1f} tokens/s, {note}; stopped: "
+          f"{ending(trunk, out, args.max_new_tokens)}]", file=sys.stderr)
     if stats is not None:
         print_acceptance(stats, sys.stderr)
     return 0

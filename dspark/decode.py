@@ -82,8 +82,9 @@ class PlainBatch:
         return out
 
     def _check_done(self, s: PlainSequence) -> bool:
-        """Finished on EOS, budget, or a full context (no row left for the pending token)."""
-        eos = bool(s.emitted) and s.emitted[-1] == self.trunk.config.eos_id
+        """Finished on an end-of-sequence id (any of config.eos_ids), the budget, or a full context
+        (no row left for the pending token)."""
+        eos = bool(s.emitted) and s.emitted[-1] in self.trunk.config.eos_ids
         if eos or len(s.emitted) >= s.max_new_tokens or s.cache.pos >= s.cache.capacity:
             s.finished = True
         return s.finished

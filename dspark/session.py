@@ -345,7 +345,7 @@ def _round(trunk: HybridTrunk, drafter: DsparkDrafter, live: list[DsparkSpecSess
         s.rounds += 1
         s.m_prev = int(m[i])
         emitted.append(s._emit(toks))
-        if toks and toks[-1] == trunk.config.eos_id:
+        if toks and toks[-1] in trunk.config.eos_ids:
             s._finish("eos")
         elif len(s.emitted) >= s.params.max_new_tokens:
             s._finish("budget")
@@ -360,9 +360,10 @@ def _round(trunk: HybridTrunk, drafter: DsparkDrafter, live: list[DsparkSpecSess
 
 
 def _cut(s: DsparkSpecSession, toks: np.ndarray) -> int:
-    """Rows to commit: the accepted tokens, cut after an EOS and at the token budget."""
+    """Rows to commit: the accepted tokens, cut after the first end-of-sequence id (any of
+    config.eos_ids) and at the token budget."""
     n = len(toks)
-    eos = np.flatnonzero(toks == s.trunk.config.eos_id)
+    eos = np.flatnonzero(np.isin(toks, s.trunk.config.eos_ids))
     if eos.size:
         n = int(eos[0]) + 1
     return min(n, s.params.max_new_tokens - len(s.emitted))

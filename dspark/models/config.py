@@ -54,6 +54,8 @@ class TrunkConfig:
     rope_fraction: float = extension(1.0)   # RoPE rotates the first int(head_dim * fraction) dims of a head
     rope_scaling: tuple = extension(())     # (key, value) pairs: rope_type linear | yarn and its parameters
     tie_embeddings: bool = extension(False)  # LM head = embedding^T (no lm_head tensor)
+    extra_eos_ids: tuple[int, ...] = extension(())  # more ids that end a stream, after eos_id (a checkpoint's
+                                                    # eos_token_id list: Qwen's <|im_end|> and <|endoftext|>)
 
     def __post_init__(self):
         bad = [m for m in self.layers if m not in MIXERS]
@@ -65,6 +67,14 @@ class TrunkConfig:
             raise ValueError(f"conv_kernel={self.conv_kernel}: the gdn kernels implement 4")
         if not self.tap_layers or any(not 0 <= t < len(self.layers) for t in self.tap_layers):
             raise ValueError(f"tap_layers={self.tap_layers}: expected layer indices in [0, {len(self.layers)})")
+        if not -1 <= self.eos_id < self.vocab:
+            raise ValueError(f"eos_id={self.eos_id}: expected a token id in [0, {self.vocab}) or -1 (none)")
+        extra = self.extra_eos_ids
+        if extra and self.eos_id < 0:
+            raise ValueError(f"extra_eos_ids={extra} with eos_id=-1: the first end-of-sequence id goes in eos_id")
+        if any(not 0 <= t < self.vocab for t in extra) or len({self.eos_id, *extra}) != 1 + len(extra):
+            raise ValueError(f"extra_eos_ids={extra}: expected distinct token ids in [0, {self.vocab}), "
+                             f"none equal to eos_id={self.eos_id}")
         if self.gdn_k_heads < 0 or self.gdn_heads % self.gdn_key_heads:
             raise ValueError(f"gdn_heads={self.gdn_heads} must be a multiple of gdn_k_heads={self.gdn_k_heads}")
         if not (0 < self.rope_dim <= self.head_dim and self.rope_dim % 2 == 0):
@@ -78,6 +88,11 @@ class TrunkConfig:
         rope_type = self.rope_params.get("rope_type", "default")
         if rope_type not in ROPE_TYPES:
             raise ValueError(f"rope_scaling rope_type={rope_type!r}: expected one of {ROPE_TYPES}")
+
+    @property
+    def eos_ids(self) -> tuple[int, ...]:
+        """Every id that ends a stream: eos_id, then extra_eos_ids; () when there is none."""
+        return () if self.eos_id < 0 else (self.eos_id, *self.extra_eos_ids)
 
     @property
     def gdn_key_heads(self) -> int:

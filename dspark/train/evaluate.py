@@ -32,7 +32,7 @@ def plain_greedy(trunk, prompt, new: int) -> list[int]:
         tp = trunk.prefill(cache, prompt)
         tok = int(be.to_host(argmax_rows(be, tp.logits[-1:]))[0])
         out = [tok]
-        while len(out) < new and tok != trunk.config.eos_id:
+        while len(out) < new and tok not in trunk.config.eos_ids:
             tp = trunk.decode([cache], [tok])
             tok = int(be.to_host(argmax_rows(be, tp.logits))[0])
             out.append(tok)

@@ -134,7 +134,7 @@ def live_prompt(trunk, seed):
     while True:
         p = rng.integers(0, trunk.config.vocab, 9).astype(np.int32)
         want = plain_generate(trunk, p, N + BLOCK + 1)
-        if trunk.config.eos_id not in want:
+        if not set(trunk.config.eos_ids) & set(want):
             return p, want
 
 

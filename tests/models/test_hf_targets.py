@@ -160,7 +160,7 @@ def live_prompts(case, trunk, n, count):
     while len(out) < count:
         p = rng.integers(0, trunk.config.vocab, int(rng.integers(3, 24))).astype(np.int32)
         want = plain_generate(trunk, p, n)
-        if len(want) == n and trunk.config.eos_id not in want:
+        if len(want) == n and not set(trunk.config.eos_ids) & set(want):
             out.append((p, want))
     return out
 

@@ -1,4 +1,5 @@
-"""A Hugging Face model directory: where it is, its config.json, and its safetensors tensors.
+"""A Hugging Face model directory: where it is, its config.json (and generation_config.json, where
+it has one), and its safetensors tensors.
 
 Tensors are read from the safetensors files directly (an 8-byte header length, a JSON header of
 name -> dtype, shape and byte range, then the data), memory-mapped, so that checking every name,
@@ -21,6 +22,7 @@ from ...errors import CheckpointError
 
 SINGLE = "model.safetensors"
 INDEX = "model.safetensors.index.json"
+GENERATION = "generation_config.json"
 # Weights are float; drafters also store integer and bool token maps (speculators' d2t / t2d).
 DTYPES = {"F32": np.dtype(np.float32), "F16": np.dtype(np.float16), "BF16": BF16, "I64": np.dtype(np.int64),
           "I32": np.dtype(np.int32), "BOOL": np.dtype(np.bool_)}
@@ -101,6 +103,8 @@ class Checkpoint:
     def __init__(self, path):
         self.path = locate(path)
         self.config = read_json(self.path / "config.json")
+        gen = self.path / GENERATION
+        self.generation_config = read_json(gen) if gen.is_file() else None  # generate()'s defaults, if saved
         self.tensors = self._index()
 
     def _index(self) -> dict[str, TensorInfo]:

@@ -2,8 +2,9 @@
 (Gated-DeltaNet + gated attention), mapped onto the one trunk (TrunkConfig + our tensor names).
 
 Config: `config_of` reads config.json (the text config nested under `text_config` for qwen3_5)
-into a TrunkConfig; every numeric convention is a field of it, set here per model_type, exactly
-as transformers' modeling_qwen3.py / modeling_qwen3_5.py compute:
+into a TrunkConfig, with the end-of-sequence ids where transformers' generate() finds them
+(`eos_ids_of`: generation_config.json first). Every numeric convention is a field of it, set here
+per model_type, exactly as transformers' modeling_qwen3.py / modeling_qwen3_5.py compute:
 
 | convention | qwen3 | qwen3_5, qwen3_5_text |
 |---|---|---|
@@ -165,14 +166,29 @@ def rope_of(model_type: str, t: dict) -> tuple[float, float, tuple]:
     return theta, fraction, tuple(sorted({"rope_type": kind, **scaling}.items()))
 
 
-def first_id(value) -> int:
-    if isinstance(value, (list, tuple)):
-        return int(value[0]) if value else -1
-    return -1 if value is None else int(value)
+def eos_ids_of(config: dict, generation: dict | None, vocab: int) -> tuple[int, ...]:
+    """Every id that ends a stream, as transformers' generate() takes them: the eos_token_id of
+    generation_config.json where the directory has that file (transformers then reads no other:
+    without the key there, nothing stops a stream), else config.json's, top level first, then its
+    text_config's. A single id or a list (Qwen: <|im_end|> and <|endoftext|>)."""
+    if generation is not None:
+        where, value = "generation_config.json eos_token_id", generation.get("eos_token_id")
+    else:
+        where, value = "config eos_token_id", config.get("eos_token_id")
+        text = config.get("text_config")
+        if value is None and isinstance(text, dict):
+            where, value = "config text_config.eos_token_id", text.get("eos_token_id")
+    ids = value if isinstance(value, list) else [] if value is None else [value]
+    bad = [i for i in ids if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < vocab]
+    if bad:
+        raise CheckpointError(f"{where}={value!r}: {bad[0]!r} is not a token id in [0, {vocab})")
+    return tuple(dict.fromkeys(ids))
 
 
-def config_of(config: dict, max_ctx: int | None = None, tap_layers=None) -> TrunkConfig:
-    """The TrunkConfig of a served config.json (raises CheckpointError otherwise)."""
+def config_of(config: dict, max_ctx: int | None = None, tap_layers=None, generation: dict | None = None
+              ) -> TrunkConfig:
+    """The TrunkConfig of a served config.json (raises CheckpointError otherwise); `generation`
+    is generation_config.json where the directory has one (its end-of-sequence ids)."""
     model_type, t = text_config(config)
     hybrid = model_type != "qwen3"
     layers = layer_types(model_type, t)
@@ -181,9 +197,11 @@ def config_of(config: dict, max_ctx: int | None = None, tap_layers=None) -> Trun
     n = len(layers)
     max_pos = int(t.get("max_position_embeddings", DEFAULT_MAX_CTX))
     try:
+        eos = eos_ids_of(config, generation, int(t["vocab_size"]))
         return TrunkConfig(
             vocab=int(t["vocab_size"]),
-            eos_id=first_id(t.get("eos_token_id", config.get("eos_token_id"))),
+            eos_id=eos[0] if eos else -1,
+            extra_eos_ids=eos[1:],
             mask_id=int(t["vocab_size"]) - 1,  # a placeholder id: a drafter format brings its own
             d_model=int(t["hidden_size"]),
             mlp_hidden=int(t["intermediate_size"]),
@@ -209,6 +227,8 @@ def config_of(config: dict, max_ctx: int | None = None, tap_layers=None) -> Trun
         )
     except KeyError as e:
         raise CheckpointError(f"config.json of model_type {model_type!r} has no {e.args[0]!r}") from None
+    except CheckpointError:
+        raise
     except ValueError as e:
         raise CheckpointError(f"config.json of model_type {model_type!r}: {e}") from None
 
@@ -363,7 +383,7 @@ def load_target(path, backend=None, dtype=None, *, max_ctx: int | None = None, t
         dtype = storage_dtype(dtype)
     ckpt = Checkpoint(path)
     model_type, _ = text_config(ckpt.config)
-    config = config_of(ckpt.config, max_ctx, tap_layers)
+    config = config_of(ckpt.config, max_ctx, tap_layers, ckpt.generation_config)
     if kv_dtype not in ("float32", "float16", "bfloat16"):
         raise ValueError(f"kv_dtype={kv_dtype!r}: expected 'float32', 'float16' or 'bfloat16'")
     config = replace(config, kv_dtype=kv_dtype)
