@@ -400,3 +400,80 @@ def test_asan_clean():
     """, families=ASAN_FAMILIES)
     assert_clean(r)
     assert "ok" in r.stdout
+
+
+# ---- ties among the entries one thread scans -------------------------------------------------------
+# A thread scans its slice's scalar head and tail entries first, then its vectors (16 bytes each,
+# blockDim.x vectors apart) in increasing order, so a per-thread scan that keeps the first (or the
+# last) of equal values returns a higher index whenever the row maximum recurs inside one
+# thread's entries. Each kind of row below puts it there at every V; row 0 of each batch starts on
+# a 16-byte boundary, so its slices have tails (V % (16 / itemsize) != 0) that thread 0 scans first.
+TIE_VOCABS = [3079, 2 * SLICE + 13, FULL_V]   # one slice; a 13-entry last slice; Qwen3.5's 31 slices
+TIE_KINDS = ["all-equal", "last-slice-tied", "half-tied", "all-neg-inf"]
+TIE_ROWS = 8                                  # every offset of a row from a 16-byte boundary (V odd)
+
+
+def tied_within_threads(rng, kind, rows, vocab, dtype):
+    """rows x vocab logits whose maximum recurs inside each thread's entries, and the lowest index
+    of it per row (which the reference must agree with)."""
+    top = np.float32(rng.integers(-4, 5) / 2)
+    below = (top - 0.5 - np.abs(np.round(rng.standard_normal((rows, vocab)) * 2) / 2)).astype(np.float32)
+    if kind == "all-equal":
+        x, want = np.full((rows, vocab), top, np.float32), np.zeros(rows, np.int64)
+    elif kind == "last-slice-tied":  # ties the whole (short) last slice; its first entry wins
+        x = below
+        x[:, SLICE * (splits(vocab) - 1):] = top
+        want = np.full(rows, SLICE * (splits(vocab) - 1))
+    elif kind == "half-tied":
+        x = np.where(rng.random((rows, vocab)) < 0.5, top, below).astype(np.float32)
+        want = (x == top).argmax(axis=1)
+    else:
+        x, want = np.full((rows, vocab), -np.inf, np.float32), np.zeros(rows, np.int64)
+    x = x.astype(dtype)
+    np.testing.assert_array_equal(argmax_rows_ref(x)[0], want)
+    return x, want
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("vocab", TIE_VOCABS)
+def test_argmax_ties_within_one_threads_entries(kernel_backend, rng, vocab, dtype):
+    for kind in TIE_KINDS:
+        x, want = tied_within_threads(rng, kind, TIE_ROWS, vocab, dtype)
+        np.testing.assert_array_equal(run_argmax(kernel_backend, x), want, err_msg=kind)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("vocab", TIE_VOCABS)
+def test_greedy_accept_ties_within_one_threads_entries(kernel_backend, rng, vocab, dtype):
+    """Candidates that follow every column's lowest tied index: a full accept, so every column's
+    argmax is examined; then a candidate naming a later tied index: a mismatch there."""
+    be = kernel_backend
+    indptr = np.array([0, 3, TIE_ROWS], np.int32)
+    for kind in TIE_KINDS:
+        x, want = tied_within_threads(rng, kind, TIE_ROWS, vocab, dtype)
+        cand = np.zeros(TIE_ROWS, np.int32)
+        for b in range(2):
+            cand[indptr[b] + 1: indptr[b + 1]] = want[indptr[b]: indptr[b + 1] - 1]
+        m, nxt = greedy_accept(be, be.asarray(x), be.asarray(cand), be.asarray(indptr))
+        assert (be.to_host(m).tolist(), be.to_host(nxt).tolist()) == ([2, 4], [want[2], want[7]]), kind
+        if kind != "all-neg-inf":
+            later = np.flatnonzero(x[4].astype(np.float32) == x[4].astype(np.float32).max())[-1]
+            cand[5] = later  # column 4's argmax is want[4] < later
+            m, nxt = greedy_accept(be, be.asarray(x), be.asarray(cand), be.asarray(indptr))
+            assert (be.to_host(m).tolist(), be.to_host(nxt).tolist()) == ([2, 1], [want[2], want[4]]), kind
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("vocab", TIE_VOCABS)
+def test_markov_chain_ties_within_one_threads_entries(kernel_backend, rng, vocab, dtype):
+    """A Markov head whose bias is exactly 0 keeps every tie of the slot logits."""
+    be = kernel_backend
+    B, nd = 2, TIE_ROWS // 2
+    w1, w2 = rng.standard_normal((vocab, 1)).astype(np.float32), np.zeros((1, vocab), np.float32)
+    anchors = rng.integers(0, vocab, B).astype(np.int32)
+    for kind in TIE_KINDS:
+        x, want = tied_within_threads(rng, kind, B * nd, vocab, dtype)
+        out = poison(be.xp, (B, nd), np.int32)
+        markov_chain(be, be.asarray(x), be.asarray(w1), be.asarray(w2), anchors, nd, out=out)
+        np.testing.assert_array_equal(be.to_host(out).ravel(), want, err_msg=kind)
+        np.testing.assert_array_equal(markov_chain_ref(x, w1, w2, anchors, nd)[0].ravel(), want, err_msg=kind)
