@@ -23,7 +23,7 @@ class TrunkConfig:
     """One model code path, configured by data: the embedded byte-level trunk is the defaults, a
     Hugging Face checkpoint maps its config onto the same fields (dspark.models.hf)."""
     vocab: int = 258                 # byte-level: 256 bytes, EOS, MASK
-    eos_id: int = 256                # -1: no end-of-sequence token
+    eos_id: int = 256                # -1: no end-of-sequence token; more in extra_eos_ids (eos_ids: all)
     mask_id: int = 257
     d_model: int = 128
     mlp_hidden: int = 256

@@ -2,8 +2,9 @@
 
 Sizes: the shipped f32 weights (trunk + drafter) must stay under 8 MB, and the whole recipe must
 train in about an hour on 2 shared CPU cores (~1.5-2k trunk tokens/s). d_model 192 with one
-[gdn, gdn, gdn, attn] group is the largest trunk that fits both; head dims are 64 because the
-attention kernels take 64 or 128 and the gdn kernels' dk up to 128. The drafter is one layer.
+[gdn, gdn, gdn, attn] group is the largest trunk that fits both; head dims are 64, the smallest
+the attention kernels take (64, 128 and 256), and the gdn kernels take dk up to 128. The drafter
+is one layer.
 """
 
 from __future__ import annotations
