@@ -39,7 +39,7 @@ class TrunkConfig:
     gdn_dv: int = 32
     conv_kernel: int = 4
     norm_eps: float = 1e-6
-    tap_layers: tuple[int, ...] = (1, 3)  # layer outputs the drafter reads (default; see HybridTrunk.forward)
+    tap_layers: tuple[int, ...] = (1, 3)  # default taps: layer outputs in this order, -1 the embedding (HybridTrunk.forward)
     max_ctx: int = 2048
     kv_dtype: str = "float32"
     # Conventions of other checkpoints, as data. Each default is the embedded trunk's, and a field
@@ -65,8 +65,10 @@ class TrunkConfig:
             raise ValueError(f"attn_heads={self.attn_heads} must be a multiple of attn_kv_heads={self.attn_kv_heads}")
         if self.conv_kernel != 4:
             raise ValueError(f"conv_kernel={self.conv_kernel}: the gdn kernels implement 4")
-        if not self.tap_layers or any(not 0 <= t < len(self.layers) for t in self.tap_layers):
-            raise ValueError(f"tap_layers={self.tap_layers}: expected layer indices in [0, {len(self.layers)})")
+        if not self.tap_layers or any(not -1 <= t < len(self.layers) for t in self.tap_layers):
+            # the rule HybridTrunk.check_taps applies to the taps of one call
+            raise ValueError(f"tap_layers={self.tap_layers}: expected one or more layer indices in "
+                             f"[-1, {len(self.layers)}) (-1: the embedding)")
         if not -1 <= self.eos_id < self.vocab:
             raise ValueError(f"eos_id={self.eos_id}: expected a token id in [0, {self.vocab}) or -1 (none)")
         extra = self.extra_eos_ids

@@ -111,7 +111,7 @@ class TorchTrunk:
         B, T = ids.shape
         positions = torch.arange(T)
         x = w["embed"][ids]
-        taps, st = [], []
+        taps, st = {-1: x}, []  # layer -> its output; -1: the embedding
         for i, kind in enumerate(c.layers):
             p = f"layers.{i}."
             h = rmsnorm(x, w[p + "norm1"], c.norm_eps)
@@ -130,10 +130,9 @@ class TorchTrunk:
                 x = x + self._gdn_out(o, h, p)
                 st.append((S, window))
             x = x + swiglu_mlp(rmsnorm(x, w[p + "norm2"], c.norm_eps), w, p)
-            if i in c.tap_layers:
-                taps.append(x)
+            taps[i] = x
         logits = rmsnorm(x, w["final_norm"], c.norm_eps) @ w["lm_head"]
-        out = (logits, torch.cat(taps, -1))
+        out = (logits, torch.cat([taps[i] for i in c.tap_layers], -1))  # in tap_layers' order, as the trunk
         return (*out, st) if state else out
 
     def _qkv(self, h, p, positions):
@@ -158,7 +157,7 @@ class TorchTrunk:
         c, w = self.c, self.w
         x = w["embed"][tok][:, None]                      # [B, 1, d]
         positions = torch.tensor([pos])
-        taps = []
+        taps = {-1: x}
         for i, kind in enumerate(c.layers):
             p = f"layers.{i}."
             h = rmsnorm(x, w[p + "norm1"], c.norm_eps)
@@ -178,10 +177,9 @@ class TorchTrunk:
                 st[i] = (S, window)
                 x = x + self._gdn_out(o[:, None], h, p)
             x = x + swiglu_mlp(rmsnorm(x, w[p + "norm2"], c.norm_eps), w, p)
-            if i in c.tap_layers:
-                taps.append(x)
+            taps[i] = x
         logits = rmsnorm(x, w["final_norm"], c.norm_eps) @ w["lm_head"]
-        return logits[:, 0], torch.cat(taps, -1)[:, 0]
+        return logits[:, 0], torch.cat([taps[i] for i in c.tap_layers], -1)[:, 0]
 
     @torch.no_grad()
     def greedy(self, prompts, new: int):

@@ -1,9 +1,15 @@
 """The reference trunk and drafter: row invariance (bitwise), backend agreement, weight files."""
 
+import re
+from dataclasses import replace
+
 import numpy as np
 import pytest
 
+from dspark.decode import plain_generate
 from dspark.errors import DTypeError, ShapeError, TokenRangeError
+from dspark.models.config import TrunkConfig, from_json, to_json
+from dspark.session import DsparkSpecSession, SpecParams
 from dspark.models import DsparkDrafter, HybridTrunk
 from dspark.ops import dense
 from dspark.models.presets import QWEN35_CONVENTIONS, TINY_TRUNK, tiny_pair as small_pair
@@ -192,3 +198,26 @@ def test_bf16_storage_is_exact_widening(rng):
     full = dense.linear(x, w)
     assert np.array_equal(full, dense.linear(x, w.astype(np.float32)))
     assert np.array_equal(dense.linear(x[3:4], w)[0], full[3])
+
+
+def test_default_taps_follow_the_per_call_rule(numpy_backend, rng):
+    """TrunkConfig.tap_layers takes what a call's taps= takes: -1 (the embedding) too, in any
+    order; a drafter without taps of its own reads those defaults, and stays exact. Outside
+    [-1, L), or none, is refused by name."""
+    trunk, drafter = small_pair(numpy_backend, 5, tap_layers=(3, -1))
+    p = prompt(rng, 9)
+    default = trunk.prefill(trunk.new_cache(), p)
+    explicit = trunk.prefill(trunk.new_cache(), p, taps=(3, -1))
+    d = trunk.config.d_model
+    assert default.tap_layers == (3, -1) and np.array_equal(default.taps, explicit.taps)
+    assert np.array_equal(default.taps[:, d:], dense.widen(trunk.w["embed"][p]))
+    assert drafter.taps == (3, -1)
+    s = DsparkSpecSession.prime(trunk, drafter, p, SpecParams(max_new_tokens=24, burst_target=8))
+    while not s.finished():
+        s.burst()
+    assert s.emitted == plain_generate(trunk, p, 24)
+    assert from_json(to_json(trunk.config), TrunkConfig) == trunk.config
+    for bad in ((4,), (-2, 1), ()):
+        with pytest.raises(ValueError, match=rf"tap_layers={re.escape(str(bad))}: expected one or more layer "
+                                             r"indices in \[-1, 4\) \(-1: the embedding\)"):
+            replace(TINY_TRUNK, tap_layers=bad)

@@ -1,6 +1,7 @@
 """The torch mirror (dspark/train/torch_model.py) against the NumPy models on random small weights,
 and the chunked gdn recurrence against the step loop. Skipped without torch."""
 
+import dataclasses
 
 import numpy as np
 import pytest
@@ -20,19 +21,20 @@ DRAFTER = DrafterConfig(block=4, window=16, d_model=64, layers=2, heads=2, kv_he
                         markov_rank=8)
 
 
-def pair(seed=0):
-    tw = random_weights(trunk_spec(TRUNK), seed)
-    dw = random_weights(drafter_spec(DRAFTER, TRUNK), seed + 1)
+def pair(seed=0, trunk_config=TRUNK):
+    tw = random_weights(trunk_spec(trunk_config), seed)
+    dw = random_weights(drafter_spec(DRAFTER, trunk_config), seed + 1)
     dw["markov.w2"] *= 3.0       # make the Markov and confidence heads matter
     dw["conf.w"] = np.random.default_rng(seed).standard_normal(dw["conf.w"].shape).astype(np.float32) * 0.2
-    trunk = HybridTrunk(TRUNK, tw, get_backend("numpy"))
+    trunk = HybridTrunk(trunk_config, tw, get_backend("numpy"))
     drafter = DsparkDrafter(DRAFTER, dw, trunk)
-    tt = TorchTrunk(TRUNK, as_tensors(tw))
+    tt = TorchTrunk(trunk_config, as_tensors(tw))
     return trunk, drafter, tt, TorchDrafter(DRAFTER, tt, as_tensors(dw))
 
 
-def test_trunk_logits_and_taps_match_numpy():
-    trunk, _, tt, _ = pair()
+@pytest.mark.parametrize("tap_layers", [(1, 3), (3, -1)])  # in the config's order; -1: the embedding
+def test_trunk_logits_and_taps_match_numpy(tap_layers):
+    trunk, _, tt, _ = pair(trunk_config=dataclasses.replace(TRUNK, tap_layers=tap_layers))
     ids = np.random.default_rng(1).integers(0, 256, 70)
     want_logits, want_taps = torch_trunk(tt, ids)
     logits, taps = parity.numpy_trunk(trunk, ids)
@@ -51,12 +53,13 @@ def test_drafter_block_matches_numpy(pos):
 
 
 def test_step_decode_matches_whole_sequence():
-    _, _, tt, _ = pair()
+    _, _, tt, _ = pair(trunk_config=dataclasses.replace(TRUNK, tap_layers=(3, -1)))
     ids = torch.from_numpy(np.random.default_rng(2).integers(0, 256, (2, 30)))
-    full, _ = tt.forward(ids)
+    full, full_taps = tt.forward(ids)
     _, _, st = tt.forward(ids[:, :10], state=True)
-    steps = [tt.step(st, ids[:, j], j)[0] for j in range(10, 30)]
-    assert torch.allclose(torch.stack(steps, 1), full[:, 10:], atol=1e-4, rtol=1e-4)
+    steps = [tt.step(st, ids[:, j], j) for j in range(10, 30)]
+    assert torch.allclose(torch.stack([s[0] for s in steps], 1), full[:, 10:], atol=1e-4, rtol=1e-4)
+    assert torch.allclose(torch.stack([s[1] for s in steps], 1), full_taps[:, 10:], atol=1e-4, rtol=1e-4)
 
 
 @pytest.mark.parametrize("T,chunk", [(1, 8), (19, 8), (64, 16), (99, 32)])
