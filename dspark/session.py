@@ -33,8 +33,9 @@ _ids = itertools.count()
 class SpecBoundaryCapture:
     """The state at the end of the prompt: enough to start the same request again without a
     prefill. `cache` holds the attention rows and the recurrent snapshot; `draft_kv` the draft-KV
-    ring, built from the trunk layers `taps`; `boundary_logits` the trunk logits at the last prompt
-    row."""
+    ring, built from the trunk layers `taps` (prime records them; () means the trunk's default
+    tap_layers, as DrafterConfig.taps does); `boundary_logits` the trunk logits at the last
+    prompt row."""
     prompt: tuple[int, ...]
     pos: int
     cache: Cache
@@ -127,9 +128,11 @@ class DsparkSpecSession:
         s = cls._new(trunk, drafter, params)
         kv_shape = (len(capture.draft_kv.k), *capture.draft_kv.shape)
         want = (drafter.config.layers, drafter.config.kv_heads, drafter.ring, drafter.config.head_dim)
-        if capture.taps != drafter.taps or kv_shape != want:
+        taps = tuple(capture.taps or trunk.config.tap_layers)
+        if taps != drafter.taps or kv_shape != want:
             raise ValueError(f"capture: its draft KV (layers, heads, ring, dim)={kv_shape} was built from trunk layers "
-                             f"{capture.taps}; this drafter taps {drafter.taps} into {want}")
+                             f"{taps}{'' if capture.taps else ' (capture.taps=(): the trunk default tap_layers)'}; "
+                             f"this drafter taps {drafter.taps} into {want}")
         try:
             s.cache = capture.cache.copy(f"cache/{s.id}")
             s.kv = capture.draft_kv.copy(f"{s.owner}/draft_kv")
