@@ -8,6 +8,7 @@ budget instead.
 """
 
 import json
+import re
 
 import numpy as np
 import pytest
@@ -175,3 +176,21 @@ def test_extra_eos_ids_round_trip_json_and_leave_old_files_alone():
     assert "extra_eos_ids" not in to_json(TrunkConfig())  # the embedded pair's JSON is unchanged
     c = TrunkConfig(extra_eos_ids=(3, 4))
     assert from_json(to_json(c), TrunkConfig) == c
+
+
+
+def test_load_target_refuses_a_bad_eos_id_before_allocating(two_eos, tmp_path, numpy_backend):
+    """Where the ids are read (generation_config.json, else config.json), an id outside the
+    vocabulary is refused by name, and nothing is allocated."""
+    import shutil
+    d, bad = two_eos[0], tmp_path / "bad"
+    shutil.copytree(d, bad)
+    vocab = load_target(d, numpy_backend).config.vocab
+    where, named = (("generation_config.json", "generation_config.json") if (d / "generation_config.json").exists()
+                    else ("config.json", "config"))
+    edit_json(bad / where, eos_token_id=[1, vocab])
+    before = numpy_backend.alloc.owners()
+    with pytest.raises(CheckpointError, match=rf"^{re.escape(named)} eos_token_id=\[1, {vocab}\]: {vocab} is not a "
+                                              rf"token id in \[0, {vocab}\)$"):
+        load_target(bad, numpy_backend)
+    assert numpy_backend.alloc.owners() == before
