@@ -4,26 +4,31 @@
 // col_indptr[s] .. col_indptr[s+1]):
 //
 // gdn_conv_f32(mixed [cols, C], conv_weight [C, 4], conv_windows [B] -> [C, 3], col_indptr, C,
-//              x [cols, C], conv_ckpt [cols, C, 3] or null)
+//              x [cols, C], conv_ckpt [cols, C, 3] or null, commit)
 //   The causal depthwise conv + SiLU of every channel. Grid (ceil(C / 128), B), one thread per
 //   (channel, session): it walks the session's columns in order with the window in registers,
-//   so every window has exactly one owner, then writes it back once. A key head's channels are
-//   read by several value heads, so the conv cannot live in the scan's per-head blocks.
+//   so every window has exactly one owner, then writes it back once (commit = 1). A key head's
+//   channels are read by several value heads, so the conv cannot live in the scan's per-head
+//   blocks.
 //
 // gdn_scan_dk<DK>_f32(x [cols, C], a [cols, H], b [cols, H], A_log [H], dt_bias [H],
 //                     states [B] -> [H, dv, DK], col_indptr [B+1], heads, k_heads, dv,
-//                     out [cols, H, dv], state_ckpt [cols, H, dv, DK] or null)
+//                     out [cols, H, dv], state_ckpt [cols, H, dv, DK] or null, commit)
 //   C = k_heads * 2*DK + H * dv channels laid out [q (k_heads*DK) | k (k_heads*DK) | v (H*dv)].
 //   Value head h reads key head h / (H / k_heads): consecutive value heads share a key head, as
 //   transformers' repeat_interleave does. Grid (H, B): one block per (value head, session), so a
 //   state has exactly one owner and the scan needs no inter-block ordering. Block:
 //   GdnTile<DK>::kLanes threads per state row, rounded up to whole warps (at most 512). The state
 //   lives in registers for the whole scan, 32 (or DK) floats per thread; it is read once and
-//   written once per launch. Per column:
+//   written once per launch, or not at all with commit = 0. Per column:
 //   A. the head's q, k (of its key head) and v to shared memory, gates by thread 0;
 //   B. L2 norm of q by warp 0 and of k by warp 1 (warp 0 when there is only one);
 //   C. the delta rule on each thread's row slice; u and o are summed over the thread's columns
 //      in order g, e (see GdnTile), then over the row's lanes by xor butterfly.
+//
+// commit = 0 (a speculative verify): the live state and window are read, never written; the
+// round's rollback then moves them exactly `keep` columns on (checkpoint select or replay), and a
+// round that fails before it leaves them as they were, with no snapshot.
 //
 // Nothing depends on how many columns or sessions share a launch, so a verify column is bitwise
 // equal to the decode step at the same position, and replay equals checkpoint select.
@@ -34,7 +39,7 @@ constexpr int kGdnConvThreads = 128;
 
 extern "C" __global__ void __launch_bounds__(kGdnConvThreads) gdn_conv_f32(
     const float* __restrict__ mixed, const float* __restrict__ conv_weight, float* const* __restrict__ conv_windows,
-    const int* __restrict__ col_indptr, int C, float* __restrict__ x, float* __restrict__ conv_ckpt) {
+    const int* __restrict__ col_indptr, int C, float* __restrict__ x, float* __restrict__ conv_ckpt, int commit) {
   const int c = blockIdx.x * kGdnConvThreads + threadIdx.x, s = blockIdx.y;
   const int c0 = col_indptr[s], c1 = col_indptr[s + 1];
   if (c >= C || c0 >= c1) return;  // no barriers here: threads may leave on their own
@@ -48,6 +53,7 @@ extern "C" __global__ void __launch_bounds__(kGdnConvThreads) gdn_conv_f32(
     const int64_t i = (int64_t)col * C + c;
     x[i] = gdn_conv_silu(win, w, mixed[i], conv_ckpt ? conv_ckpt + i * kGdnWindow : nullptr);
   }
+  if (!commit) return;
 #pragma unroll
   for (int j = 0; j < kGdnWindow; ++j) window[j] = win[j];
 }
@@ -56,7 +62,8 @@ template <int DK>
 DSPARK_DEVICE void gdn_scan(const float* __restrict__ x, const float* __restrict__ a, const float* __restrict__ b,
                             const float* __restrict__ A_log, const float* __restrict__ dt_bias,
                             float* const* __restrict__ states, const int* __restrict__ col_indptr, int heads,
-                            int k_heads, int dv, float* __restrict__ out, float* __restrict__ state_ckpt) {
+                            int k_heads, int dv, float* __restrict__ out, float* __restrict__ state_ckpt,
+                            int commit) {
   using Tile = GdnTile<DK>;
   DSPARK_DYNAMIC_SMEM(float, xs);  // this token's [q DK | k DK | v dv] for this head
   __shared__ float2 gate;          // (alpha, beta) of this token
@@ -139,7 +146,7 @@ DSPARK_DEVICE void gdn_scan(const float* __restrict__ x, const float* __restrict
     __syncthreads();  // xs and gate are rewritten by the next column
   }
 
-  if (owner) {
+  if (owner && commit) {
     float4* dst = reinterpret_cast<float4*>(states[s] + row_off);
 #pragma unroll
     for (int g = 0; g < Tile::kGroups; ++g)
@@ -152,8 +159,8 @@ DSPARK_DEVICE void gdn_scan(const float* __restrict__ x, const float* __restrict
       const float* __restrict__ x, const float* __restrict__ a, const float* __restrict__ b,               \
       const float* __restrict__ A_log, const float* __restrict__ dt_bias, float* const* __restrict__ states, \
       const int* __restrict__ col_indptr, int heads, int k_heads, int dv, float* __restrict__ out,         \
-      float* __restrict__ state_ckpt) {                                                                    \
-    gdn_scan<DK>(x, a, b, A_log, dt_bias, states, col_indptr, heads, k_heads, dv, out, state_ckpt);        \
+      float* __restrict__ state_ckpt, int commit) {                                                        \
+    gdn_scan<DK>(x, a, b, A_log, dt_bias, states, col_indptr, heads, k_heads, dv, out, state_ckpt, commit);\
   }
 
 DSPARK_GDN_SCAN_ENTRY(16)

@@ -12,9 +12,14 @@ Counters: `counting()` collects the events the executors and the CuPy contract s
 
     with profile.counting() as c:
         session.round()
-    c.launches, c.syncs, c.d2h, c.h2d, c.array_ops, c.by_name, c.sites
+    c.launches, c.syncs, c.d2h, c.h2d, c.array_ops, c.by_name, c.sites, c.bytes
 
-Both kernel executors (simt and cuda) report every kernel launch. Copies, synchronisations and
+Both kernel executors (simt and cuda) report every kernel launch. The ops that move recurrent
+state and K/V rows report the bytes their launches move, by kind (`moved`): "state" (the scans'
+reads and writes of the live gdn state and conv window), "checkpoints" (per-column checkpoints a
+verify writes), "rollback" (checkpoint select and snapshot copies, read and written) and
+"kv_commit" (accepted K/V rows, read and written); profiling/perf_model.py predicts the same
+numbers from a model's shapes. Copies, synchronisations and
 CuPy array operations are reported by the CuPy contract stand-in, which sees every one of them
 and names the dspark line that caused each device->host copy and synchronisation; on a real GPU,
 Nsight Systems counts them (profiling/nsys_session.sh, its cuda_api_sum report).
@@ -91,7 +96,8 @@ def phase(name: str):
 
 
 # ---- counters --------------------------------------------------------------------------------------
-KINDS = ("launch", "array_op", "d2h", "h2d", "sync")
+KINDS = ("launch", "array_op", "d2h", "h2d", "sync", "bytes")
+BYTE_KINDS = ("state", "checkpoints", "rollback", "kv_commit")
 
 
 @dataclass
@@ -102,7 +108,8 @@ class Counts:
     launches at least one kernel or cuBLAS call on a GPU); d2h / h2d: copies between device and
     host; syncs: host waits on the device (every blocking device->host copy and every explicit
     synchronize). by_name: launches per kernel name. sites: for d2h and sync events, the dspark
-    source line (file:line function) that caused them, with counts."""
+    source line (file:line function) that caused them, with counts. bytes: bytes moved by kind
+    (BYTE_KINDS)."""
     launches: int = 0
     array_ops: int = 0
     d2h: int = 0
@@ -110,9 +117,12 @@ class Counts:
     syncs: int = 0
     by_name: Counter = field(default_factory=Counter)
     sites: Counter = field(default_factory=Counter)
+    bytes: Counter = field(default_factory=Counter)
 
-    def add(self, kind: str, name: str | None, site: str | None) -> None:
-        if kind == "launch":
+    def add(self, kind: str, name: str | None, site: str | None, amount: int = 1) -> None:
+        if kind == "bytes":
+            self.bytes[name] += amount
+        elif kind == "launch":
             self.launches += 1
             self.by_name[name] += 1
         elif kind == "array_op":
@@ -137,6 +147,11 @@ class Counts:
         return (f"syncs {p['syncs']:.2f}, device->host copies {p['d2h']:.2f}, host->device copies {p['h2d']:.2f}, "
                 f"dspark kernel launches {p['launches']:.2f}, CuPy array ops {p['array_ops']:.2f}")
 
+    def bytes_line(self, n: int = 1) -> str:
+        """Bytes moved per round by kind (the state and K/V traffic the ops report)."""
+        return ", ".join(f"{k} {self.bytes[k] / n:,.0f}" for k in BYTE_KINDS) + \
+            f" (total {sum(self.bytes.values()) / n:,.0f}) bytes"
+
 
 _active: list[Counts] = []
 _PACKAGE = os.path.dirname(os.path.abspath(__file__))
@@ -158,10 +173,18 @@ def caller_site(skip_prefixes: tuple[str, ...] = ()) -> str | None:
     return None
 
 
-def record(kind: str, name: str | None = None, site: str | None = None) -> None:
+def record(kind: str, name: str | None = None, site: str | None = None, amount: int = 1) -> None:
     """Report one event to every open counter (nothing happens when none is open)."""
     for c in _active:
-        c.add(kind, name, site)
+        c.add(kind, name, site, amount)
+
+
+def moved(kind: str, nbytes: int) -> None:
+    """Report `nbytes` moved by a launch, of a kind in BYTE_KINDS."""
+    if _active:
+        if kind not in BYTE_KINDS:
+            raise ValueError(f"kind={kind!r}: expected one of {BYTE_KINDS}")
+        record("bytes", kind, amount=int(nbytes))
 
 
 @contextlib.contextmanager

@@ -1,8 +1,21 @@
 """DsparkSpecSession: one request decoded speculatively, round by round (DESIGN section 2).
 
-A round: draft -> propose -> verify width -> snapshot -> verify -> accept -> commit -> roll back
--> ingest. `spec_round` runs one round for a batch of sessions with one drafter pass and one
-trunk pass; every op is row-invariant, so a session's tokens do not depend on the batch.
+A round: draft -> propose -> verify width -> verify -> accept -> commit -> roll back -> ingest.
+`spec_round` runs one round for a batch of sessions with one drafter pass and one trunk pass;
+every op is row-invariant, so a session's tokens do not depend on the batch.
+
+Host round. A greedy round waits on the device twice: once for the drafts, their confidences and
+the drafter's NaN flags (one packed copy, DsparkDrafter.propose_greedy), once for the accept's
+(m, next) and the verify's NaN flags (one packed copy). Every op in between takes host index
+arrays (validated on the host, uploaded, never read back) and the batch's cached pointer tables
+(dspark.models.batch_tables); a NaN anywhere raises NonFiniteError at one of those two points.
+A sampled round does the same with its row statuses.
+
+No snapshot. The verify reads the recurrent state and never writes it (gdn_scan commit=False);
+the rollback then moves it on by exactly the kept columns: checkpoint select copies the
+checkpoint after column keep - 1, replay re-scans the kept columns from it. So the state a
+rollback can select is all a round keeps (the per-column checkpoints, or the scan inputs), and a
+round that fails before its commit leaves every session exactly as it was, with no copy to undo.
 
 Invariant at every burst boundary of an unfinished session: cache.pos == prompt rows + emitted
 tokens, and `last` (the anchor) is pending. That is what makes `into_demoted` exact.
@@ -21,8 +34,7 @@ from .errors import StateError
 from .models.cache import Cache
 from .models.drafter import DraftKV, DsparkDrafter
 from .models.trunk import HybridTrunk
-from .ops.argmax import argmax_rows, greedy_accept
-from .ops.snapshot import checkpoint_select, snapshot_restore, snapshot_save
+from .ops.argmax import argmax_rows, greedy_accept, raise_on_nan
 from .profile import phase
 from .stats import SpecStats
 
@@ -76,17 +88,13 @@ class DsparkSpecSession:
         s.last = -1
         s.prompt_len = 0
         s.m_prev = 1
+        s.counter = 0            # sampled: the round counter n of dspark.spec_sampling, across bursts
         s._finished = None       # reason string once finished
         s._demoted = False
         s._in_round = False
         s._capture = None
-        s.cache = s.kv = s.snapshot = None
+        s.cache = s.kv = None
         return s
-
-    def _allocate(self) -> None:
-        self.snapshot = [self.be.alloc.empty(a.shape, a.dtype, f"{self.owner}/snapshot") for a in self.cache.recurrent()]
-        # The sampled round counter n (see dspark.spec_sampling), continued across bursts.
-        self.rng = self.be.alloc.zeros(1, np.uint64, f"{self.owner}/rng")
 
     @classmethod
     def prime(cls, trunk: HybridTrunk, drafter: DsparkDrafter, prompt_ids, params: SpecParams | None = None,
@@ -102,7 +110,6 @@ class DsparkSpecSession:
         try:
             s.cache = trunk.new_cache(owner=f"cache/{s.id}")
             s.kv = drafter.new_kv(f"{s.owner}/draft_kv")
-            s._allocate()
             with phase("prime"):
                 tp = trunk.prefill(s.cache, p, taps=drafter.taps)
                 drafter.ingest([s.kv], tp.taps, tp.row_indptr)
@@ -136,7 +143,6 @@ class DsparkSpecSession:
         try:
             s.cache = capture.cache.copy(f"cache/{s.id}")
             s.kv = capture.draft_kv.copy(f"{s.owner}/draft_kv")
-            s._allocate()
             s.last = s._first_anchor(s.be.asarray(capture.boundary_logits[None, :]))
             s.prompt_len = len(capture.prompt)
         except BaseException:
@@ -172,8 +178,8 @@ class DsparkSpecSession:
         return cap
 
     def into_demoted(self) -> tuple[Cache, int]:
-        """Hand the trunk cache and the pending anchor to plain batched decode. Frees the draft KV,
-        snapshots and RNG counters. Refuses sampled, finished, demoted and mid-round sessions and
+        """Hand the trunk cache and the pending anchor to plain batched decode. Frees the draft KV
+        (and an untaken capture). Refuses sampled, finished, demoted and mid-round sessions and
         leaves them intact."""
         self._require_live("into_demoted")
         if not self.params.sampling.greedy:
@@ -215,13 +221,13 @@ class DsparkSpecSession:
 
     # ---- memory -------------------------------------------------------------------------------
     def _release_speculative(self) -> int:
-        """Free the draft KV, snapshots, RNG counters and an untaken capture."""
-        n = self.be.alloc.free_owner(f"{self.owner}/snapshot") + self.be.alloc.free_owner(f"{self.owner}/rng")
+        """Free the draft KV and an untaken capture."""
+        n = 0
         if self.kv is not None:
             n += self.kv.free()
         if self._capture is not None:
             n += self._capture.free()
-        self.kv = self.snapshot = self._capture = None
+        self.kv = self._capture = None
         return n
 
     def _release_all(self) -> None:
@@ -308,7 +314,7 @@ def _round(trunk: HybridTrunk, drafter: DsparkDrafter, live: list[DsparkSpecSess
         raise ValueError("a batch mixes greedy and sampled sessions: run them in separate rounds")
     with phase("draft"):
         dh, dl = drafter.draft([s.kv for s in live], [s.last for s in live])
-    with phase("propose"):
+    with phase("propose"):  # the first wait on the device: drafts, confidences, NaN flags
         if greedy:
             drafts, conf = drafter.propose_greedy(dh, dl, [s.last for s in live])
             q = None
@@ -317,30 +323,26 @@ def _round(trunk: HybridTrunk, drafter: DsparkDrafter, live: list[DsparkSpecSess
             drafts, conf, q = propose_sampled(live, drafter, dl, dh, nd)
     vts = [min(verify_width(s, conf[i], nd), s.cache.capacity - s.cache.pos) for i, s in enumerate(live)]
     cands = [np.concatenate([[s.last], drafts[i, : vts[i] - 1]]).astype(np.int32) for i, s in enumerate(live)]
-    with phase("snapshot"):  # every recurrent tensor of every session, one launch
-        snapshot_save(be, [a for s in live for a in s.cache.recurrent()], [a for s in live for a in s.snapshot])
-    committed = False
-    try:
-        with phase("verify"):
-            tp = trunk.verify([s.cache for s in live], cands, checkpoints=live[0].params.rollback == "checkpoint",
-                              taps=drafter.taps)
-        with phase("accept"):
-            if greedy:
-                m, nxt = greedy_accept(be, tp.logits, be.asarray(np.concatenate(cands)), be.asarray(tp.row_indptr))
-                m, nxt = be.to_host(m), be.to_host(nxt)
-            else:
-                from .spec_sampling import accept_sampled
-                m, nxt = accept_sampled(live, tp, cands, q, vts)
-        keep = np.array([_cut(s, cands[i][: int(m[i]) + 1]) for i, s in enumerate(live)], np.int32)
-        with phase("commit"):
-            trunk.commit_rows([s.cache for s in live], tp, keep)
-            committed = True
-        with phase("rollback"):
-            rollback(trunk, live, tp, keep, np.array(vts, np.int32))
-    except BaseException:
-        if not committed:  # leave every session exactly as before the round
-            snapshot_restore(be, [a for s in live for a in s.snapshot], [a for s in live for a in s.cache.recurrent()])
-        raise
+    # No snapshot: the verify leaves the recurrent state as it is (module doc), so anything that
+    # fails before the commit leaves every session exactly as it was.
+    with phase("verify"):
+        tp = trunk.verify([s.cache for s in live], cands, checkpoints=live[0].params.rollback == "checkpoint",
+                          taps=drafter.taps)
+    with phase("accept"):  # the second wait: (m, next) and the verify's NaN flags
+        if greedy:
+            xp = be.xp
+            flag = xp.empty(len(live), xp.int32)
+            m, nxt = greedy_accept(be, tp.logits, be.asarray(np.concatenate(cands)), tp.row_indptr, nan_flag=flag)
+            m, nxt, flag = be.fetch(m, nxt, flag)
+            raise_on_nan(flag, "verify logits", "session")
+        else:
+            from .spec_sampling import accept_sampled
+            m, nxt = accept_sampled(live, tp, cands, q, vts)
+    keep = np.array([_cut(s, cands[i][: int(m[i]) + 1]) for i, s in enumerate(live)], np.int32)
+    with phase("commit"):
+        trunk.commit_rows([s.cache for s in live], tp, keep)
+    with phase("rollback"):
+        rollback(trunk, live, tp, keep, np.array(vts, np.int32))
     emitted = []
     for i, s in enumerate(live):
         toks = [int(t) for t in cands[i][: keep[i]]]
@@ -373,18 +375,14 @@ def _cut(s: DsparkSpecSession, toks: np.ndarray) -> int:
 
 
 def rollback(trunk: HybridTrunk, live: list[DsparkSpecSession], tp, keep: np.ndarray, vts: np.ndarray) -> None:
-    """Bring each session's recurrent state to exactly `keep` columns past the round start."""
-    be = trunk.be
+    """Move each session's recurrent state, which the verify left at the round start, on by
+    exactly `keep` columns: select the checkpoint after column keep - 1, or replay the kept
+    columns. Both are bit-exact with plain decode; each is the other's oracle in the tests."""
+    caches = [s.cache for s in live]
     if live[0].params.rollback == "checkpoint":
-        for li in range(len(tp.state_ckpt)):
-            checkpoint_select(be, tp.state_ckpt[li], tp.conv_ckpt[li], [s.cache.state[li] for s in live],
-                              [s.cache.conv[li] for s in live], be.asarray(tp.row_indptr), keep)
-        return
-    redo = [i for i in range(len(live)) if keep[i] < vts[i]]
-    if not redo:
-        return
-    snapshot_restore(be, [a for i in redo for a in live[i].snapshot], [a for i in redo for a in live[i].cache.recurrent()])
-    replay(trunk, [live[i].cache for i in redo], tp, tp.row_indptr[redo], keep[redo])
+        trunk.select(caches, tp, keep)
+    else:
+        replay(trunk, caches, tp, tp.row_indptr[:-1], keep)
 
 
 def replay(trunk: HybridTrunk, caches: list[Cache], tp, starts: np.ndarray, keep: np.ndarray) -> None:

@@ -2,7 +2,8 @@
 
 The allocator hands out arrays of its array module and counts live bytes per owner, so a test
 can show that demotion really dropped the draft KV, snapshots and scratch. On `cuda` the bytes
-return to CuPy's pool once the caller drops its last reference.
+return to CuPy's pool once the caller drops its last reference. Arrays are indexed by owner, so
+freeing one owner costs its own arrays, not every live one (a worker holds many sessions).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ class Allocator:
     def __init__(self, xp):
         self._xp = xp
         self._live: dict[int, tuple[str, int, object]] = {}  # id -> (owner, nbytes, array)
+        self._of: dict[str, set[int]] = defaultdict(set)     # owner -> ids of its live arrays
         self._bytes: dict[str, int] = defaultdict(int)
 
     def empty(self, shape, dtype, owner: str):
@@ -37,6 +39,7 @@ class Allocator:
         if id(arr) in self._live:
             raise ValueError("this array is already owned")
         self._live[id(arr)] = (owner, int(arr.nbytes), arr)
+        self._of[owner].add(id(arr))
         self._bytes[owner] += int(arr.nbytes)
 
     def free(self, arr) -> int:
@@ -45,6 +48,10 @@ class Allocator:
         if entry is None:
             raise ValueError("this array was not allocated by this allocator (or is already freed)")
         owner, nbytes, _ = entry
+        ids = self._of[owner]
+        ids.discard(id(arr))
+        if not ids:
+            del self._of[owner]
         self._bytes[owner] -= nbytes
         if not self._bytes[owner]:
             del self._bytes[owner]
@@ -52,8 +59,7 @@ class Allocator:
 
     def free_owner(self, owner: str) -> int:
         """Forget every array of `owner`; returns the bytes released."""
-        ids = [i for i, (o, _, _) in self._live.items() if o == owner]
-        for i in ids:
+        for i in self._of.pop(owner, ()):
             del self._live[i]
         return self._bytes.pop(owner, 0)
 

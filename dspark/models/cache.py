@@ -7,6 +7,7 @@ import itertools
 import numpy as np
 
 from ..dtypes import BF16
+from . import batch_tables
 from .config import TrunkConfig
 
 _ids = itertools.count()
@@ -15,7 +16,21 @@ _ids = itertools.count()
 class Cache:
     """Full-attention K/V per attention layer ([Hkv, capacity, D], rows by absolute position)
     and, per gdn layer, the delta-rule state [H, dv, dk] (f32) and conv window [C, 3] (f32).
-    `pos` counts the committed rows. Every buffer is owned by `owner` in the allocator."""
+    `pos` counts the committed rows. Every buffer is owned by `owner` in the allocator.
+
+    The buffer lists are tuples, and `version` changes whenever one is replaced or the cache is
+    freed: the trunk keeps pointer tables per batch under the versions of its caches
+    (dspark.models.batch_tables), so a table of other buffers can never be used."""
+    BUFFERS = ("k", "v", "state", "conv")
+
+    def __setattr__(self, name, value):
+        if name in Cache.BUFFERS:
+            value = tuple(value)
+            old = self.__dict__.get("version")
+            if old is not None:
+                batch_tables.forget(old)
+            object.__setattr__(self, "version", batch_tables.next_version())
+        object.__setattr__(self, name, value)
 
     def __init__(self, be, config: TrunkConfig, capacity: int | None = None, owner: str | None = None):
         c = config
@@ -35,7 +50,7 @@ class Cache:
 
     def recurrent(self) -> list:
         """Every recurrent tensor, in a fixed order (what snapshots copy)."""
-        return [*self.state, *self.conv]
+        return (*self.state, *self.conv)
 
     def copy(self, owner: str | None = None) -> "Cache":
         """A deep copy under a new owner (prefix publication and restore)."""
@@ -51,5 +66,5 @@ class Cache:
     def free(self) -> int:
         """Release every buffer; the cache is unusable afterwards."""
         n = self.be.alloc.free_owner(self.owner)
-        self.k = self.v = self.state = self.conv = []
+        self.k = self.v = self.state = self.conv = ()
         return n

@@ -32,18 +32,47 @@ import numpy as np
 
 from ..errors import DTypeError, ShapeError, TokenRangeError
 from ..ops import dense
-from ..ops.argmax import argmax_rows, markov_chain
+from ..ops.argmax import argmax_rows, markov_chain, raise_on_nan
 from ..ops.attention import attention
 from ..ops.kv_commit import kv_commit
+from ..ops.norm import rmsnorm
+from ..ops.tables import PointerTable
 
 from .drafter_config import INT_TENSORS, DrafterConfig, drafter_spec
+from . import batch_tables
+from .batch_tables import TableStore
 from .drafter_heads import Chain
 from .weights import load_model, random_weights, save_model, to_backend
 
 
+FUSED_PARTS = ("attn.wq", "attn.wk", "attn.wv", "mlp.w_gate", "mlp.w_up")  # kept fused on the backend
+
+
+class DraftTables:
+    """One batch's pointer tables of draft-KV rings: per drafter layer the K and V rings, and
+    every ring for the ingest's kv_commit (k then v, layer by layer)."""
+
+    def __init__(self, be, kvs: list["DraftKV"], layers: int):
+        self.k = [PointerTable(be, [kv.k[i] for kv in kvs], f"k_rings[{i}]", writable=True) for i in range(layers)]
+        self.v = [PointerTable(be, [kv.v[i] for kv in kvs], f"v_rings[{i}]", writable=True) for i in range(layers)]
+        self.commit = PointerTable(be, [kv.k[i] for i in range(layers) for kv in kvs]
+                                   + [kv.v[i] for i in range(layers) for kv in kvs], "draft rings", writable=True)
+
+
 class DraftKV:
     """One session's draft KV: per drafter layer a K and V ring [Hkv, ring, D], and `pos`, the
-    number of committed rows ingested so far."""
+    number of committed rows ingested so far. As dspark.models.cache.Cache, its ring lists are
+    tuples and `version` changes when they are replaced or freed (the drafter's per-batch pointer
+    tables are keyed by it)."""
+
+    def __setattr__(self, name, value):
+        if name in ("k", "v"):
+            value = tuple(value)
+            old = self.__dict__.get("version")
+            if old is not None:
+                batch_tables.forget(old)
+            object.__setattr__(self, "version", batch_tables.next_version())
+        object.__setattr__(self, name, value)
 
     def __init__(self, be, shape: tuple[int, int, int], layers: int, owner: str):
         self.be, self.shape, self.owner = be, shape, owner
@@ -60,7 +89,7 @@ class DraftKV:
 
     def free(self) -> int:
         n = self.be.alloc.free_owner(self.owner)
-        self.k = self.v = []
+        self.k = self.v = ()
         return n
 
 
@@ -107,8 +136,17 @@ class DsparkDrafter:
         self.windows = tuple(w or tc.max_ctx for w in c.windows())
         self.ring = max(self.windows) + c.block
         self.host_weights = weights
-        self.w = to_backend(self.be, {k: v for k, v in weights.items() if k not in INT_TENSORS})
+        self.w = to_backend(self.be, {k: v for k, v in weights.items()
+                                      if k not in INT_TENSORS and not k.endswith(FUSED_PARTS)})
+        for i in range(c.layers):  # one GEMM per layer input (weights.FUSED); ingest projects K|V only
+            p = f"layers.{i}."
+            for fused, parts in (("attn.wqkv", ("attn.wq", "attn.wk", "attn.wv")), ("attn.wkv", ("attn.wk", "attn.wv")),
+                                 ("mlp.w_gate_up", ("mlp.w_gate", "mlp.w_up"))):
+                self.w[p + fused] = self.be.alloc.adopt(
+                    self.be.xp.asarray(np.concatenate([weights[p + q] for q in parts], axis=1)), "weights")
         self.d2t = weights["draft_to_target"] if c.draft_vocab else None  # host: draft row -> target id
+        self.d2t_dev = self.be.asarray(self.d2t) if c.draft_vocab else None
+        self._tables = TableStore()
         self.embed = self.w["embed"] if c.own_embed else trunk.w["embed"]
         self.final_norm = self.w["final_norm"] if c.own_norm else trunk.w["final_norm"]
         self.final_eps = c.norm_eps if c.own_norm else tc.norm_eps
@@ -140,14 +178,19 @@ class DsparkDrafter:
         return self.config.confidence != "none"
 
     # ---- context ------------------------------------------------------------------------------
-    def _kv(self, h, layer: int, positions):
-        """K (normed, RoPE) and V rows of drafter layer `layer` from hidden rows h."""
+    def tables(self, kvs: list[DraftKV]) -> DraftTables:
+        """The pointer tables of this batch of draft KVs, made once per batch (batch_tables)."""
+        return self._tables.get(tuple(kv.version for kv in kvs), lambda: DraftTables(self.be, kvs, self.config.layers))
+
+    def _kv(self, kv_rows, layer: int, rope):
+        """K (normed, RoPE from the pass's `rope` table) and V of drafter layer `layer` from its
+        K|V projection [rows, 2 Hkv D]."""
         c, w = self.config, self.w
-        p = f"layers.{layer}.attn."
-        rows = h.shape[0]
-        k = dense.linear(h, w[p + "wk"]).reshape(rows, c.kv_heads, c.head_dim)
-        k = dense.rope(dense.rmsnorm(k, w[p + "k_norm"], c.norm_eps), positions, c.rope_theta)
-        v = dense.linear(h, w[p + "wv"]).reshape(rows, c.kv_heads, c.head_dim)
+        rows, n = kv_rows.shape[0], c.kv_heads * c.head_dim
+        k = kv_rows[:, :n].reshape(rows, c.kv_heads, c.head_dim)
+        k = dense.rope(rmsnorm(self.be, k, w[f"layers.{layer}.attn.k_norm"], c.norm_eps), None, c.rope_theta,
+                       table=rope)
+        v = kv_rows[:, n:].reshape(rows, c.kv_heads, c.head_dim)
         return k, v
 
     def ingest(self, kvs: list[DraftKV], taps, row_indptr) -> None:
@@ -163,11 +206,13 @@ class DsparkDrafter:
         rows = np.concatenate([row_indptr[i] + skip[i] + np.arange(take[i]) for i in range(len(kvs))]) if kvs else []
         positions = np.concatenate([p + np.arange(n) for p, n in zip(pos, take)]) if kvs else np.zeros(0)
         indptr = np.concatenate([[0], np.cumsum(take)]).astype(np.int32)
-        f = dense.rmsnorm(dense.linear(taps[self.be.xp.asarray(np.asarray(rows, np.int64))], w["fc"]), w["fc_norm"],
-                          c.norm_eps)
-        ks, vs = zip(*(self._kv(f, i, positions) for i in range(c.layers)))
+        f = rmsnorm(self.be, dense.linear(taps[self.be.xp.asarray(np.asarray(rows, np.int64))], w["fc"]), w["fc_norm"],
+                    c.norm_eps)
+        rope = dense.rope_table(self.be.xp, positions, c.rope_theta, c.head_dim)
+        ks, vs = zip(*(self._kv(dense.linear(f, w[f"layers.{i}.attn.wkv"]), i, rope) for i in range(c.layers)))
         kv_commit(self.be, list(ks), list(vs), [[kv.k[i] for kv in kvs] for i in range(c.layers)],
-                  [[kv.v[i] for kv in kvs] for i in range(c.layers)], pos.astype(np.int32), take, indptr, ring=True)
+                  [[kv.v[i] for kv in kvs] for i in range(c.layers)], pos.astype(np.int32), take, indptr, ring=True,
+                  table=self.tables(kvs).commit)
         for kv, n in zip(kvs, lens):
             kv.pos += int(n)
 
@@ -186,30 +231,35 @@ class DsparkDrafter:
         if c.embed_scale != 1.0:
             x = x * np.float32(c.embed_scale)
         rows = B * b
+        tables = self.tables(kvs)
+        rope = dense.rope_table(xp, positions, c.rope_theta, c.head_dim)  # one table for every layer
+        nq = c.heads * c.head_dim
         for i in range(c.layers):
             p = f"layers.{i}."
-            h = dense.rmsnorm(x, w[p + "norm1"], c.norm_eps)
+            h = rmsnorm(self.be, x, w[p + "norm1"], c.norm_eps)
             if c.conv_kernel:
                 h, out_kernel = self._conv_prepare(h, p + "attn_conv.", B)
-            q = dense.linear(h, w[p + "attn.wq"]).reshape(rows, c.heads, c.head_dim)
+            qkv = dense.linear(h, w[p + "attn.wqkv"])  # one GEMM: [q | k | v]
+            q = qkv[:, :nq].reshape(rows, c.heads, c.head_dim)
             if c.q_norm:
-                q = dense.rmsnorm(q, w[p + "attn.q_norm"], c.norm_eps)
-            q = dense.rope(q, positions, c.rope_theta)
-            k, v = self._kv(h, i, positions)
-            o = attention(self.be, q, k, v, [kv.k[i] for kv in kvs], [kv.v[i] for kv in kvs], pos, indptr,
-                          mode="block", window=self.windows[i])
+                q = rmsnorm(self.be, q, w[p + "attn.q_norm"], c.norm_eps)
+            q = dense.rope(q, None, c.rope_theta, table=rope)
+            k, v = self._kv(qkv[:, nq:], i, rope)
+            o = attention(self.be, q, k, v, tables.k[i], tables.v[i], pos, indptr, mode="block",
+                          window=self.windows[i])
             if c.conv_kernel:
                 x = x + self._conv(dense.linear(o.reshape(rows, -1), w[p + "attn.wo"]), out_kernel,
                                    w[p + "attn_conv.base"][1], B)
             else:
                 x = x + dense.linear(o.reshape(rows, -1), w[p + "attn.wo"])
-            h = dense.rmsnorm(x, w[p + "norm2"], c.norm_eps)
+            h = rmsnorm(self.be, x, w[p + "norm2"], c.norm_eps)
             if c.conv_kernel:
                 h, out_kernel = self._conv_prepare(h, p + "mlp_conv.", B)
-            m = dense.linear(dense.swiglu(dense.linear(h, w[p + "mlp.w_gate"]), dense.linear(h, w[p + "mlp.w_up"])),
-                             w[p + "mlp.w_down"])
+            gate_up = dense.linear(h, w[p + "mlp.w_gate_up"])
+            F = gate_up.shape[1] // 2
+            m = dense.linear(dense.swiglu(gate_up[:, :F], gate_up[:, F:]), w[p + "mlp.w_down"])
             x = x + (self._conv(m, out_kernel, w[p + "mlp_conv.base"][1], B) if c.conv_kernel else m)
-        hidden = dense.rmsnorm(x, self.final_norm, self.final_eps)
+        hidden = rmsnorm(self.be, x, self.final_norm, self.final_eps)
         logits = dense.linear(hidden, self.lm_head)
         if c.logit_scale != 1.0:
             logits = logits * np.float32(c.logit_scale)
@@ -260,35 +310,52 @@ class DsparkDrafter:
 
     def propose_greedy(self, hidden, logits, anchors) -> tuple[np.ndarray, np.ndarray]:
         """x_k = argmax of slot k's Markov-chain logits, x_{-1} = anchor, and the confidence c_k
-        of every slot (NaN without a confidence head). Returns host (drafts, conf) [B, nd]."""
-        c, be, nd = self.config, self.be, self.config.drafts
+        of every slot (NaN without a confidence head). Returns host (drafts, conf) [B, nd].
+
+        Every layout runs on the device from the anchors to the last slot (the vanilla head as
+        one fused kernel, the others slot by slot with the previous token never leaving the
+        device), and drafts, confidences and NaN flags come back in ONE device->host copy: the
+        round's first synchronisation. A NaN in any slot's logits raises NonFiniteError there,
+        before anything of the session has changed."""
+        c, be, xp, nd = self.config, self.be, self.be.xp, self.config.drafts
         anchors = np.asarray(anchors, np.int32)
+        B = anchors.shape[0]
+        conf = None
         if c.markov == "vanilla" and not c.draft_vocab:  # the fused chain: one launch
-            drafts = be.to_host(markov_chain(be, logits, self.w["markov.w1"], self.w["markov.w2"], anchors, nd))
-            if not self.has_confidence:
-                return drafts, np.full(drafts.shape, np.nan, np.float32)
-            prev = np.concatenate([anchors[:, None], drafts[:, :-1]], axis=1).reshape(-1)
-            emb = self.w["markov.w1"][be.xp.asarray(prev)]
-            return drafts, be.to_host(self.confidence(hidden, emb)).reshape(len(anchors), nd)
-        if c.markov == "none":   # no chain: every slot's argmax in one launch
-            ids = be.to_host(argmax_rows(be, logits)).reshape(len(anchors), nd)
-            drafts = self.d2t[ids] if self.d2t is not None else ids
-            conf = be.to_host(self.confidence(hidden, None)).reshape(drafts.shape) if self.has_confidence else \
-                np.full(drafts.shape, np.nan, np.float32)
-            return drafts.astype(np.int32), conf
-        chain = self.chain(hidden, logits, anchors)
-        for k in range(nd):
-            chain.choose_greedy(k)
-        return chain.drafts, chain.conf
+            flag = xp.empty(B, xp.int32)
+            drafts = markov_chain(be, logits, self.w["markov.w1"], self.w["markov.w2"], anchors, nd, nan_flag=flag)
+            if self.has_confidence:
+                prev = xp.concatenate([xp.asarray(anchors)[:, None], drafts[:, :-1]], axis=1).reshape(-1)
+                conf = self.confidence(hidden, self.w["markov.w1"][prev])
+        elif c.markov == "none":  # no chain: every slot's argmax in one launch
+            flag = xp.empty(B * nd, xp.int32)
+            ids = argmax_rows(be, logits, nan_flag=flag)
+            drafts = self.d2t_dev[ids] if self.d2t_dev is not None else ids
+            if self.has_confidence:
+                conf = self.confidence(hidden, None)
+        else:
+            chain = self.chain(hidden, logits, anchors)
+            for k in range(nd):
+                chain.choose_greedy(k)
+            drafts, flag, conf = chain.drafts, chain.nan, chain.conf if self.has_confidence else None
+        got = be.fetch(drafts, flag, *(() if conf is None else (conf,)))
+        # flags per session ([B]), per row ([B * nd], session-major) or per slot ([nd, B], the chain)
+        nan = got[1] if got[1].ndim == 2 else got[1].reshape(B, -1).T
+        raise_on_nan(nan.any(axis=0), "drafter logits", "session")
+        drafts = got[0].reshape(B, nd).astype(np.int32)
+        conf = got[2].reshape(B, nd) if conf is not None else np.full((B, nd), np.nan, np.float32)
+        return drafts, conf
 
     def propose(self, kvs: list[DraftKV], anchors) -> tuple[np.ndarray, np.ndarray]:
         """Greedy drafts and their confidences for each session: draft, then the Markov chain."""
         return self.propose_greedy(*self.draft(kvs, anchors), anchors)
 
     def markov_bias(self, prev_tokens):
-        """The vanilla head's W2 . W1[x_{k-1}] for a batch of previous tokens -> [n, V]; also
-        returns W1[x]."""
-        e = self.w["markov.w1"][self.be.xp.asarray(np.asarray(prev_tokens, np.int32))]
+        """The vanilla head's W2 . W1[x_{k-1}] for a batch of previous tokens (host or device)
+        -> [n, V]; also returns W1[x]."""
+        xp = self.be.xp
+        prev = prev_tokens if isinstance(prev_tokens, xp.ndarray) else xp.asarray(np.asarray(prev_tokens, np.int32))
+        e = self.w["markov.w1"][prev]
         return dense.linear(e, self.w["markov.w2"]), e
 
     def confidence(self, hidden, markov_embed):
@@ -305,5 +372,5 @@ class DsparkDrafter:
             return logits
         xp = self.be.xp
         out = xp.full((logits.shape[0], self.trunk.config.vocab), -np.inf, np.float32)
-        out[:, xp.asarray(self.d2t)] = logits
+        out[:, self.d2t_dev] = logits
         return out

@@ -30,29 +30,37 @@ from ..ops.argmax import argmax_rows
 class Chain:
     """One round's chain over B sessions' draft slots. For k = 0, 1, ... in order: step(k), then
     choose(k, tokens) (or choose_greedy(k) for both); the rnn state and x_{k-1} carry over.
-    `drafts` and `conf` [B, nd] fill in as it goes."""
+
+    Everything stays on the device: `drafts` [B, nd] int32 and `conf` [B, nd] f32 fill in as it
+    goes, x_{k-1} is read from `drafts` by the next step's W1 gather, the draft-vocabulary map is
+    a device gather, and each greedy argmax writes its NaN flags into `nan` [nd, B] unread. The
+    caller reads them all back at once (DsparkDrafter.propose_greedy), so a chain of any layout
+    costs the round no synchronisation of its own."""
 
     def __init__(self, drafter, hidden, logits, anchors):
         self.dr, self.be = drafter, drafter.be
+        xp = self.be.xp
         self.c = drafter.config
         self.B, self.nd = len(anchors), self.c.drafts
         self.hidden, self.logits = hidden, logits  # [B*nd, .] session-major
-        self.prev = np.asarray(anchors, np.int32)
-        self.drafts = np.zeros((self.B, self.nd), np.int32)
-        self.conf = np.full((self.B, self.nd), np.nan, np.float32)
+        self.prev = xp.asarray(np.asarray(anchors, np.int32))
+        self.drafts = xp.zeros((self.B, self.nd), np.int32)
+        self.conf = xp.full((self.B, self.nd), np.nan, np.float32)
+        self.nan = xp.zeros((self.nd, self.B), np.int32)
         r = self.c.markov_rank
-        self.state = self.be.xp.zeros((self.B, r), np.float32) if self.c.markov == "rnn" else None
+        self.state = xp.zeros((self.B, r), np.float32) if self.c.markov == "rnn" else None
 
     def step(self, k: int):
         """Slot k's chain logits [B, draft vocab] given x_{k-1}; records its confidence."""
         xp, w, c = self.be.xp, self.dr.w, self.c
         rows = xp.asarray(np.arange(self.B) * self.nd + k)
         h, logits = self.hidden[rows], self.logits[rows]
-        e = w["markov.w1"][xp.asarray(self.prev)] if c.markov_rank else None
-        if c.markov == "vanilla":  # through the drafter's own bias, the one place it is defined
+        if c.markov == "vanilla":  # through the drafter's own bias (test drafters steer q there)
             bias, e = self.dr.markov_bias(self.prev)
             logits = logits + bias
-        elif c.markov == "gated":
+        else:
+            e = w["markov.w1"][self.prev] if c.markov_rank else None
+        if c.markov == "gated":
             gate = dense.sigmoid(dense.linear(xp.concatenate([h, e], axis=1), w["markov.gate_w"]) + w["markov.gate_b"])
             logits = logits + dense.linear(gate * e, w["markov.w2"])
         elif c.markov == "rnn":
@@ -64,25 +72,28 @@ class Chain:
         elif c.markov == "selector":
             logits = self._select(h, logits)
         if self.dr.has_confidence:
-            self.conf[:, k] = self.be.to_host(self.dr.confidence(h, e))
+            self.conf[:, k] = self.dr.confidence(h, e)
         return logits
 
     def _select(self, h, logits):
-        """DFlash2: only the unary top-K survive, rescored by the bilinear selector."""
+        """DFlash2: only the unary top-K survive, rescored by the bilinear selector. The rank sum
+        halves pairwise (halving_sum): an array library's sum over an axis may order a row's
+        terms by the array's shape, which would tie a session's score to its batch."""
         xp, w, K = self.be.xp, self.dr.w, self.c.selector_top_k
         cand = xp.argsort(-logits, axis=1, kind="stable")[:, :K]   # ties: the lower index first
-        ctx = w["selector.pred"][xp.asarray(self.prev)] * dense.linear(h, w["selector.hidden"])   # [B, rank]
-        scores = xp.take_along_axis(logits, cand, axis=1) + (ctx[:, None, :] * w["selector.succ"][cand]).sum(-1)
+        ctx = w["selector.pred"][self.prev] * dense.linear(h, w["selector.hidden"])   # [B, rank]
+        scores = xp.take_along_axis(logits, cand, axis=1) + dense.halving_sum(ctx[:, None, :] * w["selector.succ"][cand])
         out = xp.full(logits.shape, -np.inf, np.float32)
         out[xp.arange(self.B)[:, None], cand] = scores
         return out
 
     def choose(self, k: int, tokens) -> None:
-        """Fix slot k to target token ids tokens [B] (x_k, the next step's x_{k-1})."""
-        self.drafts[:, k] = np.asarray(tokens, np.int32)
-        self.prev = self.drafts[:, k].copy()
+        """Fix slot k to target token ids tokens [B] (host or device; x_k, the next step's x_{k-1})."""
+        xp = self.be.xp
+        self.drafts[:, k] = tokens if isinstance(tokens, xp.ndarray) else xp.asarray(np.asarray(tokens, np.int32))
+        self.prev = xp.ascontiguousarray(self.drafts[:, k])
 
     def choose_greedy(self, k: int) -> None:
-        """x_k = the argmax of slot k's chain logits, as a target id."""
-        ids = self.be.to_host(argmax_rows(self.be, self.step(k)))
-        self.choose(k, self.dr.d2t[ids] if self.dr.d2t is not None else ids)
+        """x_k = the argmax of slot k's chain logits, as a target id; its NaN flags into nan[k]."""
+        ids = argmax_rows(self.be, self.step(k), nan_flag=self.nan[k])
+        self.choose(k, self.dr.d2t_dev[ids] if self.dr.d2t_dev is not None else ids)

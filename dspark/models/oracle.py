@@ -134,8 +134,8 @@ class TrunkDrafter(DsparkDrafter):
             raise RuntimeError("TrunkDrafter.markov_bias outside a sampled propose")
         live = [i for i, c in enumerate(r["shadows"]) if c.pos < c.capacity]
         x = np.zeros((len(r["shadows"]), self.trunk.config.vocab), np.float32)
-        if live:
-            tp = self.trunk.decode([r["shadows"][i] for i in live], np.asarray(prev_tokens)[live])
+        if live:  # a test drafter: it reads the chain's tokens back (a sync per slot)
+            tp = self.trunk.decode([r["shadows"][i] for i in live], be.to_host(prev_tokens)[live])
             x[live] = be.to_host(tp.logits)
         samplings = [kv.sampling for kv in r["kvs"]]
         filters = filters_for(samplings)

@@ -22,8 +22,13 @@ from ..dtypes import BF16
 from ..errors import CapacityError, ShapeError, TokenRangeError
 from ..ops import dense
 from ..ops.attention import attention
+from ..ops.checks import Staged
 from ..ops.gdn import gdn_scan
 from ..ops.kv_commit import kv_commit
+from ..ops.norm import rmsnorm
+from ..ops.snapshot import checkpoint_select
+from ..ops.tables import PointerTable
+from .batch_tables import TableStore
 from .cache import Cache
 from .config import TrunkConfig
 from .weights import OFFSET_NORMS, STORAGE, check_weights, load_model, random_weights, save_model, trunk_spec, \
@@ -52,6 +57,24 @@ class TrunkPass:
     conv_ckpt: list = field(default_factory=list)   # per gdn layer [rows, C, 3]
 
 
+class TrunkTables:
+    """One batch's pointer tables: per attention layer the sessions' K and V caches, per gdn
+    layer their states and conv windows, and every K/V cache for kv_commit (k then v, layer by
+    layer)."""
+
+    def __init__(self, be, caches: list[Cache]):
+        n_attn = len(caches[0].k) if caches else 0
+        n_gdn = len(caches[0].state) if caches else 0
+        self.k = [PointerTable(be, [c.k[i] for c in caches], f"k_caches[{i}]", writable=True) for i in range(n_attn)]
+        self.v = [PointerTable(be, [c.v[i] for c in caches], f"v_caches[{i}]", writable=True) for i in range(n_attn)]
+        self.states = [PointerTable(be, [c.state[g] for c in caches], f"states[{g}]", writable=True)
+                       for g in range(n_gdn)]
+        self.convs = [PointerTable(be, [c.conv[g] for c in caches], f"conv_windows[{g}]", writable=True)
+                      for g in range(n_gdn)]
+        self.commit = PointerTable(be, [c.k[i] for i in range(n_attn) for c in caches]
+                                   + [c.v[i] for i in range(n_attn) for c in caches], "kv caches", writable=True)
+
+
 class HybridTrunk:
     def __init__(self, config: TrunkConfig, weights: dict[str, np.ndarray], backend, dtype=None):
         """`weights` by our names (weights.trunk_spec), f32 / f16 / bf16 host arrays. `dtype` is
@@ -67,6 +90,7 @@ class HybridTrunk:
         self.host_weights = weights
         self.source = None  # a hf.LoadReport when loaded from a Hugging Face checkpoint
         self.w = trunk_to_backend(backend, config, weights, dtype)
+        self._tables = TableStore()
 
     # ---- construction and files ---------------------------------------------------------------
     @classmethod
@@ -108,15 +132,23 @@ class HybridTrunk:
             raise TokenRangeError(f"{what}[{i}]={int(t[i])} is outside the vocabulary [0, {self.config.vocab})")
         return t.astype(np.int32)
 
+    # ---- pointer tables, per batch ------------------------------------------------------------
+    def tables(self, caches: list[Cache]) -> "TrunkTables":
+        """The pointer tables of this batch of caches, made once per batch (batch_tables)."""
+        return self._tables.get(tuple(c.version for c in caches), lambda: TrunkTables(self.be, caches))
+
     # ---- the forward --------------------------------------------------------------------------
     def forward(self, caches: list[Cache], tokens: list, *, commit: bool, record_gdn: bool = False,
                 checkpoints: bool = False, taps=None) -> TrunkPass:
         """Run `tokens[b]` at positions caches[b].pos.. for every session b.
 
-        commit=True copies every new K/V row into the caches and advances pos (prefill, decode).
-        commit=False leaves the attention caches and pos alone (verify): the K/V rows stay in the
-        returned scratch for `commit_rows`. The gdn state always advances through every column;
-        record_gdn keeps the scan inputs for replay, checkpoints keeps the state after each column.
+        commit=True copies every new K/V row into the caches, advances pos and the gdn state
+        (prefill, decode). commit=False (verify) leaves the caches alone: the K/V rows stay in the
+        returned scratch for `commit_rows`, and the gdn scans read the live state without writing
+        it; the round's rollback then moves it on by exactly the kept columns (`select` from the
+        per-column checkpoints, or `replay` of the recorded scan inputs), so a round that fails
+        before then leaves every cache as it was. record_gdn keeps the scan inputs for replay,
+        checkpoints keeps the state after each column.
         taps: the layers whose outputs (hidden_states[layer + 1] in transformers' terms; -1 is the
         embedding, hidden_states[0]) make TrunkPass.taps, in that order; default config.tap_layers.
         The session passes its drafter's, so one loaded target serves any drafter.
@@ -134,27 +166,31 @@ class HybridTrunk:
         pos = np.array([cache.pos for cache in caches], np.int32)
         positions = np.concatenate([p + np.arange(n) for p, n in zip(pos, lens)]).astype(np.int64) if len(lens) else np.zeros(0, np.int64)
         ids = xp.asarray(np.concatenate(toks) if toks else np.zeros(0, np.int32))
-        dev_indptr = xp.asarray(indptr)
+        staged = Staged(be, indptr)  # validated on the host, uploaded once for every gdn layer
+        tables = self.tables(caches)
+        rope = dense.rope_table(xp, xp.asarray(positions), c.rope_theta, c.rope_dim, c.rope_scaling) \
+            if "attn" in c.layers else None  # one table for every attention layer's q and k
         x = dense.widen(w["embed"][ids])
         out = TrunkPass(logits=None, taps=None, row_indptr=indptr, tap_layers=tap_layers)
         taps_of = {-1: x}
         ia = ig = 0
         for i, kind in enumerate(c.layers):
             p = f"layers.{i}."
-            h = dense.rmsnorm(x, w[p + "norm1"], c.norm_eps)
+            h = rmsnorm(be, x, w[p + "norm1"], c.norm_eps)
             if kind == "attn":
-                x = x + self._attention(h, p, caches, ia, pos, indptr, positions, out)
+                x = x + self._attention(h, p, caches, tables, ia, pos, indptr, rope, out)
                 ia += 1
             else:
-                x = x + self._gdn(h, p, caches, ig, dev_indptr, out, record_gdn, checkpoints)
+                x = x + self._gdn(h, p, tables, ig, staged, out, commit, record_gdn, checkpoints)
                 ig += 1
-            h = dense.rmsnorm(x, w[p + "norm2"], c.norm_eps)
-            x = x + dense.linear(dense.swiglu(dense.linear(h, w[p + "mlp.w_gate"]), dense.linear(h, w[p + "mlp.w_up"])),
-                                 w[p + "mlp.w_down"])
+            h = rmsnorm(be, x, w[p + "norm2"], c.norm_eps)
+            gate_up = dense.linear(h, w[p + "mlp.w_gate_up"])
+            F = gate_up.shape[1] // 2
+            x = x + dense.linear(dense.swiglu(gate_up[:, :F], gate_up[:, F:]), w[p + "mlp.w_down"])
             if i in tap_layers:
                 taps_of[i] = x
         out.taps = xp.concatenate([taps_of[i] for i in tap_layers], axis=1)
-        out.logits = dense.linear(dense.rmsnorm(x, w["final_norm"], c.norm_eps), w["lm_head"])
+        out.logits = dense.linear(rmsnorm(be, x, w["final_norm"], c.norm_eps), w["lm_head"])
         if commit:
             self.commit_rows(caches, out, lens)
         return out
@@ -169,67 +205,80 @@ class HybridTrunk:
                              f"(-1: the embedding)")
         return t
 
-    def _attention(self, h, p, caches, ia, pos, indptr, positions, out):
-        c, w = self.config, self.w
-        rows, H, D = h.shape[0], c.attn_heads, c.head_dim
-        q = dense.linear(h, w[p + "attn.wq"])
+    def _attention(self, h, p, caches, tables, ia, pos, indptr, rope, out):
+        c, w, be = self.config, self.w, self.be
+        rows, H, D, Hkv = h.shape[0], c.attn_heads, c.head_dim, c.attn_kv_heads
+        qkv = dense.linear(h, w[p + "attn.wqkv"])  # one GEMM: [q (and gate) | k | v]
+        nq = H * D * (2 if c.attn_gate else 1)
+        q, k, v = qkv[:, :nq], qkv[:, nq : nq + Hkv * D], qkv[:, nq + Hkv * D :]
         gate = None
         if c.attn_gate:  # per head [q (D) | gate (D)], as transformers' Qwen3.5 chunks q_proj's output
             q = q.reshape(rows, H, 2 * D)
             q, gate = q[..., :D], q[..., D:].reshape(rows, H * D)
         q = q.reshape(rows, H, D)
-        k = dense.linear(h, w[p + "attn.wk"]).reshape(rows, c.attn_kv_heads, D)
-        v = dense.linear(h, w[p + "attn.wv"]).reshape(rows, c.attn_kv_heads, D)
+        k = k.reshape(rows, Hkv, D)
+        v = v.reshape(rows, Hkv, D)
         if c.qk_norm:
-            q = dense.rmsnorm(q, w[p + "attn.q_norm"], c.norm_eps)
-            k = dense.rmsnorm(k, w[p + "attn.k_norm"], c.norm_eps)
-        q = dense.rope(q, positions, c.rope_theta, c.rope_dim, c.rope_scaling)
-        k = dense.rope(k, positions, c.rope_theta, c.rope_dim, c.rope_scaling)
+            q = rmsnorm(be, q, w[p + "attn.q_norm"], c.norm_eps)
+            k = rmsnorm(be, k, w[p + "attn.k_norm"], c.norm_eps)
+        q = dense.rope(q, None, c.rope_theta, c.rope_dim, c.rope_scaling, table=rope)
+        k = dense.rope(k, None, c.rope_theta, c.rope_dim, c.rope_scaling, table=rope)
         kv_dtype = caches[0].k[ia].dtype if caches else np.float32
         q, k, v = (a.astype(kv_dtype) for a in (q, k, v))
         out.k_blk.append(k)
         out.v_blk.append(v)
-        o = attention(self.be, q, k, v, [cc.k[ia] for cc in caches], [cc.v[ia] for cc in caches], pos, indptr,
-                      mode="causal")
+        o = attention(be, q, k, v, tables.k[ia], tables.v[ia], pos, indptr, mode="causal")
         o = o.reshape(rows, -1).astype(np.float32)
         if gate is not None:
             o = o * dense.sigmoid(gate)
         return dense.linear(o, w[p + "attn.wo"])
 
-    def _gdn(self, h, p, caches, ig, dev_indptr, out, record, checkpoints):
+    def _gdn(self, h, p, tables, ig, staged, out, commit, record, checkpoints):
         c, w, xp = self.config, self.w, self.be.xp
-        rows, H, dv = h.shape[0], c.gdn_heads, c.gdn_dv
-        mixed = dense.linear(h, w[p + "gdn.w_qkv"])
-        a = dense.linear(h, w[p + "gdn.w_a"])
-        b = dense.linear(h, w[p + "gdn.w_b"])
-        z = dense.linear(h, w[p + "gdn.w_z"]).reshape(rows, H, dv)
+        rows, H, dv, C = h.shape[0], c.gdn_heads, c.gdn_dv, c.gdn_channels
+        proj = dense.linear(h, w[p + "gdn.w_in"])  # one GEMM: [qkv (C) | z (H dv) | a (H) | b (H)]
+        mixed = xp.ascontiguousarray(proj[:, :C])
+        z = proj[:, C : C + H * dv].reshape(rows, H, dv)
+        a = xp.ascontiguousarray(proj[:, C + H * dv : C + H * dv + H])
+        b = xp.ascontiguousarray(proj[:, C + H * dv + H :])
         sck = cck = None
         if checkpoints:
             sck = xp.empty((rows, H, dv, c.gdn_dk), np.float32)
-            cck = xp.empty((rows, c.gdn_channels, c.conv_kernel - 1), np.float32)
+            cck = xp.empty((rows, C, c.conv_kernel - 1), np.float32)
             out.state_ckpt.append(sck)
             out.conv_ckpt.append(cck)
         if record:
             out.gdn_inputs.append(GdnInputs(mixed, a, b))
-        o = self._scan(p, mixed, a, b, [cc.state[ig] for cc in caches], [cc.conv[ig] for cc in caches], dev_indptr,
-                       state_ckpt=sck, conv_ckpt=cck)
-        o = dense.rmsnorm(o, w[p + "gdn.o_norm"], c.norm_eps) * dense.silu(z)
+        o = self._scan(p, mixed, a, b, tables.states[ig], tables.convs[ig], staged, commit=commit, state_ckpt=sck,
+                       conv_ckpt=cck)
+        o = rmsnorm(self.be, o, w[p + "gdn.o_norm"], c.norm_eps) * dense.silu(z)
         return dense.linear(o.reshape(rows, H * dv), w[p + "gdn.wo"])
 
-    def _scan(self, p, mixed, a, b, states, convs, indptr, **ckpt):
+    def _scan(self, p, mixed, a, b, states, convs, indptr, **kw):
         c, w = self.config, self.w
         return gdn_scan(self.be, mixed, a, b, w[p + "gdn.conv"], w[p + "gdn.A_log"], w[p + "gdn.dt_bias"], states,
-                        convs, indptr, heads=c.gdn_heads, dk=c.gdn_dk, dv=c.gdn_dv, k_heads=c.gdn_key_heads, **ckpt)
+                        convs, indptr, heads=c.gdn_heads, dk=c.gdn_dk, dv=c.gdn_dv, k_heads=c.gdn_key_heads, **kw)
 
     def replay(self, caches: list[Cache], tp: TrunkPass, starts, keep) -> None:
-        """Re-run each gdn layer's scan over the first keep[b] columns a verify recorded for
-        session b (its columns start at row starts[b] of tp), from the restored state."""
+        """Advance each session's gdn state by the first keep[b] columns a verify recorded for
+        session b (its columns start at row starts[b] of tp), from the state before the verify
+        (a verify never writes it)."""
         rows = self.be.xp.asarray(np.concatenate([s + np.arange(k) for s, k in zip(starts, keep)]).astype(np.int64))
-        indptr = self.be.asarray(np.concatenate([[0], np.cumsum(keep)]).astype(np.int32))
+        staged = Staged(self.be, np.concatenate([[0], np.cumsum(keep)]).astype(np.int32))
+        tables = self.tables(caches)
         gdn_layers = [i for i, kind in enumerate(self.config.layers) if kind == "gdn"]
         for gi, (i, inp) in enumerate(zip(gdn_layers, tp.gdn_inputs)):
-            self._scan(f"layers.{i}.", inp.mixed[rows], inp.a[rows], inp.b[rows], [cc.state[gi] for cc in caches],
-                       [cc.conv[gi] for cc in caches], indptr)
+            self._scan(f"layers.{i}.", inp.mixed[rows], inp.a[rows], inp.b[rows], tables.states[gi],
+                       tables.convs[gi], staged)
+
+    def select(self, caches: list[Cache], tp: TrunkPass, keep) -> None:
+        """Set each session's gdn state to the checkpoint after its first keep[b] verify columns
+        (keep 0: the state before the verify, which a verify never writes)."""
+        tables = self.tables(caches)
+        indptr, keep = Staged(self.be, tp.row_indptr), Staged(self.be, np.asarray(keep, np.int32))
+        for g in range(len(tp.state_ckpt)):
+            checkpoint_select(self.be, tp.state_ckpt[g], tp.conv_ckpt[g], tables.states[g], tables.convs[g], indptr,
+                              keep, committed=False)
 
     def commit_rows(self, caches: list[Cache], tp: TrunkPass, keep) -> None:
         """Copy rows [0, keep[b]) of each session's scratch into its cache (all attention layers,
@@ -238,7 +287,8 @@ class HybridTrunk:
         pos = np.array([cc.pos for cc in caches], np.int32)
         if tp.k_blk:
             kv_commit(self.be, tp.k_blk, tp.v_blk, [[cc.k[i] for cc in caches] for i in range(len(tp.k_blk))],
-                      [[cc.v[i] for cc in caches] for i in range(len(tp.v_blk))], pos, keep, tp.row_indptr)
+                      [[cc.v[i] for cc in caches] for i in range(len(tp.v_blk))], pos, keep, tp.row_indptr,
+                      table=self.tables(caches).commit)
         for cc, n in zip(caches, keep):
             cc.pos += int(n)
 
@@ -251,5 +301,7 @@ class HybridTrunk:
         return self.forward(caches, [[t] for t in np.asarray(tokens).reshape(-1)], commit=True, taps=taps)
 
     def verify(self, caches: list[Cache], cand: list, *, checkpoints: bool = True, taps=None) -> TrunkPass:
-        """Ragged candidate blocks; K/V stay in the scratch, the gdn state passes every column."""
+        """Ragged candidate blocks; K/V stay in the scratch and the gdn state stays as it was. With
+        checkpoints the state after every column is kept (`select`); the scan inputs always
+        (`replay`)."""
         return self.forward(caches, cand, commit=False, record_gdn=True, checkpoints=checkpoints, taps=taps)

@@ -149,20 +149,55 @@ def to_backend(be, weights: dict[str, np.ndarray]) -> dict:
     return {k: be.alloc.adopt(be.xp.array(v, dtype=np.float32), "weights") for k, v in weights.items()}
 
 
+# Projections of one layer input, stored side by side as one [in, sum of outs] matrix so that one
+# GEMM computes them all (fewer launches; the fixed row chunks of dense.linear, and with them row
+# invariance, are unchanged: fusing only widens N). Each part stays reachable under its own name
+# as a column view of the fused matrix. A fused matrix's columns may round differently from the
+# part's own product on some BLAS, never differently between rows or batches.
+FUSED = {"attn.wqkv": ("attn.wq", "attn.wk", "attn.wv"), "gdn.w_in": ("gdn.w_qkv", "gdn.w_z", "gdn.w_a", "gdn.w_b"),
+         "mlp.w_gate_up": ("mlp.w_gate", "mlp.w_up")}
+
+
+def fused_parts(names) -> dict[str, tuple[str, ...]]:
+    """Fused name -> its parts' names, for every complete group among `names` (per layer)."""
+    have, out = set(names), {}
+    for name in names:
+        for fused, parts in FUSED.items():
+            prefix = name[: -len(parts[0])] if name.endswith("." + parts[0]) or name == parts[0] else None
+            if prefix is not None and all(prefix + q in have for q in parts):
+                out[prefix + fused] = tuple(prefix + q for q in parts)
+    return out
+
+
 def trunk_to_backend(be, c: TrunkConfig, weights, dtype) -> dict:
     """The trunk's weights on the backend, one tensor at a time (a memory-mapped checkpoint is
     read once): matrices stored as `dtype` (f32, f16 or bf16; rounded to nearest even when
     narrower than the file), vectors and the gdn kernels' inputs as f32, `norm_offset` added to
-    the norms it applies to. A tied LM head is a view of the embedding, no copy."""
+    the norms it applies to. A tied LM head is a view of the embedding, no copy. Projections of
+    one layer input are fused (FUSED): `layers.i.attn.wqkv` and so on."""
     out = {}
-    for name in weights:
+
+    def host_of(name):
         leaf = name.rsplit(".", 1)[-1]
         vector = np.ndim(weights[name]) == 1 or leaf in F32_ONLY
         host = np.array(weights[name], dtype=F32 if vector else dtype, order="C")  # a copy: the caller's arrays stay theirs
         if leaf in OFFSET_NORMS and c.norm_offset:
             host = np.float32(c.norm_offset) + host  # f32 add, as transformers' (1.0 + w.float())
-        out[name] = be.alloc.adopt(be.xp.asarray(host), "weights")
-        del host
+        return host
+
+    grouped = {q for parts in fused_parts(list(weights)).values() for q in parts}
+    for name in weights:
+        if name not in grouped:
+            out[name] = be.alloc.adopt(be.xp.asarray(host_of(name)), "weights")
+    for fused, parts in fused_parts(list(weights)).items():
+        hosts = [host_of(q) for q in parts]
+        dev = be.alloc.adopt(be.xp.asarray(np.concatenate(hosts, axis=1)), "weights")
+        out[fused] = dev
+        at = 0
+        for q, h in zip(parts, hosts):
+            out[q] = dev[:, at : at + h.shape[1]]
+            at += h.shape[1]
+        del hosts
     if c.tie_embeddings:
         out["lm_head"] = out["embed"].T
     return out

@@ -1,8 +1,11 @@
 """Row argmax, the fused greedy accept and the Markov chain (kernels: csrc/argmax.cu).
 
 Ties go to the lowest index. A NaN is never chosen: it is flagged per row and the op raises
-NonFiniteError naming the row. The NumPy functions here are the reference the kernels are tested
-against, and the numpy backend's implementation.
+NonFiniteError naming the row. Given a `nan_flag` output, an op writes the flags there instead
+and reads nothing back: the caller checks them at its own device->host synchronisation
+(`raise_on_nan`), so a round that chains several ops waits on the device once. The NumPy
+functions here are the reference the kernels are tested against, and the numpy backend's
+implementation.
 
 The kernels split each row across ceil(V / 8192) CTAs and merge exactly (dspark.ops.rowsplit);
 `argmax_plan`, `greedy_accept_plan` and `markov_chain_plan` give their launches and bytes for
@@ -17,7 +20,7 @@ from ..dtypes import suffix, to_f32
 from ..errors import NonFiniteError, ShapeError
 from ..arrays import adopt
 from . import rowsplit
-from .checks import require_dtype, require_indptr, require_ndim, require_shape
+from .checks import host_and_device, require_dtype, require_indptr, require_ndim, require_shape
 from .rowsplit import PART_WORDS, Launch, Plan, splits, threads
 
 
@@ -101,15 +104,32 @@ def markov_chain_plan(sessions: int, nd: int, vocab: int, rank: int, itemsize: i
                 notes={"flops": 2 * sessions * nd * rank * vocab})
 
 
-def _raise_on_nan(flag, what: str, unit: str) -> None:
-    bad = np.flatnonzero(flag)
+def raise_on_nan(flag, what: str = "logits", unit: str = "row") -> None:
+    """NonFiniteError naming the first flagged `unit` of host flags [n] (a deferred check)."""
+    bad = np.flatnonzero(np.asarray(flag))
     if bad.size:
         raise NonFiniteError(f"{what}: {unit} {bad[0]} contains NaN ({bad.size} {unit}s in all)")
 
 
-def argmax_rows(be, logits, out=None):
-    """Row argmax of `logits` [rows, V] (f32/f16/bf16) -> int32 [rows]."""
-    logits, out = adopt(be, logits=logits, out=out, writes=("out",))
+def _flag_out(be, nan_flag, n: int):
+    """The op's NaN flags: the caller's `nan_flag` [n] int32 (checked later by the caller), or a
+    fresh array the op reads back itself."""
+    if nan_flag is None:
+        return be.xp.empty(n, be.xp.int32)
+    require_shape(nan_flag, (n,), "nan_flag")
+    require_dtype(nan_flag, np.int32, "nan_flag")
+    return nan_flag
+
+
+def _check_or_defer(be, flag, deferred: bool, unit: str) -> None:
+    if not deferred:
+        raise_on_nan(be.to_host(flag), "logits", unit)
+
+
+def argmax_rows(be, logits, out=None, nan_flag=None):
+    """Row argmax of `logits` [rows, V] (f32/f16/bf16) -> int32 [rows]. With `nan_flag` (int32
+    [rows]) the NaN flags go there unread (module doc); otherwise a NaN raises here."""
+    logits, out, nan_flag = adopt(be, logits=logits, out=out, nan_flag=nan_flag, writes=("out", "nan_flag"))
     require_ndim(logits, 2, "logits", "[rows, V]")
     suf = suffix(logits.dtype, "logits")
     rows, vocab = logits.shape
@@ -117,12 +137,13 @@ def argmax_rows(be, logits, out=None):
         out = be.xp.empty(rows, be.xp.int32)
     require_shape(out, (rows,), "out")
     require_dtype(out, np.int32, "out")
+    deferred = nan_flag is not None
+    flag = _flag_out(be, nan_flag, rows)
     if be.kernels is None:
-        idx, flag = argmax_rows_ref(logits)
-        out[...] = idx
+        idx, f = argmax_rows_ref(logits)
+        out[...], flag[...] = idx, f
     else:
         xp = be.xp
-        flag = xp.empty(rows, xp.int32)
         if rows:
             plan = argmax_plan(rows, vocab, logits.dtype.itemsize)
             (run,) = plan.launches
@@ -130,25 +151,28 @@ def argmax_rows(be, logits, out=None):
             tickets, _ = rowsplit.scratch(be, rows)
             rowsplit.launch(be, f"argmax_rows_{suf}", run.ctas, run.threads,
                             (logits, np.int32(rows), np.int32(vocab), out, flag, part, tickets))
-    _raise_on_nan(be.to_host(flag), "logits", "row")
+    _check_or_defer(be, flag, deferred, "row")
     return out
 
 
-def greedy_accept(be, logits, cand, col_indptr, m_out=None, next_out=None):
+def greedy_accept(be, logits, cand, col_indptr, m_out=None, next_out=None, nan_flag=None):
     """Greedy accept over ragged verify columns -> (m [B], next [B]) int32.
 
     `cand` [cols] holds each session's [anchor, d_1 .. d_{vt-1}]; `logits` [cols, V] its
-    verify columns; `col_indptr` [B+1] splits the columns by session.
+    verify columns; `col_indptr` [B+1] splits the columns by session (a host array costs no
+    device->host copy: the op validates it on the host and uploads it). With `nan_flag` (int32
+    [B]) the NaN flags go there unread; otherwise a NaN raises here.
     """
-    logits, cand, col_indptr, m_out, next_out = adopt(be, logits=logits, cand=cand, col_indptr=col_indptr, m_out=m_out,
-                                                      next_out=next_out, writes=("m_out", "next_out"))
+    logits, cand, col_indptr, m_out, next_out, nan_flag = adopt(
+        be, logits=logits, cand=cand, col_indptr=col_indptr, m_out=m_out, next_out=next_out, nan_flag=nan_flag,
+        writes=("m_out", "next_out", "nan_flag"))
     require_ndim(logits, 2, "logits", "[cols, V]")
     suf = suffix(logits.dtype, "logits")
     cols, vocab = logits.shape
     require_ndim(cand, 1, "cand", "[cols]")
     require_dtype(cand, np.int32, "cand")
     require_shape(cand, (cols,), "cand")
-    host_indptr = be.to_host(col_indptr)
+    host_indptr, col_indptr = host_and_device(be, col_indptr)
     require_indptr(host_indptr, "col_indptr", cols)
     B = host_indptr.shape[0] - 1
     xp = be.xp
@@ -157,22 +181,23 @@ def greedy_accept(be, logits, cand, col_indptr, m_out=None, next_out=None):
     for name, a in (("m_out", m_out), ("next_out", next_out)):
         require_shape(a, (B,), name)
         require_dtype(a, np.int32, name)
+    deferred = nan_flag is not None
+    flag = _flag_out(be, nan_flag, B)
     if be.kernels is None:
-        m, nxt, flag = greedy_accept_ref(logits, cand, host_indptr)
-        m_out[...], next_out[...] = m, nxt
+        m, nxt, f = greedy_accept_ref(logits, cand, host_indptr)
+        m_out[...], next_out[...], flag[...] = m, nxt, f
     else:
-        flag = xp.zeros(B, xp.int32)
         if B and not cols:  # no columns, no CTA: every session gets m = next = -1
-            m_out[...], next_out[...] = -1, -1
+            m_out[...], next_out[...], flag[...] = -1, -1, 0
         elif B:
             plan = greedy_accept_plan(B, cols, vocab, logits.dtype.itemsize)
             (run,) = plan.launches
             part = xp.empty(run.ctas * PART_WORDS, np.uint64)
             tickets, _ = rowsplit.scratch(be, B)
             rowsplit.launch(be, f"greedy_accept_{suf}", run.ctas, run.threads,
-                            (logits, cand, col_indptr, np.int32(B), np.int32(vocab), m_out, next_out, flag, part,
-                             tickets))
-    _raise_on_nan(be.to_host(flag), "logits", "session")
+                            (logits, cand, col_indptr, np.int32(B), np.int32(vocab), m_out, next_out,
+                             flag, part, tickets))
+    _check_or_defer(be, flag, deferred, "session")
     return m_out, next_out
 
 
@@ -197,10 +222,11 @@ def markov_chain_ref(logits, w1, w2, anchors, nd: int) -> tuple[np.ndarray, np.n
     return drafts, flag
 
 
-def markov_chain(be, logits, w1, w2, anchors, nd: int, out=None):
-    """The drafter's greedy Markov chain over slot logits [B*nd, V] -> drafts [B, nd] int32."""
-    logits, w1, w2, anchors, out = adopt(be, logits=logits, w1=w1, w2=w2, anchors=anchors, out=out, writes=("out",),
-                                         host=("anchors",))
+def markov_chain(be, logits, w1, w2, anchors, nd: int, out=None, nan_flag=None):
+    """The drafter's greedy Markov chain over slot logits [B*nd, V] -> drafts [B, nd] int32.
+    With `nan_flag` (int32 [B]) the NaN flags go there unread; otherwise a NaN raises here."""
+    logits, w1, w2, anchors, out, nan_flag = adopt(be, logits=logits, w1=w1, w2=w2, anchors=anchors, out=out,
+                                                   nan_flag=nan_flag, writes=("out", "nan_flag"), host=("anchors",))
     require_ndim(logits, 2, "logits", "[B*nd, V]")
     suf = suffix(logits.dtype, "logits")
     anchors = np.asarray(anchors, np.int32)
@@ -218,11 +244,14 @@ def markov_chain(be, logits, w1, w2, anchors, nd: int, out=None):
     out = xp.empty((B, nd), xp.int32) if out is None else out
     require_shape(out, (B, nd), "out")
     require_dtype(out, np.int32, "out")
+    deferred = nan_flag is not None
+    flag = _flag_out(be, nan_flag, B)
     if be.kernels is None:
-        drafts, flag = markov_chain_ref(logits, w1, w2, anchors, nd)
-        out[...] = drafts
+        drafts, f = markov_chain_ref(logits, w1, w2, anchors, nd)
+        out[...], flag[...] = drafts, f
     else:
-        flag = xp.zeros(B, xp.int32)
+        if B and not nd:
+            flag[...] = 0
         if B and nd:
             plan = markov_chain_plan(B, nd, vocab, rank, logits.dtype.itemsize)
             part = xp.empty(B * plan.splits * PART_WORDS, np.uint64)
@@ -233,5 +262,5 @@ def markov_chain(be, logits, w1, w2, anchors, nd: int, out=None):
                                 (logits, w1, w2, dev_anchors, np.int32(nd), np.int32(vocab), np.int32(rank), out,
                                  flag, part, tickets, np.int32(k if plan.splits > 1 else -1)),
                                 shared_mem=run.shared_mem)
-    _raise_on_nan(be.to_host(flag), "logits", "session")
+    _check_or_defer(be, flag, deferred, "session")
     return out

@@ -42,6 +42,7 @@ from ..dtypes import BF16, suffix, to_f32
 from ..errors import CapacityError, DTypeError, ShapeError
 from .checks import require_dtype, require_indptr, require_ndim, require_shape
 from .kv_commit import require_kernel_buffers
+from .tables import PointerTable
 
 TILE = 64                 # keys per tile; tiles sit at absolute positions
 WARPS = 8                 # warps per CTA of the split kernels
@@ -458,7 +459,8 @@ def attention(be, q, k_blk, v_blk, k_caches, v_caches, pos, row_indptr, *, mode=
     k_blk / v_blk [rows, Hkv, D]: the block's own K/V rows (Hq a multiple of Hkv, D 64, 128 or 256
     in f32, f16 and bf16; f32 at D 256 loads its tiles single-buffered, two stages would not fit in
     shared memory).
-    k_caches / v_caches: lists, one per session, of [Hkv, capacity, D]. pos: int32 [B], the
+    k_caches / v_caches: lists, one per session, of [Hkv, capacity, D] (or PointerTables of them,
+    dspark.ops.tables: the batch's tables, validated and uploaded once). pos: int32 [B], the
     committed rows per session; row_indptr: int32 [B+1]. mode "causal": row i of session b sees
     [0, pos[b] + i]; mode "block": the caches are rings of their capacity and every row sees the
     last `window` committed rows plus the whole block. scale defaults to 1/sqrt(D). `split` (where
@@ -469,9 +471,18 @@ def attention(be, q, k_blk, v_blk, k_caches, v_caches, pos, row_indptr, *, mode=
         raise TypeError(f"split={split!r}: expected a SplitRule")
     if strategy not in ("auto", "serial", "parallel"):
         raise ValueError(f"strategy={strategy!r}: expected 'auto', 'serial' or 'parallel'")
-    q, k_blk, v_blk, k_caches, v_caches, pos, row_indptr, out = adopt(
-        be, q=q, k_blk=k_blk, v_blk=v_blk, k_caches=k_caches, v_caches=v_caches, pos=pos, row_indptr=row_indptr,
-        out=out, writes=("out",))
+    q, k_blk, v_blk, pos, row_indptr, out = adopt(be, q=q, k_blk=k_blk, v_blk=v_blk, pos=pos, row_indptr=row_indptr,
+                                                  out=out, writes=("out",))
+    # Tables (dspark.ops.tables) were validated when made: their arrays are checked for shape
+    # here, their addresses are not uploaded again.
+    tabled = isinstance(k_caches, PointerTable) and isinstance(v_caches, PointerTable)
+    if tabled:
+        k_caches.require("k_caches", align=16)
+        v_caches.require("v_caches", align=16)
+        k_tab, v_tab = k_caches.device, v_caches.device
+        k_caches, v_caches = list(k_caches.arrays), list(v_caches.arrays)
+    else:
+        k_caches, v_caches = adopt(be, k_caches=k_caches, v_caches=v_caches)
     call = validate(be, q, k_blk, v_blk, k_caches, v_caches, pos, row_indptr, mode, window, scale)
     if out is None:
         out = be.xp.empty(q.shape, q.dtype)
@@ -486,13 +497,16 @@ def attention(be, q, k_blk, v_blk, k_caches, v_caches, pos, row_indptr, *, mode=
         return out
     B, xp = call.sessions, be.xp
     q, k_blk, v_blk = (xp.ascontiguousarray(a) for a in (q, k_blk, v_blk))
-    require_kernel_buffers(be, [q, k_blk, v_blk, out, *k_caches, *v_caches],
-                           ["q", "k_blk", "v_blk", "out", *(f"k_caches[{b}]" for b in range(B)),
-                            *(f"v_caches[{b}]" for b in range(B))])
-    # One upload for the small per-session arrays and one for both pointer tables.
+    caches = [] if tabled else [*k_caches, *v_caches]
+    require_kernel_buffers(be, [q, k_blk, v_blk, out, *caches],
+                           ["q", "k_blk", "v_blk", "out", *(f"k_caches[{b}]" for b in range(len(caches) // 2)),
+                            *(f"v_caches[{b}]" for b in range(len(caches) // 2))])
+    # One upload for the small per-session arrays and (without tables) one for both pointer tables.
     meta = be.asarray(np.concatenate([call.indptr, call.pos, call.capacity]).astype(np.int32))
     indptr, pos_d, cap = meta[: B + 1], meta[B + 1 : 2 * B + 1], meta[2 * B + 1 :]
-    tables = be.pointer_table([*k_caches, *v_caches])
+    if not tabled:
+        tables = be.pointer_table(caches)
+        k_tab, v_tab = tables[:B], tables[B:]
     kind, d, rule = suffix(q.dtype, "q"), call.head_dim, launch.split
     parallel = launch.combine_kernel is not None
     part_acc = xp.empty((call.rows, call.hq, launch.slots, d), np.float32) if parallel else None
@@ -502,7 +516,7 @@ def attention(be, q, k_blk, v_blk, k_caches, v_caches, pos, row_indptr, *, mode=
               np.int32(rule.max_keys), np.int32(launch.slots))
     be.kernels.get_function(launch.kernel)(
         launch.grid, launch.block,
-        (q, k_blk, v_blk, tables[:B], tables[B:], indptr, pos_d, cap, *common, part_acc, part_ml, None if parallel
+        (q, k_blk, v_blk, k_tab, v_tab, indptr, pos_d, cap, *common, part_acc, part_ml, None if parallel
          else out),
         shared_mem=launch.shared_mem)
     if parallel:

@@ -45,3 +45,26 @@ def require_dense(be, a, what: str, *, writable: bool = False, align: int = 16) 
         raise KernelArgumentError(f"{what} starts at an address that is not {align}-byte aligned")
     if writable and readonly(a):
         raise KernelArgumentError(f"{what} is read-only: the kernel writes it")
+
+
+class Staged:
+    """A small host index array (a row pointer) and its copy on the backend, uploaded once for the
+    several ops of one pass that read it."""
+    __slots__ = ("host", "device")
+
+    def __init__(self, be, host):
+        self.host = np.asarray(host)
+        self.device = be.asarray(self.host)
+
+
+def host_and_device(be, a) -> tuple[np.ndarray, object]:
+    """(host copy, backend array) of a small index array the op validates on the host and a kernel
+    reads: a Staged array costs nothing, a host array one upload and no wait on the device, a
+    device array one device->host copy (a sync on a GPU). The round's hot path passes host or
+    Staged arrays."""
+    if isinstance(a, Staged):
+        return a.host, a.device
+    if be.xp is np or not isinstance(a, be.xp.ndarray):
+        host = np.asarray(a)
+        return host, be.asarray(host)
+    return be.to_host(a), a

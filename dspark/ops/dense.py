@@ -1,12 +1,18 @@
-"""Row-invariant model glue: GEMM, RMSNorm, RoPE, SwiGLU, sigmoid/softplus, L2 norm.
+"""Row-invariant model glue: GEMM, RoPE, SwiGLU, sigmoid, a shape-independent sum.
 
 These run as array ops on the backend's array module (NumPy, or CuPy on `cuda`). Each is written
 so that a row's result never depends on how many rows share the call (DESIGN section 3):
 
 * `linear` multiplies in fixed-shape chunks of ROW_CHUNK rows (zero-padded). BLAS picks its
   algorithm, and so its reduction order, by shape (a 1-row product is a GEMV), so a plain
-  `x @ W` over a batch is not row-invariant; a fixed [ROW_CHUNK, K] x [K, N] product is.
-* Norms reduce one row over its last, contiguous axis, so every row takes the same pairwise order.
+  `x @ W` over a batch is not row-invariant; a fixed [ROW_CHUNK, K] x [K, N] product is. cuBLAS
+  chooses its kernel (tile shape, split-K) from M, N and K by heuristics that change between
+  versions and GPUs, so the chunks stay on `cuda` too: tests/gpu/test_gemm_rows.py asks the GPU
+  whether an unchunked product happens to be row-invariant there, and the GPU check reports it.
+  Projections of one layer input are fused along N (dspark.models.weights.FUSED): one GEMM per
+  input, the same M chunks.
+* Norms: dspark.ops.norm (a kernel with one fixed order per row on simt and cuda). Any other sum
+  over an axis of per-row data uses `halving_sum`.
 
 Weights may be stored in f16 or bf16 (a trunk loaded with dtype=...): `linear` widens the whole
 matrix to f32 for each call, exactly, so a product is bitwise the one an f32 copy of the same
@@ -53,11 +59,20 @@ def linear(x, w):
     return out
 
 
-def rmsnorm(x, weight, eps: float):
-    """x / sqrt(mean(x^2) + eps) * weight over the last axis."""
+def halving_sum(x):
+    """Sum over the last axis by halving: zero-pad it to a power of two, then x[..., :h] +
+    x[..., h:] until one is left. Elementwise adds only, so a row's order is a function of the
+    axis length alone on every array library (a library's own reduction may pick its order from
+    the whole array's shape)."""
     xp = _xp(x)
-    ms = xp.mean(x * x, axis=-1, keepdims=True)
-    return (x / xp.sqrt(ms + np.float32(eps))) * weight
+    n = x.shape[-1]
+    width = 1 << max(0, (n - 1).bit_length())
+    if width != n:
+        x = xp.concatenate([x, xp.zeros(x.shape[:-1] + (width - n,), x.dtype)], axis=-1)
+    while x.shape[-1] > 1:
+        h = x.shape[-1] // 2
+        x = x[..., :h] + x[..., h:]
+    return x[..., 0]
 
 
 def rope_frequencies(dim: int, theta: float, scaling: tuple = ()) -> tuple[np.ndarray, float]:
@@ -99,19 +114,35 @@ def yarn_mscale(factor: float, mscale=None, mscale_all_dim=None) -> float:
     return float(get(factor, mscale) / get(factor, mscale_all_dim)) if mscale and mscale_all_dim else get(factor)
 
 
-def rope(x, positions, theta: float, rotary_dim: int | None = None, scaling: tuple = ()):
-    """Rotary embedding, rotate-half convention, over the first `rotary_dim` dims of each head
-    (default: all; the rest pass through): x [rows, heads, D], positions int [rows]."""
-    xp = _xp(x)
-    d = x.shape[-1] if rotary_dim is None else rotary_dim
-    half = d // 2
-    inv, attention_factor = rope_frequencies(d, theta, scaling)
+_INV_FREQ: dict = {}  # (array module, dim, theta, scaling) -> (f64 inverse frequencies on it, attention factor)
+
+
+def rope_table(xp, positions, theta: float, rotary_dim: int, scaling: tuple = ()):
+    """(cos, sin) [rows, 1, rotary_dim / 2] f32 for positions int [rows] (host or device): compute
+    once per pass, share across layers (`rope(..., table=)`). The frequencies are uploaded once
+    per (dim, theta, scaling)."""
+    key = (xp, rotary_dim, theta, scaling)
+    if key not in _INV_FREQ:
+        inv, factor = rope_frequencies(rotary_dim, theta, scaling)
+        _INV_FREQ[key] = (xp.asarray(inv, dtype=np.float64), factor)
+    inv, attention_factor = _INV_FREQ[key]
     # Angles in f64, then f32 cos/sin: identical per position whatever the batch.
-    ang = xp.asarray(positions, dtype=np.float64)[:, None] * xp.asarray(inv, dtype=np.float64)[None, :]
+    ang = xp.asarray(positions).astype(np.float64)[:, None] * inv[None, :]
     cos = xp.cos(ang).astype(np.float32)[:, None, :]
     sin = xp.sin(ang).astype(np.float32)[:, None, :]
     if attention_factor != 1.0:
         cos, sin = cos * np.float32(attention_factor), sin * np.float32(attention_factor)
+    return cos, sin
+
+
+def rope(x, positions, theta: float, rotary_dim: int | None = None, scaling: tuple = (), table=None):
+    """Rotary embedding, rotate-half convention, over the first `rotary_dim` dims of each head
+    (default: all; the rest pass through): x [rows, heads, D], positions int [rows]; `table`:
+    rope_table's (cos, sin) for these positions, when the caller made it already."""
+    xp = _xp(x)
+    d = x.shape[-1] if rotary_dim is None else rotary_dim
+    half = d // 2
+    cos, sin = table if table is not None else rope_table(xp, positions, theta, d, scaling)
     x1, x2 = x[..., :half], x[..., half:d]
     rotated = [x1 * cos - x2 * sin, x2 * cos + x1 * sin]
     return xp.concatenate(rotated + ([x[..., d:]] if d < x.shape[-1] else []), axis=-1)

@@ -28,10 +28,12 @@ from __future__ import annotations
 
 import numpy as np
 
+from .. import profile
 from ..errors import CapacityError, ShapeError
 from ..arrays import adopt
-from .checks import require_dtype, require_indptr, require_ndim, require_shape
-from .snapshot import require_table, require_tensor
+from .checks import host_and_device, require_dtype, require_indptr, require_ndim, require_shape
+from .snapshot import require_tensor
+from .tables import PointerTable, as_table
 
 F32 = np.float32
 SUPPORTED_DK = (16, 32, 64, 128)
@@ -155,8 +157,9 @@ def conv_windows_of(windows, mixed, col_indptr) -> np.ndarray:
 
 
 def gdn_scan_ref(mixed, a, b, conv_weight, A_log, dt_bias, states, conv_windows, col_indptr, heads, dk, dv,
-                 out, state_ckpt=None, conv_ckpt=None, k_heads=None) -> None:
-    """The scan on host arrays, in place; each column computed exactly as one decode step.
+                 out, state_ckpt=None, conv_ckpt=None, k_heads=None, commit=True) -> None:
+    """The scan on host arrays, in place (the live states and windows only with commit); each
+    column computed exactly as one decode step.
 
     Everything before the state update (conv, SiLU, norms, gates) depends only on the inputs,
     so it runs for all columns at once, elementwise, with the same per-column arithmetic; only
@@ -183,29 +186,34 @@ def gdn_scan_ref(mixed, a, b, conv_weight, A_log, dt_bias, states, conv_windows,
         S[sel], out[cols] = delta_rule_ref(S[sel], q[cols], k[cols], v[cols], alpha[cols], beta[cols])
         if state_ckpt is not None:
             state_ckpt[cols] = S[sel]
-    for s in np.flatnonzero(t):
+    for s in np.flatnonzero(t) if commit else ():
         states[s][...] = S[s]
         conv_windows[s][...] = windows[col_indptr[s + 1] - 1]
 
 
 # ---- op ---------------------------------------------------------------------------------------
 def gdn_scan(be, mixed, a, b, conv_weight, A_log, dt_bias, states, conv_windows, col_indptr, *,
-             heads, dk, dv, k_heads=None, out=None, state_ckpt=None, conv_ckpt=None):
+             heads, dk, dv, k_heads=None, out=None, state_ckpt=None, conv_ckpt=None, commit=True):
     """Run each session's columns of one gdn layer through the recurrence -> out [cols, H, dv] f32.
 
     heads H counts value heads (one state each), k_heads Hk key heads (default H; H must be a
     multiple). mixed [cols, C], a and b [cols, H], conv_weight [C, 4], A_log and dt_bias [H]: f32,
-    with C = Hk*2*dk + H*dv. col_indptr int32 [B+1] (host or device) gives session s the columns
-    col_indptr[s] .. col_indptr[s+1]; a session with none is left alone. states: B arrays
-    [H, dv, dk] and conv_windows: B arrays [C, 3] (the 3 previous inputs, oldest first), f32,
-    updated in place. state_ckpt [cols, H, dv, dk] and conv_ckpt [cols, C, 3], when given,
-    receive the state and the window after every column (for checkpoint_select).
-    dk in {16, 32, 64, 128}; dv <= 512 / lanes(dk) (128 for dk = 128).
+    with C = Hk*2*dk + H*dv. col_indptr int32 [B+1] gives session s the columns col_indptr[s] ..
+    col_indptr[s+1] (pass a host array: it is validated there and uploaded, with no wait on the
+    device); a session with none is left alone. states: B arrays [H, dv, dk] and conv_windows:
+    B arrays [C, 3] (the 3 previous inputs, oldest first), f32, or PointerTables of them
+    (dspark.ops.tables); updated in place when `commit`, only read otherwise (a speculative
+    verify: the round's rollback moves them on). state_ckpt [cols, H, dv, dk] and conv_ckpt
+    [cols, C, 3], when given, receive the state and the window after every column (for
+    checkpoint_select). dk in {16, 32, 64, 128}; dv <= 512 / lanes(dk) (128 for dk = 128).
     """
-    mixed, a, b, conv_weight, A_log, dt_bias, states, conv_windows, col_indptr, out, state_ckpt, conv_ckpt = adopt(
-        be, mixed=mixed, a=a, b=b, conv_weight=conv_weight, A_log=A_log, dt_bias=dt_bias, states=states,
-        conv_windows=conv_windows, col_indptr=col_indptr, out=out, state_ckpt=state_ckpt, conv_ckpt=conv_ckpt,
-        writes=("states", "conv_windows", "out", "state_ckpt", "conv_ckpt"))
+    mixed, a, b, conv_weight, A_log, dt_bias, col_indptr, out, state_ckpt, conv_ckpt = adopt(
+        be, mixed=mixed, a=a, b=b, conv_weight=conv_weight, A_log=A_log, dt_bias=dt_bias, col_indptr=col_indptr,
+        out=out, state_ckpt=state_ckpt, conv_ckpt=conv_ckpt, writes=("out", "state_ckpt", "conv_ckpt"))
+    if not isinstance(states, PointerTable):
+        states = adopt(be, states=states, writes=("states",) if commit else ())
+    if not isinstance(conv_windows, PointerTable):
+        conv_windows = adopt(be, conv_windows=conv_windows, writes=("conv_windows",) if commit else ())
     name, threads, smem = scan_plan(heads, dk, dv, k_heads)
     k_heads = heads if k_heads is None else int(k_heads)
     C = channels(heads, dk, dv, k_heads)
@@ -216,11 +224,14 @@ def gdn_scan(be, mixed, a, b, conv_weight, A_log, dt_bias, states, conv_windows,
                              (dt_bias, "dt_bias", (heads,))):
         require_shape(arg, shape, what)
         require_dtype(arg, np.float32, what)
-    host_indptr = be.to_host(col_indptr)
+    host_indptr, dev_indptr = host_and_device(be, col_indptr)
     require_indptr(host_indptr, "col_indptr", cols)
     B = host_indptr.shape[0] - 1
-    states = require_table(be, states, "states", B, (heads, dv, dk), align=16)
-    conv_windows = require_table(be, conv_windows, "conv_windows", B, (C, WINDOW))
+    commit = bool(commit)
+    states = as_table(be, states, "states", count=B, shape=(heads, dv, dk), dtype=np.float32, writable=commit,
+                      align=16)
+    conv_windows = as_table(be, conv_windows, "conv_windows", count=B, shape=(C, WINDOW), dtype=np.float32,
+                            writable=commit)
     if out is None:
         out = be.xp.empty((cols, heads, dv), be.xp.float32)
     outputs = [(out, "out", (cols, heads, dv), 4)]
@@ -231,16 +242,33 @@ def gdn_scan(be, mixed, a, b, conv_weight, A_log, dt_bias, states, conv_windows,
     for arg, what, shape, align in outputs:
         require_tensor(be, arg, what, shape, align=align)
     if be.kernels is None:
-        gdn_scan_ref(mixed, a, b, conv_weight, A_log, dt_bias, states, conv_windows, host_indptr, heads, dk, dv,
-                     out, state_ckpt, conv_ckpt, k_heads)
+        gdn_scan_ref(mixed, a, b, conv_weight, A_log, dt_bias, list(states.arrays), list(conv_windows.arrays),
+                     host_indptr, heads, dk, dv, out, state_ckpt, conv_ckpt, k_heads, commit)
     elif cols:
-        indptr = be.asarray(col_indptr)
         x = be.xp.empty((cols, C), be.xp.float32)  # the conv's SiLU outputs, read by the scan
         be.kernels.get_function("gdn_conv_f32")(
             (-(-C // CONV_THREADS), B), (CONV_THREADS,),
-            (mixed, conv_weight, be.pointer_table(conv_windows), indptr, np.int32(C), x, conv_ckpt))
+            (mixed, conv_weight, conv_windows.device, dev_indptr, np.int32(C), x, conv_ckpt, np.int32(commit)))
         be.kernels.get_function(name)(
             (heads, B), (threads,),
-            (x, a, b, A_log, dt_bias, be.pointer_table(states), indptr, np.int32(heads), np.int32(k_heads),
-             np.int32(dv), out, state_ckpt), shared_mem=smem)
+            (x, a, b, A_log, dt_bias, states.device, dev_indptr, np.int32(heads), np.int32(k_heads),
+             np.int32(dv), out, state_ckpt, np.int32(commit)), shared_mem=smem)
+    if cols:
+        moved = scan_bytes(int(np.count_nonzero(np.diff(host_indptr))), cols, heads, dk, dv, k_heads,
+                           checkpoints=state_ckpt is not None, commit=commit)
+        profile.moved("state", moved["state"])
+        profile.moved("checkpoints", moved["checkpoints"])
     return out
+
+
+def scan_bytes(sessions: int, cols: int, heads: int, dk: int, dv: int, k_heads: int | None = None, *,
+               checkpoints: bool = False, commit: bool = True) -> dict:
+    """Bytes one gdn_scan call moves, by kind: the inputs and outputs of its columns ("columns"),
+    the recurrent state and conv window read and (with commit) written ("state"), and the
+    per-column checkpoints ("checkpoints"). The op reports the same through
+    dspark.profile.record_bytes; profiling/perf_model.py prices them."""
+    C = channels(heads, dk, dv, k_heads)
+    state = heads * dv * dk + C * WINDOW  # floats per session
+    return {"columns": 4 * cols * (C + 2 * heads + 2 * C + heads * dv),
+            "state": 4 * sessions * state * (2 if commit else 1),
+            "checkpoints": 4 * cols * state if checkpoints else 0}

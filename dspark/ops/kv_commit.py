@@ -11,7 +11,8 @@ from __future__ import annotations
 import numpy as np
 
 from ..dtypes import suffix
-from ..errors import CapacityError, DTypeError, ShapeError
+from .. import profile
+from ..errors import CapacityError, DTypeError, ShapeError, StateError
 from ..arrays import adopt
 from .checks import require_dense, require_dtype, require_indptr, require_ndim, require_shape
 
@@ -110,17 +111,22 @@ def _require_dtype_of(a, dtype, what: str) -> None:
 
 
 # ---- the op -----------------------------------------------------------------------------------
-def kv_commit(be, k_blk, v_blk, k_caches, v_caches, pos, keep, row_indptr, *, ring=False) -> None:
+def kv_commit(be, k_blk, v_blk, k_caches, v_caches, pos, keep, row_indptr, *, ring=False, table=None) -> None:
     """Copy scratch rows [0, keep_b) of session b to cache slots pos_b.. (mod capacity if `ring`).
 
     k_blk / v_blk: lists over layers of [rows, Hkv, D]; k_caches / v_caches: lists over layers of
     lists over sessions of [Hkv, capacity, D]; pos, keep: int32 [B]; row_indptr: int32 [B+1].
-    Everything is checked before anything is written.
+    `table`: a PointerTable (dspark.ops.tables) of exactly the caches, k then v, layer by layer,
+    made earlier for this batch; its addresses are used instead of uploading new ones (a table
+    of other arrays is refused). Everything is checked before anything is written.
     """
     k_blk, v_blk, k_caches, v_caches, pos, keep, row_indptr = adopt(
         be, k_blk=k_blk, v_blk=v_blk, k_caches=k_caches, v_caches=v_caches, pos=pos, keep=keep, row_indptr=row_indptr,
         writes=("k_caches", "v_caches"))
     indptr, pos, keep, capacity = _validate(be, k_blk, v_blk, k_caches, v_caches, pos, keep, row_indptr, ring)
+    _, hkv, d = k_blk[0].shape
+    # read from the scratch and written to the cache: K and V of every layer, keep rows each
+    profile.moved("kv_commit", 2 * 2 * len(k_blk) * int(keep.sum()) * hkv * d * k_blk[0].dtype.itemsize)
     if be.kernels is None:
         kv_commit_ref(k_blk, v_blk, k_caches, v_caches, pos, keep, indptr, ring=ring)
         return
@@ -130,13 +136,19 @@ def kv_commit(be, k_blk, v_blk, k_caches, v_caches, pos, keep, row_indptr, *, ri
     blks = [be.xp.ascontiguousarray(a) for a in (*k_blk, *v_blk)]
     caches = [c for layer in k_caches for c in layer] + [c for layer in v_caches for c in layer]
     require_kernel_buffers(be, blks, [f"{kv}_blk[{i}]" for kv in "kv" for i in range(layers)])
-    require_kernel_buffers(be, caches, [f"{kv}_caches[{i}][{b}]" for kv in "kv" for i in range(layers)
-                                        for b in range(B)], writable=True)
+    if table is not None:
+        if len(table.arrays) != len(caches) or any(a is not c for a, c in zip(table.arrays, caches)):
+            raise StateError("kv_commit: `table` holds other arrays than k_caches / v_caches (a stale table)")
+        table.require("table", writable=True, align=16)
+    else:
+        require_kernel_buffers(be, caches, [f"{kv}_caches[{i}][{b}]" for kv in "kv" for i in range(layers)
+                                            for b in range(B)], writable=True)
     _, hkv, d = k_blk[0].shape
     # One upload for the small per-session arrays; views of it are the kernel's arguments.
     meta = be.asarray(np.concatenate([indptr, pos, keep, capacity]).astype(np.int32))
     fn = be.kernels.get_function("kv_commit_rows")
     fn((B, layers, 2), (THREADS,),
-       (be.pointer_table(blks), be.pointer_table(caches), meta[: B + 1], meta[B + 1 : 2 * B + 1],
+       (be.pointer_table(blks), be.pointer_table(caches) if table is None else table.device, meta[: B + 1],
+        meta[B + 1 : 2 * B + 1],
         meta[2 * B + 1 : 3 * B + 1], meta[3 * B + 1 :], np.int32(hkv),
         np.int32(d * k_blk[0].dtype.itemsize // 16), np.int32(ring)))

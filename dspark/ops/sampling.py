@@ -48,7 +48,7 @@ from ..errors import CapacityError, DsparkError, DTypeError, NonFiniteError, Tok
 from ..philox import Tag
 from ..arrays import adopt
 from . import rowsplit
-from .checks import require_dtype, require_indptr, require_ndim, require_shape
+from .checks import host_and_device, require_dtype, require_indptr, require_ndim, require_shape
 from .rowsplit import PART_WORDS, Launch, Plan, splits, threads
 
 u32, u64, f32 = np.uint32, np.uint64, np.float32
@@ -376,12 +376,14 @@ def accept_plan(sessions: int, drafts: int, vocab: int) -> Plan:
 
 
 # ---- validation ---------------------------------------------------------------------------------
-def _vector(be, a, rows: int, dtype, what: str):
-    a = be.asarray(a)
-    require_ndim(a, 1, what, "[rows]")
-    require_dtype(a, dtype, what)
-    require_shape(a, (rows,), what)
-    return a
+def _vector(be, a, rows: int, dtype, what: str) -> tuple[np.ndarray, object]:
+    """(host copy, backend array) of a per-row setting, checked on the host. Host arrays (what
+    Filters.full and Streams.full make) are uploaded, never read back: no wait on the device."""
+    host, dev = host_and_device(be, a)
+    require_ndim(host, 1, what, "[rows]")
+    require_dtype(host, dtype, what)
+    require_shape(host, (rows,), what)
+    return host, dev
 
 
 def _check_range(host, ok, what: str, expected: str) -> None:
@@ -392,11 +394,11 @@ def _check_range(host, ok, what: str, expected: str) -> None:
 
 def _check_filters(be, filters: Filters, rows: int) -> tuple[Filters, tuple]:
     """The filters on the backend, and host copies (temperature, top_k, top_p, min_p)."""
-    f = Filters(_vector(be, filters.temperature, rows, f32, "temperature"),
-                _vector(be, filters.top_k, rows, np.int32, "top_k"),
-                _vector(be, filters.top_p, rows, f32, "top_p"),
-                _vector(be, filters.min_p, rows, f32, "min_p"))
-    t, k, p, mp = (be.to_host(a) for a in (f.temperature, f.top_k, f.top_p, f.min_p))
+    (t, dt), (k, dk), (p, dp), (mp, dmp) = (_vector(be, filters.temperature, rows, f32, "temperature"),
+                                            _vector(be, filters.top_k, rows, np.int32, "top_k"),
+                                            _vector(be, filters.top_p, rows, f32, "top_p"),
+                                            _vector(be, filters.min_p, rows, f32, "min_p"))
+    f = Filters(dt, dk, dp, dmp)
     # a subnormal temperature would make 1/T infinite (and the max's weight 0 * inf)
     _check_range(t, np.isfinite(t) & ((t == 0) | (t >= np.finfo(f32).tiny)), "temperature",
                  "0 (greedy) or [2^-126, inf)")
@@ -407,11 +409,12 @@ def _check_filters(be, filters: Filters, rows: int) -> tuple[Filters, tuple]:
 
 
 def _check_streams(be, streams: Streams, rows: int) -> Streams:
-    s = Streams(_vector(be, streams.seed, rows, u64, "seed"), _vector(be, streams.counter, rows, u64, "counter"),
-                _vector(be, streams.stream, rows, u32, "stream"))
-    tag = be.to_host(s.stream) >> u32(philox.SLOT_BITS)
+    (_, seed), (_, counter), (stream, dstream) = (_vector(be, streams.seed, rows, u64, "seed"),
+                                                  _vector(be, streams.counter, rows, u64, "counter"),
+                                                  _vector(be, streams.stream, rows, u32, "stream"))
+    tag = stream >> u32(philox.SLOT_BITS)
     _check_range(tag, np.isin(tag, [int(t) for t in Tag]), "stream tag", f"the tags {[int(t) for t in Tag]}")
-    return s
+    return Streams(seed, counter, dstream)
 
 
 def _check_vocab(vocab: int, what: str) -> None:
@@ -427,18 +430,28 @@ def _out(be, out, shape, dtype, what: str):
     return out
 
 
-def _raise_rows(status, what: str) -> None:
+def raise_rows(status, what: str = "logits") -> None:
+    """NonFiniteError naming the first bad row of host row statuses [rows] (ROW_*): the check
+    sample_filtered and filtered_probs make, or their caller makes later with `status_out`."""
+    status = np.asarray(status)
     for code, says in ((ROW_NON_FINITE, "contains NaN or +inf"), (ROW_NO_FINITE, "has no finite logit")):
         bad = np.flatnonzero(status == code)
         if bad.size:
             raise NonFiniteError(f"{what}: row {bad[0]} {says} ({bad.size} rows in all)")
 
 
+def _status_out(be, status_out, rows: int):
+    if status_out is None:
+        return be.xp.empty(rows, be.xp.int32)
+    require_shape(status_out, (rows,), "status_out")
+    require_dtype(status_out, np.int32, "status_out")
+    return status_out
+
+
 # ---- ops ----------------------------------------------------------------------------------------
-def _launch_filtered(be, logits, filters, streams, method_code, token, prob, dist, plan_flags):
+def _launch_filtered(be, logits, filters, streams, method_code, token, prob, dist, status, plan_flags):
     rows, vocab = logits.shape
     xp = be.xp
-    status = xp.empty(rows, xp.int32)
     if rows:
         plan = sample_plan(rows, vocab, logits.dtype.itemsize, **plan_flags)
         S = plan.splits
@@ -454,7 +467,6 @@ def _launch_filtered(be, logits, filters, streams, method_code, token, prob, dis
                              filters.top_p, filters.min_p, streams.seed, streams.counter, streams.stream,
                              np.int32(method_code), token, prob, dist, status, state, part, tickets, hist,
                              np.int32(phase)))
-    return be.to_host(status)
 
 
 def _plan_flags(filters_host, vocab: int, method: str | None, dist: bool) -> dict:
@@ -472,13 +484,16 @@ def _prepare(be, logits, filters):
 
 
 def sample_filtered(be, logits, filters: Filters, streams: Streams, method: str = "gumbel",
-                    token_out=None, prob_out=None, dist_out=None):
+                    token_out=None, prob_out=None, dist_out=None, status_out=None):
     """Draw one token per row of `logits` [rows, V] (f32/f16/bf16) from its filtered
     distribution -> (token int32 [rows], prob float32 [rows] = pi_token). `dist_out` float32
-    [rows, V], when given, receives the filtered distributions (the rows the residual needs)."""
-    logits, filters, streams, token_out, prob_out, dist_out = adopt(
+    [rows, V], when given, receives the filtered distributions (the rows the residual needs).
+    With `status_out` (int32 [rows]) the row statuses go there unread and the caller checks them
+    (`raise_rows`) at its own synchronisation; otherwise a bad row raises here. Host filter and
+    stream arrays are checked on the host and uploaded: nothing is read back."""
+    logits, filters, streams, token_out, prob_out, dist_out, status_out = adopt(
         be, logits=logits, filters=filters, streams=streams, token_out=token_out, prob_out=prob_out,
-        dist_out=dist_out, writes=("token_out", "prob_out", "dist_out"))
+        dist_out=dist_out, status_out=status_out, writes=("token_out", "prob_out", "dist_out", "status_out"))
     rows, vocab, filters, host = _prepare(be, logits, filters)
     streams = _check_streams(be, streams, rows)
     if method not in METHODS:
@@ -488,41 +503,46 @@ def sample_filtered(be, logits, filters: Filters, streams: Streams, method: str 
     if dist_out is not None:
         require_shape(dist_out, (rows, vocab), "dist_out")
         require_dtype(dist_out, f32, "dist_out")
+    status = _status_out(be, status_out, rows)
     if be.kernels is None:
         r = sample_filtered_ref(logits, filters, streams, method, with_dist=dist_out is not None)
-        token[...], prob[...] = r["token"], r["prob"]
+        token[...], prob[...], status[...] = r["token"], r["prob"], r["status"]
         if dist_out is not None:
             ok = r["status"] == ROW_OK
             dist_out[ok] = r["dist"][ok]
-        status = r["status"]
     else:
-        status = _launch_filtered(be, logits, filters, streams, METHODS[method], token, prob, dist_out,
-                                  _plan_flags(host, vocab, method, dist_out is not None))
-    _raise_rows(status, "logits")
+        _launch_filtered(be, logits, filters, streams, METHODS[method], token, prob, dist_out, status,
+                         _plan_flags(host, vocab, method, dist_out is not None))
+    if status_out is None:
+        raise_rows(be.to_host(status), "logits")
     return token, prob
 
 
-def filtered_probs(be, logits, filters: Filters, out=None):
-    """The filtered distributions of `logits` [rows, V] -> float32 [rows, V] (no draw)."""
-    logits, filters, out = adopt(be, logits=logits, filters=filters, out=out, writes=("out",))
+def filtered_probs(be, logits, filters: Filters, out=None, status_out=None):
+    """The filtered distributions of `logits` [rows, V] -> float32 [rows, V] (no draw).
+    `status_out`: as in sample_filtered."""
+    logits, filters, out, status_out = adopt(be, logits=logits, filters=filters, out=out, status_out=status_out,
+                                             writes=("out", "status_out"))
     rows, vocab, filters, host = _prepare(be, logits, filters)
     dist = _out(be, out, (rows, vocab), f32, "out")
+    status = _status_out(be, status_out, rows)
     if be.kernels is None:
         r = sample_filtered_ref(logits, filters, None, method="none", with_dist=True)
         ok = r["status"] == ROW_OK
         dist[ok] = r["dist"][ok]
-        status = r["status"]
+        status[...] = r["status"]
     else:
         xp = be.xp
         zeros = Streams(xp.zeros(rows, u64), xp.zeros(rows, u64), xp.zeros(rows, u32))
-        status = _launch_filtered(be, logits, filters, zeros, METHOD_NONE, xp.empty(rows, xp.int32),
-                                  xp.empty(rows, f32), dist, _plan_flags(host, vocab, None, True))
-    _raise_rows(status, "logits")
+        _launch_filtered(be, logits, filters, zeros, METHOD_NONE, xp.empty(rows, xp.int32), xp.empty(rows, f32), dist,
+                         status, _plan_flags(host, vocab, None, True))
+    if status_out is None:
+        raise_rows(be.to_host(status), "logits")
     return dist
 
 
 def speculative_accept(be, drafts, draft_indptr, q, p, seed, counter, m_out=None, next_out=None,
-                       source_out=None):
+                       source_out=None, status_out=None):
     """Lossless speculative accept for a ragged batch of sessions -> (m, next, source), int32 [B].
 
     Session b has drafts[draft_indptr[b]:draft_indptr[b+1]] (nd_b of them), their drafter rows
@@ -530,14 +550,18 @@ def speculative_accept(be, drafts, draft_indptr, q, p, seed, counter, m_out=None
     (p [nd_total + B, V]; column j is the distribution after cand[j]), all filtered float32
     distributions. seed and counter (uint64 [B]) name the session's round. m = drafts accepted,
     next = the token after them (residual or bonus, see Source). Acceptance statistics follow
-    from (nd_b, m): dspark.stats.SpecStats.record(nd_b, m)."""
-    drafts, draft_indptr, q, p, seed, counter, m_out, next_out, source_out = adopt(
+    from (nd_b, m): dspark.stats.SpecStats.record(nd_b, m). Host drafts, indptr, seeds and
+    counters are checked on the host and uploaded; with `status_out` (int32 [B]) the sessions'
+    statuses go there unread (`raise_accept`), otherwise a bad session raises here."""
+    drafts, draft_indptr, q, p, seed, counter, m_out, next_out, source_out, status_out = adopt(
         be, drafts=drafts, draft_indptr=draft_indptr, q=q, p=p, seed=seed, counter=counter, m_out=m_out,
-        next_out=next_out, source_out=source_out, writes=("m_out", "next_out", "source_out"))
-    require_ndim(drafts, 1, "drafts", "[nd_total]")
-    require_dtype(drafts, np.int32, "drafts")
-    nd_total = drafts.shape[0]
-    host_indptr = be.to_host(draft_indptr)
+        next_out=next_out, source_out=source_out, status_out=status_out,
+        writes=("m_out", "next_out", "source_out", "status_out"))
+    host_drafts, drafts = host_and_device(be, drafts)
+    require_ndim(host_drafts, 1, "drafts", "[nd_total]")
+    require_dtype(host_drafts, np.int32, "drafts")
+    nd_total = host_drafts.shape[0]
+    host_indptr, draft_indptr = host_and_device(be, draft_indptr)
     require_indptr(host_indptr, "draft_indptr", nd_total)
     B = host_indptr.shape[0] - 1
     for name, a in (("q", q), ("p", p)):
@@ -548,34 +572,38 @@ def speculative_accept(be, drafts, draft_indptr, q, p, seed, counter, m_out=None
     _check_vocab(vocab, "p")
     require_shape(q, (nd_total, vocab), "q")
     require_shape(p, (nd_total + B, vocab), "p")
-    host_drafts = be.to_host(drafts)
     bad = np.flatnonzero((host_drafts < 0) | (host_drafts >= vocab))
     if bad.size:
         raise TokenRangeError(f"drafts[{bad[0]}]={host_drafts[bad[0]]} is outside the vocabulary [0, {vocab})")
-    seed = _vector(be, seed, B, u64, "seed")
-    counter = _vector(be, counter, B, u64, "counter")
+    _, seed = _vector(be, seed, B, u64, "seed")
+    _, counter = _vector(be, counter, B, u64, "counter")
     outs = [_out(be, o, (B,), np.int32, n) for o, n in ((m_out, "m_out"), (next_out, "next_out"),
                                                          (source_out, "source_out"))]
+    status = _status_out(be, status_out, B)
     if be.kernels is None:
         r = speculative_accept_ref(drafts, host_indptr, q, p, seed, counter)
         for o, n in zip(outs, ("m", "next", "source")):
             o[...] = r[n]
-        status = r["status"]
-    else:
+        status[...] = r["status"]
+    elif B:
         xp = be.xp
-        status = xp.empty(B, xp.int32)
-        if B:
-            (run,) = accept_plan(B, 0, vocab).launches
-            part = xp.empty(run.ctas * PART_WORDS, u64)
-            tickets, _ = rowsplit.scratch(be, B)
-            rowsplit.launch(be, "spec_accept_f32", run.ctas, run.threads,
-                            (drafts, draft_indptr, q, p, np.int32(vocab), seed, counter, *outs, status, part, tickets))
-        status = be.to_host(status)
-    bad = np.flatnonzero(status)
+        (run,) = accept_plan(B, 0, vocab).launches
+        part = xp.empty(run.ctas * PART_WORDS, u64)
+        tickets, _ = rowsplit.scratch(be, B)
+        rowsplit.launch(be, "spec_accept_f32", run.ctas, run.threads,
+                        (drafts, draft_indptr, q, p, np.int32(vocab), seed, counter, *outs, status, part, tickets))
+    if status_out is None:
+        raise_accept(be.to_host(status))
+    return tuple(outs)
+
+
+def raise_accept(status) -> None:
+    """NonFiniteError naming the first session whose accept read something that is not a
+    distribution (host statuses [B] of speculative_accept)."""
+    bad = np.flatnonzero(np.asarray(status))
     if bad.size:
         raise NonFiniteError(f"q/p: session {bad[0]} reads a probability outside [0, 1] or a target row "
                              f"with no mass ({bad.size} sessions in all)")
-    return tuple(outs)
 
 
 def philox_random(be, ctr, key):

@@ -16,9 +16,11 @@ from __future__ import annotations
 
 import numpy as np
 
+from .. import profile
 from ..errors import CapacityError, DTypeError, ShapeError, StateError
 from ..arrays import adopt
-from .checks import require_dense, require_dtype, require_indptr, require_ndim, require_shape
+from .checks import host_and_device, require_dense, require_dtype, require_indptr, require_ndim, require_shape
+from .tables import PointerTable, as_table
 
 COPY_THREADS = 256
 COPY_CHUNK = COPY_THREADS * 4 * 4  # floats per block: four float4 steps per thread
@@ -43,16 +45,10 @@ def require_tensor(be, a, what: str, shape: tuple | None = None, writable: bool 
 
 
 def require_table(be, arrays, what: str, count: int | None = None, shape: tuple | None = None,
-                  writable: bool = True, align: int = 4) -> list:
+                  writable: bool = True, align: int = 4) -> PointerTable:
     """The arrays behind a `float* const*` pointer table: a list (of `count`, one per session),
-    each passing require_tensor."""
-    if not isinstance(arrays, (list, tuple)):
-        raise ShapeError(f"{what} is a {type(arrays).__name__}: expected a list of arrays")
-    if count is not None and len(arrays) != count:
-        raise ShapeError(f"{what} has {len(arrays)} arrays: expected {count}, one per session")
-    for i, a in enumerate(arrays):
-        require_tensor(be, a, f"{what}[{i}]", shape, writable, align)
-    return list(arrays)
+    each passing require_tensor, or a PointerTable of such arrays (dspark.ops.tables)."""
+    return as_table(be, arrays, what, count=count, shape=shape, dtype=np.float32, writable=writable, align=align)
 
 
 # ---- NumPy reference ------------------------------------------------------------------------
@@ -70,23 +66,25 @@ def checkpoint_select_ref(state_ckpt, conv_ckpt, states, conv_windows, col_indpt
 
 # ---- ops ------------------------------------------------------------------------------------
 def _copy(be, src, dst, src_name: str, dst_name: str) -> None:
-    src, dst = adopt(be, **{src_name: src, dst_name: dst}, writes=(dst_name,))
+    if not isinstance(src, PointerTable):
+        src = adopt(be, **{src_name: src})
+    if not isinstance(dst, PointerTable):
+        dst = adopt(be, **{dst_name: dst}, writes=(dst_name,))
     src = require_table(be, src, src_name, writable=False)
     dst = require_table(be, dst, dst_name, count=len(src))
-    for i, (s, d) in enumerate(zip(src, dst)):
-        if d.shape != s.shape:
-            raise ShapeError(f"{dst_name}[{i}] has shape {tuple(d.shape)}: expected {tuple(s.shape)} "
-                             f"as {src_name}[{i}]")
+    for i, (s, d) in enumerate(zip(src.shapes, dst.shapes)):
+        if d != s:
+            raise ShapeError(f"{dst_name}[{i}] has shape {d}: expected {s} as {src_name}[{i}]")
+    nbytes = 2 * sum(a.nbytes for a in src.arrays)
     if be.kernels is None:
-        for s, d in zip(src, dst):
+        for s, d in zip(src.arrays, dst.arrays):
             d[...] = s
-        return
-    if not src:
-        return
-    sizes = be.asarray(np.array([a.size for a in src], np.int64))
-    fn = be.kernels.get_function("snapshot_copy_f32")
-    fn(copy_grid(len(src), max(a.size for a in src)), (COPY_THREADS,),
-       (be.pointer_table(src), be.pointer_table(dst), sizes, np.int32(len(src))))
+    elif len(src):
+        sizes = be.asarray(np.array([a.size for a in src.arrays], np.int64))
+        fn = be.kernels.get_function("snapshot_copy_f32")
+        fn(copy_grid(len(src), max(a.size for a in src.arrays)), (COPY_THREADS,),
+           (src.device, dst.device, sizes, np.int32(len(src))))
+    profile.moved("rollback", nbytes)
 
 
 def snapshot_save(be, live, snap) -> None:
@@ -102,7 +100,7 @@ def snapshot_restore(be, snap, live) -> None:
 
 
 def checkpoint_select(be, state_ckpt, conv_ckpt, states, conv_windows, col_indptr, keep, *,
-                      snap_states=None, snap_convs=None) -> None:
+                      snap_states=None, snap_convs=None, committed: bool = True) -> None:
     """Roll each session of one gdn layer back to the state after its first keep[b] verify columns.
 
     `state_ckpt` [cols, H, dv, dk] and `conv_ckpt` [cols, C, 3] are the per-column checkpoints
@@ -114,24 +112,34 @@ def checkpoint_select(be, state_ckpt, conv_ckpt, states, conv_windows, col_indpt
     of the verify, so the state must become the one before it: the snapshot. Pass that session's
     snapshot as snap_states / snap_convs (lists of B, like `states` / `conv_windows`; entries of
     sessions with keep >= 1 are not read) and it is copied in the same launch. Without snapshots
-    a keep of 0 raises StateError rather than leave the post-verify state live.
+    a keep of 0 raises StateError rather than leave the post-verify state live, unless the verify
+    never wrote the live state (`committed=False`: gdn_scan with commit=False, as the session's
+    verify runs): then keep 0 leaves that session's live state as it is, the state before the
+    verify. states and conv_windows may be PointerTables (dspark.ops.tables).
     """
-    state_ckpt, conv_ckpt, states, conv_windows, col_indptr, keep, snap_states, snap_convs = adopt(
-        be, state_ckpt=state_ckpt, conv_ckpt=conv_ckpt, states=states, conv_windows=conv_windows,
-        col_indptr=col_indptr, keep=keep, snap_states=snap_states, snap_convs=snap_convs,
-        writes=("states", "conv_windows"))
+    state_ckpt, conv_ckpt, col_indptr, keep = adopt(be, state_ckpt=state_ckpt, conv_ckpt=conv_ckpt,
+                                                    col_indptr=col_indptr, keep=keep)
+    if not isinstance(states, PointerTable):
+        states = adopt(be, states=states, writes=("states",))
+    if not isinstance(conv_windows, PointerTable):
+        conv_windows = adopt(be, conv_windows=conv_windows, writes=("conv_windows",))
+    if snap_states is not None and not isinstance(snap_states, PointerTable):
+        snap_states = adopt(be, snap_states=snap_states)
+    if snap_convs is not None and not isinstance(snap_convs, PointerTable):
+        snap_convs = adopt(be, snap_convs=snap_convs)
     require_ndim(state_ckpt, 4, "state_ckpt", "[cols, H, dv, dk]")
     require_dtype(state_ckpt, np.float32, "state_ckpt")
     require_ndim(conv_ckpt, 3, "conv_ckpt", "[cols, C, 3]")
     require_dtype(conv_ckpt, np.float32, "conv_ckpt")
     cols = state_ckpt.shape[0]
     require_shape(conv_ckpt, (cols, conv_ckpt.shape[1], 3), "conv_ckpt")
-    host_indptr = be.to_host(col_indptr)
+    host_indptr, dev_indptr = host_and_device(be, col_indptr)
     require_indptr(host_indptr, "col_indptr", cols)
     B = host_indptr.shape[0] - 1
-    require_ndim(keep, 1, "keep", "[B]")
-    require_dtype(keep, np.int32, "keep")
-    require_shape(keep, (B,), "keep")
+    host_keep, dev_keep = host_and_device(be, keep)
+    require_ndim(host_keep, 1, "keep", "[B]")
+    require_dtype(host_keep, np.int32, "keep")
+    require_shape(host_keep, (B,), "keep")
     state_shape, conv_shape = tuple(state_ckpt.shape[1:]), tuple(conv_ckpt.shape[1:])
     states = require_table(be, states, "states", B, state_shape)
     conv_windows = require_table(be, conv_windows, "conv_windows", B, conv_shape)
@@ -140,7 +148,6 @@ def checkpoint_select(be, state_ckpt, conv_ckpt, states, conv_windows, col_indpt
     if snap_states is not None:
         snap_states = require_table(be, snap_states, "snap_states", B, state_shape, writable=False)
         snap_convs = require_table(be, snap_convs, "snap_convs", B, conv_shape, writable=False)
-    host_keep = be.to_host(keep)
     t = np.diff(host_indptr)
     bad = np.flatnonzero((host_keep < 0) | (host_keep > t))
     if bad.size:
@@ -148,19 +155,20 @@ def checkpoint_select(be, state_ckpt, conv_ckpt, states, conv_windows, col_indpt
         raise CapacityError(f"keep[{b}]={int(host_keep[b])} is outside [0, {int(t[b])}]: session {b} "
                             f"has {int(t[b])} verify columns")
     zero = np.flatnonzero(host_keep == 0)
-    if zero.size and snap_states is None:
+    if zero.size and snap_states is None and committed:
         b = int(zero[0])
         raise StateError(f"keep[{b}]=0 rolls session {b} back to before the verify: pass snap_states "
                          f"and snap_convs (the snapshot taken before it)")
-    if be.kernels is None:
-        checkpoint_select_ref(state_ckpt, conv_ckpt, states, conv_windows, host_indptr, host_keep,
-                              snap_states, snap_convs)
-        return
-    if not B:
-        return
     state_size, conv_size = int(np.prod(state_shape)), int(np.prod(conv_shape))
-    tables = [None, None] if snap_states is None else [be.pointer_table(snap_states), be.pointer_table(snap_convs)]
-    fn = be.kernels.get_function("checkpoint_select_f32")
-    fn(copy_grid(B, state_size), (COPY_THREADS,),
-       (state_ckpt, conv_ckpt, be.pointer_table(states), be.pointer_table(conv_windows), *tables,
-        be.asarray(col_indptr), be.asarray(keep), np.int64(state_size), np.int32(conv_size)))
+    copied = int(np.count_nonzero((host_keep >= 1) | (snap_states is not None)))
+    if be.kernels is None:
+        checkpoint_select_ref(state_ckpt, conv_ckpt, list(states.arrays), list(conv_windows.arrays), host_indptr,
+                              host_keep, None if snap_states is None else list(snap_states.arrays),
+                              None if snap_convs is None else list(snap_convs.arrays))
+    elif B:
+        tables = [None, None] if snap_states is None else [snap_states.device, snap_convs.device]
+        fn = be.kernels.get_function("checkpoint_select_f32")
+        fn(copy_grid(B, state_size), (COPY_THREADS,),
+           (state_ckpt, conv_ckpt, states.device, conv_windows.device, *tables, dev_indptr, dev_keep,
+            np.int64(state_size), np.int32(conv_size)))
+    profile.moved("rollback", 2 * 4 * copied * (state_size + conv_size))

@@ -35,14 +35,21 @@ def test_verify_column_equals_decode_step(model_backend, rng, conventions):
     trunk.prefill(a, p)
     trunk.prefill(b, p)
     cand = prompt(rng, 6)
+    before = [model_backend.to_host(x).copy() for x in a.recurrent()]
     verify = trunk.verify([a], [cand])
     for j, tok in enumerate(cand):
         step = trunk.decode([b], [tok])
         assert same(model_backend, verify.logits[j], step.logits[0]), j
         assert same(model_backend, verify.taps[j], step.taps[0]), j
-    # the gdn state after all columns is the state after the same decode steps
-    for sa, sb in zip(a.recurrent(), b.recurrent()):
-        assert same(model_backend, sa, sb)
+    # a verify never writes the recurrent state; selecting its last checkpoint, or replaying all
+    # its columns, gives the state after the same decode steps
+    assert all(np.array_equal(model_backend.to_host(x), y) for x, y in zip(a.recurrent(), before))
+    replayed = trunk.new_cache()
+    trunk.prefill(replayed, p)
+    trunk.replay([replayed], verify, np.array([0]), np.array([len(cand)], np.int32))
+    trunk.select([a], verify, [len(cand)])
+    for sa, sr, sb in zip(a.recurrent(), replayed.recurrent(), b.recurrent()):
+        assert same(model_backend, sa, sb) and same(model_backend, sr, sb)
 
 
 @CONVENTIONS
@@ -176,15 +183,19 @@ def test_plain_batched_matmul_is_not_row_invariant_here_but_linear_is(rng):
         assert np.array_equal(dense.linear(x[i : i + 1], w)[0], full[i])
 
 
-def test_norm_glue_is_row_invariant(rng):
+def test_norm_glue_is_row_invariant(numpy_backend, rng):
+    """The numpy backend's glue (the kernel backends' norm: tests/kernels/test_norm.py)."""
+    from dspark.ops.norm import rmsnorm
     x = rng.standard_normal((50, 3, 64)).astype(np.float32)
     wt = rng.standard_normal(64).astype(np.float32)
-    full = dense.rmsnorm(x, wt, 1e-6)
+    full = rmsnorm(numpy_backend, x, wt, 1e-6)
+    sums = dense.halving_sum(x[..., :61])
     rope_full = dense.rope(x, np.arange(50) + 100, 10000.0)
     yarn = (("factor", 4.0), ("original_max_position_embeddings", 32), ("rope_type", "yarn"))
     partial_full = dense.rope(x, np.arange(50) + 100, 10000.0, 16, yarn)
     for i in (0, 17, 49):
-        assert np.array_equal(dense.rmsnorm(x[i : i + 1], wt, 1e-6)[0], full[i])
+        assert np.array_equal(rmsnorm(numpy_backend, x[i : i + 1], wt, 1e-6)[0], full[i])
+        assert np.array_equal(dense.halving_sum(x[i : i + 1, :, :61])[0], sums[i])
         assert np.array_equal(dense.rope(x[i : i + 1], np.array([100 + i]), 10000.0)[0], rope_full[i])
         assert np.array_equal(dense.rope(x[i : i + 1], np.array([100 + i]), 10000.0, 16, yarn)[0], partial_full[i])
     np.testing.assert_array_equal(partial_full[..., 16:], x[..., 16:])  # past the rotary dims: untouched
