@@ -56,6 +56,9 @@ class Staged:
         self.host = np.asarray(host)
         self.device = be.asarray(self.host)
 
+    def __array__(self, dtype=None, copy=None):  # numpy.asarray(staged): the host values
+        return self.host if dtype is None else self.host.astype(dtype)
+
 
 def host_and_device(be, a) -> tuple[np.ndarray, object]:
     """(host copy, backend array) of a small index array the op validates on the host and a kernel
