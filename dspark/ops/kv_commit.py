@@ -30,6 +30,12 @@ def kv_commit_ref(k_blk, v_blk, k_caches, v_caches, pos, keep, row_indptr, *, ri
                 cache[:, slots % cache.shape[1] if ring else slots] = blk[r0 : r0 + n].transpose(1, 0, 2)
 
 
+def commit_bytes(layers: int, rows: int, hkv: int, head_dim: int, itemsize: int) -> int:
+    """Bytes kv_commit moves for `rows` kept rows (all sessions): K and V of every layer, read from
+    the scratch and written to the cache. profiling/perf_model.py prices the same."""
+    return 2 * 2 * layers * rows * hkv * head_dim * itemsize
+
+
 # ---- validation -------------------------------------------------------------------------------
 def _require_list(x, n: int | None, what: str, layout: str) -> None:
     if not isinstance(x, (list, tuple)) or (n is not None and len(x) != n):
@@ -125,8 +131,7 @@ def kv_commit(be, k_blk, v_blk, k_caches, v_caches, pos, keep, row_indptr, *, ri
         writes=("k_caches", "v_caches"))
     indptr, pos, keep, capacity = _validate(be, k_blk, v_blk, k_caches, v_caches, pos, keep, row_indptr, ring)
     _, hkv, d = k_blk[0].shape
-    # read from the scratch and written to the cache: K and V of every layer, keep rows each
-    profile.moved("kv_commit", 2 * 2 * len(k_blk) * int(keep.sum()) * hkv * d * k_blk[0].dtype.itemsize)
+    profile.moved("kv_commit", commit_bytes(len(k_blk), int(keep.sum()), hkv, d, k_blk[0].dtype.itemsize))
     if be.kernels is None:
         kv_commit_ref(k_blk, v_blk, k_caches, v_caches, pos, keep, indptr, ring=ring)
         return

@@ -51,6 +51,12 @@ def require_table(be, arrays, what: str, count: int | None = None, shape: tuple 
     return as_table(be, arrays, what, count=count, shape=shape, dtype=np.float32, writable=writable, align=align)
 
 
+def select_bytes(sessions: int, state_size: int, conv_size: int) -> int:
+    """Bytes checkpoint_select moves for `sessions` copied sessions of one layer: the checkpoint
+    read, the live state and conv window written (f32). profiling/perf_model.py prices the same."""
+    return 2 * 4 * sessions * (state_size + conv_size)
+
+
 # ---- NumPy reference ------------------------------------------------------------------------
 def checkpoint_select_ref(state_ckpt, conv_ckpt, states, conv_windows, col_indptr, keep,
                           snap_states=None, snap_convs=None) -> None:
@@ -171,4 +177,4 @@ def checkpoint_select(be, state_ckpt, conv_ckpt, states, conv_windows, col_indpt
         fn(copy_grid(B, state_size), (COPY_THREADS,),
            (state_ckpt, conv_ckpt, states.device, conv_windows.device, *tables, dev_indptr, dev_keep,
             np.int64(state_size), np.int32(conv_size)))
-    profile.moved("rollback", 2 * 4 * copied * (state_size + conv_size))
+    profile.moved("rollback", select_bytes(copied, state_size, conv_size))

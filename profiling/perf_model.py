@@ -1,0 +1,585 @@
+"""Performance model of a speculative round on an H200: bytes, FLOPs, CTAs and waves per kernel,
+the predicted time of each, the round's composition and the spec/plain speedup.
+
+    python profiling/perf_model.py                     # the table in RESULTS.md: three shapes, B=1, 32k, 8 columns
+    python profiling/perf_model.py --model qwen3.5-27b --batch 1 2 32 --context 4096 32768 --width 8 --kernels
+    python profiling/perf_model.py --accepted 5.9      # the speedup at another mean accepted length
+
+Shapes (SHAPES): the embedded pair (dspark/models/default), Qwen3-8B and Qwen3.5-27B with their
+Hugging Face `config.json` numbers (Qwen/Qwen3-8B: hidden 4096, 36 layers, 32 query / 8 kv heads
+of 128, MLP 12288, vocabulary 151936, untied; Qwen/Qwen3.5-27B text_config: hidden 5120, 64
+layers [linear_attention x 3, full_attention] x 16, 24 query / 4 kv heads of 256 with the output
+gate and partial RoPE 0.25, gdn 48 value / 16 key heads of 128, MLP 17408, vocabulary 248320,
+untied), stored bf16 as on the `cuda` backend. Their drafter is not part of those configs: the
+model uses a one-layer DSpark drafter of the target's widths, block 8, a 4096-row window, rank-32
+Markov head (--drafter-window changes the window).
+
+Device (issue 16): copy bandwidth 4.3 TB/s, bf16 MMA 790 TFLOP/s, 4 us per launch, 132 SMs; and,
+beyond those, from NVIDIA's H200 data sheet: f32 CUDA-core math 67 TFLOP/s (the gdn scan, the
+reductions, and cuBLAS SGEMM on the weights dspark widens to f32), 228 KiB shared memory, 2048
+threads and 32 CTAs per SM, 50 MB L2.
+
+Kernel time. dspark's kernels are priced from their own launch plans (dspark.ops.attention.
+launch_plan, the row-split plans of dspark.ops.argmax / sampling, dspark.ops.gdn.scan_plan and
+scan_bytes, the norm, commit and select grids): each CTA moves its bytes at its SM's share of the
+copy bandwidth (BW / 132 / CTAs resident per SM, from threads and shared memory; fewer CTAs
+than SMs get an SM each), CTAs go longest
+first to the slot that frees first (the attention kernel dispatches each row's splits last-first),
+and the memory time is the last slot's finish, so waves and imbalance both show; the math time is
+flops / (rate x the share of SMs busy); the kernel's time is the larger. cuBLAS GEMMs and CuPy's
+elementwise ops have no plan of ours: they are priced at the roofline (bytes / BW, flops / rate).
+dspark.ops.dense.linear widens 16-bit weights to f32 on every call (two CuPy ops: 2 + 4 + 4 + 4
+bytes per weight) and multiplies [8, K] chunks with SGEMM (4 bytes per weight per chunk): this is
+what the `cuda` path does today, and the "weights" share of the round shows what it costs
+(--bf16-gemm prices a GEMM that reads the bf16 weights once instead).
+
+Launches are not in a kernel's time: each costs 4 us of host time (dspark kernels from the plans,
+CuPy array ops from per-layer counts made on the CuPy contract path, LAUNCH_GLUE), listed with the
+round's two synchronisations as "overhead". Predicted round time = GPU time + overhead (no
+overlap assumed). Speedup = mean accepted length x plain step time / round time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import heapq
+import math
+import sys
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # sibling scripts, also when run by `dspark bench`
+from dspark.dtypes import BF16
+from dspark.models.config import TrunkConfig, from_json
+from dspark.models.drafter_config import DrafterConfig
+from dspark.ops import argmax as argmax_ops
+from dspark.ops import gdn as gdn_ops
+from dspark.ops import norm as norm_ops
+from dspark.ops import snapshot as snapshot_ops
+from dspark.ops.attention import launch_plan
+from dspark.ops.kv_commit import THREADS as COMMIT_THREADS
+from dspark.ops.kv_commit import commit_bytes
+from dspark.ops.dense import ROW_CHUNK
+from timing import table
+
+F32 = 4
+
+
+@dataclasses.dataclass(frozen=True)
+class Device:
+    name: str = "H200"
+    bw: float = 4.3e12             # copy bandwidth, bytes/s (read + write)
+    mma: float = 790e12            # bf16 tensor-core FLOP/s
+    f32: float = 67e12             # f32 CUDA-core FLOP/s
+    launch: float = 4e-6           # host cost of one launch, s
+    sync: float = 10e-6            # one device->host wait (a copy of a few bytes), s
+    sms: int = 132
+    smem: int = 228 * 1024
+    threads: int = 2048
+    ctas: int = 32
+    l2: int = 50 * 10**6
+
+
+H200 = Device()
+
+
+# ---- shapes ---------------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class Shape:
+    label: str
+    trunk: TrunkConfig
+    drafter: DrafterConfig
+    weight_bytes: int       # storage bytes per matrix element (2: bf16)
+    source: str
+
+
+def _default_configs() -> tuple[TrunkConfig, DrafterConfig]:
+    d = Path(__file__).resolve().parents[1] / "dspark" / "models" / "default"
+    return from_json(d / "trunk.json", TrunkConfig), from_json(d / "drafter.json", DrafterConfig)
+
+
+def _drafter_for(t: TrunkConfig, window: int) -> DrafterConfig:
+    return DrafterConfig(block=8, window=window, d_model=t.d_model, layers=1, heads=t.attn_heads,
+                         kv_heads=t.attn_kv_heads, head_dim=t.head_dim, mlp_hidden=t.mlp_hidden, markov_rank=32)
+
+
+def shapes(drafter_window: int = 4096) -> dict[str, Shape]:
+    trunk, drafter = _default_configs()
+    q3 = TrunkConfig(vocab=151936, eos_id=151645, mask_id=151669, d_model=4096, mlp_hidden=12288, layers=("attn",) * 36,
+                     attn_heads=32, attn_kv_heads=8, head_dim=128, rope_theta=1e6, qk_norm=True, tap_layers=(1, 17, 33),
+                     max_ctx=40960, kv_dtype="bfloat16")
+    q35 = TrunkConfig(vocab=248320, eos_id=248044, mask_id=248319, d_model=5120, mlp_hidden=17408,
+                      layers=("gdn", "gdn", "gdn", "attn") * 16, attn_heads=24, attn_kv_heads=4, head_dim=256,
+                      rope_theta=1e7, gdn_heads=48, gdn_k_heads=16, gdn_dk=128, gdn_dv=128, norm_offset=1.0,
+                      qk_norm=True, attn_gate=True, rope_fraction=0.25, tap_layers=(1, 31, 61), max_ctx=262144,
+                      kv_dtype="bfloat16")
+    return {
+        "embedded": Shape("embedded pair", trunk, drafter, 4, "dspark/models/default/{trunk,drafter}.json"),
+        "qwen3-8b": Shape("Qwen3-8B", q3, _drafter_for(q3, drafter_window), 2, "Qwen/Qwen3-8B config.json"),
+        "qwen3.5-27b": Shape("Qwen3.5-27B", q35, _drafter_for(q35, drafter_window), 2,
+                             "Qwen/Qwen3.5-27B config.json (text_config)"),
+    }
+
+
+# ---- kernels -----------------------------------------------------------------------------------------------
+KINDS = ("weights", "kv", "state", "other")
+
+
+@dataclasses.dataclass
+class Kernel:
+    """One kernel (or a CuPy op) of a pass: what it moves and computes, its CTAs, and its time."""
+    phase: str
+    name: str
+    kind: str               # weights | kv | state | other: the round composition it counts towards
+    bytes: int
+    flops: int
+    ctas: int               # 0: not ours (cuBLAS, CuPy), priced at the roofline
+    waves: int
+    time: float
+    launches: int
+    min_bytes: int = 0      # what any implementation must move (attention: K/V, q, out once)
+
+
+def resident(threads: int, smem: int, dev: Device) -> int:
+    """CTAs of a kernel resident on one SM."""
+    n = min(dev.ctas, dev.threads // max(threads, 1))
+    return max(1, min(n, dev.smem // smem) if smem else n)
+
+
+def priced(cta_bytes, flops: float, per_sm: int, dev: Device, rate: float) -> tuple[float, int]:
+    """(time, waves) of a kernel whose CTAs move cta_bytes each: longest first onto SMs x per_sm
+    slots, each slot streaming at BW / slots; math at `rate` over the busy share of the SMs."""
+    loads = np.sort(np.asarray(cta_bytes, np.float64))[::-1]
+    n = loads.size
+    if n == 0:
+        return 0.0, 0
+    waves = math.ceil(n / (dev.sms * per_sm))
+    per_sm = min(per_sm, math.ceil(n / dev.sms))  # a few CTAs spread one per SM, each with its SM's share
+    slots = dev.sms * per_sm
+    if n <= slots:
+        finish = float(loads[0])
+    else:
+        heap = [0.0] * slots
+        for b in loads:
+            heapq.heappush(heap, heapq.heappop(heap) + float(b))
+        finish = max(heap)
+    busy = min(1.0, n / dev.sms)
+    return max(finish / (dev.bw / slots), flops / (rate * busy)), waves
+
+
+def planned(phase, name, kind, cta_bytes, flops, threads, smem, dev, rate=None, launches=1, min_bytes=0) -> Kernel:
+    per_sm = resident(threads, smem, dev)
+    t, waves = priced(cta_bytes, flops, per_sm, dev, dev.f32 if rate is None else rate)
+    return Kernel(phase, name, kind, int(np.sum(cta_bytes)), int(flops), int(np.size(cta_bytes)), waves, t, launches,
+                  min_bytes)
+
+
+def roofline(phase, name, kind, nbytes, flops, dev, rate=None, launches=1) -> Kernel:
+    t = max(nbytes / dev.bw, flops / (dev.f32 if rate is None else rate))
+    return Kernel(phase, name, kind, int(nbytes), int(flops), 0, 0, t, launches)
+
+
+def even(total: float, ctas: int) -> np.ndarray:
+    return np.full(max(ctas, 0), total / max(ctas, 1))
+
+
+# ---- GEMMs (dense.linear) --------------------------------------------------------------------------------
+def linear(phase, name, rows, k, n, wb, dev, bf16_gemm: bool, kind="weights") -> list[Kernel]:
+    """dense.linear of [rows, K] @ [K, N] stored with wb bytes per element: (widen,) then one
+    SGEMM per chunk of 8 rows (modelled as one roofline GEMM)."""
+    chunks = max(1, -(-rows // ROW_CHUNK))
+    flops = 2 * chunks * ROW_CHUNK * k * n
+    act = F32 * (rows * k + rows * n)
+    if wb == F32 or bf16_gemm:
+        return [roofline(phase, name, kind, wb * k * n * (1 if bf16_gemm else chunks) + act, flops, dev,
+                         rate=dev.mma if bf16_gemm else dev.f32, launches=2 * chunks)]
+    widen = k * n * (2 + 4 + 4 + 4 if wb == 2 else wb + F32)  # bf16: astype(uint32), << 16; f16: astype
+    return [roofline(phase, f"{name} widen", kind, widen, 0, dev, launches=2),
+            roofline(phase, name, kind, F32 * k * n * chunks + act, flops, dev, launches=2 * chunks)]
+
+
+# ---- the trunk pass ---------------------------------------------------------------------------------------
+def trunk_pass(shape: Shape, B: int, context: int, cols: int, dev: Device, *, verify: bool, bf16_gemm=False,
+               rollback="checkpoint") -> list[Kernel]:
+    """Every kernel of one trunk pass over `cols` columns per session at `context` committed rows:
+    a verify (the state read, not written; per-column checkpoints) or a plain decode step (cols 1,
+    state written, K/V committed)."""
+    c, wb, out = shape.trunk, shape.weight_bytes, []
+    ph = "verify" if verify else "decode"
+    rows, d = B * cols, c.d_model
+    kv_isz = np.dtype(BF16 if c.kv_dtype == "bfloat16" else c.kv_dtype).itemsize
+    attn_layers, gdn_layers = c.layers.count("attn"), c.layers.count("gdn")
+    nq = c.attn_heads * c.head_dim * (2 if c.attn_gate else 1)
+    nkv = c.attn_kv_heads * c.head_dim
+    H, dk, dv, C = c.gdn_heads, c.gdn_dk, c.gdn_dv, c.gdn_channels
+
+    def norm(name, n_rows, n, launches=1):
+        return rmsnorm_kernel(ph, name, n_rows, n, dev, launches)
+
+    for kind, count in (("attn", attn_layers), ("gdn", gdn_layers)):
+        if not count:
+            continue
+        layer = [norm("rmsnorm x2", 2 * rows, d, 2)]
+        if kind == "attn":
+            layer += linear(ph, "attn q|k|v", rows, d, nq + 2 * nkv, wb, dev, bf16_gemm)
+            if c.qk_norm:
+                layer.append(norm("q/k norm", rows * (c.attn_heads + c.attn_kv_heads), c.head_dim, 2))
+            plan = launch_plan([cols] * B, [context] * B, hq=c.attn_heads, hkv=c.attn_kv_heads, head_dim=c.head_dim,
+                               dtype=BF16 if kv_isz == 2 else np.float32)
+            layer += attention_kernels(ph, plan, dev)
+            layer += linear(ph, "attn o", rows, c.attn_heads * c.head_dim, d, wb, dev, bf16_gemm)
+        else:
+            layer += linear(ph, "gdn in", rows, d, C + H * dv + 2 * H, wb, dev, bf16_gemm)
+            layer += scan_kernels(ph, c, B, rows, dev, checkpoints=verify and rollback == "checkpoint",
+                                  commit=not verify)
+            layer.append(norm("gdn o_norm", rows * H, dv))
+            layer += linear(ph, "gdn out", rows, H * dv, d, wb, dev, bf16_gemm)
+        layer += linear(ph, "mlp gate|up", rows, d, 2 * c.mlp_hidden, wb, dev, bf16_gemm)
+        layer += linear(ph, "mlp down", rows, c.mlp_hidden, d, wb, dev, bf16_gemm)
+        out += scaled(layer, count, f"x{count} {kind} layers")
+    out.append(norm("final norm", rows, d))
+    out += linear(ph, "lm head", rows, d, c.vocab, wb, dev, bf16_gemm)
+    if verify:
+        p = argmax_ops.greedy_accept_plan(B, rows, c.vocab)
+    else:
+        p = argmax_ops.argmax_plan(rows, c.vocab)
+    out.append(rowsplit_kernel(ph, p, dev))
+    keep = rows if not verify else B * cols  # a full accept commits every column (the worst case)
+    if attn_layers:
+        out.append(commit_kernel(ph, "kv_commit", B, attn_layers, keep // B, c.attn_kv_heads * c.head_dim * kv_isz, dev))
+    return out
+
+
+def rmsnorm_kernel(phase, name, rows, n, dev: Device, launches=1) -> Kernel:
+    """rmsnorm_f32 over `rows` rows of n (in `launches` calls): a warp per row, 8 rows per CTA."""
+    ctas = -(-rows // norm_ops.WARPS)
+    k = planned(phase, name, "other", even(2 * F32 * rows * n + launches * F32 * n, ctas), 3 * rows * n,
+                32 * norm_ops.WARPS, 0, dev)
+    k.launches = launches
+    return k
+
+
+def scaled(kernels: list[Kernel], n: int, suffix: str) -> list[Kernel]:
+    """The kernels of one layer, for n layers alike: bytes, flops, time and launches times n."""
+    return [dataclasses.replace(k, name=f"{k.name} ({suffix})", bytes=k.bytes * n, flops=k.flops * n, time=k.time * n,
+                                launches=k.launches * n, min_bytes=k.min_bytes * n) for k in kernels]
+
+
+def attention_kernels(phase, plan, dev: Device) -> list[Kernel]:
+    """The attention op's launches from its plan: the split kernel (each CTA its keys' K and V,
+    its items' q, its partials or output) and, when it splits, the combine (partials from L2
+    while they fit, the output to memory)."""
+    isz = 2 if "bf16" in plan.kernel or "f16" in plan.kernel else 4
+    kv = plan.cta_keys * 2 * plan.head_dim * isz
+    rest = plan.bytes["q"] + (plan.bytes["partials_written"] if plan.combine_kernel else plan.bytes["out"])
+    cta = kv + rest / max(plan.ctas, 1)
+    rate = dev.mma if isz == 2 else dev.f32
+    min_bytes = plan.bytes["kv"] + plan.bytes["q"] + plan.bytes["out"]
+    main = planned(phase, plan.kernel, "kv", cta, plan.flops, plan.block[0], plan.shared_mem, dev, rate=rate,
+                   min_bytes=min_bytes)
+    if not plan.combine_kernel:
+        return [main]
+    partials = plan.bytes["partials_read"]
+    from_memory = partials if partials > dev.l2 else 0
+    ctas = plan.combine_grid[0] * plan.combine_grid[1]
+    combine = planned(phase, plan.combine_kernel, "kv", even(from_memory + plan.bytes["out"], ctas), 0,
+                      plan.combine_block[0], 0, dev)
+    return [main, combine]
+
+
+def scan_kernels(phase, c: TrunkConfig, B: int, rows: int, dev: Device, *, checkpoints: bool, commit: bool,
+                 name="gdn scan") -> list[Kernel]:
+    """gdn_conv + gdn_scan from scan_plan and scan_bytes: one CTA per (channel block, session) and
+    per (value head, session)."""
+    H, dk, dv, C = c.gdn_heads, c.gdn_dk, c.gdn_dv, c.gdn_channels
+    by = gdn_ops.scan_bytes(B, rows, H, dk, dv, c.gdn_k_heads or None, checkpoints=checkpoints, commit=commit)
+    _, threads, smem = gdn_ops.scan_plan(H, dk, dv, c.gdn_k_heads or None)
+    conv_ctas = -(-C // gdn_ops.CONV_THREADS) * B
+    conv_bytes = F32 * rows * 2 * C
+    conv = planned(phase, f"{name}: conv", "state", even(conv_bytes, conv_ctas), 8 * rows * C, gdn_ops.CONV_THREADS,
+                   0, dev)
+    scan_state = by["state"] + by["checkpoints"]
+    scan = planned(phase, name, "state", even(by["columns"] - conv_bytes + scan_state, H * B),
+                   rows * H * 7 * dv * dk, threads, smem, dev)
+    return [conv, scan]
+
+
+def rowsplit_kernel(phase, plan, dev: Device) -> Kernel:
+    """A vocabulary reduction from its row-split plan (dspark.ops.rowsplit.Plan)."""
+    kernels = []
+    for launch in plan.launches:
+        share = plan.bytes * launch.ctas / max(plan.ctas, 1)
+        kernels.append(planned(phase, plan.op, "other", even(share, launch.ctas), plan.notes.get("flops", 0),
+                               launch.threads, launch.shared_mem, dev))
+    t = sum(k.time for k in kernels)
+    return Kernel(phase, plan.op, "other", int(plan.bytes), int(plan.notes.get("flops", 0)), plan.ctas,
+                  max(k.waves for k in kernels), t, len(plan.launches), plan.min_bytes)
+
+
+def commit_kernel(phase, name, B, layers, keep, row_bytes, dev: Device, kind="kv") -> Kernel:
+    """kv_commit_rows: grid (B, layers, 2), each CTA copies one session's kept rows of K or V."""
+    return planned(phase, name, kind, even(commit_bytes(layers, B * keep, 1, row_bytes, 1), B * layers * 2), 0,
+                   COMMIT_THREADS, 0, dev)
+
+
+# ---- a round ----------------------------------------------------------------------------------------------
+def drafter_pass(shape: Shape, B: int, context: int, dev: Device, bf16_gemm=False) -> list[Kernel]:
+    """The drafter's block pass (b rows per session over its window), the Markov chain and the
+    confidence head, and the ingest of the accepted rows (one layer of K|V and a ring commit)."""
+    t, dc, wb = shape.trunk, shape.drafter, shape.weight_bytes
+    rows, d, ph = B * dc.block, t.d_model, "draft"
+    out = []
+    for i in range(dc.layers):
+        nq, nkv = dc.heads * dc.head_dim, dc.kv_heads * dc.head_dim
+        out.append(rmsnorm_kernel(ph, "drafter norms", 2 * rows, d, dev, 2))
+        out += linear(ph, "drafter q|k|v", rows, d, nq + 2 * nkv, F32, dev, bf16_gemm)
+        out.append(rmsnorm_kernel(ph, "drafter q/k norm", rows * ((dc.heads if dc.q_norm else 0) + dc.kv_heads),
+                                  dc.head_dim, dev, 2 if dc.q_norm else 1))
+        window = dc.windows()[i] or context
+        plan = launch_plan([dc.block] * B, [min(context, window + dc.block)] * B, hq=dc.heads, hkv=dc.kv_heads,
+                           head_dim=dc.head_dim, dtype=np.float32, mode="block", window=window)
+        out += attention_kernels(ph, plan, dev)
+        out += linear(ph, "drafter o", rows, nq, d, F32, dev, bf16_gemm)
+        out += linear(ph, "drafter gate|up", rows, d, 2 * dc.mlp_hidden, F32, dev, bf16_gemm)
+        out += linear(ph, "drafter down", rows, dc.mlp_hidden, d, F32, dev, bf16_gemm)
+    out.append(rmsnorm_kernel(ph, "drafter final norm", rows, d, dev))
+    out += linear(ph, "drafter lm head (the trunk's)", rows, d, t.vocab, wb, dev, bf16_gemm)
+    nd = dc.drafts
+    out.append(rowsplit_kernel("propose", argmax_ops.markov_chain_plan(B, nd, t.vocab, dc.markov_rank), dev))
+    keep = dc.block  # a full accept ingests every row
+    taps = len(dc.taps or t.tap_layers)
+    out += linear("ingest", "drafter fc", B * keep, taps * d, d, F32, dev, bf16_gemm)
+    out.append(rmsnorm_kernel("ingest", "drafter fc norm", B * keep, d, dev))
+    out += linear("ingest", "drafter k|v", B * keep, d, 2 * dc.kv_heads * dc.head_dim, F32, dev, bf16_gemm)
+    out.append(rmsnorm_kernel("ingest", "drafter k norm", B * keep * dc.kv_heads * dc.layers, dc.head_dim, dev,
+                              dc.layers))
+    out.append(commit_kernel("ingest", "kv_commit (ring)", B, dc.layers, keep, dc.kv_heads * dc.head_dim * F32, dev))
+    return out
+
+
+def rollback_kernels(shape: Shape, B: int, vt: int, dev: Device, rollback: str) -> list[Kernel]:
+    """The state a rollback moves: select copies the kept column's checkpoint into the live state
+    (one launch per gdn layer); replay re-scans the kept columns from the live state."""
+    c = shape.trunk
+    g = c.layers.count("gdn")
+    if not g:
+        return []
+    if rollback == "replay":
+        return scaled(scan_kernels("rollback", c, B, B * vt, dev, checkpoints=False, commit=True, name="gdn replay"),
+                      g, f"x{g} gdn layers")
+    state = c.gdn_heads * c.gdn_dv * c.gdn_dk
+    window = c.gdn_channels * gdn_ops.WINDOW
+    tensors, chunks = snapshot_ops.copy_grid(B, state)
+    k = planned("rollback", "checkpoint_select", "state", even(snapshot_ops.select_bytes(B, state, window),
+                                                               tensors * chunks), 0, snapshot_ops.COPY_THREADS, 0, dev)
+    return scaled([k], g, f"x{g} gdn layers")
+
+
+def round_moves(shape: Shape, vts, keeps, rollback: str = "checkpoint", ingest=None) -> dict[str, int]:
+    """Bytes of recurrent state and K/V one round moves, by the kinds the ops report on every
+    backend (dspark.profile.BYTE_KINDS), for sessions verifying vts[b] columns and keeping keeps[b]
+    (the drafter ingests `ingest[b]` rows, default keeps). The CuPy-contract run of a round counts
+    the same numbers (tests/profiling/test_perf_model.py)."""
+    c, dc = shape.trunk, shape.drafter
+    vts, keeps = np.asarray(vts), np.asarray(keeps)
+    ingest = keeps if ingest is None else np.asarray(ingest)
+    g, a = c.layers.count("gdn"), c.layers.count("attn")
+    kv_isz = np.dtype(BF16 if c.kv_dtype == "bfloat16" else c.kv_dtype).itemsize
+    out = dict.fromkeys(("state", "checkpoints", "rollback", "kv_commit"), 0)
+    if g:
+        verify = gdn_ops.scan_bytes(int(np.count_nonzero(vts)), int(vts.sum()), c.gdn_heads, c.gdn_dk, c.gdn_dv,
+                                    c.gdn_k_heads or None, checkpoints=rollback == "checkpoint", commit=False)
+        out["state"] += g * verify["state"]
+        out["checkpoints"] += g * verify["checkpoints"]
+        if rollback == "checkpoint":
+            state = c.gdn_heads * c.gdn_dv * c.gdn_dk
+            out["rollback"] += g * snapshot_ops.select_bytes(int(np.count_nonzero(keeps)), state,
+                                                             c.gdn_channels * gdn_ops.WINDOW)
+        else:
+            replay = gdn_ops.scan_bytes(int(np.count_nonzero(keeps)), int(keeps.sum()), c.gdn_heads, c.gdn_dk,
+                                        c.gdn_dv, c.gdn_k_heads or None, commit=True)
+            out["state"] += g * replay["state"]
+    if a:
+        out["kv_commit"] += commit_bytes(a, int(keeps.sum()), c.attn_kv_heads, c.head_dim, kv_isz)
+    ring = min(dc.block + (dc.windows()[0] or c.max_ctx), 10**9)
+    out["kv_commit"] += commit_bytes(dc.layers, int(np.minimum(ingest, ring).sum()), dc.kv_heads, dc.head_dim, F32)
+    return out
+
+
+# CuPy array ops per pass, counted on the CuPy contract path (tests/profiling/test_perf_model.py
+# recounts them): per layer besides its GEMMs, per pass, and the round's own (draft harvest,
+# confidence, accept, commit, ingest); each GEMM adds 2 per 8-row chunk (+2 for a ragged last one).
+LAUNCH_GLUE = {"attn": 26, "attn_conventions": 7, "gdn": 17, "pass": 8, "drafter_layer": 23, "round": 30}
+
+
+def array_ops(shape: Shape, B: int, cols: int, *, verify: bool, round_glue: bool) -> int:
+    """CuPy array ops (each a launch on a GPU) of one trunk pass (and of the rest of a round)."""
+    c, dc = shape.trunk, shape.drafter
+    widen = 2 if shape.weight_bytes == 2 else 0
+
+    def gemm(rows):
+        return widen + 2 * (rows // ROW_CHUNK) + (4 if rows % ROW_CHUNK else 0)
+
+    rows = B * cols
+    n = LAUNCH_GLUE["pass"] + gemm(rows)
+    conventions = LAUNCH_GLUE["attn_conventions"] if (c.attn_gate or c.rope_fraction < 1) else 0
+    for kind in c.layers:
+        n += LAUNCH_GLUE[kind] + (conventions if kind == "attn" else 0) + 4 * gemm(rows)
+    if round_glue:
+        d_rows = B * dc.block
+        n += LAUNCH_GLUE["pass"] + gemm(d_rows) + dc.layers * (LAUNCH_GLUE["drafter_layer"] + 4 * gemm(d_rows))
+        n += LAUNCH_GLUE["round"] + 2 * gemm(B * dc.block)
+    return n
+
+
+@dataclasses.dataclass
+class Round:
+    shape: Shape
+    B: int
+    context: int
+    vt: int
+    kernels: list[Kernel]      # every kernel of a spec round
+    plain: list[Kernel]        # every kernel of a plain decode step
+    launches: int
+    plain_launches: int
+    syncs: int = 2
+
+    def gpu(self, kernels=None) -> float:
+        return sum(k.time for k in (self.kernels if kernels is None else kernels))
+
+    def overhead(self) -> float:
+        return self.launches * H200.launch + self.syncs * H200.sync
+
+    def time(self) -> float:
+        return self.gpu() + self.overhead()
+
+    def plain_time(self) -> float:
+        return self.gpu(self.plain) + self.plain_launches * H200.launch + H200.sync
+
+    def composition(self) -> dict[str, float]:
+        """Seconds of the round by what its kernels move; overhead = launches and syncs."""
+        out = {k: sum(x.time for x in self.kernels if x.kind == k) for k in KINDS}
+        out["overhead"] = self.overhead()
+        return out
+
+    def verify_pass(self) -> list[Kernel]:
+        return [k for k in self.kernels if k.phase == "verify"]
+
+    def speedup(self, accepted: float) -> float:
+        return accepted * self.plain_time() / self.time()
+
+
+def spec_round(shape: Shape, B: int, context: int, vt: int, dev: Device = H200, bf16_gemm=False,
+               rollback="checkpoint") -> Round:
+    """A greedy round of B sessions at `context` verifying vt columns each (a full accept: every
+    column committed and ingested), and a plain decode step of the same sessions. The context is
+    capped where the shape's max_ctx leaves room for the columns."""
+    context = max(1, min(context, shape.trunk.max_ctx - vt))
+    kernels = drafter_pass(shape, B, context, dev, bf16_gemm)
+    kernels += trunk_pass(shape, B, context, vt, dev, verify=True, bf16_gemm=bf16_gemm, rollback=rollback)
+    kernels += rollback_kernels(shape, B, vt, dev, rollback)
+    plain = trunk_pass(shape, B, context, 1, dev, verify=False, bf16_gemm=bf16_gemm)
+    ours = sum(k.launches for k in kernels if k.ctas)
+    launches = ours + array_ops(shape, B, vt, verify=True, round_glue=True)
+    plain_launches = sum(k.launches for k in plain if k.ctas) + array_ops(shape, B, 1, verify=False, round_glue=False)
+    return Round(shape, B, context, vt, kernels, plain, launches, plain_launches)
+
+
+# ---- printing ---------------------------------------------------------------------------------------------
+def us(t: float) -> str:
+    return f"{t * 1e6:,.1f}" if t < 1e-3 else f"{t * 1e6:,.0f}"
+
+
+def attention_row(r: Round) -> Kernel:
+    """The verify pass's attention split kernel of one layer."""
+    for k in r.kernels:
+        if k.phase == "verify" and k.name.startswith("attention_") and "combine" not in k.name:
+            return k
+    raise LookupError("no attention layer")
+
+
+def summary_rows(rounds: list[Round], accepted: float, dev: Device = H200) -> list[list[str]]:
+    rows = []
+    for r in rounds:
+        comp = r.composition()
+        total = r.time()
+        verify = r.gpu(r.verify_pass())
+        plain_gpu = r.gpu(r.plain)
+        try:
+            a = attention_row(r)
+            layers = r.shape.trunk.layers.count("attn")
+            per_layer = a.time / layers
+            att = f"{a.min_bytes / layers / per_layer / dev.bw:.0%}"
+        except LookupError:
+            att = "-"
+        rows.append([r.shape.label, str(r.B), str(r.context), str(r.vt), att, f"{verify / plain_gpu:.3f}",
+                     us(plain_gpu), us(verify), us(total)]
+                    + [f"{comp[k] / total:.0%}" for k in (*KINDS, "overhead")]
+                    + [str(r.launches), f"{r.speedup(accepted):.2f}x"])
+    return rows
+
+
+SUMMARY_HEADERS = ["shape", "B", "context", "vt", "attn of copy", "verify/plain", "plain us", "verify us",
+                   "round us", "weights", "kv", "state", "other", "overhead", "launches", "speedup"]
+
+
+def kernel_rows(r: Round, dev: Device = H200) -> list[list[str]]:
+    out = []
+    for k in r.kernels:
+        frac = f"{(k.min_bytes or k.bytes) / k.time / dev.bw:.0%}" if k.time else "-"
+        out.append([k.phase, k.name, k.kind, f"{k.bytes / 1e6:,.2f}", f"{k.flops / 1e9:,.2f}",
+                    str(k.ctas) if k.ctas else "-", str(k.waves) if k.ctas else "-", str(k.launches), us(k.time),
+                    frac])
+    return out
+
+
+KERNEL_HEADERS = ["phase", "kernel", "kind", "MB", "GFLOP", "CTAs", "waves", "launches", "us", "of copy"]
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", nargs="+", choices=list(shapes()), default=list(shapes()))
+    ap.add_argument("--batch", nargs="+", type=int, default=[1])
+    ap.add_argument("--context", nargs="+", type=int, default=[32768])
+    ap.add_argument("--width", type=int, default=8, help="verify columns per session (anchor + drafts)")
+    ap.add_argument("--accepted", type=float, default=4.97, help="mean accepted length for the speedup")
+    ap.add_argument("--rollback", choices=("checkpoint", "replay"), default="checkpoint")
+    ap.add_argument("--bf16-gemm", action="store_true", help="price GEMMs reading 16-bit weights once (no widening)")
+    ap.add_argument("--drafter-window", type=int, default=4096)
+    ap.add_argument("--kernels", action="store_true", help="also every kernel of each round")
+    a = ap.parse_args(argv)
+    if a.width < 1 or any(b < 1 for b in a.batch) or any(c < 1 for c in a.context):
+        ap.error("--width, --batch and --context must be >= 1")
+    table_of = shapes(a.drafter_window)
+    rounds = [spec_round(table_of[m], b, ctx, a.width, bf16_gemm=a.bf16_gemm, rollback=a.rollback)
+              for m in a.model for b in a.batch for ctx in a.context]
+    d = H200
+    print(f"{d.name}: copy {d.bw / 1e12:.1f} TB/s, bf16 MMA {d.mma / 1e12:.0f} TFLOP/s, f32 {d.f32 / 1e12:.0f} TFLOP/s, "
+          f"launch {d.launch * 1e6:.0f} us, sync {d.sync * 1e6:.0f} us, {d.sms} SMs; GEMMs "
+          f"{'reading bf16 once' if a.bf16_gemm else 'as dense.linear runs them (16-bit weights widened per call)'}; "
+          f"rollback {a.rollback}; speedup at mean accepted length {a.accepted}")
+    for m in a.model:
+        print(f"  {table_of[m].label}: {table_of[m].source}")
+    print(table(SUMMARY_HEADERS, summary_rows(rounds, a.accepted)))
+    print("attn of copy: the verify attention kernel's K/V + q + out bytes over its predicted time, as a share of "
+          "the copy bandwidth; verify/plain: the trunk verify pass over a plain decode step (GPU time); "
+          "weights .. overhead: shares of the round (overhead = launches x 4 us + 2 syncs)")
+    print("\nrecurrent state and K/V moved per round (a full accept; the kinds dspark.profile counts):")
+    moves = []
+    for r in rounds:
+        m = round_moves(r.shape, [r.vt] * r.B, [r.vt] * r.B, a.rollback)
+        moves.append([r.shape.label, str(r.B), str(r.vt)] + [f"{m[k] / 1e6:,.3f}" for k in m]
+                     + [f"{sum(m.values()) / 1e6:,.3f}"])
+    print(table(["shape", "B", "vt", "state MB", "checkpoints MB", "rollback MB", "kv_commit MB", "total MB"], moves))
+    if a.kernels:
+        for r in rounds:
+            print(f"\n{r.shape.label} B={r.B} context={r.context} vt={r.vt}: round {us(r.time())} us, "
+                  f"plain step {us(r.plain_time())} us")
+            print(table(KERNEL_HEADERS, kernel_rows(r)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
