@@ -14,7 +14,8 @@ column: the share of the bytes they add). "min MB" is what any kernel must move:
 The time is the kernels alone: the op's launches are recorded once and replayed (profiling/timing.py:
 on a GPU between CUDA events, L2 flushed before each repeat, median; on the CPU time.perf_counter,
 median, for orientation only). On a GPU the bandwidth of the minimal bytes is also shown as a
-fraction of a device-to-device copy measured in the same run.
+fraction of a device-to-device copy measured in the same run, and beside it the H200 time
+profiling/perf_model.py predicts from the same plan, with measured / predicted.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # sibling scripts, als
 import dspark
 from dspark.backends import cuda_available
 from dspark.ops.attention import attention, launch_plan
+import perf_model as pm
 from timing import clock_for, copy_bandwidth, record, replay, seconds, supports, table
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
@@ -94,9 +96,14 @@ def print_plans() -> None:
                     partials = (p.bytes["partials_written"] + p.bytes["partials_read"]) / p.total_bytes
                     rows.append([mode, batch, context, vt, f"{p.strategy} x{p.launches}", p.ctas, p.max_splits,
                                  int(p.cta_keys.max()), f"{p.total_bytes / 1e6:.1f}", f"{partials:.1%}",
-                                 f"{p.shared_mem // 1024}K"])
-        print(table(["mode", "B", "context", "vt", "plan", "CTAs", "splits", "max keys", "MB", "partials", "smem"],
-                    rows))
+                                 f"{p.shared_mem // 1024}K", seconds(predicted(p))])
+        print(table(["mode", "B", "context", "vt", "plan", "CTAs", "splits", "max keys", "MB", "partials", "smem",
+                     "H200 model"], rows))
+
+
+def predicted(plan) -> float:
+    """The H200 time of the op's launches (split kernel and combine), from profiling/perf_model.py."""
+    return sum(k.time for k in pm.attention_kernels("bench", plan, pm.H200))
 
 
 def main(argv=None) -> None:
@@ -127,14 +134,16 @@ def main(argv=None) -> None:
                     t = clock.median(replay(record(be, inputs.op)))
                     partials = (p.bytes["partials_written"] + p.bytes["partials_read"]) / p.total_bytes
                     row = [mode, batch, context, vt, f"{p.strategy} x{p.launches}", p.ctas, f"{p.total_bytes / 1e6:.2f}",
-                           f"{partials:.1%}", f"{inputs.bytes / 1e6:.2f}", seconds(t), f"{p.total_bytes / t / 1e9:.2f}"]
+                           f"{partials:.1%}", f"{inputs.bytes / 1e6:.2f}", seconds(t), f"{p.total_bytes / t / 1e9:.2f}",
+                           seconds(predicted(p)), f"{t / predicted(p):.2f}x"]
                     if gpu:
                         row.append(f"{inputs.bytes / t / copy_bw:.1%}")
                     rows.append(row)
                     del inputs
                     if gpu:
                         be.xp.get_default_memory_pool().free_all_blocks()
-        headers = ["mode", "B", "context", "vt", "plan", "CTAs", "MB", "partials", "min MB", "time", "GB/s"]
+        headers = ["mode", "B", "context", "vt", "plan", "CTAs", "MB", "partials", "min MB", "time", "GB/s",
+                   "predicted", "measured/predicted"]
         print(table(headers + (["of copy"] if gpu else []), rows))
     if not gpu:
         print("(simt runs every CUDA thread as a CPU fiber: these times say nothing about a GPU)")

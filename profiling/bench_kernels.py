@@ -6,14 +6,16 @@
     python profiling/bench_kernels.py --family attention gdn_scan
     python profiling/bench_kernels.py --plans      # the reductions' launch plans at the GPU sizes
 
-GPU sizes: the trunk of a hybrid shaped like Qwen3-8B (36 layers as [gdn, gdn, gdn, attn]): 9
-attention layers with 8 KV heads of dim 128 and GQA 4 (32 query heads), bf16 KV; 27 gdn layers
-with 16 heads, dk = dv = 128 (Qwen3-Next's linear-attention head; gdn_scan allows dv <= 128 at
-dk = 128); contexts 4k and 32k; verify width vt = 8 (7 drafts); batches of 1, 8 and 32 sessions.
-The vocabulary reductions (argmax, greedy accept, Markov chain, sampling, speculative accept) run at
-Qwen3.5's vocabulary 248320 with batches of 1, 2 and 32: each row is split across ceil(V / 8192)
-CTAs, and the shape column names the split (S), the launches and the passes over each row, from
-the op's own launch plan (dspark.ops.argmax / dspark.ops.sampling `*_plan`).
+GPU sizes: Qwen3.5-27B's (profiling/perf_model.py SHAPES): 16 attention layers with 4 KV heads of
+dim 256 and GQA 6 (24 query heads), bf16 KV; 48 gdn layers with 48 value heads on 16 key heads,
+dk = dv = 128; d_model 5120 (the norms); the vocabulary 248320; contexts 4k and 32k; verify width
+vt = 8 (7 drafts); batches of 1, 2 and 32 sessions. The vocabulary reductions split each row
+across ceil(V / 8192) CTAs, and the shape column names the split (S), the launches and the passes
+over each row, from the op's own launch plan (dspark.ops.argmax / dspark.ops.sampling `*_plan`).
+
+Measured beside predicted: every row also gives the H200 time profiling/perf_model.py predicts for
+that call from the same plan (no timing in the model), and measured / predicted. On the CPU sizes
+the prediction is still the H200's: the ratio there says nothing.
 
 Per call: the bytes the kernel must move at least and the flops it must do, counted from the
 shapes (each family's formulas are written out below, or the plan's `min_bytes`), the time of the kernel alone
@@ -46,8 +48,11 @@ from dspark.ops.argmax import argmax_plan
 from dspark.ops.gdn import channels, gdn_scan
 from dspark.ops.kv_commit import kv_commit
 from dspark.ops.sampling import Filters, Streams, accept_plan, sample_filtered, sample_plan, speculative_accept
+from dspark.ops.norm import rmsnorm
 from dspark.ops.snapshot import checkpoint_select, snapshot_save
 from dspark.philox import Tag
+from dspark.ops.attention import launch_plan
+import perf_model as pm
 from timing import clock_for, gpu_module, measure_ceilings, record, replay, seconds, table
 
 F32 = 4  # bytes of a float32 / int32
@@ -71,19 +76,21 @@ class Sizes:
     dv: int
     markov_rank: int
     reduce_batches: tuple[int, ...]  # sessions for the vocabulary reductions
+    gdn_k_heads: int = 0             # key heads (0: one per value head)
+    d_model: int = 5120
 
     @property
     def drafts(self) -> int:
         return self.vt - 1
 
 
-GPU = Sizes("Qwen3-8B-shaped hybrid: 9 attention layers (Hkv=8, Hq=32, D=128, bf16 KV), 27 gdn layers "
-            "(H=16, dk=dv=128); reductions at V=248320 (Qwen3.5)", batches=(1, 8, 32), contexts=(4096, 32768), vt=8,
-            hkv=8, gqa=4, head_dim=128, kv_dtype=BF16, vocab=248320, attn_layers=9, gdn_layers=27, gdn_heads=16,
-            dk=128, dv=128, markov_rank=32, reduce_batches=(1, 2, 32))
+GPU = Sizes("Qwen3.5-27B: 16 attention layers (Hkv=4, Hq=24, D=256, bf16 KV), 48 gdn layers (48 value heads on "
+            "16 key heads, dk=dv=128), d_model 5120, V=248320", batches=(1, 2, 32), contexts=(4096, 32768), vt=8,
+            hkv=4, gqa=6, head_dim=256, kv_dtype=BF16, vocab=248320, attn_layers=16, gdn_layers=48, gdn_heads=48,
+            dk=128, dv=128, markov_rank=32, reduce_batches=(1, 2, 32), gdn_k_heads=16, d_model=5120)
 CPU = Sizes("tiny (simt, CPU): 2 attention layers (Hkv=2, Hq=8, D=64, bf16 KV), 3 gdn layers (H=2, dk=dv=16), "
             "V=1000", batches=(1, 3), contexts=(100,), vt=8, hkv=2, gqa=4, head_dim=64, kv_dtype=BF16, vocab=1000,
-            attn_layers=2, gdn_layers=3, gdn_heads=2, dk=16, dv=16, markov_rank=8, reduce_batches=(1, 3))
+            attn_layers=2, gdn_layers=3, gdn_heads=2, dk=16, dv=16, markov_rank=8, reduce_batches=(1, 3), d_model=64)
 
 
 @dataclasses.dataclass
@@ -96,6 +103,7 @@ class Bench:
     flops: int
     kernels: tuple[str, ...]      # the entry points the op launches
     op: Callable[[object], None]  # op(backend)
+    predicted: float = float("nan")  # the H200 time profiling/perf_model.py gives this call
 
     @property
     def shape_text(self) -> str:
@@ -138,7 +146,7 @@ def argmax_benches(be, s: Sizes) -> Iterator[Bench]:
         out = be.xp.empty(B, np.int32)
         plan = argmax_plan(B, V, F32)
         yield Bench("argmax", "argmax_rows", plan_shape(plan, B=B, V=V), plan.min_bytes, 0, ("argmax_rows_f32",),
-                    lambda b, x=logits, o=out: argmax_rows(b, x, out=o))
+                    lambda b, x=logits, o=out: argmax_rows(b, x, out=o), predict(plan))
 
         # Verify: every draft accepted (the worst case: all vt columns of each session are read).
         cols = B * vt
@@ -152,7 +160,8 @@ def argmax_benches(be, s: Sizes) -> Iterator[Bench]:
         plan = greedy_accept_plan(B, cols, V, F32)
         yield Bench("argmax", "greedy_accept", plan_shape(plan, B=B, vt=vt), plan.min_bytes, 0,
                     ("greedy_accept_f32",),
-                    lambda b, x=logits, c=cand, p=dptr, m=m, n=nxt: greedy_accept(b, x, c, p, m_out=m, next_out=n))
+                    lambda b, x=logits, c=cand, p=dptr, m=m, n=nxt: greedy_accept(b, x, c, p, m_out=m, next_out=n),
+                    predict(plan))
 
         # Markov chain over nd slots: slot k adds w2^T w1[x_{k-1}] (r multiply-adds per entry); the
         # slots are serial, each reads all of w2 (min_bytes counts it once: L2 holds it).
@@ -163,19 +172,23 @@ def argmax_benches(be, s: Sizes) -> Iterator[Bench]:
         plan = markov_chain_plan(B, nd, V, r, F32)
         yield Bench("argmax", "markov_chain", plan_shape(plan, B=B, slots=nd, r=r), plan.min_bytes,
                     plan.notes["flops"], ("markov_chain_f32",),
-                    lambda b, x=logits, w1=w1, w2=w2, a=anchors, o=drafts: markov_chain(b, x, w1, w2, a, nd, out=o))
+                    lambda b, x=logits, w1=w1, w2=w2, a=anchors, o=drafts: markov_chain(b, x, w1, w2, a, nd, out=o),
+                    predict(plan))
 
 
 # ---- attention: decode (1 row) and verify (vt rows) per session ----------------------------------------
 def attention_benches(be, s: Sizes) -> Iterator[Bench]:
     """Bytes and flops as profiling/bench_attention.py counts them: each session's committed K and V
     read once per kv head, the block's K/V, q and out; 4 D flops per (row, query head, visible key)."""
-    name = f"attention_{suffix(s.kv_dtype, 'kv')}_d{s.head_dim}"
     for B in s.batches:
         for ctx in s.contexts:
             for case, vt in (("decode", 1), ("verify", s.vt)):
                 x = attention_inputs(be, B, ctx, vt, s.hkv, s.gqa, s.head_dim, s.kv_dtype)
-                yield Bench("attention", case, {"B": B, "ctx": ctx, "vt": vt}, x.bytes, x.flops, (name,), x.op)
+                plan = launch_plan([vt] * B, [ctx] * B, hq=s.hkv * s.gqa, hkv=s.hkv, head_dim=s.head_dim,
+                                   dtype=s.kv_dtype)
+                names = (plan.kernel,) + ((plan.combine_kernel,) if plan.combine_kernel else ())
+                yield Bench("attention", case, {"B": B, "ctx": ctx, "vt": vt, "CTAs": plan.ctas}, x.bytes, x.flops,
+                            names, x.op, sum(k.time for k in pm.attention_kernels("bench", plan, pm.H200)))
 
 
 # ---- kv_commit: the accepted rows of every attention layer, one launch ----------------------------------
@@ -192,13 +205,14 @@ def kv_commit_benches(be, s: Sizes) -> Iterator[Bench]:
         nbytes = 2 * 2 * L * B * keep * s.hkv * s.head_dim * isz
         yield Bench("kv_commit", "commit", {"B": B, "layers": L, "keep": keep}, nbytes, 0, ("kv_commit_rows",),
                     lambda b, k=blk[0], v=blk[1], kc=caches[0], vc=caches[1], p=pos, n=keeps, i=ptr:
-                    kv_commit(b, k, v, kc, vc, p, n, i))
+                    kv_commit(b, k, v, kc, vc, p, n, i),
+                    pm.commit_kernel("bench", "kv_commit", B, L, keep, s.hkv * s.head_dim * isz, pm.H200).time)
 
 
 # ---- gdn_scan: decode (t = 1) and verify (t = vt, per-column checkpoints), one layer ----------------------
 def gdn_scan_benches(be, s: Sizes) -> Iterator[Bench]:
-    H, dk, dv = s.gdn_heads, s.dk, s.dv
-    C = channels(H, dk, dv)
+    H, dk, dv, kh = s.gdn_heads, s.dk, s.dv, s.gdn_k_heads or None
+    C = channels(H, dk, dv, kh)
     state, window = H * dv * dk, 3 * C  # floats per session
     conv_w, A_log = randn(be, (C, 4), scale=0.5), be.asarray(np.log(_RNG.uniform(1, 16, H)).astype(np.float32))
     dt_bias = be.asarray(np.full(H, -4.0, np.float32))  # softplus(a - 4): decays near 1, as trained models
@@ -221,17 +235,19 @@ def gdn_scan_benches(be, s: Sizes) -> Iterator[Bench]:
             # per column: 7 dv dk per head (decay S 1, u = S k 2, S += (beta (v - u)) k^T 2,
             # o = S q 2) and the width-4 causal conv, 8 per channel
             flops = cols * (H * 7 * dv * dk + 8 * C)
+            predicted = sum(k.time for k in pm.gdn_kernels("bench", H, dk, dv, kh, B, cols, pm.H200,
+                                                            checkpoints=ckpt, commit=True))
             yield Bench("gdn_scan", case, {"B": B, "t": t, "H": H, "dk": dk, "dv": dv}, nbytes, flops,
                         ("gdn_conv_f32", f"gdn_scan_dk{dk}_f32"),
                         lambda b, x=(mixed, a, b_gate), st=states, w=windows, p=ptr, o=out, sc=sck, cc=cck:
-                        gdn_scan(b, *x, conv_w, A_log, dt_bias, st, w, p, heads=H, dk=dk, dv=dv, out=o,
-                                 state_ckpt=sc, conv_ckpt=cc))
+                        gdn_scan(b, *x, conv_w, A_log, dt_bias, st, w, p, heads=H, dk=dk, dv=dv, k_heads=kh, out=o,
+                                 state_ckpt=sc, conv_ckpt=cc), predicted)
 
 
 # ---- snapshot: save every recurrent tensor; checkpoint select of one layer -------------------------------
 def snapshot_benches(be, s: Sizes) -> Iterator[Bench]:
     H, dk, dv, G = s.gdn_heads, s.dk, s.dv, s.gdn_layers
-    C = channels(H, dk, dv)
+    C = channels(H, dk, dv, s.gdn_k_heads or None)
     state, window = H * dv * dk, 3 * C
     xp = be.xp
     for B in s.batches:
@@ -239,7 +255,8 @@ def snapshot_benches(be, s: Sizes) -> Iterator[Bench]:
         snap = [xp.empty_like(a) for a in live]
         # every state and conv window of every gdn layer and session, read and written once
         yield Bench("snapshot", "snapshot_save", {"B": B, "layers": G}, 2 * B * G * (state + window) * F32, 0,
-                    ("snapshot_copy_f32",), lambda b, src=live, dst=snap: snapshot_save(b, src, dst))
+                    ("snapshot_copy_f32",), lambda b, src=live, dst=snap: snapshot_save(b, src, dst),
+                    pm.copy_kernel("bench", [state, window] * (B * G), pm.H200).time)
         del live, snap
 
         cols, keep = B * s.vt, s.vt // 2  # a partial accept
@@ -251,7 +268,7 @@ def snapshot_benches(be, s: Sizes) -> Iterator[Bench]:
         yield Bench("snapshot", "checkpoint_select", {"B": B, "vt": s.vt, "keep": keep},
                     2 * B * (state + window) * F32, 0, ("checkpoint_select_f32",),
                     lambda b, a=sck, c=cck, st=states, w=windows, p=ptr, k=keeps:
-                    checkpoint_select(b, a, c, st, w, p, k))
+                    checkpoint_select(b, a, c, st, w, p, k), pm.select_kernel("bench", B, state, window, pm.H200).time)
 
 
 # ---- sampling: filtered draws and the speculative accept -------------------------------------------------
@@ -274,7 +291,7 @@ def sampling_benches(be, s: Sizes) -> Iterator[Bench]:
             f = Filters(*(be.asarray(a) for a in (f.temperature, f.top_k, f.top_p, f.min_p)))
             yield Bench("sampling", case, plan_shape(plan, B=B, V=V), plan.min_bytes, 0, ("sample_filtered_f32",),
                         lambda b, x=logits, f=f, s=streams, t=token, p=prob:
-                        sample_filtered(b, x, f, s, "gumbel", t, p))
+                        sample_filtered(b, x, f, s, "gumbel", t, p), predict(plan))
 
         # nd drafts per session against filtered distributions q (drafter) and p (target).
         q, p = uniform(be, (B * nd, V)), uniform(be, (B * (nd + 1), V))
@@ -290,7 +307,25 @@ def sampling_benches(be, s: Sizes) -> Iterator[Bench]:
         yield Bench("sampling", "spec_accept", plan_shape(plan, B=B, drafts=nd, V=V), plan.min_bytes, 0,
                     ("spec_accept_f32",),
                     lambda b, d=drafts, i=dptr, q=q, p=p, s=seed, c=counter, o=outs:
-                    speculative_accept(b, d, i, q, p, s, c, *o))
+                    speculative_accept(b, d, i, q, p, s, c, *o), predict(plan))
+
+
+# ---- norm: the verify's RMSNorms over d_model -----------------------------------------------------------
+def norm_benches(be, s: Sizes) -> Iterator[Bench]:
+    """rmsnorm_f32 over a verify's rows (B * vt) of d_model: each row read and written, the weight once."""
+    d = s.d_model
+    w = randn(be, (d,))
+    for B in s.batches:
+        rows = B * s.vt
+        x, out = randn(be, (rows, d)), be.xp.empty((rows, d), np.float32)
+        yield Bench("norm", "rmsnorm", {"B": B, "rows": rows, "n": d}, F32 * (2 * rows * d + d), 3 * rows * d,
+                    ("rmsnorm_f32",), lambda b, x=x, o=out: rmsnorm(b, x, w, 1e-6, out=o),
+                    pm.rmsnorm_kernel("bench", "rmsnorm", rows, d, pm.H200).time)
+
+
+def predict(plan) -> float:
+    """The H200 time perf_model gives a row-split reduction's plan."""
+    return pm.rowsplit_kernel("bench", plan, pm.H200).time
 
 
 def reduction_plans(s: Sizes) -> list[tuple]:
@@ -318,6 +353,7 @@ FAMILIES: dict[str, Callable[[object, Sizes], Iterator[Bench]]] = {
     "gdn_scan": gdn_scan_benches,
     "snapshot": snapshot_benches,
     "sampling": sampling_benches,
+    "norm": norm_benches,
 }
 NOT_BENCHMARKED = {"selftest"}  # csrc/selftest.cu: the simt runtime's own checks
 
@@ -355,14 +391,20 @@ def family_problems() -> list[str]:
     return out
 
 
-def ncu_misses(entries) -> list[str]:
-    """Entry points that profiling/ncu_kernels.sh's --kernel-name regex would not profile."""
+def ncu_regexes() -> list[str]:
+    """profiling/ncu_kernels.sh's --kernel-name regexes, in order: the --verify one, the session one."""
     script = Path(__file__).with_name("ncu_kernels.sh")
-    m = re.search(r"--kernel-name\s+'regex:([^']*)'", script.read_text()) if script.is_file() else None
-    if not m:
+    return re.findall(r"--kernel-name\s+'regex:([^']*)'", script.read_text()) if script.is_file() else []
+
+
+def ncu_misses(entries) -> list[str]:
+    """Entry points that profiling/ncu_kernels.sh's session regex (every kernel) would not profile."""
+    found = ncu_regexes()
+    if not found:
         return []
-    pattern = re.compile(m.group(1))
-    return sorted(e for e in entries if not e.startswith("selftest") and not pattern.search(e))
+    pattern = re.compile(found[-1])
+    return sorted(e for e in entries if not e.startswith(("selftest", "attention_mma_probe", "attention_cp_async"))
+                  and not pattern.search(e))
 
 
 def dry_run(families: list[str]) -> int:
@@ -376,9 +418,9 @@ def dry_run(families: list[str]) -> int:
         for bench in FAMILIES[fam](be, CPU):
             problems += [f"{fam} {bench.case}: no kernel {k} in csrc/" for k in bench.kernels if k not in entries]
             rows.append((fam, bench.case, bench.shape_text, amount(bench.nbytes / 1e6), amount(bench.flops / 1e6),
-                         " ".join(bench.kernels)))
+                         seconds(bench.predicted), " ".join(bench.kernels)))
     print(f"dry run: {len(rows)} benchmarks in {len(families)} families at the CPU sizes ({CPU.label})")
-    print(table(("family", "case", "shape", "MB", "MFLOP", "kernels"), rows))
+    print(table(("family", "case", "shape", "MB", "MFLOP", "H200 model", "kernels"), rows))
     missed = ncu_misses(entries)
     if missed:
         print(f"note: profiling/ncu_kernels.sh's --kernel-name regex skips {', '.join(missed)}")
@@ -395,7 +437,7 @@ def run_family(be, sizes: Sizes, fam: str, clock, ceilings) -> list[Result]:
     for bench in FAMILIES[fam](be, sizes):
         missing = [k for k in bench.kernels if built is not None and k not in built]
         if missing:
-            rows.append((bench.case, bench.shape_text, "-", "-", "-", "-", "-", "not built", "-"))
+            rows.append((bench.case, bench.shape_text, "-", "-", "-", "-", "-", "not built", "-", "-", "-"))
             notes.append(f"note: {fam} {bench.case}: skipped, {', '.join(missing)} not in this build")
             continue
         launches = record(be, bench.op)
@@ -405,13 +447,15 @@ def run_family(be, sizes: Sizes, fam: str, clock, ceilings) -> list[Result]:
         t = clock.median(replay(launches))
         roof, bound = ceilings.roofline(bench.nbytes, bench.flops)
         rows.append((bench.case, bench.shape_text, amount(bench.nbytes / 1e6), amount(bench.flops / 1e6), seconds(t),
-                     amount(bench.nbytes / t / 1e9), amount(bench.flops / t / 1e9), bound, f"{roof / t:.1%}"))
+                     amount(bench.nbytes / t / 1e9), amount(bench.flops / t / 1e9), bound, f"{roof / t:.1%}",
+                     seconds(bench.predicted), f"{t / bench.predicted:.2f}x" if bench.predicted > 0 else "-"))
         results.append(Result(bench, t))
         del launches, bench
         if cp is not None:
             cp.get_default_memory_pool().free_all_blocks()
     print(f"\n== {fam}")
-    print(table(("case", "shape", "MB", "MFLOP", "time", "GB/s", "GFLOP/s", "bound", "of roof"), rows))
+    print(table(("case", "shape", "MB", "MFLOP", "time", "GB/s", "GFLOP/s", "bound", "of roof", "predicted",
+                 "measured/predicted"), rows))
     print("\n".join(notes), end="\n" if notes else "", flush=True)
     return results
 

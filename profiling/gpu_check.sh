@@ -12,8 +12,10 @@
 # it: its signatures come from the sources), info, cubins (compile and load every family for the
 # device), the cuda tests, compute-sanitizer memcheck / racecheck / synccheck over the small
 # per-family cuda tests, an Nsight Systems capture of the session workload with its NVTX summary,
-# an Nsight Compute report of the verify attention kernel, the exactness gate on cuda, and the
-# kernel benchmarks. A missing tool (nsys is often off PATH) is a step status, not an abort.
+# an Nsight Compute report of the verify attention kernel, the exactness gate on cuda, the
+# performance model's predictions (profiling/perf_model.py) and the kernel benchmarks at
+# Qwen3.5-27B's shapes (B = 1, 2, 32; contexts 4k and 32k), each row measured beside predicted.
+# A missing tool (nsys is often off PATH) is a step status, not an abort.
 # Exit code 1 if any step failed or timed out.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -153,13 +155,14 @@ else
   TAIL=60 step ncu_verify_attention 90 bash profiling/ncu_kernels.sh --verify "$OUT/ncu"
 fi
 
-# ---- the exactness gate and the kernel benchmarks ---------------------------------------------------------
+# ---- the exactness gate, the performance model and the kernel benchmarks (measured beside predicted) -----
+TAIL=40 step perf_model 30 $PY profiling/perf_model.py --model qwen3.5-27b --batch 1 2 32 --context 4096 32768
 if [[ $DRY == 1 ]]; then
   step gate 30 $PY profiling/e2e_gate.py --help
   step bench 60 $PY profiling/bench_kernels.py --dry-run
 else
   step gate 60 $PY profiling/e2e_gate.py --backend cuda --quick
-  TAIL=60 step bench 60 $PY profiling/bench_kernels.py
+  TAIL=200 step bench 150 $PY profiling/bench_kernels.py
 fi
 
 report "Total: $(( SECONDS - START ))s of a ${BUDGET}s budget; $([[ $FAILED == 0 ]] && echo 'every step that ran passed' || echo 'SOME STEPS FAILED')."

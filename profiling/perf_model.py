@@ -291,11 +291,18 @@ def attention_kernels(phase, plan, dev: Device) -> list[Kernel]:
 
 def scan_kernels(phase, c: TrunkConfig, B: int, rows: int, dev: Device, *, checkpoints: bool, commit: bool,
                  name="gdn scan") -> list[Kernel]:
+    """gdn_conv + gdn_scan of trunk config c's gdn layer (gdn_kernels)."""
+    return gdn_kernels(phase, c.gdn_heads, c.gdn_dk, c.gdn_dv, c.gdn_k_heads or None, B, rows, dev,
+                       checkpoints=checkpoints, commit=commit, name=name)
+
+
+def gdn_kernels(phase, H: int, dk: int, dv: int, k_heads, B: int, rows: int, dev: Device, *, checkpoints: bool,
+                commit: bool, name="gdn scan") -> list[Kernel]:
     """gdn_conv + gdn_scan from scan_plan and scan_bytes: one CTA per (channel block, session) and
     per (value head, session)."""
-    H, dk, dv, C = c.gdn_heads, c.gdn_dk, c.gdn_dv, c.gdn_channels
-    by = gdn_ops.scan_bytes(B, rows, H, dk, dv, c.gdn_k_heads or None, checkpoints=checkpoints, commit=commit)
-    _, threads, smem = gdn_ops.scan_plan(H, dk, dv, c.gdn_k_heads or None)
+    C = gdn_ops.channels(H, dk, dv, k_heads)
+    by = gdn_ops.scan_bytes(B, rows, H, dk, dv, k_heads, checkpoints=checkpoints, commit=commit)
+    _, threads, smem = gdn_ops.scan_plan(H, dk, dv, k_heads)
     conv_ctas = -(-C // gdn_ops.CONV_THREADS) * B
     conv_bytes = F32 * rows * 2 * C
     conv = planned(phase, f"{name}: conv", "state", even(conv_bytes, conv_ctas), 8 * rows * C, gdn_ops.CONV_THREADS,
@@ -369,12 +376,23 @@ def rollback_kernels(shape: Shape, B: int, vt: int, dev: Device, rollback: str) 
     if rollback == "replay":
         return scaled(scan_kernels("rollback", c, B, B * vt, dev, checkpoints=False, commit=True, name="gdn replay"),
                       g, f"x{g} gdn layers")
-    state = c.gdn_heads * c.gdn_dv * c.gdn_dk
-    window = c.gdn_channels * gdn_ops.WINDOW
-    tensors, chunks = snapshot_ops.copy_grid(B, state)
-    k = planned("rollback", "checkpoint_select", "state", even(snapshot_ops.select_bytes(B, state, window),
-                                                               tensors * chunks), 0, snapshot_ops.COPY_THREADS, 0, dev)
+    k = select_kernel("rollback", B, c.gdn_heads * c.gdn_dv * c.gdn_dk, c.gdn_channels * gdn_ops.WINDOW, dev)
     return scaled([k], g, f"x{g} gdn layers")
+
+
+def select_kernel(phase, B: int, state: int, window: int, dev: Device) -> Kernel:
+    """checkpoint_select of one gdn layer: grid copy_grid(B, state), each session's column read and
+    its live state and window written."""
+    tensors, chunks = snapshot_ops.copy_grid(B, state)
+    return planned(phase, "checkpoint_select", "state", even(snapshot_ops.select_bytes(B, state, window),
+                                                             tensors * chunks), 0, snapshot_ops.COPY_THREADS, 0, dev)
+
+
+def copy_kernel(phase, sizes, dev: Device) -> Kernel:
+    """snapshot_copy_f32 over tensors of `sizes` floats: grid copy_grid(n, largest), read and write."""
+    tensors, chunks = snapshot_ops.copy_grid(len(sizes), max(sizes))
+    per = np.concatenate([even(2 * F32 * n, chunks) for n in sizes])
+    return planned(phase, "snapshot_copy", "state", per, 0, snapshot_ops.COPY_THREADS, 0, dev)
 
 
 def round_moves(shape: Shape, vts, keeps, rollback: str = "checkpoint", ingest=None) -> dict[str, int]:

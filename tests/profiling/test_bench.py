@@ -18,7 +18,7 @@ from tests.conftest import poison
 
 ROOT = Path(__file__).resolve().parents[2]
 PROFILING = ROOT / "profiling"
-FAMILIES = ("argmax", "attention", "kv_commit", "gdn_scan", "snapshot", "sampling")
+FAMILIES = ("argmax", "attention", "kv_commit", "gdn_scan", "snapshot", "sampling", "norm")
 
 sys.path.insert(0, str(PROFILING))  # the scripts import each other as siblings, not as a package
 import timing  # noqa: E402
@@ -50,7 +50,31 @@ def test_bench_kernels_dry_run_lists_every_family():
 def test_bench_kernels_runs_under_the_cli():
     """`dspark bench kernels` runs the script with runpy: its sibling imports must still resolve."""
     out = ok(script("-m", "dspark", "bench", "kernels", "--dry-run")[0])
-    assert "benchmarks in 6 families" in out
+    assert "benchmarks in 7 families" in out
+
+
+def test_ncu_regexes_pick_the_verify_kernel_and_every_family():
+    """--verify profiles the split attention kernel, never its combine; the session run every family."""
+    import bench_kernels
+    from dspark.kernel_sources import scan
+    verify, session = (re.compile(r) for r in bench_kernels.ncu_regexes())
+    names = scan()
+    attention = [n for n in names if n.startswith("attention_") and "_probe" not in n]
+    assert {n for n in attention if verify.search(n)} == {n for n in attention if "combine" not in n and "_d" in n}
+    assert not any(verify.search(n) for n in names if n.startswith("attention_combine_"))
+    assert bench_kernels.ncu_misses(names) == [], "the session regex skips a kernel family"
+
+
+def test_attention_bench_lists_the_combine_kernel_of_a_split_plan(numpy_backend):
+    """A plan that splits the keys launches the combine too: the benchmark must name both (a real
+    run checks the op launched exactly the kernels named)."""
+    import dataclasses
+
+    import bench_kernels
+    sizes = dataclasses.replace(bench_kernels.CPU, contexts=(700,), batches=(1,))
+    benches = list(bench_kernels.attention_benches(numpy_backend, sizes))
+    assert benches and all(len(b.kernels) == 2 and b.kernels[1].startswith("attention_combine_") for b in benches)
+    assert all(b.predicted > 0 for b in benches)
 
 
 def test_bench_kernels_cpu_run_times_every_family(simt):
@@ -102,11 +126,12 @@ def test_gpu_check_dry_run(tmp_path):
     report = (tmp_path / "gpu_report.md").read_text()
     statuses = dict(re.findall(r"^## (\w+): (.*)$", report, re.M))
     for name in ("build", "info", "cubins", "cuda_tests", "sanitizer_targets", "nsys_workload", "verify_launch", "gate",
-                 "bench"):
+                 "perf_model", "bench"):
         assert statuses.get(name, "").startswith("ok"), f"{name}: {statuses.get(name)}\n{report}"
     for name in ("wheels", "sanitizer_memcheck", "sanitizer_racecheck", "sanitizer_synccheck", "nsys", "ncu"):
         assert name in statuses, f"no status for {name}\n{report}"
     assert "entry points scanned from the sources" in report and "SOME STEPS FAILED" not in report
+    assert re.search(r"Qwen3.5-27B\s+32\s+32768", report) and "H200 model" in report  # predictions recorded
 
 
 # ---- timing helpers ---------------------------------------------------------------------------------------
