@@ -8,6 +8,10 @@ matrix state [H, dv, dk] and the conv window [C, 3] of every session. After a pa
    with `gdn_scan` (dspark/ops/gdn.py);
 2. run the verify with per-column checkpoints and `checkpoint_select` column keep - 1.
 
+The session needs no snapshot: its verify runs gdn_scan with commit=False, which reads the live
+state and never writes it, so the live state is the snapshot; the rollback replays the kept
+columns from it or selects the kept column's checkpoint (`committed=False`: keep 0 leaves it).
+
 Every op here is one launch for every tensor of every session, through pointer tables. The NumPy
 functions are plain copies: the numpy backend's implementation and the oracle.
 """
