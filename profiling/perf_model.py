@@ -588,8 +588,9 @@ def main(argv=None) -> int:
     moves = []
     for r in rounds:
         m = round_moves(r.shape, [r.vt] * r.B, [r.vt] * r.B, a.rollback)
-        moves.append([r.shape.label, str(r.B), str(r.vt)] + [f"{m[k] / 1e6:,.3f}" for k in m]
-                     + [f"{sum(m.values()) / 1e6:,.3f}"])
+        row = [r.shape.label, str(r.B), str(r.vt)] + [f"{m[k] / 1e6:,.3f}" for k in m] + [f"{sum(m.values()) / 1e6:,.3f}"]
+        if row not in moves:  # the same at every context
+            moves.append(row)
     print(table(["shape", "B", "vt", "state MB", "checkpoints MB", "rollback MB", "kv_commit MB", "total MB"], moves))
     if a.kernels:
         for r in rounds:
