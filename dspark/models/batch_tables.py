@@ -28,6 +28,21 @@ def next_version() -> int:
     return next(_versions)
 
 
+class VersionedBuffers:
+    """Buffer lists (named by the subclass's BUFFERS) held as tuples, with a `version` that
+    changes whenever one of them is replaced or freed; the old version's tables are dropped."""
+    BUFFERS: tuple[str, ...] = ()
+
+    def __setattr__(self, name, value):
+        if name in self.BUFFERS:
+            value = tuple(value)
+            old = self.__dict__.get("version")
+            if old is not None:
+                forget(old)
+            object.__setattr__(self, "version", next_version())
+        object.__setattr__(self, name, value)
+
+
 class TableStore:
     """Batch key (a tuple of buffer versions) -> the tables built for it, least recently used
     dropped past `size` entries."""

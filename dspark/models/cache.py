@@ -7,13 +7,13 @@ import itertools
 import numpy as np
 
 from ..dtypes import BF16
-from . import batch_tables
+from .batch_tables import VersionedBuffers
 from .config import TrunkConfig
 
 _ids = itertools.count()
 
 
-class Cache:
+class Cache(VersionedBuffers):
     """Full-attention K/V per attention layer ([Hkv, capacity, D], rows by absolute position)
     and, per gdn layer, the delta-rule state [H, dv, dk] (f32) and conv window [C, 3] (f32).
     `pos` counts the committed rows. Every buffer is owned by `owner` in the allocator.
@@ -22,15 +22,6 @@ class Cache:
     freed: the trunk keeps pointer tables per batch under the versions of its caches
     (dspark.models.batch_tables), so a table of other buffers can never be used."""
     BUFFERS = ("k", "v", "state", "conv")
-
-    def __setattr__(self, name, value):
-        if name in Cache.BUFFERS:
-            value = tuple(value)
-            old = self.__dict__.get("version")
-            if old is not None:
-                batch_tables.forget(old)
-            object.__setattr__(self, "version", batch_tables.next_version())
-        object.__setattr__(self, name, value)
 
     def __init__(self, be, config: TrunkConfig, capacity: int | None = None, owner: str | None = None):
         c = config

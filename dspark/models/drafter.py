@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..errors import DTypeError, ShapeError, TokenRangeError
+from ..errors import ShapeError, TokenRangeError
 from ..ops import dense
 from ..ops.argmax import argmax_rows, markov_chain, raise_on_nan
 from ..ops.attention import attention
@@ -38,11 +38,10 @@ from ..ops.kv_commit import kv_commit
 from ..ops.norm import rmsnorm
 from ..ops.tables import PointerTable
 
+from .batch_tables import TableStore, VersionedBuffers
 from .drafter_config import INT_TENSORS, DrafterConfig, drafter_spec
-from . import batch_tables
-from .batch_tables import TableStore
 from .drafter_heads import Chain
-from .weights import load_model, random_weights, save_model, to_backend
+from .weights import check_weights, load_model, random_weights, save_model, to_backend
 
 
 FUSED_PARTS = ("attn.wq", "attn.wk", "attn.wv", "mlp.w_gate", "mlp.w_up")  # kept fused on the backend
@@ -59,20 +58,13 @@ class DraftTables:
                                    + [kv.v[i] for i in range(layers) for kv in kvs], "draft rings", writable=True)
 
 
-class DraftKV:
+class DraftKV(VersionedBuffers):
     """One session's draft KV: per drafter layer a K and V ring [Hkv, ring, D], and `pos`, the
     number of committed rows ingested so far. As dspark.models.cache.Cache, its ring lists are
     tuples and `version` changes when they are replaced or freed (the drafter's per-batch pointer
     tables are keyed by it)."""
 
-    def __setattr__(self, name, value):
-        if name in ("k", "v"):
-            value = tuple(value)
-            old = self.__dict__.get("version")
-            if old is not None:
-                batch_tables.forget(old)
-            object.__setattr__(self, "version", batch_tables.next_version())
-        object.__setattr__(self, name, value)
+    BUFFERS = ("k", "v")
 
     def __init__(self, be, shape: tuple[int, int, int], layers: int, owner: str):
         self.be, self.shape, self.owner = be, shape, owner
@@ -93,23 +85,6 @@ class DraftKV:
         return n
 
 
-def check_drafter_weights(weights: dict, spec: dict[str, tuple[int, ...]]) -> None:
-    """Every tensor of the spec, nothing else, each of its shape; f32 (int32 for the vocab map)."""
-    missing = sorted(set(spec) - set(weights))
-    if missing:
-        raise ShapeError(f"drafter: tensor {missing[0]!r} is missing ({len(missing)} missing in all)")
-    extra = sorted(set(weights) - set(spec))
-    if extra:
-        raise ShapeError(f"drafter: unexpected tensor {extra[0]!r}")
-    for name, shape in spec.items():
-        w = weights[name]
-        if tuple(w.shape) != tuple(shape):
-            raise ShapeError(f"drafter: tensor {name!r} has shape {tuple(w.shape)}, expected {tuple(shape)}")
-        want = np.int32 if name in INT_TENSORS else np.float32
-        if w.dtype != want:
-            raise DTypeError(f"drafter: tensor {name!r} has dtype {w.dtype}, expected {np.dtype(want)}")
-
-
 class DsparkDrafter:
     def __init__(self, config: DrafterConfig, weights: dict[str, np.ndarray], trunk):
         c, tc = config, trunk.config
@@ -123,7 +98,7 @@ class DsparkDrafter:
         self.mask_id = c.mask_id if c.mask_id >= 0 else tc.mask_id
         if not 0 <= self.mask_id < tc.vocab:
             raise TokenRangeError(f"drafter mask_id={self.mask_id} is outside the vocabulary [0, {tc.vocab})")
-        check_drafter_weights(weights, drafter_spec(c, tc))
+        check_weights(weights, drafter_spec(c, tc), "drafter", dtype_of={n: (np.int32,) for n in INT_TENSORS})
         if c.draft_vocab:
             d2t = weights["draft_to_target"]
             if np.any((d2t < 0) | (d2t >= tc.vocab)):

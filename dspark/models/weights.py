@@ -87,7 +87,9 @@ def random_weights(spec: dict[str, tuple[int, ...]], seed: int) -> dict[str, np.
 
 
 def check_weights(weights: dict[str, np.ndarray], spec: dict[str, tuple[int, ...]], what: str,
-                  dtypes: tuple = (F32,)) -> None:
+                  dtypes: tuple = (F32,), dtype_of: dict | None = None) -> None:
+    """Every tensor of the spec and nothing else, each of its shape and of one of `dtypes`
+    (`dtype_of` names the tensors that take other dtypes); the first mismatch is named."""
     missing = sorted(set(spec) - set(weights))
     if missing:
         raise ShapeError(f"{what}: tensor {missing[0]!r} is missing ({len(missing)} missing in all)")
@@ -98,9 +100,10 @@ def check_weights(weights: dict[str, np.ndarray], spec: dict[str, tuple[int, ...
         w = weights[name]
         if tuple(w.shape) != tuple(shape):
             raise ShapeError(f"{what}: tensor {name!r} has shape {tuple(w.shape)}, expected {tuple(shape)}")
-        if w.dtype not in dtypes:
+        want = (dtype_of or {}).get(name, dtypes)
+        if w.dtype not in want:
             raise DTypeError(f"{what}: tensor {name!r} has dtype {w.dtype}, expected "
-                             f"{' or '.join(str(t) for t in dtypes)}")
+                             f"{' or '.join(str(np.dtype(t)) for t in want)}")
 
 
 def save_tensors(path: Path, weights: dict[str, np.ndarray]) -> None:

@@ -10,25 +10,16 @@ forgotten zero-centring, a norm on the wrong tensor or a norm left out all chang
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass, field
 
 import numpy as np
-import pytest
 
-IN_CI = os.environ.get("CI") == "true"
+from tests.peers import peer
 
 
 def require_transformers():
     """(torch, transformers); a skip outside CI, a failure under CI=true (the oracle must run)."""
-    try:
-        import torch
-        import transformers
-    except ImportError as e:
-        if IN_CI:
-            pytest.fail(f"the Hugging Face oracle is required in CI: {e}")
-        pytest.skip(f"torch and transformers are not installed ({e})")
-    return torch, transformers
+    return peer("torch"), peer("transformers")
 
 
 @dataclass(frozen=True)

@@ -29,8 +29,6 @@ ExactCache, the same transformers model recomputing the committed rows on every 
 
 from __future__ import annotations
 
-import importlib
-import os
 import time
 from functools import partial
 from types import SimpleNamespace
@@ -45,19 +43,12 @@ from dspark.session import DsparkSpecSession, SpecParams
 from tests.models.hf_models import QWEN3, QWEN35, build, reference
 
 
-def _peer(name):
-    try:
-        return importlib.import_module(name)
-    except ImportError:
-        if os.environ.get("CI") == "true":
-            raise
-        pytest.skip(f"{name} is not installed (the test extra has it)", allow_module_level=True)
+from tests.peers import peer  # noqa: E402
 
-
-torch = _peer("torch")
-_peer("transformers")
-dflash_model = _peer("dflash.model")
-_peer("speculators")
+torch = peer("torch")
+peer("transformers")
+dflash_model = peer("dflash.model")
+peer("speculators")
 
 from tests.models import drafter_peers as peers  # noqa: E402
 

@@ -15,28 +15,19 @@ missing one fails instead of skipping.
 
 from __future__ import annotations
 
-import importlib
 import json
-import os
 import shutil
 
 import numpy as np
 import pytest
 
 
-def _peer(name):
-    try:
-        return importlib.import_module(name)
-    except ImportError:
-        if os.environ.get("CI") == "true":
-            raise
-        pytest.skip(f"{name} is not installed (the test extra has it)", allow_module_level=True)
+from tests.peers import peer  # noqa: E402
 
-
-torch = _peer("torch")
-_peer("transformers")
-_peer("dflash")
-_peer("speculators")
+torch = peer("torch")
+peer("transformers")
+peer("dflash")
+peer("speculators")
 
 from dspark.errors import CheckpointError, ShapeError  # noqa: E402
 from dspark.models.hf import load_drafter  # noqa: E402

@@ -1,12 +1,14 @@
 """The torch mirror (dspark/train/torch_model.py) against the NumPy models on random small weights,
-and the chunked gdn recurrence against the step loop. Skipped without torch."""
+and the chunked gdn recurrence against the step loop. torch is a peer (tests.peers)."""
 
 import dataclasses
 
 import numpy as np
 import pytest
 
-torch = pytest.importorskip("torch", reason="torch not installed")
+from tests.peers import peer  # noqa: E402
+
+torch = peer("torch")
 
 from dspark import get_backend  # noqa: E402
 from dspark.models import DrafterConfig, DsparkDrafter, HybridTrunk, TrunkConfig  # noqa: E402
