@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import functools
 import os
+import sys
+import types
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -144,3 +146,15 @@ def get_backend(name: str | None = None) -> Backend:
     if name not in NAMES:
         raise ValueError(f"backend={name!r}: expected one of {', '.join(NAMES)}")
     return _make(name)
+
+
+class _PackageListingBackends(types.ModuleType):
+    """`dspark.backends()` lists the available backends (the documented API) while
+    `dspark.backends` stays this package, so `import dspark.backends.simt as s` still resolves:
+    a plain function of that name on `dspark` would hide the package."""
+
+    def __call__(self) -> list[str]:
+        return backends()
+
+
+sys.modules[__name__].__class__ = _PackageListingBackends
