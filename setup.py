@@ -62,7 +62,8 @@ setup(
             "dspark._simt",
             sources=["csrc/simt/runtime.cpp"],  # replaced by BuildSimt.run
             include_dirs=["csrc"],
-            extra_compile_args=["-O2", "-DDSPARK_SIMT", "-ffp-contract=off"],
+            # -Wno-unknown-pragmas: `#pragma unroll` is for nvcc; the host compiler rightly ignores it.
+            extra_compile_args=["-O2", "-DDSPARK_SIMT", "-ffp-contract=off", "-Wno-unknown-pragmas"],
             cxx_std=17,
         )
     ],

@@ -41,7 +41,7 @@ import dspark
 from bench_attention import make_inputs as attention_inputs
 from bench_attention import storage_dtype
 from dspark.backends import cuda_available
-from dspark.dtypes import BF16, suffix
+from dspark.dtypes import BF16
 from dspark.kernel_sources import kernel_files, scan
 from dspark.ops.argmax import argmax_rows, greedy_accept, greedy_accept_plan, markov_chain, markov_chain_plan
 from dspark.ops.argmax import argmax_plan

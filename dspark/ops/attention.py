@@ -507,7 +507,7 @@ def attention(be, q, k_blk, v_blk, k_caches, v_caches, pos, row_indptr, *, mode=
     if not tabled:
         tables = be.pointer_table(caches)
         k_tab, v_tab = tables[:B], tables[B:]
-    kind, d, rule = suffix(q.dtype, "q"), call.head_dim, launch.split
+    d, rule = call.head_dim, launch.split
     parallel = launch.combine_kernel is not None
     part_acc = xp.empty((call.rows, call.hq, launch.slots, d), np.float32) if parallel else None
     part_ml = xp.empty((call.rows, call.hq, launch.slots, 2), np.float32) if parallel else None

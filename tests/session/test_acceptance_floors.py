@@ -10,7 +10,6 @@ import re
 from pathlib import Path
 
 import numpy as np
-import pytest
 
 from dspark.cli import run_spec
 from dspark.models import load_default

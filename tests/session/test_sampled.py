@@ -2,7 +2,6 @@
 that accepts; temperature 0 is plain greedy. Losslessness itself: test_lossless.py."""
 
 import numpy as np
-import pytest
 
 from dspark.decode import plain_generate
 from dspark.models.oracle import TrunkDrafter
