@@ -71,20 +71,35 @@ DSPARK_DEVICE int slice_head(const T* row, int lo, int hi) {
   return min(hi - lo, (int)(((16u - off) & 15u) / sizeof(T)));
 }
 
+// The aligned middle of a slice: `nvec` 16-byte vectors from entry `body`.
+struct SliceBody {
+  int body, nvec;
+};
+
+// Splits [lo, hi) into an unaligned head, the aligned middle and a tail, and calls f(i, x_i)
+// for the head and tail entries (thread t takes entries t, t + blockDim.x, ...); the middle's
+// vectors are the caller's.
+template <typename T, class F>
+DSPARK_DEVICE SliceBody slice_scalar_ends(const T* __restrict__ row, int lo, int hi, F& f) {
+  const int head = slice_head(row, lo, hi);
+  const int body = lo + head;
+  const int nvec = (hi - body) / VecWidth<T>::n;
+  const int tail = body + nvec * VecWidth<T>::n;
+  for (int k = threadIdx.x; k < head + (hi - tail); k += blockDim.x) {
+    const int i = k < head ? lo + k : tail + (k - head);
+    f(i, to_float(row[i]));
+  }
+  return SliceBody{body, nvec};
+}
+
 // f(i, x_i) once for every i in [lo, hi), x_i as float, in no particular order: thread t takes
 // vectors t, t + blockDim.x, ... of the aligned middle (U loads in flight before any use) and
 // the scalar head and tail entries t, t + blockDim.x, ...
 template <int U = 4, typename T, class F>
 DSPARK_DEVICE void slice_for_each(const T* __restrict__ row, int lo, int hi, F&& f) {
   constexpr int E = VecWidth<T>::n;
-  const int head = slice_head(row, lo, hi);
-  const int body = lo + head;
-  const int nvec = (hi - body) / E;
-  const int tail = body + nvec * E;
-  for (int k = threadIdx.x; k < head + (hi - tail); k += blockDim.x) {
-    const int i = k < head ? lo + k : tail + (k - head);
-    f(i, to_float(row[i]));
-  }
+  const SliceBody s = slice_scalar_ends(row, lo, hi, f);
+  const int body = s.body, nvec = s.nvec;
   for (int v0 = threadIdx.x; v0 < nvec; v0 += U * blockDim.x) {
     Vec16 raw[U];
 #pragma unroll
@@ -123,14 +138,8 @@ DSPARK_DEVICE void queue_pop(uint32_t* q) {
 template <int U = 4, typename T, class F>
 DSPARK_DEVICE void slice_for_each_rolled(const T* __restrict__ row, int lo, int hi, F&& f) {
   constexpr int E = VecWidth<T>::n;
-  const int head = slice_head(row, lo, hi);
-  const int body = lo + head;
-  const int nvec = (hi - body) / E;
-  const int tail = body + nvec * E;
-  for (int k = threadIdx.x; k < head + (hi - tail); k += blockDim.x) {
-    const int i = k < head ? lo + k : tail + (k - head);
-    f(i, to_float(row[i]));
-  }
+  const SliceBody s = slice_scalar_ends(row, lo, hi, f);
+  const int body = s.body, nvec = s.nvec;
   for (int v0 = threadIdx.x; v0 < nvec; v0 += U * blockDim.x) {
     uint32_t q[4 * U];
     int n = 0;  // vectors loaded
