@@ -23,7 +23,7 @@ from . import __version__
 from .backends import NAMES, backends, cuda_available, get_backend
 from .byte_vocab import decode, encode
 from .errors import DsparkError
-from .ops.dense import ROW_CHUNK
+from .ops.linear import ROW_CHUNK
 from .params import VERIFY_POLICIES
 from .stats import REPEAT_SPAN, RepetitionSplit
 
@@ -38,7 +38,8 @@ def walk_python_files(root):
 # Verifying a column costs little next to a round's fixed work (one drafter pass, the chain, the
 # bookkeeping), so the command line verifies more of the draft than the library default tau 0.5,
 # up to one GEMM row chunk: a ninth column would double every projection of the verify pass
-# (dspark.ops.dense.ROW_CHUNK). `profiling/bench_tau.py` measures tokens/s over both knobs.
+# (dspark.ops.linear.ROW_CHUNK, the numpy backend's BLAS chunks). `profiling/bench_tau.py` measures
+# tokens/s over both knobs.
 DEMO_TAU = 0.35
 DEMO_MAX_VERIFY = ROW_CHUNK
 

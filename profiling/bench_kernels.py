@@ -8,7 +8,7 @@
 
 GPU sizes: Qwen3.5-27B's (profiling/perf_model.py SHAPES): 16 attention layers with 4 KV heads of
 dim 256 and GQA 6 (24 query heads), bf16 KV; 48 gdn layers with 48 value heads on 16 key heads,
-dk = dv = 128; d_model 5120 (the norms); the vocabulary 248320; contexts 4k and 32k; verify width
+dk = dv = 128; d_model 5120 (the norms) and MLP 17408 (the GEMMs, bf16 weights); the vocabulary 248320; contexts 4k and 32k; verify width
 vt = 8 (7 drafts); batches of 1, 2 and 32 sessions. The vocabulary reductions split each row
 across ceil(V / 8192) CTAs, and the shape column names the split (S), the launches and the passes
 over each row, from the op's own launch plan (dspark.ops.argmax / dspark.ops.sampling `*_plan`).
@@ -47,6 +47,7 @@ from dspark.ops.argmax import argmax_rows, greedy_accept, greedy_accept_plan, ma
 from dspark.ops.argmax import argmax_plan
 from dspark.ops.gdn import channels, gdn_scan
 from dspark.ops.kv_commit import kv_commit
+from dspark.ops.linear import linear, linear_plan
 from dspark.ops.sampling import Filters, Streams, accept_plan, sample_filtered, sample_plan, speculative_accept
 from dspark.ops.norm import rmsnorm
 from dspark.ops.snapshot import checkpoint_select, snapshot_save
@@ -78,6 +79,7 @@ class Sizes:
     reduce_batches: tuple[int, ...]  # sessions for the vocabulary reductions
     gdn_k_heads: int = 0             # key heads (0: one per value head)
     d_model: int = 5120
+    mlp_hidden: int = 17408
 
     @property
     def drafts(self) -> int:
@@ -87,10 +89,12 @@ class Sizes:
 GPU = Sizes("Qwen3.5-27B: 16 attention layers (Hkv=4, Hq=24, D=256, bf16 KV), 48 gdn layers (48 value heads on "
             "16 key heads, dk=dv=128), d_model 5120, V=248320", batches=(1, 2, 32), contexts=(4096, 32768), vt=8,
             hkv=4, gqa=6, head_dim=256, kv_dtype=BF16, vocab=248320, attn_layers=16, gdn_layers=48, gdn_heads=48,
-            dk=128, dv=128, markov_rank=32, reduce_batches=(1, 2, 32), gdn_k_heads=16, d_model=5120)
+            dk=128, dv=128, markov_rank=32, reduce_batches=(1, 2, 32), gdn_k_heads=16, d_model=5120,
+            mlp_hidden=17408)
 CPU = Sizes("tiny (simt, CPU): 2 attention layers (Hkv=2, Hq=8, D=64, bf16 KV), 3 gdn layers (H=2, dk=dv=16), "
             "V=1000", batches=(1, 3), contexts=(100,), vt=8, hkv=2, gqa=4, head_dim=64, kv_dtype=BF16, vocab=1000,
-            attn_layers=2, gdn_layers=3, gdn_heads=2, dk=16, dv=16, markov_rank=8, reduce_batches=(1, 3), d_model=64)
+            attn_layers=2, gdn_layers=3, gdn_heads=2, dk=16, dv=16, markov_rank=8, reduce_batches=(1, 3), d_model=64,
+            mlp_hidden=96)
 
 
 @dataclasses.dataclass
@@ -323,6 +327,23 @@ def norm_benches(be, s: Sizes) -> Iterator[Bench]:
                     pm.rmsnorm_kernel("bench", "rmsnorm", rows, d, pm.H200).time)
 
 
+# ---- linear: the MLP's GEMMs, bf16 weights as stored ---------------------------------------------------
+def linear_benches(be, s: Sizes) -> Iterator[Bench]:
+    """linear_bf16 over a decode step's rows (B) and a verify's (B * vt) for the MLP's two
+    projections (gate|up fused, down): bytes from the plan's min_bytes (the weights once, x, out)."""
+    d, f = s.d_model, s.mlp_hidden
+    for proj, k, n in (("gate|up", d, 2 * f), ("down", f, d)):
+        w = randn(be, (k, n), BF16, scale=float(1 / np.sqrt(k)))
+        for B in s.batches:
+            for case, rows in (("decode", B), ("verify", B * s.vt)):
+                x, out = randn(be, (rows, k)), be.xp.empty((rows, n), np.float32)
+                plan = linear_plan(rows, k, n, 2)
+                yield Bench("linear", case, {"proj": proj, "B": B, "rows": rows, "K": k, "N": n, "S": plan.splits},
+                            plan.min_bytes, 2 * rows * k * n, ("linear_bf16",),
+                            lambda b, x=x, w=w, o=out: linear(b, x, w, out=o),
+                            pm.linear("bench", proj, rows, k, n, 2, pm.H200)[0].time)
+
+
 def predict(plan) -> float:
     """The H200 time perf_model gives a row-split reduction's plan."""
     return pm.rowsplit_kernel("bench", plan, pm.H200).time
@@ -354,12 +375,14 @@ FAMILIES: dict[str, Callable[[object, Sizes], Iterator[Bench]]] = {
     "snapshot": snapshot_benches,
     "sampling": sampling_benches,
     "norm": norm_benches,
+    "linear": linear_benches,
 }
 NOT_BENCHMARKED = {"selftest"}  # csrc/selftest.cu: the simt runtime's own checks
 
 # Ratios of two rows of one run, paired by the shape keys given.
 RATIOS = (
     ("verify / decode", ("attention", "verify"), ("attention", "decode"), ("B", "ctx")),
+    ("linear verify / decode", ("linear", "verify"), ("linear", "decode"), ("proj", "B")),
     ("verify+checkpoints / decode", ("gdn_scan", "verify"), ("gdn_scan", "decode"), ("B",)),
     ("greedy_accept / argmax_rows", ("argmax", "greedy_accept"), ("argmax", "argmax_rows"), ("B",)),
     ("markov_chain / argmax_rows", ("argmax", "markov_chain"), ("argmax", "argmax_rows"), ("B",)),

@@ -159,7 +159,7 @@ fi
 TAIL=40 step perf_model 30 $PY profiling/perf_model.py --model qwen3.5-27b --batch 1 2 32 --context 4096 32768
 if [[ $DRY == 1 ]]; then
   step gate 30 $PY profiling/e2e_gate.py --help
-  step bench 60 $PY profiling/bench_kernels.py --dry-run
+  TAIL=60 step bench 60 $PY profiling/bench_kernels.py --dry-run
 else
   step gate 60 $PY profiling/e2e_gate.py --backend cuda --quick
   TAIL=200 step bench 150 $PY profiling/bench_kernels.py

@@ -16,22 +16,22 @@ Markov head (--drafter-window changes the window).
 
 Device (issue 16): copy bandwidth 4.3 TB/s, bf16 MMA 790 TFLOP/s, 4 us per launch, 132 SMs; and,
 beyond those, from NVIDIA's H200 data sheet: f32 CUDA-core math 67 TFLOP/s (the gdn scan, the
-reductions, and cuBLAS SGEMM on the weights dspark widens to f32), 228 KiB shared memory, 2048
+reductions, and the GEMM kernel's f32 multiply-adds), 228 KiB shared memory, 2048
 threads and 32 CTAs per SM, 50 MB L2.
 
 Kernel time. dspark's kernels are priced from their own launch plans (dspark.ops.attention.
-launch_plan, the row-split plans of dspark.ops.argmax / sampling, dspark.ops.gdn.scan_plan and
-scan_bytes, the norm, commit and select grids): each CTA moves its bytes at its SM's share of the
-copy bandwidth (BW / 132 / CTAs resident per SM, from threads and shared memory; fewer CTAs
-than SMs get an SM each), CTAs go longest
-first to the slot that frees first (the attention kernel dispatches each row's splits last-first),
-and the memory time is the last slot's finish, so waves and imbalance both show; the math time is
-flops / (rate x the share of SMs busy); the kernel's time is the larger. cuBLAS GEMMs and CuPy's
-elementwise ops have no plan of ours: they are priced at the roofline (bytes / BW, flops / rate).
-dspark.ops.dense.linear widens 16-bit weights to f32 on every call (two CuPy ops: 2 + 4 + 4 + 4
-bytes per weight) and multiplies [8, K] chunks with SGEMM (4 bytes per weight per chunk): this is
-what the `cuda` path does today, and the "weights" share of the round shows what it costs
-(--bf16-gemm prices a GEMM that reads the bf16 weights once instead).
+launch_plan, the row-split plans of dspark.ops.argmax / sampling, dspark.ops.linear.linear_plan,
+dspark.ops.gdn.scan_plan and scan_bytes, the norm, commit and select grids): each CTA moves its
+bytes at its SM's share of the copy bandwidth (BW / 132 / CTAs resident per SM, from threads and
+shared memory; fewer CTAs than SMs get an SM each), CTAs go longest first to the slot that
+frees first (the attention kernel dispatches each row's splits last-first), and the memory time is
+the last slot's finish, so waves and imbalance both show; the math time is flops / (rate x the
+share of SMs busy); the kernel's time is the larger. CuPy's elementwise ops
+have no plan of ours: they are priced at the roofline (bytes / BW, flops / rate). The GEMMs are
+dspark.ops.linear's kernel: one launch per projection, the weights at their stored width (bf16: 2
+bytes) once per 16 rows, x once per column tile and the K splits' partials written and read back
+(all priced at the copy bandwidth, though x and the partials mostly come from L2), f32 math on the
+CUDA cores; its residency counts threads and shared memory, not its ~186 registers.
 
 Launches are not in a kernel's time: each costs 4 us of host time (dspark kernels from the plans,
 CuPy array ops from per-layer counts made on the CuPy contract path, LAUNCH_GLUE), listed with the
@@ -56,12 +56,12 @@ from dspark.models.config import TrunkConfig, from_json
 from dspark.models.drafter_config import DrafterConfig
 from dspark.ops import argmax as argmax_ops
 from dspark.ops import gdn as gdn_ops
+from dspark.ops import linear as linear_ops
 from dspark.ops import norm as norm_ops
 from dspark.ops import snapshot as snapshot_ops
 from dspark.ops.attention import launch_plan
 from dspark.ops.kv_commit import THREADS as COMMIT_THREADS
 from dspark.ops.kv_commit import commit_bytes
-from dspark.ops.dense import ROW_CHUNK
 from timing import table
 
 F32 = 4
@@ -185,23 +185,19 @@ def even(total: float, ctas: int) -> np.ndarray:
     return np.full(max(ctas, 0), total / max(ctas, 1))
 
 
-# ---- GEMMs (dense.linear) --------------------------------------------------------------------------------
-def linear(phase, name, rows, k, n, wb, dev, bf16_gemm: bool, kind="weights") -> list[Kernel]:
-    """dense.linear of [rows, K] @ [K, N] stored with wb bytes per element: (widen,) then one
-    SGEMM per chunk of 8 rows (modelled as one roofline GEMM)."""
-    chunks = max(1, -(-rows // ROW_CHUNK))
-    flops = 2 * chunks * ROW_CHUNK * k * n
-    act = F32 * (rows * k + rows * n)
-    if wb == F32 or bf16_gemm:
-        return [roofline(phase, name, kind, wb * k * n * (1 if bf16_gemm else chunks) + act, flops, dev,
-                         rate=dev.mma if bf16_gemm else dev.f32, launches=2 * chunks)]
-    widen = k * n * (2 + 4 + 4 + 4 if wb == 2 else wb + F32)  # bf16: astype(uint32), << 16; f16: astype
-    return [roofline(phase, f"{name} widen", kind, widen, 0, dev, launches=2),
-            roofline(phase, name, kind, F32 * k * n * chunks + act, flops, dev, launches=2 * chunks)]
+# ---- GEMMs (dspark.ops.linear) ---------------------------------------------------------------------------
+def linear(phase, name, rows, k, n, wb, dev, kind="weights") -> list[Kernel]:
+    """linear_<dt> of [rows, K] @ [K, N] stored with wb bytes per element, from its launch plan
+    (dspark.ops.linear.linear_plan): one launch, the weights at their stored width once per
+    16-row tile, and the K-split partials written and read back by the last CTA of each column tile."""
+    p = linear_ops.linear_plan(rows, k, n, wb)
+    (run,) = p.launches
+    return [planned(phase, name, kind, even(p.bytes, run.ctas), p.notes["flops"], run.threads, run.shared_mem, dev,
+                    min_bytes=p.min_bytes)]
 
 
 # ---- the trunk pass ---------------------------------------------------------------------------------------
-def trunk_pass(shape: Shape, B: int, context: int, cols: int, dev: Device, *, verify: bool, bf16_gemm=False,
+def trunk_pass(shape: Shape, B: int, context: int, cols: int, dev: Device, *, verify: bool,
                rollback="checkpoint") -> list[Kernel]:
     """Every kernel of one trunk pass over `cols` columns per session at `context` committed rows:
     a verify (the state read, not written; per-column checkpoints) or a plain decode step (cols 1,
@@ -223,24 +219,24 @@ def trunk_pass(shape: Shape, B: int, context: int, cols: int, dev: Device, *, ve
             continue
         layer = [norm("rmsnorm x2", 2 * rows, d, 2)]
         if kind == "attn":
-            layer += linear(ph, "attn q|k|v", rows, d, nq + 2 * nkv, wb, dev, bf16_gemm)
+            layer += linear(ph, "attn q|k|v", rows, d, nq + 2 * nkv, wb, dev)
             if c.qk_norm:
                 layer.append(norm("q/k norm", rows * (c.attn_heads + c.attn_kv_heads), c.head_dim, 2))
             plan = launch_plan([cols] * B, [context] * B, hq=c.attn_heads, hkv=c.attn_kv_heads, head_dim=c.head_dim,
                                dtype=BF16 if kv_isz == 2 else np.float32)
             layer += attention_kernels(ph, plan, dev)
-            layer += linear(ph, "attn o", rows, c.attn_heads * c.head_dim, d, wb, dev, bf16_gemm)
+            layer += linear(ph, "attn o", rows, c.attn_heads * c.head_dim, d, wb, dev)
         else:
-            layer += linear(ph, "gdn in", rows, d, C + H * dv + 2 * H, wb, dev, bf16_gemm)
+            layer += linear(ph, "gdn in", rows, d, C + H * dv + 2 * H, wb, dev)
             layer += scan_kernels(ph, c, B, rows, dev, checkpoints=verify and rollback == "checkpoint",
                                   commit=not verify)
             layer.append(norm("gdn o_norm", rows * H, dv))
-            layer += linear(ph, "gdn out", rows, H * dv, d, wb, dev, bf16_gemm)
-        layer += linear(ph, "mlp gate|up", rows, d, 2 * c.mlp_hidden, wb, dev, bf16_gemm)
-        layer += linear(ph, "mlp down", rows, c.mlp_hidden, d, wb, dev, bf16_gemm)
+            layer += linear(ph, "gdn out", rows, H * dv, d, wb, dev)
+        layer += linear(ph, "mlp gate|up", rows, d, 2 * c.mlp_hidden, wb, dev)
+        layer += linear(ph, "mlp down", rows, c.mlp_hidden, d, wb, dev)
         out += scaled(layer, count, f"x{count} {kind} layers")
     out.append(norm("final norm", rows, d))
-    out += linear(ph, "lm head", rows, d, c.vocab, wb, dev, bf16_gemm)
+    out += linear(ph, "lm head", rows, d, c.vocab, wb, dev)
     if verify:
         p = argmax_ops.greedy_accept_plan(B, rows, c.vocab)
     else:
@@ -332,7 +328,7 @@ def commit_kernel(phase, name, B, layers, keep, row_bytes, dev: Device, kind="kv
 
 
 # ---- a round ----------------------------------------------------------------------------------------------
-def drafter_pass(shape: Shape, B: int, context: int, dev: Device, bf16_gemm=False) -> list[Kernel]:
+def drafter_pass(shape: Shape, B: int, context: int, dev: Device) -> list[Kernel]:
     """The drafter's block pass (b rows per session over its window), the Markov chain and the
     confidence head, and the ingest of the accepted rows (one layer of K|V and a ring commit)."""
     t, dc, wb = shape.trunk, shape.drafter, shape.weight_bytes
@@ -341,25 +337,28 @@ def drafter_pass(shape: Shape, B: int, context: int, dev: Device, bf16_gemm=Fals
     for i in range(dc.layers):
         nq, nkv = dc.heads * dc.head_dim, dc.kv_heads * dc.head_dim
         out.append(rmsnorm_kernel(ph, "drafter norms", 2 * rows, d, dev, 2))
-        out += linear(ph, "drafter q|k|v", rows, d, nq + 2 * nkv, F32, dev, bf16_gemm)
+        out += linear(ph, "drafter q|k|v", rows, d, nq + 2 * nkv, F32, dev)
         out.append(rmsnorm_kernel(ph, "drafter q/k norm", rows * ((dc.heads if dc.q_norm else 0) + dc.kv_heads),
                                   dc.head_dim, dev, 2 if dc.q_norm else 1))
         window = dc.windows()[i] or context
         plan = launch_plan([dc.block] * B, [min(context, window + dc.block)] * B, hq=dc.heads, hkv=dc.kv_heads,
                            head_dim=dc.head_dim, dtype=np.float32, mode="block", window=window)
         out += attention_kernels(ph, plan, dev)
-        out += linear(ph, "drafter o", rows, nq, d, F32, dev, bf16_gemm)
-        out += linear(ph, "drafter gate|up", rows, d, 2 * dc.mlp_hidden, F32, dev, bf16_gemm)
-        out += linear(ph, "drafter down", rows, dc.mlp_hidden, d, F32, dev, bf16_gemm)
+        out += linear(ph, "drafter o", rows, nq, d, F32, dev)
+        out += linear(ph, "drafter gate|up", rows, d, 2 * dc.mlp_hidden, F32, dev)
+        out += linear(ph, "drafter down", rows, dc.mlp_hidden, d, F32, dev)
     out.append(rmsnorm_kernel(ph, "drafter final norm", rows, d, dev))
-    out += linear(ph, "drafter lm head (the trunk's)", rows, d, t.vocab, wb, dev, bf16_gemm)
+    out += linear(ph, "drafter lm head (the trunk's)", rows, d, t.vocab, wb, dev)
     nd = dc.drafts
     out.append(rowsplit_kernel("propose", argmax_ops.markov_chain_plan(B, nd, t.vocab, dc.markov_rank), dev))
+    if dc.confidence != "none":  # c_k = sigmoid(w . [h_k ; W1[x_{k-1}]] + b): a GEMM of one column
+        feats = d + (dc.markov_rank if dc.confidence == "markov" else 0)
+        out += linear("propose", "confidence head", rows, feats, 1, F32, dev, kind="other")
     keep = dc.block  # a full accept ingests every row
     taps = len(dc.taps or t.tap_layers)
-    out += linear("ingest", "drafter fc", B * keep, taps * d, d, F32, dev, bf16_gemm)
+    out += linear("ingest", "drafter fc", B * keep, taps * d, d, F32, dev)
     out.append(rmsnorm_kernel("ingest", "drafter fc norm", B * keep, d, dev))
-    out += linear("ingest", "drafter k|v", B * keep, d, 2 * dc.kv_heads * dc.head_dim, F32, dev, bf16_gemm)
+    out += linear("ingest", "drafter k|v", B * keep, d, 2 * dc.kv_heads * dc.head_dim, F32, dev)
     out.append(rmsnorm_kernel("ingest", "drafter k norm", B * keep * dc.kv_heads * dc.layers, dc.head_dim, dev,
                               dc.layers))
     out.append(commit_kernel("ingest", "kv_commit (ring)", B, dc.layers, keep, dc.kv_heads * dc.head_dim * F32, dev))
@@ -427,28 +426,20 @@ def round_moves(shape: Shape, vts, keeps, rollback: str = "checkpoint", ingest=N
 
 
 # CuPy array ops per pass, counted on the CuPy contract path (tests/profiling/test_perf_model.py
-# recounts them): per layer besides its GEMMs, per pass, and the round's own (draft harvest,
-# confidence, accept, commit, ingest); each GEMM adds 2 per 8-row chunk (+2 for a ragged last one).
+# recounts them): per layer, per pass, and the round's own (draft harvest, confidence, accept,
+# commit, ingest). GEMMs are dspark launches (linear_<dt>), none of these.
 LAUNCH_GLUE = {"attn": 26, "attn_conventions": 7, "gdn": 17, "pass": 8, "drafter_layer": 23, "round": 30}
 
 
 def array_ops(shape: Shape, B: int, cols: int, *, verify: bool, round_glue: bool) -> int:
     """CuPy array ops (each a launch on a GPU) of one trunk pass (and of the rest of a round)."""
     c, dc = shape.trunk, shape.drafter
-    widen = 2 if shape.weight_bytes == 2 else 0
-
-    def gemm(rows):
-        return widen + 2 * (rows // ROW_CHUNK) + (4 if rows % ROW_CHUNK else 0)
-
-    rows = B * cols
-    n = LAUNCH_GLUE["pass"] + gemm(rows)
+    n = LAUNCH_GLUE["pass"]
     conventions = LAUNCH_GLUE["attn_conventions"] if (c.attn_gate or c.rope_fraction < 1) else 0
     for kind in c.layers:
-        n += LAUNCH_GLUE[kind] + (conventions if kind == "attn" else 0) + 4 * gemm(rows)
+        n += LAUNCH_GLUE[kind] + (conventions if kind == "attn" else 0)
     if round_glue:
-        d_rows = B * dc.block
-        n += LAUNCH_GLUE["pass"] + gemm(d_rows) + dc.layers * (LAUNCH_GLUE["drafter_layer"] + 4 * gemm(d_rows))
-        n += LAUNCH_GLUE["round"] + 2 * gemm(B * dc.block)
+        n += LAUNCH_GLUE["pass"] + dc.layers * LAUNCH_GLUE["drafter_layer"] + LAUNCH_GLUE["round"]
     return n
 
 
@@ -489,16 +480,16 @@ class Round:
         return accepted * self.plain_time() / self.time()
 
 
-def spec_round(shape: Shape, B: int, context: int, vt: int, dev: Device = H200, bf16_gemm=False,
+def spec_round(shape: Shape, B: int, context: int, vt: int, dev: Device = H200,
                rollback="checkpoint") -> Round:
     """A greedy round of B sessions at `context` verifying vt columns each (a full accept: every
     column committed and ingested), and a plain decode step of the same sessions. The context is
     capped where the shape's max_ctx leaves room for the columns."""
     context = max(1, min(context, shape.trunk.max_ctx - vt))
-    kernels = drafter_pass(shape, B, context, dev, bf16_gemm)
-    kernels += trunk_pass(shape, B, context, vt, dev, verify=True, bf16_gemm=bf16_gemm, rollback=rollback)
+    kernels = drafter_pass(shape, B, context, dev)
+    kernels += trunk_pass(shape, B, context, vt, dev, verify=True, rollback=rollback)
     kernels += rollback_kernels(shape, B, vt, dev, rollback)
-    plain = trunk_pass(shape, B, context, 1, dev, verify=False, bf16_gemm=bf16_gemm)
+    plain = trunk_pass(shape, B, context, 1, dev, verify=False)
     ours = sum(k.launches for k in kernels if k.ctas)
     launches = ours + array_ops(shape, B, vt, verify=True, round_glue=True)
     plain_launches = sum(k.launches for k in plain if k.ctas) + array_ops(shape, B, 1, verify=False, round_glue=False)
@@ -564,19 +555,18 @@ def main(argv=None) -> int:
     ap.add_argument("--width", type=int, default=8, help="verify columns per session (anchor + drafts)")
     ap.add_argument("--accepted", type=float, default=4.97, help="mean accepted length for the speedup")
     ap.add_argument("--rollback", choices=("checkpoint", "replay"), default="checkpoint")
-    ap.add_argument("--bf16-gemm", action="store_true", help="price GEMMs reading 16-bit weights once (no widening)")
     ap.add_argument("--drafter-window", type=int, default=4096)
     ap.add_argument("--kernels", action="store_true", help="also every kernel of each round")
     a = ap.parse_args(argv)
     if a.width < 1 or any(b < 1 for b in a.batch) or any(c < 1 for c in a.context):
         ap.error("--width, --batch and --context must be >= 1")
     table_of = shapes(a.drafter_window)
-    rounds = [spec_round(table_of[m], b, ctx, a.width, bf16_gemm=a.bf16_gemm, rollback=a.rollback)
+    rounds = [spec_round(table_of[m], b, ctx, a.width, rollback=a.rollback)
               for m in a.model for b in a.batch for ctx in a.context]
     d = H200
     print(f"{d.name}: copy {d.bw / 1e12:.1f} TB/s, bf16 MMA {d.mma / 1e12:.0f} TFLOP/s, f32 {d.f32 / 1e12:.0f} TFLOP/s, "
           f"launch {d.launch * 1e6:.0f} us, sync {d.sync * 1e6:.0f} us, {d.sms} SMs; GEMMs "
-          f"{'reading bf16 once' if a.bf16_gemm else 'as dense.linear runs them (16-bit weights widened per call)'}; "
+          f"linear_<dt> (weights read as stored); "
           f"rollback {a.rollback}; speedup at mean accepted length {a.accepted}")
     for m in a.model:
         print(f"  {table_of[m].label}: {table_of[m].source}")

@@ -35,6 +35,7 @@ from ..ops import dense
 from ..ops.argmax import argmax_rows, markov_chain, raise_on_nan
 from ..ops.attention import attention
 from ..ops.kv_commit import kv_commit
+from ..ops.linear import linear
 from ..ops.norm import rmsnorm
 from ..ops.tables import PointerTable
 
@@ -181,10 +182,10 @@ class DsparkDrafter:
         rows = np.concatenate([row_indptr[i] + skip[i] + np.arange(take[i]) for i in range(len(kvs))]) if kvs else []
         positions = np.concatenate([p + np.arange(n) for p, n in zip(pos, take)]) if kvs else np.zeros(0)
         indptr = np.concatenate([[0], np.cumsum(take)]).astype(np.int32)
-        f = rmsnorm(self.be, dense.linear(taps[self.be.xp.asarray(np.asarray(rows, np.int64))], w["fc"]), w["fc_norm"],
-                    c.norm_eps)
+        kept = taps[self.be.xp.asarray(np.asarray(rows, np.int64))]
+        f = rmsnorm(self.be, linear(self.be, kept, w["fc"]), w["fc_norm"], c.norm_eps)
         rope = dense.rope_table(self.be.xp, positions, c.rope_theta, c.head_dim)
-        ks, vs = zip(*(self._kv(dense.linear(f, w[f"layers.{i}.attn.wkv"]), i, rope) for i in range(c.layers)))
+        ks, vs = zip(*(self._kv(linear(self.be, f, w[f"layers.{i}.attn.wkv"]), i, rope) for i in range(c.layers)))
         kv_commit(self.be, list(ks), list(vs), [[kv.k[i] for kv in kvs] for i in range(c.layers)],
                   [[kv.v[i] for kv in kvs] for i in range(c.layers)], pos.astype(np.int32), take, indptr, ring=True,
                   table=self.tables(kvs).commit)
@@ -214,7 +215,7 @@ class DsparkDrafter:
             h = rmsnorm(self.be, x, w[p + "norm1"], c.norm_eps)
             if c.conv_kernel:
                 h, out_kernel = self._conv_prepare(h, p + "attn_conv.", B)
-            qkv = dense.linear(h, w[p + "attn.wqkv"])  # one GEMM: [q | k | v]
+            qkv = linear(self.be, h, w[p + "attn.wqkv"])  # one GEMM: [q | k | v]
             q = qkv[:, :nq].reshape(rows, c.heads, c.head_dim)
             if c.q_norm:
                 q = rmsnorm(self.be, q, w[p + "attn.q_norm"], c.norm_eps)
@@ -223,19 +224,19 @@ class DsparkDrafter:
             o = attention(self.be, q, k, v, tables.k[i], tables.v[i], pos, indptr, mode="block",
                           window=self.windows[i])
             if c.conv_kernel:
-                x = x + self._conv(dense.linear(o.reshape(rows, -1), w[p + "attn.wo"]), out_kernel,
+                x = x + self._conv(linear(self.be, o.reshape(rows, -1), w[p + "attn.wo"]), out_kernel,
                                    w[p + "attn_conv.base"][1], B)
             else:
-                x = x + dense.linear(o.reshape(rows, -1), w[p + "attn.wo"])
+                x = x + linear(self.be, o.reshape(rows, -1), w[p + "attn.wo"])
             h = rmsnorm(self.be, x, w[p + "norm2"], c.norm_eps)
             if c.conv_kernel:
                 h, out_kernel = self._conv_prepare(h, p + "mlp_conv.", B)
-            gate_up = dense.linear(h, w[p + "mlp.w_gate_up"])
+            gate_up = linear(self.be, h, w[p + "mlp.w_gate_up"])
             F = gate_up.shape[1] // 2
-            m = dense.linear(dense.swiglu(gate_up[:, :F], gate_up[:, F:]), w[p + "mlp.w_down"])
+            m = linear(self.be, dense.swiglu(gate_up[:, :F], gate_up[:, F:]), w[p + "mlp.w_down"])
             x = x + (self._conv(m, out_kernel, w[p + "mlp_conv.base"][1], B) if c.conv_kernel else m)
         hidden = rmsnorm(self.be, x, self.final_norm, self.final_eps)
-        logits = dense.linear(hidden, self.lm_head)
+        logits = linear(self.be, hidden, self.lm_head)
         if c.logit_scale != 1.0:
             logits = logits * np.float32(c.logit_scale)
         if c.logit_softcap > 0:
@@ -247,7 +248,7 @@ class DsparkDrafter:
         """DFlash2: the input-side convolution of a sublayer, and the output side's dynamic kernel
         (both from one projection of the sublayer's input)."""
         c = self.config
-        dyn = dense.linear(h, self.w[p + "proj"]).reshape(B, c.block, 2, c.conv_kernel, c.d_model // c.conv_group)
+        dyn = linear(self.be, h, self.w[p + "proj"]).reshape(B, c.block, 2, c.conv_kernel, c.d_model // c.conv_group)
         return self._conv(h, dyn[:, :, 0], self.w[p + "base"][0], B), dyn[:, :, 1]
 
     def _conv(self, x, dyn, base, B: int):
@@ -331,14 +332,14 @@ class DsparkDrafter:
         xp = self.be.xp
         prev = prev_tokens if isinstance(prev_tokens, xp.ndarray) else xp.asarray(np.asarray(prev_tokens, np.int32))
         e = self.w["markov.w1"][prev]
-        return dense.linear(e, self.w["markov.w2"]), e
+        return linear(self.be, e, self.w["markov.w2"]), e
 
     def confidence(self, hidden, markov_embed):
         """c_k = sigmoid(w . [h_k ; W1[x_{k-1}]] + b) ("markov"), or sigmoid(w . h_k + b)
         ("hidden"), for rows of hidden [n, d]."""
         xp = self.be.xp
         feats = xp.concatenate([hidden, markov_embed], axis=1) if self.config.confidence == "markov" else hidden
-        return dense.sigmoid(dense.linear(feats, self.w["conf.w"][:, None])[:, 0] + self.w["conf.b"][0])
+        return dense.sigmoid(linear(self.be, feats, self.w["conf.w"][:, None])[:, 0] + self.w["conf.b"][0])
 
     def to_target_vocab(self, logits):
         """Draft-vocabulary logits [n, draft_vocab] as target-vocabulary logits [n, V] (-inf on

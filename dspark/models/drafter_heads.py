@@ -25,6 +25,7 @@ import numpy as np
 
 from ..ops import dense
 from ..ops.argmax import argmax_rows
+from ..ops.linear import linear
 
 
 class Chain:
@@ -61,14 +62,15 @@ class Chain:
         else:
             e = w["markov.w1"][self.prev] if c.markov_rank else None
         if c.markov == "gated":
-            gate = dense.sigmoid(dense.linear(xp.concatenate([h, e], axis=1), w["markov.gate_w"]) + w["markov.gate_b"])
-            logits = logits + dense.linear(gate * e, w["markov.w2"])
+            gate = dense.sigmoid(linear(self.be, xp.concatenate([h, e], axis=1), w["markov.gate_w"])
+                                 + w["markov.gate_b"])
+            logits = logits + linear(self.be, gate * e, w["markov.w2"])
         elif c.markov == "rnn":
             r = c.markov_rank
-            z = dense.linear(xp.concatenate([self.state, e, h], axis=1), w["markov.rnn_w"]) + w["markov.rnn_b"]
+            z = linear(self.be, xp.concatenate([self.state, e, h], axis=1), w["markov.rnn_w"]) + w["markov.rnn_b"]
             gate = dense.sigmoid(z[:, :r])
             self.state = gate * self.state + (np.float32(1) - gate) * xp.tanh(z[:, r : 2 * r])
-            logits = logits + dense.linear(xp.tanh(z[:, 2 * r :]), w["markov.w2"])
+            logits = logits + linear(self.be, xp.tanh(z[:, 2 * r :]), w["markov.w2"])
         elif c.markov == "selector":
             logits = self._select(h, logits)
         if self.dr.has_confidence:
@@ -81,7 +83,7 @@ class Chain:
         terms by the array's shape, which would tie a session's score to its batch."""
         xp, w, K = self.be.xp, self.dr.w, self.c.selector_top_k
         cand = xp.argsort(-logits, axis=1, kind="stable")[:, :K]   # ties: the lower index first
-        ctx = w["selector.pred"][self.prev] * dense.linear(h, w["selector.hidden"])   # [B, rank]
+        ctx = w["selector.pred"][self.prev] * linear(self.be, h, w["selector.hidden"])   # [B, rank]
         scores = xp.take_along_axis(logits, cand, axis=1) + dense.halving_sum(ctx[:, None, :] * w["selector.succ"][cand])
         out = xp.full(logits.shape, -np.inf, np.float32)
         out[xp.arange(self.B)[:, None], cand] = scores

@@ -25,6 +25,7 @@ from ..ops.attention import attention
 from ..ops.checks import Staged
 from ..ops.gdn import gdn_scan
 from ..ops.kv_commit import kv_commit
+from ..ops.linear import linear
 from ..ops.norm import rmsnorm
 from ..ops.snapshot import checkpoint_select
 from ..ops.tables import PointerTable
@@ -79,7 +80,7 @@ class HybridTrunk:
     def __init__(self, config: TrunkConfig, weights: dict[str, np.ndarray], backend, dtype=None):
         """`weights` by our names (weights.trunk_spec), f32 / f16 / bf16 host arrays. `dtype` is
         the storage dtype of the matrices on the backend (default float32); vectors stay f32 and
-        all math is f32 (dspark.ops.dense)."""
+        all math is f32 (dspark.ops.linear)."""
         check_weights(weights, trunk_spec(config), "trunk", dtypes=STORAGE)
         dtype = np.dtype(np.float32 if dtype is None else dtype)
         if dtype not in STORAGE:
@@ -184,13 +185,13 @@ class HybridTrunk:
                 x = x + self._gdn(h, p, tables, ig, staged, out, commit, record_gdn, checkpoints)
                 ig += 1
             h = rmsnorm(be, x, w[p + "norm2"], c.norm_eps)
-            gate_up = dense.linear(h, w[p + "mlp.w_gate_up"])
+            gate_up = linear(self.be, h, w[p + "mlp.w_gate_up"])
             F = gate_up.shape[1] // 2
-            x = x + dense.linear(dense.swiglu(gate_up[:, :F], gate_up[:, F:]), w[p + "mlp.w_down"])
+            x = x + linear(self.be, dense.swiglu(gate_up[:, :F], gate_up[:, F:]), w[p + "mlp.w_down"])
             if i in tap_layers:
                 taps_of[i] = x
         out.taps = xp.concatenate([taps_of[i] for i in tap_layers], axis=1)
-        out.logits = dense.linear(rmsnorm(be, x, w["final_norm"], c.norm_eps), w["lm_head"])
+        out.logits = linear(self.be, rmsnorm(be, x, w["final_norm"], c.norm_eps), w["lm_head"])
         if commit:
             self.commit_rows(caches, out, lens)
         return out
@@ -208,7 +209,7 @@ class HybridTrunk:
     def _attention(self, h, p, caches, tables, ia, pos, indptr, rope, out):
         c, w, be = self.config, self.w, self.be
         rows, H, D, Hkv = h.shape[0], c.attn_heads, c.head_dim, c.attn_kv_heads
-        qkv = dense.linear(h, w[p + "attn.wqkv"])  # one GEMM: [q (and gate) | k | v]
+        qkv = linear(self.be, h, w[p + "attn.wqkv"])  # one GEMM: [q (and gate) | k | v]
         nq = H * D * (2 if c.attn_gate else 1)
         q, k, v = qkv[:, :nq], qkv[:, nq : nq + Hkv * D], qkv[:, nq + Hkv * D :]
         gate = None
@@ -231,12 +232,12 @@ class HybridTrunk:
         o = o.reshape(rows, -1).astype(np.float32)
         if gate is not None:
             o = o * dense.sigmoid(gate)
-        return dense.linear(o, w[p + "attn.wo"])
+        return linear(self.be, o, w[p + "attn.wo"])
 
     def _gdn(self, h, p, tables, ig, staged, out, commit, record, checkpoints):
         c, w, xp = self.config, self.w, self.be.xp
         rows, H, dv, C = h.shape[0], c.gdn_heads, c.gdn_dv, c.gdn_channels
-        proj = dense.linear(h, w[p + "gdn.w_in"])  # one GEMM: [qkv (C) | z (H dv) | a (H) | b (H)]
+        proj = linear(self.be, h, w[p + "gdn.w_in"])  # one GEMM: [qkv (C) | z (H dv) | a (H) | b (H)]
         mixed = xp.ascontiguousarray(proj[:, :C])
         z = proj[:, C : C + H * dv].reshape(rows, H, dv)
         a = xp.ascontiguousarray(proj[:, C + H * dv : C + H * dv + H])
@@ -252,7 +253,7 @@ class HybridTrunk:
         o = self._scan(p, mixed, a, b, tables.states[ig], tables.convs[ig], staged, commit=commit, state_ckpt=sck,
                        conv_ckpt=cck)
         o = rmsnorm(self.be, o, w[p + "gdn.o_norm"], c.norm_eps) * dense.silu(z)
-        return dense.linear(o.reshape(rows, H * dv), w[p + "gdn.wo"])
+        return linear(self.be, o.reshape(rows, H * dv), w[p + "gdn.wo"])
 
     def _scan(self, p, mixed, a, b, states, convs, indptr, **kw):
         c, w = self.config, self.w

@@ -153,8 +153,8 @@ def to_backend(be, weights: dict[str, np.ndarray]) -> dict:
 
 
 # Projections of one layer input, stored side by side as one [in, sum of outs] matrix so that one
-# GEMM computes them all (fewer launches; the fixed row chunks of dense.linear, and with them row
-# invariance, are unchanged: fusing only widens N). Each part stays reachable under its own name
+# GEMM computes them all (fewer launches; dspark.ops.linear's summation order per output, and with
+# it row invariance, is unchanged: fusing only widens N). Each part stays reachable under its own name
 # as a column view of the fused matrix. A fused matrix's columns may round differently from the
 # part's own product on some BLAS, never differently between rows or batches.
 FUSED = {"attn.wqkv": ("attn.wq", "attn.wk", "attn.wv"), "gdn.w_in": ("gdn.w_qkv", "gdn.w_z", "gdn.w_a", "gdn.w_b"),

@@ -1,22 +1,13 @@
-"""Row-invariant model glue: GEMM, RoPE, SwiGLU, sigmoid, a shape-independent sum.
+"""Row-invariant model glue: RoPE, SwiGLU, sigmoid, a shape-independent sum, exact widening.
 
 These run as array ops on the backend's array module (NumPy, or CuPy on `cuda`). Each is written
 so that a row's result never depends on how many rows share the call (DESIGN section 3):
 
-* `linear` multiplies in fixed-shape chunks of ROW_CHUNK rows (zero-padded). BLAS picks its
-  algorithm, and so its reduction order, by shape (a 1-row product is a GEMV), so a plain
-  `x @ W` over a batch is not row-invariant; a fixed [ROW_CHUNK, K] x [K, N] product is. cuBLAS
-  chooses its kernel (tile shape, split-K) from M, N and K by heuristics that change between
-  versions and GPUs, so the chunks stay on `cuda` too: tests/gpu/test_gemm_rows.py asks the GPU
-  whether an unchunked product happens to be row-invariant there, and the GPU check reports it.
-  Projections of one layer input are fused along N (dspark.models.weights.FUSED): one GEMM per
-  input, the same M chunks.
+* The GEMM: dspark.ops.linear (a kernel reading the weights as stored, f32/f16/bf16, in one fixed
+  order per output on simt and cuda; fixed-shape BLAS chunks on numpy). Projections of one layer
+  input are fused along N (dspark.models.weights.FUSED): one GEMM per input.
 * Norms: dspark.ops.norm (a kernel with one fixed order per row on simt and cuda). Any other sum
   over an axis of per-row data uses `halving_sum`.
-
-Weights may be stored in f16 or bf16 (a trunk loaded with dtype=...): `linear` widens the whole
-matrix to f32 for each call, exactly, so a product is bitwise the one an f32 copy of the same
-values gives; the math is f32 either way and only memory changes.
 """
 
 from __future__ import annotations
@@ -28,8 +19,6 @@ import numpy as np
 from ..backends import array_module as _xp
 from ..dtypes import BF16
 
-ROW_CHUNK = 8
-
 
 def widen(w):
     """f32 view or exact f32 copy of an f32 / f16 / bf16 array (bf16: the 16 bits shifted into
@@ -39,24 +28,6 @@ def widen(w):
     if w.dtype == BF16:
         return (w.view(np.uint16).astype(np.uint32) << 16).view(np.float32)
     return w.astype(np.float32)
-
-
-def linear(x, w):
-    """x [rows, K] @ w [K, N] in fixed chunks of ROW_CHUNK rows, f32 (w may be stored f16/bf16)."""
-    xp = _xp(x)
-    w = widen(w)
-    rows, k = x.shape
-    out = xp.empty((rows, w.shape[1]), dtype=np.float32)
-    if rows == 0:
-        return out
-    full = rows - rows % ROW_CHUNK
-    for r in range(0, full, ROW_CHUNK):
-        out[r : r + ROW_CHUNK] = x[r : r + ROW_CHUNK] @ w
-    if full < rows:
-        pad = xp.zeros((ROW_CHUNK, k), dtype=x.dtype)
-        pad[: rows - full] = x[full:]
-        out[full:] = (pad @ w)[: rows - full]
-    return out
 
 
 def halving_sum(x):

@@ -78,31 +78,32 @@ class Plan:
 # ---- zero-at-rest scratch -------------------------------------------------------------------------
 @dataclass
 class _Pool:
+    alloc: object            # the allocator its arrays come from (held: its id keys the pool)
     tickets: object = None   # uint32: one counter per row (or session) of a launch
     hist: object = None      # uint64: RADIX_BINS words per row of a sampling launch
 
 
-_POOLS: dict[str, _Pool] = {}
+_POOLS: dict[int, _Pool] = {}  # id(backend allocator) -> its pool (two backends of one name keep two)
 
 
-def _grown(be, arr, n: int, dtype):
+def _grown(alloc, arr, n: int, dtype):
     if arr is not None and arr.shape[0] >= n:
         return arr
     if arr is not None:
-        be.alloc.free(arr)
+        alloc.free(arr)
     size = max(n, 2 * (arr.shape[0] if arr is not None else 0), 64)
-    return be.alloc.zeros(size, dtype, OWNER)
+    return alloc.zeros(size, dtype, OWNER)
 
 
 def scratch(be, tickets: int, hist_rows: int = 0):
     """(tickets uint32 [>= tickets], hist uint64 [>= hist_rows * RADIX_BINS] or None): zeroed
     once when allocated; every kernel puts back to 0 what it used (the last CTA resets them), so
-    they stay zero between launches and a recorded launch can be replayed. One pool per backend:
-    its launches must not overlap (they share one stream)."""
-    pool = _POOLS.setdefault(be.name, _Pool())
-    pool.tickets = _grown(be, pool.tickets, max(1, tickets), np.uint32)
+    they stay zero between launches and a recorded launch can be replayed. One pool per backend
+    (per allocator): its launches must not overlap (they share one stream)."""
+    pool = _POOLS.setdefault(id(be.alloc), _Pool(be.alloc))
+    pool.tickets = _grown(pool.alloc, pool.tickets, max(1, tickets), np.uint32)
     if hist_rows:
-        pool.hist = _grown(be, pool.hist, hist_rows * RADIX_BINS, np.uint64)
+        pool.hist = _grown(pool.alloc, pool.hist, hist_rows * RADIX_BINS, np.uint64)
     return pool.tickets, (pool.hist if hist_rows else None)
 
 
@@ -112,8 +113,8 @@ def launch(be, kernel: str, grid: int, block: int, args: tuple, shared_mem: int 
     try:
         be.kernels.get_function(kernel)((grid,), (block,), args, shared_mem=shared_mem)
     except BaseException:
-        pool = _POOLS.pop(be.name, None)
+        pool = _POOLS.pop(id(be.alloc), None)
         for arr in (pool.tickets, pool.hist) if pool else ():
             if arr is not None:
-                be.alloc.free(arr)
+                pool.alloc.free(arr)
         raise

@@ -16,7 +16,7 @@ from typing import Callable
 
 import numpy as np
 
-from dspark.ops import argmax, attention, gdn, kv_commit, sampling, snapshot
+from dspark.ops import argmax, attention, gdn, kv_commit, linear, sampling, snapshot
 from dspark.philox import Tag
 
 F32, I32 = np.float32, np.int32
@@ -55,6 +55,11 @@ def _markov(rng):
     return {"logits": _logits(rng, B * nd, V), "w1": (0.3 * rng.standard_normal((V, r))).astype(F32),
             "w2": (0.3 * rng.standard_normal((r, V))).astype(F32), "anchors": rng.integers(0, V, B).astype(I32),
             "out": np.full((B, nd), -7, I32)}
+
+
+def _linear(rng):  # f16 weights (torch has no ml_dtypes bf16), ragged N, two K splits
+    return {"x": rng.standard_normal((3, 600)).astype(F32),
+            "w": (0.05 * rng.standard_normal((600, 130))).astype(np.float16), "out": np.full((3, 130), -7, F32)}
 
 
 def _attention(mode):
@@ -158,6 +163,7 @@ CASES = [
         be, a["logits"], a["cand"], a["col_indptr"], m_out=a["m_out"], next_out=a["next_out"]), ("m_out", "next_out")),
     Case("markov_chain", _markov, lambda be, a: argmax.markov_chain(
         be, a["logits"], a["w1"], a["w2"], a["anchors"], 3, out=a["out"]), ("out",)),
+    Case("linear", _linear, lambda be, a: linear.linear(be, a["x"], a["w"], out=a["out"]), ("out",)),
     Case("attention_causal", _attention("causal"), lambda be, a: attention.attention(
         be, a["q"], a["k_blk"], a["v_blk"], a["k_caches"], a["v_caches"], a["pos"], a["row_indptr"], out=a["out"]),
          ("out",)),
@@ -191,7 +197,7 @@ CASES = [
         next_out=a["next_out"], source_out=a["source_out"]), ("m_out", "next_out", "source_out")),
     Case("philox_random", _philox, lambda be, a: sampling.philox_random(be, a["ctr"], a["key"]), ()),
 ]
-OPS = {"argmax_rows", "greedy_accept", "markov_chain", "attention", "kv_commit", "gdn_scan", "snapshot_save",
+OPS = {"argmax_rows", "greedy_accept", "markov_chain", "linear", "attention", "kv_commit", "gdn_scan", "snapshot_save",
        "snapshot_restore", "checkpoint_select", "sample_filtered", "filtered_probs", "speculative_accept",
        "philox_random"}  # every public op of dspark.ops, covered by CASES
 

@@ -12,6 +12,7 @@ from dspark.models.config import TrunkConfig, from_json, to_json
 from dspark.session import DsparkSpecSession, SpecParams
 from dspark.models import DsparkDrafter, HybridTrunk
 from dspark.ops import dense
+from dspark.ops.linear import linear
 from dspark.models.presets import QWEN35_CONVENTIONS, TINY_TRUNK, tiny_pair as small_pair
 
 # every row-invariance property on the embedded trunk's conventions and on Qwen3.5's
@@ -167,8 +168,8 @@ def test_bad_tokens_are_refused(numpy_backend):
     assert c.pos == 0
 
 
-def test_plain_batched_matmul_is_not_row_invariant_here_but_linear_is(rng):
-    """Why `dense.linear` chunks rows: this BLAS computes a lone row (GEMV) differently from the
+def test_plain_batched_matmul_is_not_row_invariant_here_but_linear_is(numpy_backend, rng):
+    """Why the numpy backend's `linear` chunks rows: this BLAS computes a lone row (GEMV) differently from the
     same row inside a batch (GEMM). If a BLAS ever happens to agree, the test still pins that
     `linear` is invariant and says which case it saw."""
     K, N = TINY_TRUNK.d_model, 1024
@@ -176,11 +177,11 @@ def test_plain_batched_matmul_is_not_row_invariant_here_but_linear_is(rng):
     x = rng.standard_normal((64, K)).astype(np.float32)
     plain_invariant = all(np.array_equal((x[:m] @ w)[0], (x[:1] @ w)[0]) for m in (2, 3, 8, 17, 64))
     print("plain x @ W row-invariant on this BLAS:", plain_invariant)
-    full = dense.linear(x, w)
+    full = linear(numpy_backend, x, w)
     for m in (1, 2, 3, 7, 8, 9, 17, 64):
-        assert np.array_equal(dense.linear(x[:m], w), full[:m])
+        assert np.array_equal(linear(numpy_backend, x[:m], w), full[:m])
     for i in (0, 5, 13):
-        assert np.array_equal(dense.linear(x[i : i + 1], w)[0], full[i])
+        assert np.array_equal(linear(numpy_backend, x[i : i + 1], w)[0], full[i])
 
 
 def test_norm_glue_is_row_invariant(numpy_backend, rng):
@@ -201,14 +202,14 @@ def test_norm_glue_is_row_invariant(numpy_backend, rng):
     np.testing.assert_array_equal(partial_full[..., 16:], x[..., 16:])  # past the rotary dims: untouched
 
 
-def test_bf16_storage_is_exact_widening(rng):
+def test_bf16_storage_is_exact_widening(numpy_backend, rng):
     """linear on bf16-stored weights equals linear on their f32 values, bitwise, alone or batched."""
     from dspark.dtypes import BF16
     w = rng.standard_normal((64, 96)).astype(BF16)
     x = rng.standard_normal((11, 64)).astype(np.float32)
-    full = dense.linear(x, w)
-    assert np.array_equal(full, dense.linear(x, w.astype(np.float32)))
-    assert np.array_equal(dense.linear(x[3:4], w)[0], full[3])
+    full = linear(numpy_backend, x, w)
+    assert np.array_equal(full, linear(numpy_backend, x, w.astype(np.float32)))
+    assert np.array_equal(linear(numpy_backend, x[3:4], w)[0], full[3])
 
 
 def test_default_taps_follow_the_per_call_rule(numpy_backend, rng):
