@@ -83,20 +83,26 @@ def storage_dtype(xp, dtype):
     return dtype if supports(xp, dtype) else np.dtype(np.float16)
 
 
+def calls(sizes):
+    """(batch, context, mode, vt) of every call the benchmark makes at `sizes`."""
+    for batch in sizes["batches"]:
+        for context in sizes["contexts"]:
+            for mode, vt in WIDTHS:
+                yield batch, context, mode, vt
+
+
 def print_plans() -> None:
     """The launch plans at the GPU sizes: what each call moves and how many CTAs share it."""
     for model, shape in GPU_MODELS.items():
         hkv, gqa, d = shape["hkv"], shape["gqa"], shape["head_dim"]
         print(f"\n{model}: Hq={hkv * gqa} Hkv={hkv} D={d} bf16 (launch plans, nothing run)")
         rows = []
-        for batch in GPU_SIZES["batches"]:
-            for context in GPU_SIZES["contexts"]:
-                for mode, vt in WIDTHS:
-                    p = launch_plan([vt] * batch, [context] * batch, hq=hkv * gqa, hkv=hkv, head_dim=d, dtype=BF16)
-                    partials = (p.bytes["partials_written"] + p.bytes["partials_read"]) / p.total_bytes
-                    rows.append([mode, batch, context, vt, f"{p.strategy} x{p.launches}", p.ctas, p.max_splits,
-                                 int(p.cta_keys.max()), f"{p.total_bytes / 1e6:.1f}", f"{partials:.1%}",
-                                 f"{p.shared_mem // 1024}K", seconds(predicted(p))])
+        for batch, context, mode, vt in calls(GPU_SIZES):
+            p = launch_plan([vt] * batch, [context] * batch, hq=hkv * gqa, hkv=hkv, head_dim=d, dtype=BF16)
+            partials = (p.bytes["partials_written"] + p.bytes["partials_read"]) / p.total_bytes
+            rows.append([mode, batch, context, vt, f"{p.strategy} x{p.launches}", p.ctas, p.max_splits,
+                         int(p.cta_keys.max()), f"{p.total_bytes / 1e6:.1f}", f"{partials:.1%}",
+                         f"{p.shared_mem // 1024}K", seconds(predicted(p))])
         print(table(["mode", "B", "context", "vt", "plan", "CTAs", "splits", "max keys", "MB", "partials", "smem",
                      "H200 model"], rows))
 
@@ -126,22 +132,20 @@ def main(argv=None) -> None:
         hkv, gqa, d = shape["hkv"], shape["gqa"], shape["head_dim"]
         print(f"\n{model}: backend {be.name}, Hq={hkv * gqa} Hkv={hkv} D={d} {dtype.name}")
         rows = []
-        for batch in sizes["batches"]:
-            for context in sizes["contexts"]:
-                for mode, vt in WIDTHS:
-                    inputs = make_inputs(be, batch, context, vt, hkv, gqa, d, dtype)
-                    p = launch_plan([vt] * batch, [context] * batch, hq=hkv * gqa, hkv=hkv, head_dim=d, dtype=dtype)
-                    t = clock.median(replay(record(be, inputs.op)))
-                    partials = (p.bytes["partials_written"] + p.bytes["partials_read"]) / p.total_bytes
-                    row = [mode, batch, context, vt, f"{p.strategy} x{p.launches}", p.ctas, f"{p.total_bytes / 1e6:.2f}",
-                           f"{partials:.1%}", f"{inputs.bytes / 1e6:.2f}", seconds(t), f"{p.total_bytes / t / 1e9:.2f}",
-                           seconds(predicted(p)), f"{t / predicted(p):.2f}x"]
-                    if gpu:
-                        row.append(f"{inputs.bytes / t / copy_bw:.1%}")
-                    rows.append(row)
-                    del inputs
-                    if gpu:
-                        be.xp.get_default_memory_pool().free_all_blocks()
+        for batch, context, mode, vt in calls(sizes):
+            inputs = make_inputs(be, batch, context, vt, hkv, gqa, d, dtype)
+            p = launch_plan([vt] * batch, [context] * batch, hq=hkv * gqa, hkv=hkv, head_dim=d, dtype=dtype)
+            t = clock.median(replay(record(be, inputs.op)))
+            partials = (p.bytes["partials_written"] + p.bytes["partials_read"]) / p.total_bytes
+            row = [mode, batch, context, vt, f"{p.strategy} x{p.launches}", p.ctas, f"{p.total_bytes / 1e6:.2f}",
+                   f"{partials:.1%}", f"{inputs.bytes / 1e6:.2f}", seconds(t), f"{p.total_bytes / t / 1e9:.2f}",
+                   seconds(predicted(p)), f"{t / predicted(p):.2f}x"]
+            if gpu:
+                row.append(f"{inputs.bytes / t / copy_bw:.1%}")
+            rows.append(row)
+            del inputs
+            if gpu:
+                be.xp.get_default_memory_pool().free_all_blocks()
         headers = ["mode", "B", "context", "vt", "plan", "CTAs", "MB", "partials", "min MB", "time", "GB/s",
                    "predicted", "measured/predicted"]
         print(table(headers + (["of copy"] if gpu else []), rows))

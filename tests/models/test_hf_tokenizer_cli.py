@@ -1,8 +1,6 @@
 """load_tokenizer against transformers' tokenizer of the same tokenizer.json, and the command line
 on a Hugging Face target (--model) with and without a released drafter (--drafter)."""
 
-import os
-
 import numpy as np
 import pytest
 
@@ -10,6 +8,7 @@ from dspark.cli import main
 from dspark.decode import plain_generate
 from dspark.models.hf import CheckpointError, load_target, load_tokenizer
 from tests.models.hf_models import CASES, build, reference, require_transformers
+from tests.peers import peer
 
 TEXTS = ["def walk(root):\n    return os.listdir(root)\n", "naïve café — 東京 🙂", "", "   spaces   ", "x" * 40]
 
@@ -97,12 +96,7 @@ def drafter_dirs(model_dir, tmp_path_factory, numpy_backend):
     generate test's prompts, so its chain proposes what the target will say and the command line
     shows rounds that accept."""
     torch, _ = require_transformers()
-    try:
-        import dflash  # noqa: F401  (the z-lab peer builds one of the drafters)
-    except ImportError as e:
-        if os.environ.get("CI") == "true":
-            pytest.fail(f"the dflash peer is required in CI: {e}")
-        pytest.skip(f"dflash is not installed ({e})")
+    peer("dflash")  # the z-lab peer builds one of the drafters
     from dspark.cli import DEMO_PROMPT
     from tests.models import drafter_peers as peers
     target = reference(CASES[0], model_dir)

@@ -2,22 +2,12 @@
 round's accepted block where its label says (at the EOS or at the budget), with the end token
 both as the cut round's anchor and as one of its accepted drafts."""
 
-import importlib.util
 import re
-import sys
-from pathlib import Path
 
-GATE = Path(__file__).resolve().parents[2] / "profiling" / "e2e_gate.py"
+from tests.scripts import load_script
+
 LINE = re.compile(r"^EXACT  .* cut=(\w+) +lead=(\d) .* cuts eos=(\d+) budget=(\d+); .*last round: (\w+) token as "
                   r"(anchor|draft \d+), (\d+) accepted tokens cut$")
-
-
-def load_gate():
-    spec = importlib.util.spec_from_file_location("e2e_gate", GATE)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod  # its dataclasses look the module up
-    spec.loader.exec_module(mod)
-    return mod
 
 
 def check_cuts(out: str, cases: int) -> None:
@@ -33,7 +23,7 @@ def check_cuts(out: str, cases: int) -> None:
 
 
 def test_gate_numpy_all_cases(capsys):
-    gate = load_gate()
+    gate = load_script("e2e_gate")
     assert len(gate.cases(quick=False)) >= 24
     rc = gate.main(["--backend", "numpy"])
     out = capsys.readouterr().out
@@ -43,7 +33,7 @@ def test_gate_numpy_all_cases(capsys):
 
 
 def test_gate_simt_quick(capsys, simt):
-    gate = load_gate()
+    gate = load_script("e2e_gate")
     rc = gate.main(["--backend", "simt", "--quick"])
     out = capsys.readouterr().out
     print(out)

@@ -35,6 +35,13 @@ def pair(be, seed, layout="vanilla", **trunk):
     return t, d
 
 
+def finish_as_plain(trunk, sessions, prompts, budget):
+    """Run the batch's remaining rounds; every session's stream must be plain decode's."""
+    while not all(s.finished() for s in sessions):
+        spec_round([s for s in sessions if not s.finished()])
+    assert [s.emitted for s in sessions] == [plain_generate(trunk, p, budget) for p in prompts]
+
+
 def snapshot_of(be, s):
     """Everything a failed round must leave as it was."""
     host = be.to_host
@@ -49,8 +56,8 @@ def test_nan_in_the_drafters_logits_raises_and_changes_nothing(round_backend, la
     slot logits raises naming session 1, and no session of the batch has changed."""
     be = round_backend
     trunk, drafter = pair(be, 21, layout)
-    sessions = [DsparkSpecSession.prime(trunk, drafter, prompt(np.random.default_rng(i), 9 + i),
-                                        SpecParams(max_new_tokens=30)) for i in range(3)]
+    ps = [prompt(np.random.default_rng(i), 9 + i) for i in range(3)]
+    sessions = [DsparkSpecSession.prime(trunk, drafter, p, SpecParams(max_new_tokens=30)) for p in ps]
     spec_round(sessions)
     before = [snapshot_of(be, s) for s in sessions]
     nd = drafter.config.drafts
@@ -66,10 +73,7 @@ def test_nan_in_the_drafters_logits_raises_and_changes_nothing(round_backend, la
         spec_round(sessions)
     assert [snapshot_of(be, s) for s in sessions] == before
     del drafter.draft
-    while not all(s.finished() for s in sessions):
-        spec_round([s for s in sessions if not s.finished()])
-    for i, s in enumerate(sessions):
-        assert s.emitted == plain_generate(trunk, prompt(np.random.default_rng(i), 9 + i), 30)
+    finish_as_plain(trunk, sessions, ps, 30)
 
 
 @pytest.mark.parametrize("rollback", ["checkpoint", "replay"])
@@ -80,8 +84,8 @@ def test_nan_in_the_verify_logits_raises_and_changes_nothing(round_backend, roll
     be = round_backend
     trunk, drafter = pair(be, 22)
     params = SpecParams(max_new_tokens=30, rollback=rollback)
-    sessions = [DsparkSpecSession.prime(trunk, drafter, prompt(np.random.default_rng(i), 12 + i), params)
-                for i in range(3)]
+    ps = [prompt(np.random.default_rng(i), 12 + i) for i in range(3)]
+    sessions = [DsparkSpecSession.prime(trunk, drafter, p, params) for p in ps]
     spec_round(sessions)
     before = [snapshot_of(be, s) for s in sessions]
     real = trunk.verify
@@ -96,10 +100,7 @@ def test_nan_in_the_verify_logits_raises_and_changes_nothing(round_backend, roll
         spec_round(sessions)
     assert [snapshot_of(be, s) for s in sessions] == before
     del trunk.verify
-    while not all(s.finished() for s in sessions):
-        spec_round([s for s in sessions if not s.finished()])
-    for i, s in enumerate(sessions):
-        assert s.emitted == plain_generate(trunk, prompt(np.random.default_rng(i), 12 + i), 30)
+    finish_as_plain(trunk, sessions, ps, 30)
 
 
 # ---- pointer tables per batch ---------------------------------------------------------------------------
@@ -148,9 +149,7 @@ def test_a_stale_table_is_never_used(backend, request):
     spec_round(sessions)
     spec_round(sessions[1:])                  # the batch changes: session 0 sits this round out
     spec_round(sessions[::-1])                # and another order
-    while not all(s.finished() for s in sessions):
-        spec_round([s for s in sessions if not s.finished()])
-    assert [s.emitted for s in sessions] == [plain_generate(trunk, p, 26) for p in ps]
+    finish_as_plain(trunk, sessions, ps, 26)
 
 
 # ---- rollback from a verify that never writes the state -----------------------------------------------

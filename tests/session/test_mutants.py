@@ -2,23 +2,16 @@
 exist, a stale snippet is an error (never a kill), and one mutant is really applied to a copy
 and killed. CI runs the whole table (.ci/run)."""
 
-import importlib.util
-import sys
 from dataclasses import replace
-from pathlib import Path
 
 import pytest
 
-RUNNER = Path(__file__).resolve().parents[2] / "profiling" / "mutants.py"
+from tests.scripts import load_script
 
 
 @pytest.fixture(scope="module")
 def mutants():
-    spec = importlib.util.spec_from_file_location("mutants", RUNNER)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod  # its dataclasses look the module up
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("mutants")
 
 
 def test_the_table_covers_the_bug_classes(mutants):
