@@ -1,14 +1,16 @@
-// linear: out f32 [rows, N] = x f32 [rows, K] @ w [K, N], w row-major as stored (f32, f16 or bf16),
-// f32 multiplies and adds. Built for speculation's skinny GEMMs (1 .. 16 rows, K and N in the
-// thousands): memory-bound, so each weight is read once per row tile, as stored, with 16-byte loads.
+// linear: out f32 [rows, N] = x f32 [rows, K] @ w [K, N], w row-major as stored.
+//
+// f32 weights (linear_f32, below): f32 multiplies and adds on CUDA cores. Built for speculation's
+// skinny GEMMs (1 .. 16 rows, K and N in the thousands): memory-bound, so each weight is read once
+// per row tile, as stored, with 16-byte loads. The template serves any storage dtype; 16-bit
+// weights take the tensor-core GEMM instead (linear_mma_<dt>_m<BM>, linear_mma.cuh, at the end).
 //
 // linear_<dt>(x [rows, K], w [K, N], rows, K, N, kchunk, splits, out [rows, N], part, tickets)
 //   Columns: CTA tiles of C = 32 * E columns, E = 16 / sizeof(T) (one 16-byte vector per lane:
 //   128 columns for f32, 256 for f16/bf16); T = ceil(N / C) tiles. K: `splits` CTAs per tile,
 //   split s taking rows [s * kchunk, min(K, (s + 1) * kchunk)) of w. grid.x = T * splits,
 //   CTA x = tile * splits + s; block 128 = 4 warps. The host (dspark.ops.linear.split_plan) picks
-//   kchunk and splits from (K, N) alone, never from rows (nor from the dtype: a 16-bit w gives
-//   bitwise the product of its f32 widening).
+//   kchunk and splits from (K, N) alone, never from rows.
 //   Rows go in tiles of 16 inside the CTA (any rows: the CTA loops over the tiles); lane l of warp
 //   g holds columns [tile * C + l * E, + E) of every row of the tile and walks k = lo + g, lo + g + 4,
 //   ... (4 vectors in flight), reading x[r, k] as a warp-wide broadcast.
@@ -146,5 +148,31 @@ DSPARK_DEVICE void linear_gemm(const float* __restrict__ x, const T* __restrict_
   }
 
 DSPARK_LINEAR_ENTRY(f32, float)
-DSPARK_LINEAR_ENTRY(f16, f16_t)
-DSPARK_LINEAR_ENTRY(bf16, bf16_t)
+
+// ---- 16-bit weights: the tensor-core GEMM (linear_mma.cuh) ------------------------------------------
+// linear_mma_<dt>_m<BM>: one entry per weight dtype and tile shape (BM rows per tile); the header of
+// linear_mma.cuh states the order every shape shares. Devices without tensor cores never run them
+// (dspark.ops.linear refuses 16-bit weights there).
+#include "linear_mma.cuh"
+
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 800
+#define DSPARK_LINEAR_MMA_BODY(T, CFG) __trap();
+#else
+#define DSPARK_LINEAR_MMA_BODY(T, CFG) linear_mma<T, CFG>(x, w, rows, K, N, kchunk, grid_splits, out, part, tickets);
+#endif
+
+#define DSPARK_LINEAR_MMA_ENTRY(SUF, T, BM, CFG)                                                               \
+  extern "C" __global__ void __launch_bounds__(CFG::THREADS) linear_mma_##SUF##_m##BM(                      \
+      const float* __restrict__ x, const T* __restrict__ w, int rows, int K, int N, int kchunk, int grid_splits, \
+      float* __restrict__ out, float* __restrict__ part, unsigned* __restrict__ tickets) {                   \
+    DSPARK_LINEAR_MMA_BODY(T, CFG)                                                                           \
+  }
+
+DSPARK_LINEAR_MMA_ENTRY(bf16, bf16_t, 16, MmaGemmM16)
+DSPARK_LINEAR_MMA_ENTRY(bf16, bf16_t, 32, MmaGemmM32)
+DSPARK_LINEAR_MMA_ENTRY(bf16, bf16_t, 64, MmaGemmM64)
+DSPARK_LINEAR_MMA_ENTRY(bf16, bf16_t, 128, MmaGemmM128)
+DSPARK_LINEAR_MMA_ENTRY(f16, f16_t, 16, MmaGemmM16)
+DSPARK_LINEAR_MMA_ENTRY(f16, f16_t, 32, MmaGemmM32)
+DSPARK_LINEAR_MMA_ENTRY(f16, f16_t, 64, MmaGemmM64)
+DSPARK_LINEAR_MMA_ENTRY(f16, f16_t, 128, MmaGemmM128)

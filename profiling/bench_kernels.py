@@ -329,8 +329,9 @@ def norm_benches(be, s: Sizes) -> Iterator[Bench]:
 
 # ---- linear: the MLP's GEMMs, bf16 weights as stored ---------------------------------------------------
 def linear_benches(be, s: Sizes) -> Iterator[Bench]:
-    """linear_bf16 over a decode step's rows (B) and a verify's (B * vt) for the MLP's two
-    projections (gate|up fused, down): bytes from the plan's min_bytes (the weights once, x, out)."""
+    """The tensor-core GEMM (linear_mma_bf16_m<BM>, the tile shape its plan picks) over a decode
+    step's rows (B) and a verify's (B * vt) for the MLP's two projections (gate|up fused, down):
+    bytes from the plan's min_bytes (the weights once, x, out)."""
     d, f = s.d_model, s.mlp_hidden
     for proj, k, n in (("gate|up", d, 2 * f), ("down", f, d)):
         w = randn(be, (k, n), BF16, scale=float(1 / np.sqrt(k)))
@@ -339,7 +340,7 @@ def linear_benches(be, s: Sizes) -> Iterator[Bench]:
                 x, out = randn(be, (rows, k)), be.xp.empty((rows, n), np.float32)
                 plan = linear_plan(rows, k, n, 2)
                 yield Bench("linear", case, {"proj": proj, "B": B, "rows": rows, "K": k, "N": n, "S": plan.splits},
-                            plan.min_bytes, 2 * rows * k * n, ("linear_bf16",),
+                            plan.min_bytes, 2 * rows * k * n, (f"linear_mma_bf16_m{plan.notes['bm']}",),
                             lambda b, x=x, w=w, o=out: linear(b, x, w, out=o),
                             pm.linear("bench", proj, rows, k, n, 2, pm.H200)[0].time)
 

@@ -187,13 +187,16 @@ def even(total: float, ctas: int) -> np.ndarray:
 
 # ---- GEMMs (dspark.ops.linear) ---------------------------------------------------------------------------
 def linear(phase, name, rows, k, n, wb, dev, kind="weights") -> list[Kernel]:
-    """linear_<dt> of [rows, K] @ [K, N] stored with wb bytes per element, from its launch plan
-    (dspark.ops.linear.linear_plan): one launch, the weights at their stored width once per
-    16-row tile, and the K-split partials written and read back by the last CTA of each column tile."""
+    """The GEMM of [rows, K] @ [K, N] stored with wb bytes per element, from its launch plan
+    (dspark.ops.linear.linear_plan): one launch, the weights at their stored width once per row
+    tile, and the K-split partials written and read back by the last CTA of each column tile. f32
+    weights: linear_f32, f32 math on CUDA cores; 16-bit: linear_mma, the MMAs' executed flops
+    (padded tiles) at the tensor-core rate."""
     p = linear_ops.linear_plan(rows, k, n, wb)
     (run,) = p.launches
-    return [planned(phase, name, kind, even(p.bytes, run.ctas), p.notes["flops"], run.threads, run.shared_mem, dev,
-                    min_bytes=p.min_bytes)]
+    mma = "mma_flops" in p.notes
+    return [planned(phase, name, kind, even(p.bytes, run.ctas), p.notes["mma_flops" if mma else "flops"], run.threads,
+                    run.shared_mem, dev, rate=dev.mma if mma else None, min_bytes=p.min_bytes)]
 
 
 # ---- the trunk pass ---------------------------------------------------------------------------------------
@@ -427,7 +430,7 @@ def round_moves(shape: Shape, vts, keeps, rollback: str = "checkpoint", ingest=N
 
 # CuPy array ops per pass, counted on the CuPy contract path (tests/profiling/test_perf_model.py
 # recounts them): per layer, per pass, and the round's own (draft harvest, confidence, accept,
-# commit, ingest). GEMMs are dspark launches (linear_<dt>), none of these.
+# commit, ingest). GEMMs are dspark launches (linear_f32, linear_mma_<dt>_m<BM>), none of these.
 LAUNCH_GLUE = {"attn": 26, "attn_conventions": 7, "gdn": 17, "pass": 8, "drafter_layer": 23, "round": 30}
 
 
@@ -566,7 +569,7 @@ def main(argv=None) -> int:
     d = H200
     print(f"{d.name}: copy {d.bw / 1e12:.1f} TB/s, bf16 MMA {d.mma / 1e12:.0f} TFLOP/s, f32 {d.f32 / 1e12:.0f} TFLOP/s, "
           f"launch {d.launch * 1e6:.0f} us, sync {d.sync * 1e6:.0f} us, {d.sms} SMs; GEMMs "
-          f"linear_<dt> (weights read as stored); "
+          f"linear_f32 / linear_mma (weights read as stored); "
           f"rollback {a.rollback}; speedup at mean accepted length {a.accepted}")
     for m in a.model:
         print(f"  {table_of[m].label}: {table_of[m].source}")

@@ -79,8 +79,9 @@ class TrunkTables:
 class HybridTrunk:
     def __init__(self, config: TrunkConfig, weights: dict[str, np.ndarray], backend, dtype=None):
         """`weights` by our names (weights.trunk_spec), f32 / f16 / bf16 host arrays. `dtype` is
-        the storage dtype of the matrices on the backend (default float32); vectors stay f32 and
-        all math is f32 (dspark.ops.linear)."""
+        the storage dtype of the matrices on the backend (default float32); vectors stay f32.
+        f32 matrices multiply in f32; 16-bit ones, on the kernel backends, take the tensor-core
+        GEMM (activations rounded to their type, f32 sums: dspark.ops.linear)."""
         check_weights(weights, trunk_spec(config), "trunk", dtypes=STORAGE)
         dtype = np.dtype(np.float32 if dtype is None else dtype)
         if dtype not in STORAGE:

@@ -1,30 +1,45 @@
-"""The model's GEMM, out f32 [rows, N] = x f32 [rows, K] @ w [K, N] (kernel: csrc/linear.cu).
+"""The model's GEMM, out f32 [rows, N] = x f32 [rows, K] @ w [K, N] (kernels: csrc/linear.cu,
+csrc/linear_mma.cuh).
 
-Weights stay as stored (f32, f16 or bf16) and the math is f32. Row invariance (DESIGN section 3)
-needs each output's summation order to be a function of the shapes alone, never of `rows`:
+Weights stay as stored (f32, f16 or bf16). Row invariance (DESIGN section 3) needs each output's
+summation order to be a function of the shapes alone, never of `rows`:
 
-* simt and cuda run `linear_<dt>`: column tiles of 32 16-byte vectors per CTA, K cut into
-  `splits` chunks of `kchunk` rows (`split_plan`: from K and N alone, enough CTAs to fill an
-  H200 at one row), 4 warps per chunk; the last CTA of a tile adds the chunks'
-  partials in index order. It reads each weight once per 16 rows (ROW_TILE), at its stored width.
-  `linear_ref` is its NumPy twin, bit for bit (the kernel tests compare them with array_equal).
+* f32 weights on simt and cuda run `linear_f32` (CUDA cores, f32 multiplies and adds): column
+  tiles of 32 16-byte vectors per CTA, K cut into `splits` chunks of `kchunk` rows (`split_plan`:
+  from K and N alone, enough CTAs to fill an H200 at one row), 4 warps per chunk; the last CTA of
+  a tile adds the chunks' partials in index order. It reads each weight once per 16 rows
+  (ROW_TILE). `linear_ref` is its NumPy twin, bit for bit (the kernel tests compare them with
+  array_equal).
+* 16-bit weights on simt and cuda run the tensor-core GEMM `linear_mma_<dt>_m<BM>`: the
+  activations rounded to the weight's type (round to nearest even, as bf16 engines do), mma.sync
+  m16n8k16 with f32 accumulation in k-steps of 16, K cut into chunks of `kchunk` (a multiple of 64,
+  `mma_split_plan`: from K and N alone) whose partials are added in index order. Row tiles of 16,
+  32, 64 or 128 rows (`mma_plan`: by the row count, which also picks whether a tile's chunks run in
+  one CTA or in one CTA each) read each weight once per tile; the order is the same for every tile
+  shape and mode. `linear_mma_ref` is its NumPy twin: bit for bit with simt's emulated MMA
+  (csrc/simt/tensor_core.h: exact products summed in double in increasing k, one rounding), and
+  within the MMA bound of a GPU's. This path does not give the product of the f32 widening: a
+  16-bit weight and its f32 copy give different bits (the f32 copy takes the f32 kernel).
 * numpy (the reference backend) multiplies with BLAS in fixed-shape chunks of ROW_CHUNK rows,
   zero-padded (`linear_numpy`): BLAS picks its algorithm, and so its order, by shape (a 1-row
   product is a GEMV), so a plain `x @ w` over a batch is not row-invariant; a fixed [ROW_CHUNK, K]
   x [K, N] product is. 16-bit weights are widened exactly for each call there (BLAS multiplies
-  f32). It and the kernel agree within f32 rounding: |a - b| <= 1e-5 * (|x| @ |w|) for K up to a
-  few thousand (TOLERANCE).
+  f32), so on numpy a 16-bit weight gives bitwise the product of its f32 widening. It and the f32
+  kernel agree within f32 rounding: |a - b| <= 1e-5 * (|x| @ |w|) for K up to a few thousand
+  (TOLERANCE); the 16-bit kernels differ from it by the activations' rounding (MMA_TOLERANCE).
 
 `linear_plan` gives the kernel's launch and bytes for given shapes without running anything.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 
 from ..arrays import adopt
-from ..dtypes import suffix
-from ..errors import ShapeError
+from ..dtypes import BF16, suffix
+from ..errors import DTypeError, ShapeError
 from . import rowsplit
 from .checks import require_dtype, require_ndim, require_shape
 from .dense import widen
@@ -39,6 +54,16 @@ SMEM_ROWS = 8          # kLinearSmemRows: rows of a tile whose warp sums share m
 TARGET_CTAS = 256      # about two per SM of an H200: the split's aim at one row tile
 MIN_CHUNK = 256        # rows of w a split takes at least (64 per warp: the weight loads stay in flight)
 TOLERANCE = 1e-5       # linear_numpy vs the kernel: relative to |x| @ |w|
+# The tensor-core GEMM (csrc/linear_mma.cuh): BM -> (BN, BK, warps, stages), MmaGemmM<BM> there.
+MMA_CONFIGS = {16: (256, 32, 4, 4), 32: (256, 32, 4, 4), 64: (128, 32, 8, 4), 128: (128, 32, 8, 4)}
+MMA_STEP = 16          # k per mma.sync m16n8k16: the order's k-step
+MMA_ALIGN = 32         # kchunk is a multiple of it, so every tile shape's BK divides a chunk
+MMA_SPLIT_TILE = 256   # the column tile the K split aims at (the BM 16 and 32 shapes': few rows)
+MMA_TARGET_CTAS = 264  # two per SM of an H200: the most CTAs the K split aims at for one row tile
+SMS = 132              # an H200's SMs: the split prefers CTA counts that fill whole waves of them
+# linear_numpy (f32 product of the widened weights) vs the 16-bit kernels: the activations'
+# rounding to bf16 (8 significant bits: relative 2^-9) dominates, relative to |x| @ |w|.
+MMA_TOLERANCE = {np.dtype(np.float16): 2.0**-11 + 1e-5, BF16: 2.0**-8 + 1e-5}
 
 
 def cols_per_cta(itemsize: int) -> int:
@@ -52,10 +77,10 @@ def tiles(n: int, itemsize: int) -> int:
 
 
 def split_plan(k: int, n: int) -> tuple[int, int]:
-    """(splits, kchunk) of w [K, N]: enough K splits that the 16-bit tiles of N times the splits
-    reach TARGET_CTAS, each at least MIN_CHUNK rows of w; kchunk = ceil(K / splits). A function
-    of (K, N) alone: never of the rows, nor of the storage dtype, so a 16-bit matrix gives bitwise
-    the product of its f32 widening."""
+    """(splits, kchunk) of the f32 kernel over w [K, N]: enough K splits that the 16-bit-wide
+    column tiles of N times the splits reach TARGET_CTAS, each at least MIN_CHUNK rows of w;
+    kchunk = ceil(K / splits). A function of (K, N) alone, never of the rows. (16-bit weights take
+    the tensor-core GEMM and its own split, `mma_split_plan`.)"""
     want = -(-TARGET_CTAS // tiles(n, 2))
     return chunking(k, max(1, min(want, k // MIN_CHUNK)))
 
@@ -67,7 +92,98 @@ def chunking(k: int, splits: int) -> tuple[int, int]:
     return max(1, -(-k // kchunk)), kchunk
 
 
+@dataclass(frozen=True)
+class MmaPlan:
+    """One launch of the tensor-core GEMM: BM-row tiles (`bm`, the entry linear_mma_<dt>_m<bm>),
+    BN-column tiles, the K split (`splits` chunks of `kchunk`) and how many CTAs share a tile's
+    chunks (`grid_splits`: 1 folds them in one CTA, `splits` gives each chunk its CTA)."""
+    bm: int
+    bn: int
+    bk: int
+    threads: int
+    shared_mem: int
+    m_tiles: int
+    n_tiles: int
+    splits: int
+    kchunk: int
+    grid_splits: int
+
+    @property
+    def grid(self) -> tuple[int, int]:
+        return self.n_tiles * self.grid_splits, self.m_tiles
+
+    @property
+    def ctas(self) -> int:
+        return self.m_tiles * self.n_tiles * self.grid_splits
+
+
+def mma_shared_mem(bm: int) -> int:
+    """Dynamic shared memory of linear_mma's BM-row shape: STAGES buffers of A [BM][BK + 8] and
+    B [BK][BN + 8], 16-bit (MmaGemmConfig::SMEM_BYTES)."""
+    bn, bk, _, stages = MMA_CONFIGS[bm]
+    return 2 * stages * (bm * (bk + 8) + bk * (bn + 8))
+
+
+def mma_split_plan(k: int, n: int) -> tuple[int, int]:
+    """(splits, kchunk) of the tensor-core GEMM over w [K, N]. The column tiles of few rows
+    (MMA_SPLIT_TILE) times the chunks stay within MMA_TARGET_CTAS (one row tile streams the
+    weights from about two CTAs per SM), each chunk at least MIN_CHUNK rows of w, kchunk a multiple
+    of MMA_ALIGN; among those counts, the one whose CTAs fill the SMs' last wave best (the most
+    chunks on a tie). A function of (K, N) alone: the order of every output, whatever the rows,
+    tile shape or mode."""
+    tiles_n = max(1, -(-n // MMA_SPLIT_TILE))
+    best = (0.0, 1, max(MMA_ALIGN, -(-k // MMA_ALIGN) * MMA_ALIGN))
+    for want in range(1, max(1, min(MMA_TARGET_CTAS // tiles_n, k // MIN_CHUNK)) + 1):
+        kchunk = max(MMA_ALIGN, -(-(-(-k // want)) // MMA_ALIGN) * MMA_ALIGN)
+        splits = max(1, -(-k // kchunk))
+        ctas = tiles_n * splits
+        best = max(best, (ctas / (SMS * -(-ctas // SMS)), splits, kchunk))
+    return best[1], best[2]
+
+
+def mma_plan(rows: int, k: int, n: int, *, bm: int | None = None, split: bool | None = None) -> MmaPlan:
+    """The tensor-core GEMM's launch for x [rows, K] @ w [K, N]: the smallest row tile that holds
+    the rows (at most 128); a tile's chunks in one CTA each while the tiles alone would leave an
+    H200 short of TARGET_CTAS, else folded in one CTA. `bm` and `split` force a shape or mode
+    (tests); the bits never depend on them."""
+    splits, kchunk = mma_split_plan(k, n)
+    if bm is None:
+        bm = next((b for b in MMA_CONFIGS if rows <= b), max(MMA_CONFIGS))
+    if bm not in MMA_CONFIGS:
+        raise ValueError(f"bm={bm!r}: expected one of {tuple(MMA_CONFIGS)}")
+    bn, bk, warps, _ = MMA_CONFIGS[bm]
+    m_tiles, n_tiles = max(1, -(-rows // bm)), max(1, -(-n // bn))
+    if split is None:
+        split = splits > 1 and m_tiles * n_tiles < MMA_TARGET_CTAS
+    return MmaPlan(bm, bn, bk, 32 * warps, mma_shared_mem(bm), m_tiles, n_tiles, splits, kchunk,
+                   splits if split else 1)
+
+
 # ---- NumPy ------------------------------------------------------------------------------------------
+def linear_mma_ref(x, w, kchunk: int) -> np.ndarray:
+    """The tensor-core GEMM's arithmetic on host arrays (csrc/linear_mma.cuh's header), bitwise
+    with simt's emulated MMA: x rounded to w's 16-bit type; per chunk of `kchunk` rows of w, k-steps
+    of MMA_STEP each summing the accumulator and its exact products in double in increasing k and
+    rounding once to f32; the chunks' partials added in index order from -0."""
+    w = np.asarray(w)
+    if w.dtype not in (np.dtype(np.float16), BF16):
+        raise DTypeError(f"w has dtype {w.dtype}: expected float16 or bfloat16 (the tensor-core GEMM)")
+    a = np.asarray(x, F32).astype(w.dtype).astype(np.float64)
+    wf = np.asarray(widen(w), np.float64)
+    rows, k = a.shape
+    total = np.full((rows, wf.shape[1]), -0.0, F32)
+    for lo in range(0, k, kchunk):
+        hi = min(k, lo + kchunk)
+        part = np.zeros_like(total)
+        for s0 in range(lo, hi, MMA_STEP):
+            acc = part.astype(np.float64)
+            for kk in range(s0, min(hi, s0 + MMA_STEP)):  # padding adds +0: no change (acc is never -0)
+                acc = acc + a[:, kk : kk + 1] * wf[kk]
+            part = acc.astype(F32)
+        total = total + part
+    return total
+
+
 def linear_ref(x, w, kchunk: int) -> np.ndarray:
     """The kernel's arithmetic on host arrays, bitwise (csrc/linear.cu's header: per split, warp g
     sums k = lo + g, lo + g + 4, ... in order; the warps' sums are added 0..3, then the splits' in
@@ -107,9 +223,11 @@ def linear_numpy(x, w):
 
 
 # ---- the op -----------------------------------------------------------------------------------------
-def linear(be, x, w, out=None, *, splits: int | None = None):
-    """x [rows, K] f32 @ w [K, N] (f32, f16 or bf16) -> f32 [rows, N]. `splits` overrides the
-    plan's K split (tests reach every split count with it; results stay row-invariant for any)."""
+def linear(be, x, w, out=None, *, splits: int | None = None, bm: int | None = None, split: bool | None = None):
+    """x [rows, K] f32 @ w [K, N] (f32, f16 or bf16) -> f32 [rows, N]. `splits` overrides the f32
+    kernel's K split (tests reach every split count with it; results stay row-invariant for any);
+    `bm` and `split` force the tensor-core GEMM's tile shape and mode (mma_plan; the bits never
+    depend on them)."""
     x, w, out = adopt(be, x=x, w=w, out=out, writes=("out",))
     require_ndim(x, 2, "x", "[rows, K]")
     require_dtype(x, F32, "x")
@@ -132,6 +250,16 @@ def linear(be, x, w, out=None, *, splits: int | None = None):
     x, w = xp.ascontiguousarray(x), xp.ascontiguousarray(w)
     if out is None:
         out = xp.empty((rows, n), F32)
+    if w.dtype != F32:
+        _require_tensor_cores(be)
+        if rows and n:
+            p = mma_plan(rows, k, n, bm=bm, split=split)
+            part = xp.empty(p.splits * rows * n if p.grid_splits > 1 else 1, F32)
+            tickets, _ = rowsplit.scratch(be, p.m_tiles * p.n_tiles)
+            rowsplit.launch(be, f"linear_mma_{suf}_m{p.bm}", p.grid, p.threads,
+                            (x, w, np.int32(rows), np.int32(k), np.int32(n), np.int32(p.kchunk),
+                             np.int32(p.grid_splits), out, part, tickets), shared_mem=p.shared_mem)
+        return out
     if rows and n:
         s, kchunk = split_plan(k, n) if splits is None else chunking(k, splits)
         t = tiles(n, w.dtype.itemsize)
@@ -143,12 +271,27 @@ def linear(be, x, w, out=None, *, splits: int | None = None):
     return out
 
 
+def tensor_cores(be) -> bool:
+    """Whether a kernel backend runs 16-bit weights (the tensor-core GEMM): simt (which emulates
+    them), and cuda on sm_80 or later."""
+    arch = getattr(be.kernels, "arch", None)
+    return arch is None or int(arch.split("_")[1]) >= 80
+
+
+def _require_tensor_cores(be) -> None:
+    if not tensor_cores(be):
+        raise DTypeError(f"w: 16-bit weights need tensor cores (sm_80 or later); this device is "
+                         f"{be.kernels.arch}: load the weights as float32")
+
+
 # ---- launch plan ------------------------------------------------------------------------------------
 def linear_plan(rows: int, k: int, n: int, itemsize: int) -> Plan:
-    """linear_<dt> over x [rows, K] and w [K, N] of `itemsize`-byte entries: one launch of
-    tiles * splits CTAs. Each CTA reads its [kchunk, columns] block of w once per ROW_TILE rows and
-    the matching x; with splits > 1 every CTA writes its partials and the last of a tile reads them
-    all back. `vocab` holds N."""
+    """The GEMM over x [rows, K] and w [K, N] of `itemsize`-byte entries. f32: linear_f32, one
+    launch of tiles * splits CTAs; each CTA reads its [kchunk, columns] block of w once per
+    ROW_TILE rows and the matching x; with splits > 1 every CTA writes its partials and the last of
+    a tile reads them all back. 16-bit: mma_linear_plan. `vocab` holds N."""
+    if itemsize == 2:
+        return mma_linear_plan(rows, k, n)
     s, kchunk = split_plan(k, n)
     t = tiles(n, itemsize)
     passes = -(-max(rows, 1) // ROW_TILE)
@@ -159,3 +302,22 @@ def linear_plan(rows: int, k: int, n: int, itemsize: int) -> Plan:
                 bytes_read=passes * w_bytes + t * x_bytes + part, bytes_written=out_bytes + part,
                 min_bytes=w_bytes + x_bytes + out_bytes,
                 notes={"flops": 2 * rows * k * n, "tiles": t, "kchunk": kchunk})
+
+
+def mma_linear_plan(rows: int, k: int, n: int) -> Plan:
+    """linear_mma over x [rows, K] and 16-bit w [K, N]: one launch of mma_plan's CTAs. Each row
+    tile reads the weights once (`passes` = row tiles) and each column tile the rows' x; in split
+    mode every CTA writes its chunk's partials and the last of a tile reads them all back.
+    notes: flops (useful, 2 rows K N) and mma_flops (what the MMAs execute: whole 16 x 8 x 16
+    steps over the padded tiles), the tile shape, mode and registers' home (threads)."""
+    p = mma_plan(rows, k, n)
+    w_bytes, x_bytes, out_bytes = 2 * k * n, 4 * rows * k, 4 * rows * n
+    part = p.splits * rows * n * 4 if p.grid_splits > 1 else 0
+    steps = sum(-(-(min(k, lo + p.kchunk) - lo) // MMA_STEP) for lo in range(0, k, p.kchunk))
+    mma_flops = 2 * p.m_tiles * p.bm * (MMA_STEP * steps) * p.n_tiles * p.bn
+    return Plan("linear_mma", rows, n, p.splits,
+                (Launch(f"linear_mma_m{p.bm}", p.ctas, p.threads, p.shared_mem, passes=p.m_tiles),),
+                bytes_read=p.m_tiles * w_bytes + p.n_tiles * x_bytes + part, bytes_written=out_bytes + part,
+                min_bytes=w_bytes + x_bytes + out_bytes,
+                notes={"flops": 2 * rows * k * n, "mma_flops": mma_flops, "tiles": p.n_tiles, "kchunk": p.kchunk,
+                       "bm": p.bm, "grid_splits": p.grid_splits, "m_tiles": p.m_tiles})

@@ -107,11 +107,13 @@ def scratch(be, tickets: int, hist_rows: int = 0):
     return pool.tickets, (pool.hist if hist_rows else None)
 
 
-def launch(be, kernel: str, grid: int, block: int, args: tuple, shared_mem: int = 0) -> None:
-    """Launch one row-split kernel. A launch that fails part-way may leave tickets or histograms
-    counted up: the pool is dropped, so the next call starts from fresh zeros."""
+def launch(be, kernel: str, grid, block: int, args: tuple, shared_mem: int = 0) -> None:
+    """Launch one row-split kernel (grid: a CTA count, or a tuple of grid dimensions). A launch
+    that fails part-way may leave tickets or histograms counted up: the pool is dropped, so the
+    next call starts from fresh zeros."""
     try:
-        be.kernels.get_function(kernel)((grid,), (block,), args, shared_mem=shared_mem)
+        be.kernels.get_function(kernel)(grid if isinstance(grid, tuple) else (grid,), (block,), args,
+                                        shared_mem=shared_mem)
     except BaseException:
         pool = _POOLS.pop(id(be.alloc), None)
         for arr in (pool.tickets, pool.hist) if pool else ():

@@ -1,6 +1,8 @@
-"""linear: the kernel (simt, and cuda on the CuPy contract stand-in) against its NumPy twin bitwise
-at awkward sizes, every weight dtype and every K split; within TOLERANCE of the numpy backend's
-BLAS chunks; row-invariant bitwise; refusing bad input before it writes anything."""
+"""linear: the kernels (simt, and cuda on the CuPy contract stand-in) against their NumPy twins
+bitwise at awkward sizes: the f32 kernel at every K split, the tensor-core GEMM for 16-bit weights
+at every tile shape and mode; within TOLERANCE (f32) and MMA_TOLERANCE (16-bit, the activations'
+rounding) of the numpy backend's BLAS chunks; row-invariant bitwise, a row alone equal to the same
+row in launches of 1 to 300 rows; refusing bad input before it writes anything."""
 
 import numpy as np
 import pytest
@@ -8,10 +10,12 @@ import pytest
 from dspark.backends import contract
 from dspark.dtypes import BF16
 from dspark.errors import DTypeError, ShapeError
-from dspark.ops.linear import TOLERANCE, chunking, linear, linear_numpy, linear_ref, split_plan, tiles
+from dspark.ops.linear import (MMA_CONFIGS, MMA_TOLERANCE, TOLERANCE, chunking, linear, linear_mma_ref, linear_numpy,
+                               linear_ref, mma_plan, mma_split_plan, split_plan, tiles)
 from tests.conftest import poison
 
 DTYPES = [np.float32, np.float16, BF16]
+HALF = [np.float16, BF16]
 # (rows, K, N): every rows in 1 2 3 7 8 9 17 33, K in 1 5 31 257 1000, N in 1 3 127 513 2050
 SIZES = [(1, 1, 1), (2, 5, 3), (3, 31, 127), (7, 257, 513), (8, 1000, 2050), (9, 1000, 3), (17, 257, 127),
          (33, 31, 513), (1, 1000, 513), (3, 5, 2050), (9, 4099, 5)]
@@ -35,9 +39,11 @@ def run(be, x, w, splits=None):
 
 
 def check_close_to_blas(got, x, w):
-    """The numpy backend's BLAS chunks agree within TOLERANCE of |x| @ |w|."""
+    """The numpy backend's BLAS chunks agree within TOLERANCE (f32) or MMA_TOLERANCE (16-bit) of
+    |x| @ |w|."""
     wf = np.asarray(w).astype(np.float32)
-    bound = TOLERANCE * (np.abs(x).astype(np.float64) @ np.abs(wf).astype(np.float64)) + 1e-30
+    tol = TOLERANCE if np.dtype(w.dtype) == np.float32 else MMA_TOLERANCE[np.dtype(w.dtype)]
+    bound = tol * (np.abs(x).astype(np.float64) @ np.abs(wf).astype(np.float64)) + 1e-30
     err = np.abs(got.astype(np.float64) - linear_numpy(x, w))
     worst = np.unravel_index(np.argmax(err - bound), err.shape)
     assert np.all(err <= bound), f"max excess {np.max(err - bound)} at {worst}"
@@ -49,18 +55,86 @@ def test_kernel_equals_its_twin_bitwise(linear_backend, rng, size, dtype):
     rows, k, n = size
     x, w = inputs(rng, rows, k, n, dtype)
     got = run(linear_backend, x, w)
-    _, kchunk = split_plan(k, n)
-    np.testing.assert_array_equal(got, linear_ref(x, w, kchunk))
+    assert_bits(got, twin(x, w))
     check_close_to_blas(got, x, w)
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=["f32", "f16", "bf16"])
-def test_every_split_count(simt, rng, dtype):
+def twin(x, w):
+    """The kernel's NumPy twin: linear_ref for f32 weights, linear_mma_ref for 16-bit ones."""
+    k, n = w.shape
+    if np.dtype(w.dtype) == np.float32:
+        return linear_ref(x, w, split_plan(k, n)[1])
+    return linear_mma_ref(x, w, mma_split_plan(k, n)[1])
+
+
+def assert_bits(got, want, what=""):
+    np.testing.assert_array_equal(np.asarray(got).view(np.uint32), np.asarray(want).view(np.uint32), err_msg=what)
+
+
+@pytest.mark.parametrize("dtype", HALF, ids=["f16", "bf16"])
+def test_every_mma_tile_shape_and_mode_gives_the_same_bits(simt, rng, dtype):
+    """The row tile (16, 32, 64, 128 rows) and whether a tile's K chunks share a CTA (fold) or take
+    one each (split, partials merged by the last) change the launch, never the order: chunks of
+    a K that is no multiple of the k-step, N neither a multiple of 8 (scalar weight loads) nor of
+    the column tiles, rows crossing the 16-row m-tiles."""
+    x, w = inputs(rng, 37, 700, 77, dtype)
+    splits, kchunk = mma_split_plan(*w.shape)
+    assert splits >= 2 and kchunk % 16 == 0 and 700 % kchunk % 16
+    want = linear_mma_ref(x, w, kchunk)
+    for bm in MMA_CONFIGS:
+        for split in (False, True):
+            assert_bits(run_mma(simt, x, w, bm=bm, split=split), want, f"bm={bm} split={split}")
+
+
+def run_mma(be, x, w, **plan):
+    out = poison(be.xp, (x.shape[0], w.shape[1]), np.float32)
+    linear(be, be.asarray(x), be.asarray(w), out=out, **plan)
+    return be.to_host(out)
+
+
+@pytest.mark.parametrize("dtype", HALF, ids=["f16", "bf16"])
+def test_a_row_alone_equals_the_row_in_launches_of_any_rows(simt, rng, dtype):
+    """Row invariance of the tensor-core GEMM: each row of launches of 1, 2, 7, 16, 17, 64 and 300
+    rows is bitwise the row computed alone (the 16-row tile, one CTA per K chunk), in the tile
+    shape the plan picks for the launch (16, 16, 16, 16, 32, 64, 128 rows) and in either mode
+    (its chunks in one CTA each, or folded in one CTA: a prompt's)."""
+    k, n = 600, 40
+    assert mma_split_plan(k, n)[0] == 2
+    x, w = inputs(rng, 300, k, n, dtype)
+    alone = np.concatenate([run(simt, x[i : i + 1], w) for i in range(300)])
+    assert_bits(alone, linear_mma_ref(x, w, mma_split_plan(k, n)[1]))
+    shapes = []
+    for rows in (1, 2, 7, 16, 17, 64, 300):
+        start = int(rng.integers(0, 300 - rows + 1))
+        shapes.append(mma_plan(rows, k, n).bm)
+        for split in (True, False):
+            got = run_mma(simt, x[start : start + rows], w, split=split)
+            assert_bits(got, alone[start : start + rows], f"{rows} rows from {start}, split={split}")
+    assert shapes == [16, 16, 16, 16, 32, 64, 128]
+
+
+@pytest.mark.parametrize("dtype", HALF, ids=["f16", "bf16"])
+def test_16_bit_weights_give_the_reference_of_their_rounding(simt, rng, dtype):
+    """16-bit weights on the kernels: activations rounded to the weight's type, f32 MMA sums
+    (linear_mma_ref, bitwise); the f32 copy of the same weights takes the f32 kernel and differs,
+    within the activations' rounding (MMA_TOLERANCE). (The numpy backend widens: there a 16-bit
+    weight gives bitwise the product of its f32 widening, tests/models/test_models.py.)"""
+    for rows, k, n in ((3, 1000, 513), (9, 700, 2050)):
+        x, w = inputs(rng, rows, k, n, dtype)
+        got = run(simt, x, w)
+        assert_bits(got, linear_mma_ref(x, w, mma_split_plan(k, n)[1]))
+        widened = run(simt, x, w.astype(np.float32))
+        assert not np.array_equal(got, widened)
+        bound = MMA_TOLERANCE[np.dtype(dtype)] * (np.abs(x).astype(np.float64) @ np.abs(w.astype(np.float64)))
+        assert np.all(np.abs(got - widened) <= bound)
+
+
+def test_every_split_count(simt, rng):
     """Split counts from 1 up past what the plan can reach (TARGET_CTAS = 256): 65 splits of 4
     rows of w (one per warp), 257 of one row (three warps idle), merged in index order by the last
     CTA of each tile."""
     rows, k, n = 5, 257, 300
-    x, w = inputs(rng, rows, k, n, dtype)
+    x, w = inputs(rng, rows, k, n, np.float32)
     for splits in (*range(1, 10), 16, 33, 65, 257):
         s, kchunk = chunking(k, splits)
         got = run(simt, x, w, splits=splits)
@@ -77,27 +151,19 @@ def test_the_split_depends_on_the_weights_alone():
     assert split_plan(5120, 5120) == (13, 394) and tiles(5120, 2) == 20
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=["f32", "f16", "bf16"])
-def test_a_row_is_the_same_alone_and_in_any_batch(simt, rng, dtype):
+def test_a_row_is_the_same_alone_and_in_any_batch(simt, rng):
+    """The f32 kernel (the tensor-core GEMM: test_a_row_alone_equals_the_row_in_launches_of_any_rows)."""
     k, n = 700, 300  # two K splits, ragged tiles
     assert split_plan(k, n)[0] == 2
-    x, w = inputs(rng, 40, k, n, dtype)
+    x, w = inputs(rng, 40, k, n, np.float32)
     full = run(simt, x, w)
     for rows in (slice(0, 1), slice(7, 8), slice(3, 5), slice(5, 22), slice(30, 39), slice(39, 40)):
         np.testing.assert_array_equal(run(simt, x[rows], w), full[rows], err_msg=str(rows))
 
 
-@pytest.mark.parametrize("dtype", [np.float16, BF16], ids=["f16", "bf16"])
-def test_16_bit_weights_give_the_product_of_their_widening(simt, rng, dtype):
-    """The plan and the order do not depend on the storage dtype: bitwise the f32 product."""
-    for rows, k, n in ((3, 1000, 513), (9, 700, 2050)):
-        x, w = inputs(rng, rows, k, n, dtype)
-        np.testing.assert_array_equal(run(simt, x, w), run(simt, x, w.astype(np.float32)))
-
-
 def test_unaligned_and_ragged_weights(simt, rng):
-    """w not 16-byte aligned (scalar loads for every vector) gives the same bits as the aligned
-    copy: the order is the plan's, whatever the loads."""
+    """w not 16-byte aligned (scalar loads instead of cp.async chunks) gives the same bits as the
+    aligned copy: the order is the plan's, whatever the loads."""
     x, w = inputs(rng, 3, 300, 64, BF16)
     buf = np.zeros(w.size + 1, BF16)
     shifted = buf[1:].reshape(w.shape)  # 2 bytes past a 16-byte boundary
@@ -107,13 +173,15 @@ def test_unaligned_and_ragged_weights(simt, rng):
 
 
 def test_randomised_schedule(simt, rng):
-    """Barriers guard the warps' shared sums: a random thread order between barriers changes
-    nothing."""
-    x, w = inputs(rng, 11, 600, 300, BF16)
-    expect = linear_ref(x, w, split_plan(600, 300)[1])
-    for _ in range(3):
-        with simt.kernels.schedule(seed=int(rng.integers(1, 2**31))):
-            np.testing.assert_array_equal(run(simt, x, w), expect)
+    """Barriers guard the warps' shared sums (f32) and the pipeline's stages (16-bit: cp.async
+    copies land at a random point up to their wait): a random thread order between barriers
+    changes nothing."""
+    for rows, dtype in ((11, np.float32), (11, BF16), (70, BF16)):
+        x, w = inputs(rng, rows, 600, 300, dtype)
+        expect = twin(x, w)
+        for _ in range(2):
+            with simt.kernels.schedule(seed=int(rng.integers(1, 2**31))):
+                assert_bits(run(simt, x, w), expect, f"{rows} rows {np.dtype(dtype)}")
 
 
 def test_bad_input_is_refused_and_out_untouched(simt, rng):

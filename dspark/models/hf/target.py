@@ -42,6 +42,7 @@ import numpy as np
 from ...dtypes import BF16
 from ...ops.attention import HEAD_DIMS
 from ...ops.gdn import scan_plan
+from ...ops.linear import tensor_cores
 from ..config import TrunkConfig
 from ..weights import STORAGE, trunk_spec
 from .checkpoint import Checkpoint, CheckpointError
@@ -356,10 +357,10 @@ def holds(backend, dtype) -> bool:
 
 def default_dtype(backend, checkpoint_dtype) -> np.dtype:
     """dtype=None: float32 on the CPU backends (BLAS multiplies f32; widening per call would only
-    cost time), the checkpoint's own dtype on cuda (bf16 stays bf16: half the memory; float32 on
-    a CuPy without bf16 arrays). The math is f32 either way, and a value stored exactly gives
-    bitwise the same logits."""
-    if backend.name != "cuda" or not holds(backend, checkpoint_dtype):
+    cost time), the checkpoint's own dtype on cuda (bf16 stays bf16: half the memory and the
+    tensor-core GEMM, which rounds the activations to bf16 as bf16 engines do; float32 on a CuPy
+    without bf16 arrays or a device without tensor cores)."""
+    if backend.name != "cuda" or not holds(backend, checkpoint_dtype) or not tensor_cores(backend):
         return np.dtype(np.float32)
     return np.dtype(checkpoint_dtype)
 

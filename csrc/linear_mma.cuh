@@ -1,0 +1,271 @@
+// linear_mma: the tensor-core GEMM for 16-bit weights, out f32 [rows, N] = round_T(x) [rows, K] @ w [K, N],
+// x f32, w bf16 or f16 row-major as stored, f32 accumulation (mma.sync m16n8k16). One fixed order
+// per output, a function of (K, N) alone, so a row's bits never depend on how many rows share the
+// launch: prompt, verify, decode and batched rows of the same input are bitwise equal.
+//
+// The order of out[r, n] (dspark.ops.linear.linear_mma_ref reproduces the simt bits):
+//   a      = round_T(x[r, :])                               activations rounded to the weight's type (RNE)
+//   chunks = [c kchunk, min(K, (c + 1) kchunk)), c = 0 .. splits - 1   kchunk a multiple of 32, from (K, N)
+//   P_c    = mma(.. mma(mma(0, a[s0], w[s0]), a[s1], w[s1]) ..)    k-steps s of 16 in increasing order over
+//                                                                 the chunk, zero past K, chained from +0
+//   out    = ((-0 + P_0) + P_1) + ... + P_{splits-1}            f32 adds in chunk order
+// Only k-steps holding a k of the chunk run, whatever the tile's BK, so every tile shape below takes
+// the same steps. The MMA is one instruction per k-step: the hardware's sum of 16 exact products and
+// the accumulator (simt/tensor_core.h states the emulation, within 18 * 2^-23 of it per instruction).
+//
+// linear_mma_<dt>_m<BM>(x, w, rows, K, N, kchunk, grid_splits, out, part, tickets)
+//   A CTA owns a tile of BM rows x BN columns; grid (column tiles * grid_splits, row tiles).
+//   grid_splits == 1 ("fold"): the CTA walks all of K and folds each chunk's partial into its running
+//     sum in registers at the chunk's end (the prompt pass: no partials leave the SM).
+//   grid_splits == splits ("split"): CTA x = tile * splits + c takes chunk c alone and, with more than
+//     one chunk, writes P_c to part[c][r][n]; the last CTA of the tile (rowsplit.cuh's ticket;
+//     tickets[row tile * column tiles + column tile], zero at rest) folds them in index order.
+//     Few rows: enough CTAs to stream the weights at full bandwidth from one row tile.
+//   Both modes compute the same bits; dspark.ops.linear.mma_plan picks the tile shape (by rows) and
+//   the mode (by CTAs). Row tiles may be sized by the row count; the K order may not.
+//
+// Tile shapes (MmaGemmConfig, BK 32, 4 stages): BM 16 / 32 (BN 256, 4 warps 1 x 4: decode, verify,
+// batched decode) and 64 / 128 (BN 128, 8 warps 2 x 4: wide batches and prompts). Warp (wm, wn) owns
+// rows [wm WM, +WM) and columns [wn WN, +WN) of the tile: MT = WM / 16 m-tiles by NT = WN / 8 n-tiles.
+// Each weight is read once per row tile, at its stored width.
+//
+// Pipeline (STAGES buffers of A [BM][BK + 8] and B [BK][BN + 8] in dynamic shared memory; the 16-byte
+// pad keeps ldmatrix rows off one bank):
+//   B (weights): cp.async 16-byte chunks STAGES - 1 tiles ahead, zero-filled past K and N; scalar
+//     loads where N % 8 or w's alignment forbid 16-byte chunks (same values, same order).
+//   A (activations): float4 loads one tile ahead into registers, issued before the tile's MMAs and
+//     rounded and stored to shared memory after them (scalar loads where K % 4 or x's alignment
+//     forbid float4).
+//   Per tile: wait_group STAGES - 2, __syncthreads, issue the next tiles, then per k-step ldmatrix
+//   A (x4) and B (x4.trans, two n-tiles) and the warp's MT x NT MMAs.
+//
+// Prologue and epilogue (for fusing the small kernels around the product): every activation passes
+// through mma_prologue(row, k, v) on its way from the float4 load to the rounding, and every output
+// through mma_epilogue(row, n, v) at the one store that writes `out` (the fold mode's, or the last
+// CTA's in split mode). Both act elementwise outside the K loop: an RMSNorm's row scale (computed
+// before the product, as today's norm kernel does) goes in the prologue, a residual add or an
+// activation in the epilogue, and a row's K order stays the one above. Today both are the identity.
+#pragma once
+#include "common.cuh"
+#include "rowsplit.cuh"
+#include "tensor_core.cuh"
+
+template <int BM_, int BN_, int BK_, int WARPS_M_, int WARPS_N_, int STAGES_>
+struct MmaGemmConfig {
+  static constexpr int BM = BM_, BN = BN_, BK = BK_, WARPS_M = WARPS_M_, WARPS_N = WARPS_N_, STAGES = STAGES_;
+  static constexpr int WARPS = WARPS_M * WARPS_N, THREADS = 32 * WARPS;
+  static constexpr int WM = BM / WARPS_M, WN = BN / WARPS_N, MT = WM / 16, NT = WN / 8;
+  static constexpr int A_ROW = BK + 8, B_ROW = BN + 8;  // shared-memory row strides, in elements
+  static constexpr int A_STAGE = BM * A_ROW, B_STAGE = BK * B_ROW;
+  static constexpr int A_VECS = BM * BK / 4 / THREADS;  // float4s of x per thread per tile
+  static constexpr int B_VECS = BK * BN / 8 / THREADS;  // 16-byte chunks of w per thread per tile
+  static constexpr int SMEM_BYTES = 2 * STAGES * (A_STAGE + B_STAGE);
+  static_assert(WM % 16 == 0 && WN % 16 == 0 && BK % 16 == 0 && 32 % BK == 0, "tile shape");
+  static_assert(A_VECS * THREADS * 4 == BM * BK && B_VECS * THREADS * 8 == BK * BN, "loads per thread");
+};
+
+// The prologue and epilogue hooks (identity): see the header.
+DSPARK_DEVICE float mma_prologue(int /*row*/, int /*k*/, float v) { return v; }
+DSPARK_DEVICE float mma_epilogue(int /*row*/, int /*n*/, float v) { return v; }
+
+template <typename T>
+DSPARK_DEVICE uint32_t mma_pack2(float lo, float hi) {
+  return (uint32_t)from_float<T>(lo).bits | (uint32_t)from_float<T>(hi).bits << 16;
+}
+
+template <typename T, typename Cfg>
+struct MmaGemm {
+  using C = Cfg;
+  const float* __restrict__ x;
+  const T* __restrict__ w;
+  int rows, K, N;
+  int r0, n0;         // the tile's first row and column
+  bool x_vec, w_vec;  // float4 loads of x, 16-byte chunks of w (uniform over the launch)
+  T* sa;              // A stages
+  T* sb;              // B stages
+
+  // A tile kt (columns [k, k + BK)): thread-owned float4s of x, after the prologue.
+  __device__ __forceinline__ void load_a(int k, float4 (&v)[C::A_VECS]) const {
+#pragma unroll
+    for (int i = 0; i < C::A_VECS; ++i) {
+      const int c = threadIdx.x + i * C::THREADS, row = c / (C::BK / 4), col = k + 4 * (c % (C::BK / 4));
+      const int r = r0 + row;
+      float e[4] = {0.f, 0.f, 0.f, 0.f};
+      if (r < rows) {
+        const float* p = x + (int64_t)r * K + col;
+        if (x_vec) {
+          if (col < K) {
+            const float4 f = *reinterpret_cast<const float4*>(p);
+            e[0] = f.x, e[1] = f.y, e[2] = f.z, e[3] = f.w;
+          }
+        } else {
+#pragma unroll
+          for (int j = 0; j < 4; ++j)
+            if (col + j < K) e[j] = p[j];
+        }
+      }
+#pragma unroll
+      for (int j = 0; j < 4; ++j) e[j] = r < rows && col + j < K ? mma_prologue(r, col + j, e[j]) : 0.f;
+      v[i] = make_float4(e[0], e[1], e[2], e[3]);
+    }
+  }
+
+  __device__ __forceinline__ void store_a(int stage, const float4 (&v)[C::A_VECS]) const {
+    T* dst = sa + stage * C::A_STAGE;
+#pragma unroll
+    for (int i = 0; i < C::A_VECS; ++i) {
+      const int c = threadIdx.x + i * C::THREADS, row = c / (C::BK / 4), col = 4 * (c % (C::BK / 4));
+      *reinterpret_cast<uint2*>(dst + row * C::A_ROW + col) =
+          make_uint2(mma_pack2<T>(v[i].x, v[i].y), mma_pack2<T>(v[i].z, v[i].w));
+    }
+  }
+
+  // B tile: rows [k, k + BK) of w, columns [n0, n0 + BN), zero outside [0, K) x [0, N).
+  __device__ __forceinline__ void issue_b(int stage, int k) const {
+    T* dst = sb + stage * C::B_STAGE;
+#pragma unroll
+    for (int i = 0; i < C::B_VECS; ++i) {
+      const int c = threadIdx.x + i * C::THREADS, kr = c / (C::BN / 8), col = 8 * (c % (C::BN / 8));
+      const int kk = k + kr, n = n0 + col;
+      T* d = dst + kr * C::B_ROW + col;
+      if (w_vec) {
+        const bool valid = kk < K && n < N;  // N % 8 == 0: a chunk is wholly in or out
+        cp_async16(d, valid ? w + (int64_t)kk * N + n : w, valid);
+      } else {
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+          T v;
+          v.bits = 0;
+          if (kk < K && n + j < N) v = w[(int64_t)kk * N + n + j];
+          d[j] = v;
+        }
+      }
+    }
+  }
+};
+
+// One warp's MMAs over one B/A stage: k-steps [0, steps) of the tile.
+template <typename T, typename Cfg>
+DSPARK_DEVICE void mma_tile_steps(float (&acc)[Cfg::MT][Cfg::NT][4], const T* sa, const T* sb, int steps) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int wm = warp / Cfg::WARPS_N, wn = warp % Cfg::WARPS_N;
+  const T* arow = sa + (wm * Cfg::WM + (lane & 15)) * Cfg::A_ROW + 8 * (lane >> 4);
+  const T* brow = sb + ((lane & 7) + 8 * ((lane >> 3) & 1)) * Cfg::B_ROW + wn * Cfg::WN + 8 * (lane >> 4);
+#pragma unroll
+  for (int s = 0; s < Cfg::BK / 16; ++s) {
+    if (s < steps) {
+      uint32_t a[Cfg::MT][4], b[Cfg::NT][2];
+#pragma unroll
+      for (int mt = 0; mt < Cfg::MT; ++mt) ldmatrix_x4(a[mt], arow + mt * 16 * Cfg::A_ROW + 16 * s);
+#pragma unroll
+      for (int np = 0; np < Cfg::NT; np += 2) {
+        uint32_t r[4];
+        ldmatrix_x4_trans(r, brow + 16 * s * Cfg::B_ROW + 8 * np);
+        b[np][0] = r[0], b[np][1] = r[1], b[np + 1][0] = r[2], b[np + 1][1] = r[3];
+      }
+#pragma unroll
+      for (int mt = 0; mt < Cfg::MT; ++mt)
+#pragma unroll
+        for (int nt = 0; nt < Cfg::NT; ++nt) mma_16816<T>(acc[mt][nt], a[mt], b[nt][0], b[nt][1]);
+    }
+  }
+}
+
+template <typename T, typename Cfg>
+DSPARK_DEVICE void linear_mma(const float* __restrict__ x, const T* __restrict__ w, int rows, int K, int N,
+                              int kchunk, int grid_splits, float* __restrict__ out, float* __restrict__ part,
+                              unsigned* __restrict__ tickets) {
+  using C = Cfg;
+  DSPARK_DYNAMIC_SMEM(T, smem);
+#if defined(DSPARK_SIMT)
+  if ((size_t)C::SMEM_BYTES > simt::dynamic_smem_size() || (int)blockDim.x != C::THREADS)
+    simt::fault("linear_mma: launch plan does not match the kernel (shared_mem " +
+                std::to_string(simt::dynamic_smem_size()) + " < " + std::to_string(C::SMEM_BYTES) +
+                " or block != " + std::to_string(C::THREADS) + ")");
+#endif
+  const int col_tiles = (N + C::BN - 1) / C::BN;
+  const int tile = blockIdx.x / grid_splits, split = blockIdx.x % grid_splits;
+  MmaGemm<T, C> g{x, w, rows, K, N, (int)blockIdx.y * C::BM, tile * C::BN,
+                  K % 4 == 0 && !(reinterpret_cast<unsigned long long>(x) & 15ull),
+                  N % 8 == 0 && !(reinterpret_cast<unsigned long long>(w) & 15ull), smem,
+                  smem + C::STAGES * C::A_STAGE};
+  const int splits = (K + kchunk - 1) / kchunk;
+  const int k_lo = grid_splits == 1 ? 0 : split * kchunk;
+  const int k_hi = grid_splits == 1 ? K : min(K, k_lo + kchunk);
+  const int iters = (k_hi - k_lo + C::BK - 1) / C::BK;
+
+  float acc[C::MT][C::NT][4], total[C::MT][C::NT][4];
+#pragma unroll
+  for (int mt = 0; mt < C::MT; ++mt)
+#pragma unroll
+    for (int nt = 0; nt < C::NT; ++nt)
+#pragma unroll
+      for (int c = 0; c < 4; ++c) acc[mt][nt][c] = 0.f, total[mt][nt][c] = -0.f;
+
+  float4 av[C::A_VECS];
+#pragma unroll
+  for (int s = 0; s < C::STAGES - 1; ++s) {
+    if (s < iters) {
+      g.issue_b(s, k_lo + s * C::BK);
+      g.load_a(k_lo + s * C::BK, av);
+      g.store_a(s, av);
+    }
+    cp_async_commit();
+  }
+  for (int it = 0; it < iters; ++it) {
+    cp_async_wait<C::STAGES - 2>();
+    __syncthreads();  // tile it is in shared memory; tile it - 1 is consumed everywhere
+    const int next = it + C::STAGES - 1, k = k_lo + it * C::BK;
+    if (next < iters) {
+      g.issue_b(next % C::STAGES, k_lo + next * C::BK);
+      g.load_a(k_lo + next * C::BK, av);
+    }
+    cp_async_commit();
+    const int chunk_end = min(k_hi, (k / kchunk + 1) * kchunk);  // BK divides kchunk: one chunk per tile
+    const int steps = min(C::BK, chunk_end - k + 15) / 16;
+    mma_tile_steps<T, C>(acc, g.sa + (it % C::STAGES) * C::A_STAGE, g.sb + (it % C::STAGES) * C::B_STAGE,
+                         steps);
+    if (next < iters) g.store_a(next % C::STAGES, av);
+    if (k + C::BK >= chunk_end) {  // the chunk's last tile: fold its partial, start the next from +0
+#pragma unroll
+      for (int mt = 0; mt < C::MT; ++mt)
+#pragma unroll
+        for (int nt = 0; nt < C::NT; ++nt)
+#pragma unroll
+          for (int c = 0; c < 4; ++c) total[mt][nt][c] = total[mt][nt][c] + acc[mt][nt][c], acc[mt][nt][c] = 0.f;
+    }
+  }
+  cp_async_wait<0>();  // nothing is in flight when the CTA leaves (the empty tail groups)
+
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int row0 = g.r0 + (warp / C::WARPS_N) * C::WM + (lane >> 2);
+  const int col0 = g.n0 + (warp % C::WARPS_N) * C::WN + 2 * (lane & 3);
+  const bool partial = grid_splits > 1 && splits > 1;
+  float* dst = partial ? part + (int64_t)split * rows * N : out;
+#pragma unroll
+  for (int mt = 0; mt < C::MT; ++mt)
+#pragma unroll
+    for (int nt = 0; nt < C::NT; ++nt)
+#pragma unroll
+      for (int c = 0; c < 4; ++c) {
+        const int r = row0 + 16 * mt + 8 * (c >> 1), n = col0 + 8 * nt + (c & 1);
+        if (r < rows && n < N)
+          dst[(int64_t)r * N + n] = partial ? total[mt][nt][c] : mma_epilogue(r, n, total[mt][nt][c]);
+      }
+  if (!partial) return;
+  if (!split_arrive(tickets + blockIdx.y * col_tiles + tile, (unsigned)splits, /*all_wrote=*/true)) return;
+  const int nr = min(C::BM, rows - g.r0), nc = min(C::BN, N - g.n0);
+  for (int i = threadIdx.x; i < nr * nc; i += blockDim.x) {
+    const int r = g.r0 + i / nc, n = g.n0 + i % nc;
+    const volatile float* p = part + (int64_t)r * N + n;  // other CTAs' partials: from L2
+    float v = -0.f;
+    for (int c = 0; c < splits; ++c) v = v + p[(int64_t)c * rows * N];
+    out[(int64_t)r * N + n] = mma_epilogue(r, n, v);
+  }
+}
+
+// The instantiated tile shapes: dspark/ops/linear.py (MMA_CONFIGS) holds the same table.
+using MmaGemmM16 = MmaGemmConfig<16, 256, 32, 1, 4, 4>;
+using MmaGemmM32 = MmaGemmConfig<32, 256, 32, 1, 4, 4>;
+using MmaGemmM64 = MmaGemmConfig<64, 128, 32, 2, 4, 4>;
+using MmaGemmM128 = MmaGemmConfig<128, 128, 32, 2, 4, 4>;
