@@ -401,6 +401,265 @@ DSPARK_ATTENTION_COMBINE(f32, float)
 DSPARK_ATTENTION_COMBINE(f16, f16_t)
 DSPARK_ATTENTION_COMBINE(bf16, bf16_t)
 
+// ---- prompt attention: many query rows of one causal pass on tensor cores -------------------------
+// attention_prompt_<dt>_d<D> (f16 / bf16 K/V): the serial kernel's result for every row, bit for bit,
+// with the work laid out for long prompts. Same arguments as attention_<dt>_d<D> (causal mode,
+// slots 0), same CTA -> items map (items (row r0 + j / G, head h G + j % G), 64 per CTA) and same
+// splits, walked in order and merged as the serial kernel merges them. What differs is who
+// computes what: warp w owns items [16 w, 16 w + 16) (one m-tile) for all 64 keys of a tile and all
+// D dims (flash-attention 2's split), so a tile's row maxima and sums stay in the warp's registers
+// and p goes from the q.k accumulators straight into the p.v MMA's A fragments, with no shared
+// memory round trip and one barrier pair per operand. Each step keeps the serial kernel's order:
+//   q.k     per (item, key): MMAs over d in increasing k-steps of 16 from 0 (attn_scores' chain)
+//   max     exact; row sums: per 8-key group the lane's 2 keys, then the quad butterfly (xor 1, 2),
+//           then the 8 groups added in key order (the serial kernel's warps 0..7)
+//   p.v     o scaled by alpha, then MMAs over the tile's keys in steps of 16 (attn_pv's chain)
+//   merge   at a split's end, into (mm, ll, acc) with attn_merge (acc lives in shared memory here)
+// so a prompt row equals the verify row and the decode step at its position (tests compare them
+// bitwise on simt; on a GPU an MMA's result is a function of its own operands alone). Tiles past
+// the last key of all the warp's items are skipped (the serial kernel adds p = 0 to such rows,
+// which leaves any accumulator but -0 as it is).
+// Shared memory (prompt_shared_mem_bytes in dspark/ops/attention.py): K and V [64][D + pad] of
+// the current tile (one buffer each: V's copy lands while q.k runs, the next K's while p.v runs),
+// q [64][D + pad], acc [64][D] f32. CTAs go longest first (the last row chunk first).
+template <typename T, int D>
+struct AttnPromptLayout {
+  static constexpr int kItems = 64;
+  static constexpr int kRow = D + 16 / (int)sizeof(T);
+  static constexpr int kKV = kAttnTile * kRow;
+  static constexpr size_t kBytes = sizeof(T) * ((size_t)2 * kKV + (size_t)kItems * kRow) + sizeof(float) * (size_t)kItems * D;
+};
+
+template <typename T, int D>
+DSPARK_DEVICE void attention_prompt_cta(const AttnArgs<T>& a) {
+  using L = AttnPromptLayout<T, D>;
+  constexpr int NT = D / 8;  // n-tiles of the output's dims
+  const int b = blockIdx.z, h = blockIdx.y;
+  const int row0 = a.row_indptr[b], n = a.row_indptr[b + 1] - row0;
+  const int chunks = (n + a.rows_per_cta - 1) / a.rows_per_cta;
+  const int chunk = chunks - 1 - (int)blockIdx.x;  // longest first
+  if (chunk < 0) return;                           // the whole CTA leaves together
+  const int r0 = chunk * a.rows_per_cta, rows = min(a.rows_per_cta, n - r0);
+  const int G = a.hq / a.hkv, items = rows * G, pos = a.pos[b];
+  const int lo = 0, hi = pos + r0 + rows;
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, t4 = lane & 3;
+  DSPARK_DYNAMIC_SMEM(unsigned char, smem);
+#if defined(DSPARK_SIMT)
+  if (L::kBytes > simt::dynamic_smem_size() || items > L::kItems || (int)blockDim.x != 128 || a.block_mode)
+    simt::fault("attention_prompt: launch plan does not match the kernel (shared_mem " +
+                std::to_string(simt::dynamic_smem_size()) + " < " + std::to_string(L::kBytes) + ", items " +
+                std::to_string(items) + " > 64, block != 128, or block mode)");
+#endif
+  T* ks = reinterpret_cast<T*>(smem);
+  T* vs = ks + L::kKV;
+  T* qs = vs + L::kKV;
+  float* accs = reinterpret_cast<float*>(qs + L::kItems * L::kRow) + warp * 16 * D;  // this warp's items
+
+  auto item_hi = [&](int j) { return j >= items ? lo : pos + r0 + j / G + 1; };
+  const int hi_g[2] = {item_hi(16 * warp + g), item_hi(16 * warp + g + 8)};
+  const int last = min(items, 16 * warp + 16) - 1;  // the warp's last item: its rows' keys end there
+  const int warp_hi = last < 16 * warp ? lo : item_hi(last);
+
+  AttnKeys<T> src;
+  src.pos = pos;
+  src.capacity = a.capacity[b];
+  src.ring = false;
+  src.k_cache = a.k_caches[b] + (int64_t)h * src.capacity * D;
+  src.v_cache = a.v_caches[b] + (int64_t)h * src.capacity * D;
+  src.blk_stride = (int64_t)a.hkv * D;
+  src.k_blk = a.k_blk + ((int64_t)row0 * a.hkv + h) * D;
+  src.v_blk = a.v_blk + ((int64_t)row0 * a.hkv + h) * D;
+
+  {  // q of the CTA's items, zero past them
+    constexpr int kVec = 16 / (int)sizeof(T), kChunks = D / kVec;
+    for (int c = tid; c < L::kItems * kChunks; c += blockDim.x) {
+      const int j = c / kChunks, col = (c % kChunks) * kVec;
+      const bool valid = j < items;
+      const T* q = a.q + ((int64_t)(row0 + r0 + j / G) * a.hq + h * G + j % G) * D + col;
+      cp_async16(qs + j * L::kRow + col, valid ? q : a.q, valid);
+    }
+  }
+  for (int i = lane; i < 16 * D; i += 32) accs[i] = 0.f;
+
+  // Issue K or V of key positions [t0, t0 + 64) into its buffer, zero outside [lo, hi).
+  auto issue = [&](int t0, bool values) {
+    constexpr int kVec = 16 / (int)sizeof(T), kChunks = D / kVec;
+    T* dst = values ? vs : ks;
+    const T* cache = values ? src.v_cache : src.k_cache;
+    const T* blk = values ? src.v_blk : src.k_blk;
+    for (int c = tid; c < kAttnTile * kChunks; c += blockDim.x) {
+      const int k = c / kChunks, col = (c % kChunks) * kVec, p = t0 + k;
+      const bool valid = p >= lo && p < hi, in_blk = valid && p >= src.pos;
+      const int64_t off = !valid ? 0 : in_blk ? (int64_t)(p - src.pos) * src.blk_stride + col : (int64_t)p * D + col;
+      cp_async16(dst + k * L::kRow + col, (in_blk ? blk : cache) + off, valid);
+    }
+    cp_async_commit();
+  };
+
+  float o[NT][4];
+  float m[2] = {-dspark_inf(), -dspark_inf()}, l[2] = {0.f, 0.f};    // this split, rows g and g + 8
+  float mm[2] = {-dspark_inf(), -dspark_inf()}, ll[2] = {0.f, 0.f};  // merged over the splits so far
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+    for (int c = 0; c < 4; ++c) o[nt][c] = 0.f;
+
+  int j = a.splits.index(lo), split_lo = lo, split_hi = a.splits.end(j, hi);
+  issue(0, false);  // with q: one group
+  issue(0, true);
+  for (int t0 = 0; t0 < hi; t0 += kAttnTile) {
+    const bool work = t0 < warp_hi;  // uniform over the warp
+    const bool more = t0 + kAttnTile < hi;
+    cp_async_wait<1>();
+    __syncthreads();  // [A] K (and q) of this tile are in shared memory
+
+    float s[8][4];
+    if (work) {
+      const T* krow = ks + (lane & 7) * L::kRow + 8 * (lane >> 3);
+      const T* qrow = qs + (16 * warp + (lane & 15)) * L::kRow + 8 * (lane >> 4);
+#pragma unroll
+      for (int nt = 0; nt < 8; ++nt)
+#pragma unroll
+        for (int c = 0; c < 4; ++c) s[nt][c] = 0.f;
+#pragma unroll
+      for (int d0 = 0; d0 < D; d0 += 32) {
+        uint32_t qa0[4], qa1[4];
+        ldmatrix_x4(qa0, qrow + d0);
+        ldmatrix_x4(qa1, qrow + d0 + 16);
+#pragma unroll
+        for (int nt = 0; nt < 8; ++nt) {
+          uint32_t kb[4];
+          ldmatrix_x4(kb, krow + 8 * nt * L::kRow + d0);
+          mma_16816<T>(s[nt], qa0, kb[0], kb[1]);
+          mma_16816<T>(s[nt], qa1, kb[2], kb[3]);
+        }
+      }
+    }
+    __syncthreads();  // [B] every warp is done with K
+    if (more) issue(t0 + kAttnTile, false);
+    else cp_async_commit();  // an empty group keeps the count
+
+    uint32_t pa[4][4];  // p as the A fragments of the 4 key steps
+    float alpha[2] = {1.f, 1.f};
+    if (work) {
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const bool seen = max(lo, t0) < min(hi_g[half], t0 + kAttnTile);
+        float mx = -dspark_inf();
+#pragma unroll
+        for (int nt = 0; nt < 8; ++nt)
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            const int p = t0 + 8 * nt + 2 * t4 + e, c = 2 * half + e;
+            s[nt][c] = p >= lo && p < hi_g[half] ? __fmul_rn(s[nt][c], a.scale) : -dspark_inf();
+            mx = fmaxf(mx, s[nt][c]);
+          }
+        mx = fmaxf(mx, __shfl_xor_sync(kFullMask, mx, 1));
+        mx = fmaxf(mx, __shfl_xor_sync(kFullMask, mx, 2));
+        const float m_new = fmaxf(m[half], mx);
+        float l_tile = 0.f;
+#pragma unroll
+        for (int nt = 0; nt < 8; ++nt) {
+          T pt[2];
+          float pr[2];
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            const float x = s[nt][2 * half + e];
+            pt[e] = from_float<T>(seen && x != -dspark_inf() ? expf(__fsub_rn(x, m_new)) : 0.f);
+            pr[e] = to_float(pt[e]);
+          }
+          pa[nt >> 1][half + 2 * (nt & 1)] = (uint32_t)pt[0].bits | (uint32_t)pt[1].bits << 16;
+          float sum = __fadd_rn(pr[0], pr[1]);
+          sum = __fadd_rn(sum, __shfl_xor_sync(kFullMask, sum, 1));
+          sum = __fadd_rn(sum, __shfl_xor_sync(kFullMask, sum, 2));
+          l_tile = nt == 0 ? sum : __fadd_rn(l_tile, sum);
+        }
+        if (seen) {
+          alpha[half] = expf(__fsub_rn(m[half], m_new));
+          l[half] = __fadd_rn(__fmul_rn(l[half], expf(__fsub_rn(m[half], m_new))), l_tile);
+          m[half] = m_new;
+        }
+      }
+    }
+    cp_async_wait<1>();
+    __syncthreads();  // [C] V of this tile is in shared memory
+
+    if (work) {
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+        for (int c = 0; c < 4; ++c) o[nt][c] = __fmul_rn(o[nt][c], alpha[c >> 1]);
+      const T* vrow = vs + ((lane & 7) + 8 * ((lane >> 3) & 1)) * L::kRow + 8 * (lane >> 4);
+#pragma unroll
+      for (int ks4 = 0; ks4 < 4; ++ks4) {
+#pragma unroll
+        for (int np = 0; np < NT; np += 2) {
+          uint32_t r[4];
+          ldmatrix_x4_trans(r, vrow + 16 * ks4 * L::kRow + 8 * np);
+          mma_16816<T>(o[np], pa[ks4], r[0], r[1]);
+          mma_16816<T>(o[np + 1], pa[ks4], r[2], r[3]);
+        }
+      }
+    }
+    __syncthreads();  // [D] every warp is done with V
+    if (more) issue(t0 + kAttnTile, true);
+    else cp_async_commit();
+
+    if (t0 + kAttnTile >= split_hi) {  // split j is complete: merge it (the serial kernel's [E], [F])
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        if (split_lo < min(hi_g[half], split_hi)) {
+          const AttnMergeFactors f = attn_merge_factors(mm[half], m[half]);
+          float* row = accs + (g + 8 * half) * D + 2 * t4;
+#pragma unroll
+          for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+            for (int e = 0; e < 2; ++e) row[8 * nt + e] = attn_merge(row[8 * nt + e], o[nt][2 * half + e], f);
+          ll[half] = attn_merge(ll[half], l[half], f);
+          mm[half] = f.m;
+        }
+        m[half] = -dspark_inf();
+        l[half] = 0.f;
+      }
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+        for (int c = 0; c < 4; ++c) o[nt][c] = 0.f;
+      ++j;
+      split_lo = split_hi;
+      split_hi = a.splits.end(j, hi);
+    }
+  }
+  cp_async_wait<0>();
+
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const int item_j = 16 * warp + g + 8 * half;
+    if (item_j < items) {
+      const int64_t item = (int64_t)(row0 + r0 + item_j / G) * a.hq + h * G + item_j % G;
+      const float* row = accs + (g + 8 * half) * D + 2 * t4;
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt)
+        attn_store2(a.out + item * D + 8 * nt + 2 * t4, __fdiv_rn(row[8 * nt], ll[half]),
+                    __fdiv_rn(row[8 * nt + 1], ll[half]));
+    }
+  }
+}
+
+#define DSPARK_ATTENTION_PROMPT_ENTRY(SUF, T, D, MINB)                                                           \
+  extern "C" __global__ void __launch_bounds__(128, MINB) attention_prompt_##SUF##_d##D(                        \
+      DSPARK_ATTENTION_PARAMS(T)) {                                                                               \
+    using T_ = T;                                                                                                 \
+    attention_prompt_cta<T, D>(DSPARK_ATTENTION_ARGS);                                                            \
+  }
+
+DSPARK_ATTENTION_PROMPT_ENTRY(f16, f16_t, 64, 2)
+DSPARK_ATTENTION_PROMPT_ENTRY(f16, f16_t, 128, 2)
+DSPARK_ATTENTION_PROMPT_ENTRY(f16, f16_t, 256, 1)
+DSPARK_ATTENTION_PROMPT_ENTRY(bf16, bf16_t, 64, 2)
+DSPARK_ATTENTION_PROMPT_ENTRY(bf16, bf16_t, 128, 2)
+DSPARK_ATTENTION_PROMPT_ENTRY(bf16, bf16_t, 256, 1)
+
 // ---- probes: the building blocks against their documented semantics --------------------------
 // tests/kernels/test_attention.py runs them on every executor: on simt they pin the emulation to
 // the PTX ISA's layouts, on a GPU they pin the hardware to the same expectations.

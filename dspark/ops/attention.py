@@ -22,7 +22,10 @@ session) walks all the splits of its rows ("serial"), or one CTA per (row chunk,
 session) writes split partials that a second kernel merges ("parallel", flash-decoding). Both
 compute the same bits. The plan takes "parallel" when "serial" would leave an H200 mostly idle
 (fewer CTAs than two per SM, as at one or two sessions with long contexts) and the partials stay
-small; prefill and large batches walk serially.
+small; large batches walk serially. Prompt passes (causal, 16-bit K/V, a session of at least
+PROMPT_MIN_ROWS rows) take "prompt": attention_prompt_<dt>_d<D>, the serial kernel's bits with
+each warp owning 16 items for whole key tiles (flash-attention 2's split of the work), so q.k, the
+softmax and p.v stay in registers.
 
 `attention_ref` is the NumPy twin: the same splits, tiles, rounding and merge, with shape-
 independent reductions (elementwise products and pairwise halving sums, never matmul), so the numpy
@@ -49,10 +52,13 @@ WARPS = 8                 # warps per CTA of the split kernels
 COMBINE_THREADS = 64
 HEAD_DIMS = (64, 128, 256)
 MODES = ("causal", "block")
+STRATEGIES = ("auto", "serial", "parallel", "prompt")
 # (m-tiles of 16 items, pipeline stages) per (storage bytes, head dim): the instantiations in
 # csrc/attention.cu. f32 (CUDA cores) keeps 2 m-tiles; at D = 256 one stage (two do not fit).
 CONFIGS = {(4, 64): (2, 2), (4, 128): (2, 2), (4, 256): (2, 1),
            (2, 64): (4, 2), (2, 128): (4, 2), (2, 256): (4, 2)}
+PROMPT_THREADS = 128      # attention_prompt: 4 warps of 16 items each
+PROMPT_MIN_ROWS = 64      # rows of one session from which "auto" takes the prompt kernel
 MAX_SHARED_MEM = 227 * 1024
 SMS = 132                 # an H200: the plan fills it before it splits
 PARTIAL_BUDGET = 64 << 20  # bytes of split partials the plan accepts before it walks splits serially
@@ -302,6 +308,13 @@ def shared_mem_bytes(itemsize: int, head_dim: int) -> int:
     return itemsize * (2 * stages * TILE * row + items * (row + prow)) + 4 * (2 * WARPS + 4) * items
 
 
+def prompt_shared_mem_bytes(itemsize: int, head_dim: int) -> int:
+    """Dynamic shared memory of the prompt kernel (AttnPromptLayout, csrc/attention.cu): one K and
+    one V tile and the CTA's 64 items' q in the storage dtype, their merged output in f32."""
+    row = head_dim + 16 // itemsize
+    return itemsize * (2 * TILE * row + 64 * row) + 4 * 64 * head_dim
+
+
 def max_gqa(itemsize: int, head_dim: int) -> int:
     """The most query heads per kv head one CTA holds (one row's heads must share a CTA)."""
     return 16 * CONFIGS[(itemsize, head_dim)][0]
@@ -313,12 +326,11 @@ def launch_plan(lens, pos, *, hq: int, hkv: int, head_dim: int, dtype="bfloat16"
     """The launch plan of an attention call: sessions of `lens[b]` rows at positions `pos[b]`,
     Hq / Hkv heads of `head_dim`, storage `dtype`. Pure: nothing is allocated or launched, so a
     performance model can price a call (bytes, CTAs, their keys, launches) from shapes alone.
-    `split` and `strategy` ("auto", "serial", "parallel") are for tests and tuning; the result
-    never depends on them."""
+    `split` and `strategy` ("auto", "serial", "parallel", "prompt") are for tests and tuning; the
+    result never depends on them."""
     dtype = BF16 if isinstance(dtype, str) and dtype == "bfloat16" else np.dtype(dtype)
     kind = suffix(dtype, "dtype")
-    if strategy not in ("auto", "serial", "parallel"):
-        raise ValueError(f"strategy={strategy!r}: expected 'auto', 'serial' or 'parallel'")
+    check_strategy(strategy, dtype, mode)
     split = split or DEFAULT_SPLIT
     lens, pos = np.asarray(lens, np.int64).reshape(-1), np.asarray(pos, np.int64).reshape(-1)
     isz, g = dtype.itemsize, hq // hkv
@@ -339,8 +351,10 @@ def launch_plan(lens, pos, *, hq: int, hkv: int, head_dim: int, dtype="bfloat16"
     max_splits = int(count.max(initial=1))
     chunks = int(chunk_n.max(initial=0))
     partials = rows * hq * max_splits * (head_dim + 2) * 4
+    prompt = strategy == "prompt" or (strategy == "auto" and isz == 2 and mode == "causal"
+                                      and int(lens.max(initial=0)) >= PROMPT_MIN_ROWS)
     if strategy == "auto":
-        parallel = max_splits > 1 and partials <= PARTIAL_BUDGET and sess.size * hkv < 2 * sms
+        parallel = not prompt and max_splits > 1 and partials <= PARTIAL_BUDGET and sess.size * hkv < 2 * sms
     else:
         parallel = strategy == "parallel"
     if parallel:  # one CTA per (chunk, split it spans, kv head)
@@ -368,6 +382,12 @@ def launch_plan(lens, pos, *, hq: int, hkv: int, head_dim: int, dtype="bfloat16"
     visible = int((row_hi - row_lo).sum())
     slots = max_splits if parallel else 0
     grid = (chunks * max(slots, 1), hkv, len(lens))
+    if prompt:
+        return AttentionPlan(
+            strategy="prompt", head_dim=head_dim, kernel=f"attention_prompt_{kind}_d{head_dim}", grid=grid,
+            block=(PROMPT_THREADS,), shared_mem=prompt_shared_mem_bytes(isz, head_dim), rows_per_cta=rows_per_cta,
+            stages=1, split=split, slots=0, combine_kernel=None, combine_grid=None, combine_block=None,
+            max_splits=max_splits, cta_keys=cta_keys, bytes=by, flops=4 * head_dim * g * hkv * visible)
     name = f"attention_{kind}_d{head_dim}"
     return AttentionPlan(
         strategy="parallel" if parallel else "serial", head_dim=head_dim, kernel=name, grid=grid, block=(32 * WARPS,),
@@ -375,6 +395,14 @@ def launch_plan(lens, pos, *, hq: int, hkv: int, head_dim: int, dtype="bfloat16"
         slots=slots, combine_kernel=f"attention_combine_{kind}" if parallel else None,
         combine_grid=(rows, hq) if parallel else None, combine_block=(COMBINE_THREADS,) if parallel else None,
         max_splits=max_splits, cta_keys=cta_keys, bytes=by, flops=4 * head_dim * g * hkv * visible)
+
+
+def check_strategy(strategy: str, dtype, mode: str) -> None:
+    if strategy not in STRATEGIES:
+        raise ValueError(f"strategy={strategy!r}: expected one of {STRATEGIES}")
+    if strategy == "prompt" and (np.dtype(dtype).itemsize != 2 or mode != "causal"):
+        raise ValueError(f"strategy='prompt' runs causal attention over 16-bit K/V, not {np.dtype(dtype)} in "
+                         f"mode {mode!r}")
 
 
 def validate(be, q, k_blk, v_blk, k_caches, v_caches, pos, row_indptr, mode, window, scale) -> AttentionCall:
@@ -464,13 +492,13 @@ def attention(be, q, k_blk, v_blk, k_caches, v_caches, pos, row_indptr, *, mode=
     committed rows per session; row_indptr: int32 [B+1]. mode "causal": row i of session b sees
     [0, pos[b] + i]; mode "block": the caches are rings of their capacity and every row sees the
     last `window` committed rows plus the whole block. scale defaults to 1/sqrt(D). `split` (where
-    the key axis is cut, SplitRule) and `strategy` are test and tuning knobs: the results depend on
-    `split` within rounding, never on `strategy`.
+    the key axis is cut, SplitRule) and `strategy` ("auto", "serial", "parallel", "prompt") are
+    test and tuning knobs: the results depend on `split` within rounding, never on `strategy`.
     """
     if split is not None and not isinstance(split, SplitRule):
         raise TypeError(f"split={split!r}: expected a SplitRule")
-    if strategy not in ("auto", "serial", "parallel"):
-        raise ValueError(f"strategy={strategy!r}: expected 'auto', 'serial' or 'parallel'")
+    if strategy not in STRATEGIES:
+        raise ValueError(f"strategy={strategy!r}: expected one of {STRATEGIES}")
     q, k_blk, v_blk, pos, row_indptr, out = adopt(be, q=q, k_blk=k_blk, v_blk=v_blk, pos=pos, row_indptr=row_indptr,
                                                   out=out, writes=("out",))
     # Tables (dspark.ops.tables) were validated when made: their arrays are checked for shape

@@ -17,7 +17,7 @@ import pytest
 
 from dspark.errors import CapacityError, DTypeError, KernelArgumentError, ShapeError
 from dspark.ops.attention import (DEFAULT_SPLIT, SplitRule, attention, attention_ref, launch_plan, plan,
-                                  shared_mem_bytes, validate)
+                                  prompt_shared_mem_bytes, shared_mem_bytes, validate)
 from dspark.ops.kv_commit import kv_commit
 from tests.conftest import poison
 from tests.kernels.asan import assert_clean, run_asan
@@ -184,10 +184,11 @@ def test_causal_matches_reference(kernel_backend, rng, batch, dtype, d, heads):
 @pytest.mark.parametrize("dtype,d,heads", [(F32, 64, (8, 2)), (BF16, 128, (4, 4)), (F16, 128, (8, 1)),
                                            (BF16, 256, (12, 2))], ids=str)
 def test_prefill_matches_reference(kernel_backend, rng, dtype, d, heads):
-    """Hundreds of rows: the session is split into fixed row chunks, one CTA each (serial)."""
+    """Hundreds of rows: the session is split into fixed row chunks, one CTA each (the prompt
+    kernel for 16-bit K/V, serial for f32)."""
     case = make_case(rng, dtype, d, *heads, *CAUSAL["prefill"])
     assert launch_plan([200, 0, 37], [0, 9, 64], hq=heads[0], hkv=heads[1], head_dim=d,
-                       dtype=dtype).strategy == "serial"
+                       dtype=dtype).strategy == ("serial" if dtype == F32 else "prompt")
     assert_close(run(kernel_backend, case), reference(case), dtype)
 
 
@@ -361,6 +362,53 @@ def test_prefill_rows_equal_decode_steps(any_backend, rng, dtype, d):
         np.testing.assert_array_equal(bits(run(be, step, split=SMALL)), bits(full[i : i + 1]), err_msg=f"row {i}")
 
 
+@pytest.mark.parametrize("dtype,d,heads,ctx", [(BF16, 64, (4, 4), 0), (F16, 128, (12, 2), 70), (BF16, 256, (12, 2), 130)],
+                         ids=str)
+def test_prompt_rows_equal_verify_rows_and_decode_steps(kernel_backend, rng, dtype, d, heads, ctx):
+    """Property 1 for prompts: the prompt kernel's rows (one pass of 80 rows after `ctx`
+    committed ones, or the same rows in two passes of 37 and 43) are bitwise the serial and the
+    split-parallel kernel's rows of the same block (a verify's) and the decode step at each row's
+    position, across splits of 1, 2 and 4 tiles. GQA 1 and 6 (Qwen3.5-27B's 24 / 4)."""
+    be, n = kernel_backend, 80
+    case = make_case(rng, dtype, d, *heads, [n], [ctx])
+    prompt = run(be, case, split=SMALL, strategy="prompt")
+    assert launch_plan([n], [ctx], hq=heads[0], hkv=heads[1], head_dim=d, dtype=dtype).strategy == "prompt"
+    np.testing.assert_array_equal(bits(prompt), bits(run(be, case, split=SMALL)))
+    for strategy in ("serial", "parallel"):
+        np.testing.assert_array_equal(bits(run(be, case, split=SMALL, strategy=strategy)), bits(prompt), strategy)
+    assert_close(prompt, reference(case, split=SMALL), dtype)
+    cache_k, cache_v = case.k_caches[0].copy(), case.v_caches[0].copy()
+    cache_k[:, ctx : ctx + n] = case.k_blk.transpose(1, 0, 2)
+    cache_v[:, ctx : ctx + n] = case.v_blk.transpose(1, 0, 2)
+
+    def rows_at(i, j):  # rows [i, j) as their own pass, rows before them in the cache
+        return replace(case, q=case.q[i:j], k_blk=case.k_blk[i:j], v_blk=case.v_blk[i:j], k_caches=[cache_k],
+                       v_caches=[cache_v], pos=np.array([ctx + i], np.int32), row_indptr=indptr_of([j - i]))
+    second = run(be, rows_at(37, n), split=SMALL, strategy="prompt")
+    np.testing.assert_array_equal(bits(second), bits(prompt[37:]), "second pass")
+    for i in sorted({0, 36, 37, 63, 64, n - 1, *rng.integers(0, n, 2).tolist()}):
+        np.testing.assert_array_equal(bits(run(be, rows_at(i, i + 1), split=SMALL)), bits(prompt[i : i + 1]),
+                                      err_msg=f"decode step {i}")
+
+
+def test_prompt_plan(numpy_backend, rng):
+    """auto takes the prompt kernel for a causal pass of 16-bit K/V with a session of at least 64
+    rows, never for decode and verify blocks, f32 K/V or the drafter's block mode; forcing it
+    there is refused. Its CTAs are the serial kernel's (64 items each, K/V of their keys once)."""
+    for lens, want in (([64], "prompt"), ([63], "parallel"), ([8] * 32, "serial"), ([1], "parallel")):
+        p = launch_plan(lens, [4096] * len(lens), **QWEN35)
+        assert p.strategy == want, (lens, p.strategy)
+    p = launch_plan([8192], [0], **QWEN35)
+    serial = launch_plan([8192], [0], **QWEN35, strategy="serial")
+    assert (p.kernel, p.block, p.grid, p.launches) == ("attention_prompt_bf16_d256", (128,), serial.grid, 1)
+    assert p.bytes == serial.bytes and p.flops == serial.flops and p.rows_per_cta == 10
+    assert p.shared_mem == prompt_shared_mem_bytes(2, 256) <= 227 * 1024
+    assert launch_plan([200], [0], hq=8, hkv=2, head_dim=128, dtype=F32).strategy == "serial"
+    for dtype, mode in ((F32, "causal"), (BF16, "block")):
+        with pytest.raises(ValueError, match="strategy='prompt' runs causal attention over 16-bit K/V"):
+            launch_plan([100], [0], hq=8, hkv=2, head_dim=128, dtype=dtype, mode=mode, window=8, strategy="prompt")
+
+
 def test_randomised_schedule(simt, rng):
     """Threads in a random order between barriers, cp.async copies landing at random points up to
     their wait: bitwise the same result, on both kernels."""
@@ -368,7 +416,7 @@ def test_randomised_schedule(simt, rng):
                                               ("causal", ([1, 6], [200, 190], 0), BF16),
                                               ("block", BLOCK["ring3"], F16)):
         case = make_case(rng, dtype, 64, 8, 2, lens, ctxs, mode=mode, window=window)
-        for strategy in ("serial", "parallel"):
+        for strategy in ("serial", "parallel", "prompt")[: 3 if dtype != F32 and mode == "causal" else 2]:
             ordered = run(simt, case, split=SMALL, strategy=strategy)
             with simt.kernels.schedule(seed=int(rng.integers(1, 2**31))):
                 shuffled = run(simt, case, split=SMALL, strategy=strategy)
@@ -478,11 +526,12 @@ def test_plan_and_op_launch_the_same(simt, rng):
             return launch
 
     case = make_case(rng, BF16, 256, 12, 2, [3, 1], [400, 90])
-    for strategy in ("serial", "parallel"):
+    for strategy in ("serial", "parallel", "prompt"):
         launched.clear()
         attention(replace(simt, kernels=Recorder()), *case.args(), strategy=strategy)
         p = launch_plan([3, 1], [400, 90], hq=12, hkv=2, head_dim=256, dtype=BF16, strategy=strategy)
-        want = [(p.kernel, p.grid, p.block, shared_mem_bytes(2, 256))]
+        smem = prompt_shared_mem_bytes(2, 256) if strategy == "prompt" else shared_mem_bytes(2, 256)
+        want = [(p.kernel, p.grid, p.block, smem)]
         if p.combine_kernel:
             want.append((p.combine_kernel, p.combine_grid, p.combine_block, 0))
         assert launched == want
@@ -497,10 +546,12 @@ def test_kernel_refuses_a_plan_with_too_little_shared_memory(simt, rng):
     args = (case.q, case.k_blk, case.v_blk, tables[:1], tables[1:], meta[:2], meta[2:3], meta[3:],
             np.int32(4), np.int32(4), np.int32(p.rows_per_cta), np.int32(0), np.int32(0), np.float32(0.125),
             np.int32(256), np.int32(8), np.int32(1024), np.int32(0), None, None, np.zeros_like(case.q))
-    fn = simt.kernels.get_function(p.kernel)
-    fn(p.grid, p.block, args, shared_mem=p.shared_mem)
-    with pytest.raises(simt.kernels.fault_type, match="launch plan does not match"):
-        fn(p.grid, p.block, args, shared_mem=p.shared_mem - 16)
+    for strategy in ("serial", "prompt"):
+        p = launch_plan([1], [10], hq=4, hkv=4, head_dim=64, dtype=BF16, strategy=strategy)
+        fn = simt.kernels.get_function(p.kernel)
+        fn(p.grid, p.block, args, shared_mem=p.shared_mem)
+        with pytest.raises(simt.kernels.fault_type, match="launch plan does not match"):
+            fn(p.grid, p.block, args, shared_mem=p.shared_mem - 16)
 
 
 def test_asan_clean():
