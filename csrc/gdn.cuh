@@ -56,11 +56,20 @@ DSPARK_DEVICE float gdn_conv_silu(float (&win)[kGdnWindow], const float (&w)[kGd
   return y / (1.0f + expf(-y));
 }
 
-// alpha (decay) and beta (write strength) of one head at one token; A = exp(A_log).
-DSPARK_DEVICE float2 gdn_gates(float a, float b, float A, float dt_bias) {
+// log(alpha) of one head at one token: -(A softplus(a + dt_bias)); A = exp(A_log). The chunked
+// prompt pass (gdn_chunk.cu) sums these; the scan takes their exp.
+DSPARK_DEVICE float gdn_log_decay(float a, float A, float dt_bias) {
   const float x = a + dt_bias;
   const float softplus = x > kGdnSoftplusThreshold ? x : log1pf(expf(x));
-  return make_float2(expf(-(A * softplus)), 1.0f / (1.0f + expf(-b)));
+  return -(A * softplus);
+}
+
+// beta (write strength) of one head at one token.
+DSPARK_DEVICE float gdn_beta(float b) { return 1.0f / (1.0f + expf(-b)); }
+
+// alpha (decay) and beta of one head at one token.
+DSPARK_DEVICE float2 gdn_gates(float a, float b, float A, float dt_bias) {
+  return make_float2(expf(gdn_log_decay(a, A, dt_bias)), gdn_beta(b));
 }
 
 // x[0..n) <- (x * 1/sqrt(sum x^2 + eps)) * scale, by one whole warp. Lane l sums x[l], x[l+32],

@@ -24,7 +24,7 @@ from .backends import NAMES, backends, cuda_available, get_backend
 from .byte_vocab import decode, encode
 from .errors import DsparkError
 from .ops.linear import ROW_CHUNK
-from .params import VERIFY_POLICIES
+from .params import PROMPT_CHUNK, VERIFY_POLICIES
 from .stats import REPEAT_SPAN, RepetitionSplit
 
 DEMO_PROMPT = '''import os
@@ -117,17 +117,27 @@ def with_block(drafter, block: int | None):
     return resized
 
 
-def load_pair(be, block: int | None):
+def load_pair(be, args):
     from .models import load_default
+    if args.max_ctx:
+        raise CliError("--max-ctx applies to --model: the embedded pair's context is its own")
     trunk, drafter = load_default(be)
-    return trunk, with_block(drafter, block)
+    trunk.prompt_chunk = args.prompt_chunk
+    return trunk, with_block(drafter, args.block)
 
 
-def load_model(be, path: str):
-    """--model: a Hugging Face target (dspark.models.hf) and its tokenizer; the load summary
-    (dtypes, tensors skipped by rule) goes to stderr."""
+def load_model(be, args):
+    """--model: a Hugging Face target (dspark.models.hf, --max-ctx cache rows, prompts in passes
+    of --prompt-chunk tokens) and its tokenizer; the load summary (dtypes, tensors skipped by
+    rule) goes to stderr."""
     from .models.hf import load_target, load_tokenizer
-    trunk = load_target(path, be)
+    from .models.hf.checkpoint import CheckpointError
+    try:
+        trunk = load_target(args.model, be, max_ctx=args.max_ctx)
+    except CheckpointError as e:
+        raise CliError(str(e).replace("max_ctx=", "--max-ctx ")) from None
+    trunk.prompt_chunk = args.prompt_chunk
+    path = args.model
     tokenizer = load_tokenizer(path)
     print(f"dspark: loaded {trunk.source.summary()}", file=sys.stderr)
     return trunk, tokenizer
@@ -217,7 +227,7 @@ def cmd_demo(args) -> int:
     check_drafter_option(args)
     be = backend_of(args.backend)
     if args.model:
-        trunk, tokenizer = load_model(be, args.model)
+        trunk, tokenizer = load_model(be, args)
         if args.drafter:
             drafter = load_released_drafter(args, trunk)
             what = f"{args.model} with the drafter {args.drafter}"
@@ -227,7 +237,7 @@ def cmd_demo(args) -> int:
             what = f"{args.model} with a random drafter"
         text, prompt = tokenizer.decode, tokenizer.encode(DEMO_PROMPT)
     else:
-        trunk, drafter = load_pair(be, args.block)
+        trunk, drafter = load_pair(be, args)
         what, text, prompt = "embedded pair", decode, encode(DEMO_PROMPT)
     print(f"dspark demo: {what} on backend {be.name}, block {drafter.config.block}, "
           f"{args.max_new_tokens} new tokens, greedy, verify {args.verify} (tau {args.tau}, at most "
@@ -280,11 +290,11 @@ def cmd_generate(args) -> int:
     except ValueError as e:
         raise CliError(str(e).replace("SamplingParams.", "--").replace("_", "-")) from None
     if args.model:  # speculative with --drafter, else plain decode
-        trunk, tokenizer = load_model(be, args.model)
+        trunk, tokenizer = load_model(be, args)
         drafter = load_released_drafter(args, trunk) if args.drafter else None
         text, prompt = tokenizer.decode, tokenizer.encode(args.prompt)
     else:
-        trunk, drafter = load_pair(be, args.block)
+        trunk, drafter = load_pair(be, args)
         text, prompt = decode, encode(args.prompt)
     if args.no_spec or drafter is None:
         out, dt, _ = run_plain(trunk, prompt, args.max_new_tokens, sampling)
@@ -328,6 +338,11 @@ def build_parser() -> argparse.ArgumentParser:
                        help="a released drafter for --model (DeepSpec DSpark, z-lab DFlash / DFlash2, speculators): "
                             "a directory or a hub id in the local cache")
         p.add_argument("--max-new-tokens", type=positive_int, default=256)
+        p.add_argument("--max-ctx", type=positive_int, default=None,
+                       help="cache rows per session for --model (default min(max_position_embeddings, 4096), "
+                            "at most max_position_embeddings)")
+        p.add_argument("--prompt-chunk", type=positive_int, default=PROMPT_CHUNK,
+                       help=f"tokens per prompt pass: memory is bounded by the pass (default {PROMPT_CHUNK})")
         p.add_argument("--block", type=positive_int, default=None,
                        help="drafter block size (default: the drafter's own)")
         p.add_argument("--verify", choices=VERIFY_POLICIES, default="auto",

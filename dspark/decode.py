@@ -110,10 +110,12 @@ def pick_tokens(be, logits, seqs: list[PlainSequence]) -> np.ndarray:
 
 
 def prefill_anchor(trunk: HybridTrunk, cache: Cache, prompt_ids, sampling: SamplingParams | None = None):
-    """Prefill the prompt; return the first pending token (argmax of the boundary logits, or
-    draw 0 of the sampling stream) and the trunk pass."""
-    tp = trunk.prefill(cache, prompt_ids)
-    return first_token(trunk.be, tp.logits[-1:], sampling), tp
+    """Prefill the prompt in passes of trunk.prompt_chunk tokens (as a speculative session primes:
+    the same bits whatever the passes); return the first pending token (argmax of the boundary
+    logits, or draw 0 of the sampling stream) and the last pass (its logits: the boundary row)."""
+    for tp in trunk.prompt_passes(cache, prompt_ids):
+        pass
+    return first_token(trunk.be, tp.logits, sampling), tp
 
 
 def first_token(be, boundary_logits, sampling: SamplingParams | None = None) -> int:

@@ -99,8 +99,9 @@ class DsparkSpecSession:
     @classmethod
     def prime(cls, trunk: HybridTrunk, drafter: DsparkDrafter, prompt_ids, params: SpecParams | None = None,
               backend=None) -> "DsparkSpecSession":
-        """Prefill the prompt into a new cache and draft KV; take the first anchor from the
-        boundary logits. With params.capture, keep a SpecBoundaryCapture."""
+        """Prefill the prompt into a new cache and draft KV, in passes of trunk.prompt_chunk tokens
+        (as plain decode prefills: the same bits whatever the passes); take the first anchor from
+        the boundary logits. With params.capture, keep a SpecBoundaryCapture."""
         params = params or SpecParams()
         if backend is not None and backend is not trunk.be:
             raise ValueError(f"backend={backend.name!r}: the trunk lives on {trunk.be.name!r}")
@@ -110,10 +111,10 @@ class DsparkSpecSession:
         try:
             s.cache = trunk.new_cache(owner=f"cache/{s.id}")
             s.kv = drafter.new_kv(f"{s.owner}/draft_kv")
-            with phase("prime"):
-                tp = trunk.prefill(s.cache, p, taps=drafter.taps)
-                drafter.ingest([s.kv], tp.taps, tp.row_indptr)
-            boundary = tp.logits[-1:]
+            with phase("prime"):  # in passes of trunk.prompt_chunk tokens: memory bounded by the pass
+                for tp in trunk.prompt_passes(s.cache, p, taps=drafter.taps):
+                    drafter.ingest([s.kv], tp.taps, tp.row_indptr)
+            boundary = tp.logits
             s.last = s._first_anchor(boundary)
             s.prompt_len = int(p.size)
             if params.capture:

@@ -4,6 +4,7 @@ the predicted time of each, the round's composition and the spec/plain speedup.
     python profiling/perf_model.py                     # the table in RESULTS.md: three shapes, B=1, 32k, 8 columns
     python profiling/perf_model.py --model qwen3.5-27b --batch 1 2 32 --context 4096 32768 --width 8 --kernels
     python profiling/perf_model.py --accepted 5.9      # the speedup at another mean accepted length
+    python profiling/perf_model.py --prompt [--kernels] # time to first token, plain batched decode, memory
 
 Shapes (SHAPES): the embedded pair (dspark/models/default), Qwen3-8B and Qwen3.5-27B with their
 Hugging Face `config.json` numbers (Qwen/Qwen3-8B: hidden 4096, 36 layers, 32 query / 8 kv heads
@@ -33,6 +34,13 @@ bytes) once per 16 rows, x once per column tile and the K splits' partials writt
 (all priced at the copy bandwidth, though x and the partials mostly come from L2), f32 math on the
 CUDA cores; its residency counts threads and shared memory, not its ~186 registers.
 
+The prompt pass (--prompt) is priced from what the tensor-core kernels compile to: occupancy from
+profiling/ptxas_report.md (registers, shared memory), the MMAs at the mma.sync ceiling (MMA_SYNC_SHARE
+of the 790 TFLOP/s wgmma rate), bytes at the copy bandwidth (a prompt GEMM's waves read their tiles
+from DRAM once, L2 keeps them), launches at the host cost: time to first token for Qwen3.5-27B at 8k
+and 32k and Qwen3-8B at 8k, the plain batched decode step at B = 1, 8, 32 (4k context), the B = 1
+verify/plain ratio with the GEMMs so priced, and the memory one session holds at 32k and 128k.
+
 Launches are not in a kernel's time: each costs 4 us of host time (dspark kernels from the plans,
 CuPy array ops from per-layer counts made on the CuPy contract path, LAUNCH_GLUE), listed with the
 round's two synchronisations as "overhead". Predicted round time = GPU time + overhead (no
@@ -57,11 +65,16 @@ from dspark.models.drafter_config import DrafterConfig
 from dspark.ops import argmax as argmax_ops
 from dspark.ops import gdn as gdn_ops
 from dspark.ops import linear as linear_ops
+from dspark.ops import gdn_chunk as chunk_ops
 from dspark.ops import norm as norm_ops
 from dspark.ops import snapshot as snapshot_ops
-from dspark.ops.attention import launch_plan
+from dspark.models.cache import cache_bytes
+from dspark.ops.attention import TILE, launch_plan
 from dspark.ops.kv_commit import THREADS as COMMIT_THREADS
 from dspark.ops.kv_commit import commit_bytes
+from dspark.params import PROMPT_CHUNK
+
+import ptxas_report
 from timing import table
 
 F32 = 4
@@ -201,11 +214,12 @@ def linear(phase, name, rows, k, n, wb, dev, kind="weights") -> list[Kernel]:
 
 # ---- the trunk pass ---------------------------------------------------------------------------------------
 def trunk_pass(shape: Shape, B: int, context: int, cols: int, dev: Device, *, verify: bool,
-               rollback="checkpoint") -> list[Kernel]:
+               rollback="checkpoint", gemm=None) -> list[Kernel]:
     """Every kernel of one trunk pass over `cols` columns per session at `context` committed rows:
     a verify (the state read, not written; per-column checkpoints) or a plain decode step (cols 1,
-    state written, K/V committed)."""
+    state written, K/V committed). `gemm` prices the GEMMs (default `linear`)."""
     c, wb, out = shape.trunk, shape.weight_bytes, []
+    linear_ = linear if gemm is None else gemm
     ph = "verify" if verify else "decode"
     rows, d = B * cols, c.d_model
     kv_isz = np.dtype(BF16 if c.kv_dtype == "bfloat16" else c.kv_dtype).itemsize
@@ -222,24 +236,24 @@ def trunk_pass(shape: Shape, B: int, context: int, cols: int, dev: Device, *, ve
             continue
         layer = [norm("rmsnorm x2", 2 * rows, d, 2)]
         if kind == "attn":
-            layer += linear(ph, "attn q|k|v", rows, d, nq + 2 * nkv, wb, dev)
+            layer += linear_(ph, "attn q|k|v", rows, d, nq + 2 * nkv, wb, dev)
             if c.qk_norm:
                 layer.append(norm("q/k norm", rows * (c.attn_heads + c.attn_kv_heads), c.head_dim, 2))
             plan = launch_plan([cols] * B, [context] * B, hq=c.attn_heads, hkv=c.attn_kv_heads, head_dim=c.head_dim,
                                dtype=BF16 if kv_isz == 2 else np.float32)
             layer += attention_kernels(ph, plan, dev)
-            layer += linear(ph, "attn o", rows, c.attn_heads * c.head_dim, d, wb, dev)
+            layer += linear_(ph, "attn o", rows, c.attn_heads * c.head_dim, d, wb, dev)
         else:
-            layer += linear(ph, "gdn in", rows, d, C + H * dv + 2 * H, wb, dev)
+            layer += linear_(ph, "gdn in", rows, d, C + H * dv + 2 * H, wb, dev)
             layer += scan_kernels(ph, c, B, rows, dev, checkpoints=verify and rollback == "checkpoint",
                                   commit=not verify)
             layer.append(norm("gdn o_norm", rows * H, dv))
-            layer += linear(ph, "gdn out", rows, H * dv, d, wb, dev)
-        layer += linear(ph, "mlp gate|up", rows, d, 2 * c.mlp_hidden, wb, dev)
-        layer += linear(ph, "mlp down", rows, c.mlp_hidden, d, wb, dev)
+            layer += linear_(ph, "gdn out", rows, H * dv, d, wb, dev)
+        layer += linear_(ph, "mlp gate|up", rows, d, 2 * c.mlp_hidden, wb, dev)
+        layer += linear_(ph, "mlp down", rows, c.mlp_hidden, d, wb, dev)
         out += scaled(layer, count, f"x{count} {kind} layers")
     out.append(norm("final norm", rows, d))
-    out += linear(ph, "lm head", rows, d, c.vocab, wb, dev)
+    out += linear_(ph, "lm head", rows, d, c.vocab, wb, dev)
     if verify:
         p = argmax_ops.greedy_accept_plan(B, rows, c.vocab)
     else:
@@ -499,6 +513,205 @@ def spec_round(shape: Shape, B: int, context: int, vt: int, dev: Device = H200,
     return Round(shape, B, context, vt, kernels, plain, launches, plain_launches)
 
 
+# ---- the prompt pass, plain batched decode and memory per session ------------------------------------------
+# Priced with what the tensor-core kernels compile to: occupancy from profiling/ptxas_report.md (registers,
+# shared memory, threads: ptxas_report.residency), the MMAs at the mma.sync ceiling below, bytes at the copy
+# bandwidth, launches at the host cost. Each price names its bound and never goes under it.
+MMA_SYNC_SHARE = 2 / 3   # mma.sync's ceiling as a share of Device.mma (the dense bf16 rate wgmma reaches on an
+                         # H200): about 527 TFLOP/s; the GPU check measures it (bench_kernels' linear prompt rows)
+
+
+def mma_sync(dev: Device) -> float:
+    """FLOP/s of mma.sync m16n8k16 bf16 with f32 accumulation, the whole device."""
+    return MMA_SYNC_SHARE * dev.mma
+
+
+def occupancy(kernel: str, threads: int, dynamic_smem: int) -> int:
+    """CTAs per SM of `kernel` (sm_90) from the ptxas report: registers and shared memory as compiled."""
+    return max(1, ptxas_report.residency(kernel, threads, dynamic_smem))
+
+
+def scheduled(cta_work, rate: float, per_sm: int, dev: Device) -> float:
+    """Seconds for CTAs of `cta_work` units each (bytes or flops) at `rate` units/s for the whole
+    device: longest first onto 132 x per_sm slots, each slot at rate / slots (waves and imbalance
+    show, as in `priced`)."""
+    return priced(cta_work, 0, per_sm, dataclasses.replace(dev, bw=rate), rate)[0]
+
+
+def gemm(phase, name, rows, k, n, wb, dev, kind="weights") -> list[Kernel]:
+    """The GEMM at any row count, occupancy priced. 16-bit weights: linear_mma from its plan
+    (dspark.ops.linear.mma_plan); the MMAs' executed flops (padded tiles) at the mma.sync ceiling,
+    each CTA its slot's share, waves in order. Memory: split mode (few rows) the plan's bytes per
+    CTA at its slot's share of the copy bandwidth; fold mode (prompts) what each wave reads from
+    DRAM, its group of kMmaGroupRows row tiles of x (f32) and the weight columns of its CTAs (L2
+    keeps them while the wave runs), and the output. The larger. f32 weights: `linear`."""
+    if wb != 2:
+        return linear(phase, name, rows, k, n, wb, dev, kind)
+    p, plan = linear_ops.mma_plan(rows, k, n), linear_ops.mma_linear_plan(rows, k, n)
+    per_sm = occupancy(f"linear_mma_bf16_m{p.bm}", p.threads, p.shared_mem)
+    slots = dev.sms * per_sm
+    t_mma = scheduled(even(plan.notes["mma_flops"], p.ctas), mma_sync(dev), per_sm, dev)
+    if p.grid_splits == 1:
+        group = min(linear_ops.MMA_GROUP_ROWS, p.m_tiles)
+        cols = min(p.n_tiles, -(-slots // group))
+        waves = -(-p.ctas // slots)
+        dram = waves * (group * p.bm * k * 4 + cols * p.bn * k * 2) + rows * n * 4
+        t_mem = dram / dev.bw
+    else:
+        dram = plan.bytes
+        t_mem = scheduled(even(dram, p.ctas), dev.bw, per_sm, dev)
+    return [Kernel(phase, name, kind, int(dram), int(plan.notes["flops"]), p.ctas, -(-p.ctas // slots),
+                   max(t_mma, t_mem), 1, plan.min_bytes)]
+
+
+def prompt_attention(phase, shape: Shape, start: int, rows: int, dev: Device) -> Kernel:
+    """attention_prompt over a pass of `rows` query rows after `start` committed ones: each CTA's
+    key tiles (64 items x 64 keys x 4 D flops each, the whole tile as the MMAs run it) at the
+    mma.sync ceiling, longest CTA first; the K/V of the visible keys once from DRAM (the CTAs'
+    re-reads of them from L2), q and out."""
+    c = shape.trunk
+    kv_isz = np.dtype(BF16 if c.kv_dtype == "bfloat16" else c.kv_dtype).itemsize
+    plan = launch_plan([rows], [start], hq=c.attn_heads, hkv=c.attn_kv_heads, head_dim=c.head_dim,
+                       dtype=BF16 if kv_isz == 2 else np.float32)
+    per_sm = occupancy(plan.kernel, plan.block[0], plan.shared_mem)
+    tiles = -(-plan.cta_keys // TILE)
+    t_mma = scheduled(tiles * TILE * 64 * 4 * c.head_dim, mma_sync(dev), per_sm, dev)
+    dram = ((start + rows) * 2 * c.attn_kv_heads + rows * c.attn_heads) * c.head_dim * kv_isz + plan.bytes["out"]
+    return Kernel(phase, plan.kernel, "kv", int(dram), plan.flops, plan.ctas, -(-plan.ctas // (dev.sms * per_sm)),
+                  max(t_mma, dram / dev.bw), 1, int(dram))
+
+
+def prompt_gdn(phase, shape: Shape, rows: int, dev: Device) -> list[Kernel]:
+    """One gdn layer's prompt pass (dspark.ops.gdn_chunk): the conv; gdn_chunk_prep, one CTA per
+    (chunk, value head), its products at the mma.sync ceiling and its triangular solve (64^3 / 2
+    fmaf per chunk and head) at the f32 rate, its inputs and scratch at the copy bandwidth; and
+    gdn_chunk_state, one CTA per (32 state rows, value head) walking the chunks in order: per chunk
+    its share of the products at its slot's share of the mma.sync ceiling, waves in series."""
+    c = shape.trunk
+    H, dk, dv, C = c.gdn_heads, c.gdn_dk, c.gdn_dv, c.gdn_channels
+    chunks = -(-rows // chunk_ops.CHUNK)
+    conv = planned(phase, "gdn_conv_f32", "state", even(4 * rows * 2 * C, -(-C // gdn_ops.CONV_THREADS)),
+                   8 * rows * C, gdn_ops.CONV_THREADS, 0, dev)
+    fl = chunk_ops.chunk_flops(H, dk, dv)
+    prep_ctas = chunks * H
+    per_sm = occupancy(f"gdn_chunk_prep_bf16_dk{dk}", chunk_ops.THREADS, chunk_ops.prep_shared_mem(dk, dv, 2))
+    scratch = chunk_ops.scratch_bytes(chunks, H, dk, dv, 2)
+    prep_bytes = 4 * rows * H * (2 * dk + dv + 2) + scratch
+    t_prep = max(scheduled(even(chunks * fl["prep"], prep_ctas), mma_sync(dev), per_sm, dev),
+                 scheduled(even(prep_bytes, prep_ctas), dev.bw, per_sm, dev)) \
+        + scheduled(even(2 * chunks * fl["solve"], prep_ctas), dev.f32, per_sm, dev)
+    prep = Kernel(phase, f"gdn_chunk_prep_bf16_dk{dk}", "state", prep_bytes, chunks * (fl["prep"] + 2 * fl["solve"]),
+                  prep_ctas, -(-prep_ctas // (dev.sms * per_sm)), t_prep, 1, prep_bytes)
+    slices = -(-dv // chunk_ops.SLICE)
+    walk_ctas = slices * H
+    per_sm = occupancy(f"gdn_chunk_state_bf16_dk{dk}", chunk_ops.THREADS, chunk_ops.state_shared_mem(dk, 2))
+    slots = dev.sms * per_sm
+    waves = -(-walk_ctas // slots)
+    per_chunk = fl["state"] / walk_ctas / (mma_sync(dev) / slots)
+    walk_bytes = scratch + 4 * rows * H * dv + 3 * 4 * H * dv * dk
+    t_walk = max(waves * chunks * per_chunk, walk_bytes / dev.bw)
+    walk = Kernel(phase, f"gdn_chunk_state_bf16_dk{dk}", "state", walk_bytes, chunks * fl["state"], walk_ctas, waves,
+                  t_walk, 1, walk_bytes)
+    return [conv, prep, walk]
+
+
+def prompt_pass(shape: Shape, start: int, rows: int, dev: Device, *, last: bool) -> list[Kernel]:
+    """Every kernel of one prompt pass of `rows` tokens after `start` (one session): per layer the
+    norms, the GEMMs (`gemm`), prompt attention or the chunked gdn, and the elementwise glue (CuPy
+    array ops: the residual adds, RoPE, the output gate, SwiGLU, the z gate, at the copy bandwidth);
+    the last pass's final norm and LM head on its last row."""
+    c, wb, out, ph = shape.trunk, shape.weight_bytes, [], "prompt"
+    d, F = c.d_model, c.mlp_hidden
+    nq = c.attn_heads * c.head_dim * (2 if c.attn_gate else 1)
+    nkv = c.attn_kv_heads * c.head_dim
+    H, dk, dv, C = c.gdn_heads, c.gdn_dk, c.gdn_dv, c.gdn_channels
+    for kind, count in (("attn", c.layers.count("attn")), ("gdn", c.layers.count("gdn"))):
+        if not count:
+            continue
+        layer = [rmsnorm_kernel(ph, "rmsnorm x2", 2 * rows, d, dev, 2)]
+        if kind == "attn":
+            layer += gemm(ph, "attn q|k|v", rows, d, nq + 2 * nkv, wb, dev)
+            if c.qk_norm:
+                layer.append(rmsnorm_kernel(ph, "q/k norm", rows * (c.attn_heads + c.attn_kv_heads), c.head_dim, dev, 2))
+            layer.append(roofline(ph, "rope, gate (glue)", "other", 4 * rows * 3 * (nq + 2 * nkv), 0, dev))
+            layer.append(prompt_attention(ph, shape, start, rows, dev))
+            layer += gemm(ph, "attn o", rows, c.attn_heads * c.head_dim, d, wb, dev)
+        else:
+            layer += gemm(ph, "gdn in", rows, d, C + H * dv + 2 * H, wb, dev)
+            layer += prompt_gdn(ph, shape, rows, dev)
+            layer.append(rmsnorm_kernel(ph, "gdn o_norm", rows * H, dv, dev))
+            layer.append(roofline(ph, "z gate (glue)", "other", 4 * rows * 3 * H * dv, 0, dev))
+            layer += gemm(ph, "gdn out", rows, H * dv, d, wb, dev)
+        layer += gemm(ph, "mlp gate|up", rows, d, 2 * F, wb, dev)
+        layer.append(roofline(ph, "swiglu, residual adds (glue)", "other", 4 * rows * (3 * F + 6 * d), 0, dev))
+        layer += gemm(ph, "mlp down", rows, F, d, wb, dev)
+        out += scaled(layer, count, f"x{count} {kind} layers")
+    if last:
+        out.append(rmsnorm_kernel(ph, "final norm", 1, d, dev))
+        out += gemm(ph, "lm head (last row)", 1, d, c.vocab, wb, dev)
+    return out
+
+
+@dataclasses.dataclass
+class Prompt:
+    """A prompt of `tokens` in passes of `chunk`: every pass's kernels and the launches they take."""
+    shape: Shape
+    tokens: int
+    chunk: int
+    kernels: list[Kernel]
+    launches: int
+
+    def gpu(self) -> float:
+        return sum(k.time for k in self.kernels)
+
+    def ttft(self, dev: Device = H200) -> float:
+        """Time to first token: the passes' GPU time, their launches at the host cost, one sync."""
+        return self.gpu() + self.launches * dev.launch + dev.sync
+
+
+def prompt(shape: Shape, tokens: int, dev: Device = H200, chunk: int = PROMPT_CHUNK) -> Prompt:
+    """The prompt pass of one request (dspark.models.trunk.HybridTrunk.prompt_passes)."""
+    kernels, launches = [], 0
+    for start in range(0, tokens, chunk):
+        rows = min(chunk, tokens - start)
+        ks = prompt_pass(shape, start, rows, dev, last=start + rows >= tokens)
+        kernels += ks
+        launches += sum(k.launches for k in ks) + array_ops(shape, 1, rows, verify=False, round_glue=False)
+    return Prompt(shape, tokens, chunk, kernels, launches)
+
+
+def plain_step(shape: Shape, B: int, context: int, dev: Device = H200) -> float:
+    """A plain batched decode step of B sessions at `context`, its GEMMs occupancy priced
+    (`gemm`): GPU time plus launches and one sync."""
+    ks = trunk_pass(shape, B, context, 1, dev, verify=False, gemm=gemm)
+    launches = sum(k.launches for k in ks if k.ctas) + array_ops(shape, B, 1, verify=False, round_glue=False)
+    return sum(k.time for k in ks) + launches * dev.launch + dev.sync
+
+
+def verify_over_plain(shape: Shape, context: int, vt: int, dev: Device = H200) -> float:
+    """The B = 1 trunk verify pass over a plain step (GPU time), both occupancy priced (`gemm`)."""
+    v = sum(k.time for k in trunk_pass(shape, 1, context, vt, dev, verify=True, gemm=gemm))
+    return v / sum(k.time for k in trunk_pass(shape, 1, context, 1, dev, verify=False, gemm=gemm))
+
+
+def memory_row(shape: Shape, context: int, chunk: int = PROMPT_CHUNK) -> dict:
+    """Bytes one session holds at `context` (dspark.models.cache.cache_bytes, bf16 K/V as the
+    shape stores it, the chunk tails of the kernel backends; the drafter's ring), the prompt
+    pass's largest arrays at `chunk` tokens (activations of the widest layer, the gdn scratch),
+    and whether the context is within the model's max_position_embeddings (the shapes' max_ctx)."""
+    c, dc = shape.trunk, shape.drafter
+    cache = cache_bytes(c, context, chunk_tails="gdn" in c.layers)
+    ring = dc.layers * 2 * dc.kv_heads * (min(dc.window or context, context) + dc.block) * dc.head_dim * F32
+    widest = max(2 * c.mlp_hidden, c.gdn_channels + c.gdn_heads * c.gdn_dv + 2 * c.gdn_heads if "gdn" in c.layers else 0,
+                 c.attn_heads * c.head_dim * 2 + 2 * c.attn_kv_heads * c.head_dim)
+    taps = len(c.tap_layers) * c.d_model
+    scratch = chunk_ops.scratch_bytes(-(-chunk // chunk_ops.CHUNK), c.gdn_heads, c.gdn_dk, c.gdn_dv, 2) \
+        if "gdn" in c.layers else 0
+    return {"kv": cache["kv"], "state": cache["state"] + cache["chunk"], "draft_kv": ring,
+            "pass": F32 * chunk * (3 * c.d_model + 2 * widest + taps) + scratch,
+            "fits": context <= c.max_ctx}
+
+
 # ---- printing ---------------------------------------------------------------------------------------------
 def us(t: float) -> str:
     return f"{t * 1e6:,.1f}" if t < 1e-3 else f"{t * 1e6:,.0f}"
@@ -550,6 +763,67 @@ def kernel_rows(r: Round, dev: Device = H200) -> list[list[str]]:
 KERNEL_HEADERS = ["phase", "kernel", "kind", "MB", "GFLOP", "CTAs", "waves", "launches", "us", "of copy"]
 
 
+TTFT_CASES = (("qwen3.5-27b", 8192), ("qwen3.5-27b", 32768), ("qwen3-8b", 8192))
+PLAIN_BATCHES, PLAIN_CONTEXT = (1, 8, 32), 4096
+MEMORY_CONTEXTS = (32768, 131072)
+
+
+def prompt_report(table_of: dict[str, Shape], chunk: int, kernels: bool = False, dev: Device = H200) -> str:
+    """The --prompt tables: time to first token, the plain batched decode step, memory per session."""
+    out = [f"{dev.name}: mma.sync {mma_sync(dev) / 1e12:.0f} TFLOP/s ({MMA_SYNC_SHARE:.2f} of {dev.mma / 1e12:.0f}), "
+           f"copy {dev.bw / 1e12:.1f} TB/s, f32 {dev.f32 / 1e12:.0f} TFLOP/s, launch {dev.launch * 1e6:.0f} us; "
+           f"occupancy from profiling/ptxas_report.md; prompt passes of {chunk} tokens, bf16 weights and K/V", ""]
+    rows, details = [], []
+    for model, tokens in TTFT_CASES:
+        pr = prompt(table_of[model], tokens, dev, chunk)
+        gemms = sum(x.time for x in pr.kernels if x.kind == "weights")
+        attn = sum(x.time for x in pr.kernels if x.name.startswith("attention_prompt"))
+        gdn = sum(x.time for x in pr.kernels if x.kind == "state")
+        flops = sum(x.flops for x in pr.kernels)
+        rows.append([table_of[model].label, str(tokens), f"{pr.ttft(dev) * 1e3:,.0f}", f"{gemms * 1e3:,.0f}",
+                     f"{attn * 1e3:,.1f}", f"{gdn * 1e3:,.1f}", f"{(pr.gpu() - gemms - attn - gdn) * 1e3:,.1f}",
+                     f"{pr.launches * dev.launch * 1e3:,.1f}", f"{flops / 1e12:,.0f}",
+                     f"{flops / pr.gpu() / mma_sync(dev):.0%}"])
+        if kernels:
+            details.append((f"{table_of[model].label} {tokens} tokens", pr))
+    out.append(table(["shape", "prompt", "TTFT ms", "GEMMs ms", "attention ms", "gdn ms", "other ms", "launches ms",
+                      "TFLOP", "of mma.sync"], rows))
+    out.append("TTFT: the prompt passes' GPU time + their launches x 4 us + one sync; TFLOP the useful flops; "
+               "of mma.sync: useful flops / GPU time / the mma.sync ceiling")
+    out.append("")
+    rows = []
+    for model in ("qwen3.5-27b", "qwen3-8b"):
+        steps = [plain_step(table_of[model], b, PLAIN_CONTEXT, dev) for b in PLAIN_BATCHES]
+        rows.append([table_of[model].label, str(PLAIN_CONTEXT)] + [us(t) for t in steps]
+                    + [f"{steps[-1] / steps[0]:.2f}", f"{verify_over_plain(table_of[model], PLAIN_CONTEXT, 8, dev):.3f}"])
+    out.append(table(["shape", "context"] + [f"plain B={b} us" for b in PLAIN_BATCHES]
+                     + [f"B={PLAIN_BATCHES[-1]} / B=1", "verify/plain B=1"], rows))
+    out.append("plain step: GPU time + launches x 4 us + one sync, GEMMs occupancy priced (`gemm`); verify/plain: "
+               "the B = 1 trunk verify of 8 columns over the plain step, GPU time")
+    out.append("")
+    rows = []
+    for model in ("qwen3.5-27b", "qwen3-8b"):
+        for ctx in MEMORY_CONTEXTS:
+            m = memory_row(table_of[model], ctx, chunk)
+            gib = lambda n: f"{n / 2**30:.2f}"  # noqa: E731
+            total = m["kv"] + m["state"] + m["draft_kv"]
+            rows.append([table_of[model].label, str(ctx), gib(m["kv"]), gib(m["state"]), gib(m["draft_kv"]),
+                         gib(total), gib(m["pass"]),
+                         "yes" if m["fits"] else f"no: max_position_embeddings {table_of[model].trunk.max_ctx}"])
+    out.append(table(["shape", "context", "K/V GiB", "gdn state GiB", "draft KV GiB", "session GiB", "pass GiB",
+                      "served"], rows))
+    out.append("session: the trunk cache (K/V bf16 at full capacity, gdn states, conv windows, chunk states and tails) "
+               "and a DSpark drafter's draft-KV ring; pass: the prompt pass's largest arrays at the chunk size "
+               "(activations of the widest layer, taps, the chunked gdn scratch)")
+    for head, pr in details:
+        out.append(f"\n{head}: TTFT {pr.ttft(dev) * 1e3:,.1f} ms")
+        out.append(table(["phase", "kernel", "kind", "MB", "GFLOP", "CTAs", "waves", "launches", "us"],
+                         [[k.phase, k.name, k.kind, f"{k.bytes / 1e6:,.1f}", f"{k.flops / 1e9:,.1f}",
+                           str(k.ctas) if k.ctas else "-", str(k.waves) if k.ctas else "-", str(k.launches), us(k.time)]
+                          for k in pr.kernels]))
+    return "\n".join(out)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", nargs="+", choices=list(shapes()), default=list(shapes()))
@@ -560,9 +834,15 @@ def main(argv=None) -> int:
     ap.add_argument("--rollback", choices=("checkpoint", "replay"), default="checkpoint")
     ap.add_argument("--drafter-window", type=int, default=4096)
     ap.add_argument("--kernels", action="store_true", help="also every kernel of each round")
+    ap.add_argument("--prompt", action="store_true",
+                    help="instead: time to first token, the plain batched decode step, memory per session")
+    ap.add_argument("--prompt-chunk", type=int, default=PROMPT_CHUNK, help="tokens per prompt pass (--prompt)")
     a = ap.parse_args(argv)
-    if a.width < 1 or any(b < 1 for b in a.batch) or any(c < 1 for c in a.context):
-        ap.error("--width, --batch and --context must be >= 1")
+    if a.width < 1 or any(b < 1 for b in a.batch) or any(c < 1 for c in a.context) or a.prompt_chunk < 1:
+        ap.error("--width, --batch, --context and --prompt-chunk must be >= 1")
+    if a.prompt:
+        print(prompt_report(shapes(a.drafter_window), a.prompt_chunk, a.kernels))
+        return 0
     table_of = shapes(a.drafter_window)
     rounds = [spec_round(table_of[m], b, ctx, a.width, rollback=a.rollback)
               for m in a.model for b in a.batch for ctx in a.context]

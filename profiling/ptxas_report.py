@@ -1,19 +1,83 @@
 """Write profiling/ptxas_report.md: registers, static shared memory, stack and spills of every
 kernel entry point, for sm_80 and sm_90, from the ptxas log of the very cubin the `cuda` backend
 loads (dspark.toolchain.family_cubin: NVRTC with dspark's options, cached by source, headers,
-options, arch and NVRTC version).
+options, arch and NVRTC version); and, for every tile shape of the GEMMs, the attention kernels
+and the chunked gdn pass, the block, the shared memory its launch plan asks and the CTAs one SM
+holds (`ctas_per_sm`: the least of what registers, shared memory, threads and the CTA slots allow).
 
     python profiling/ptxas_report.py [--out profiling/ptxas_report.md]
+
+`read_report` parses the written file back (the performance model prices occupancy from it).
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import re
+from dataclasses import dataclass
 from pathlib import Path
 
 from dspark.kernel_sources import kernel_files
+from dspark.ops import attention as attention_ops
+from dspark.ops import gdn_chunk as chunk_ops
+from dspark.ops import linear as linear_ops
 from dspark.toolchain import ARCHS, NVRTC_OPTIONS, Cubin, default_nvrtc, family_cubin
+
+REPORT = Path(__file__).with_name("ptxas_report.md")
+
+
+@dataclass(frozen=True)
+class SmLimits:
+    """Per-SM resources of an architecture (the CUDA occupancy calculator's table)."""
+    regs: int = 65536
+    reg_unit: int = 256        # registers are allocated per warp in units of this many
+    smem: int = 228 * 1024     # shared memory per SM (the CTAs' carve-out)
+    smem_cta: int = 1024       # reserved per CTA by the system
+    threads: int = 2048
+    ctas: int = 32
+
+
+LIMITS = {"sm_80": SmLimits(smem=164 * 1024), "sm_90": SmLimits()}
+
+
+def ctas_per_sm(regs: int, threads: int, smem: int, arch: str = "sm_90") -> int:
+    """CTAs of `threads` threads using `regs` registers each and `smem` bytes of shared memory
+    (static + dynamic) that one SM holds at once."""
+    lim = LIMITS[arch]
+    warps = -(-threads // 32)
+    per_warp = -(-max(regs, 1) * 32 // lim.reg_unit) * lim.reg_unit
+    by_regs = lim.regs // (per_warp * warps)
+    by_smem = lim.smem // (smem + lim.smem_cta)
+    return max(0, min(by_regs, by_smem, lim.threads // (32 * warps), lim.ctas))
+
+
+def tile_shapes() -> list[tuple[str, int, int, str]]:
+    """(entry point, threads, dynamic shared memory, what it serves) of every tile shape the
+    launch plans use: the GEMMs, the attention kernels, the chunked gdn pass (at dv = dk, and at
+    Qwen3.5-27B's dk = dv = 128)."""
+    out = [("linear_f32", linear_ops.THREADS, 0, "f32 weights, any rows")]
+    for bm, (_, _, warps, _) in linear_ops.MMA_CONFIGS.items():
+        for dt in ("bf16", "f16"):
+            serves = f"16-bit weights, <= {bm} rows" if bm < max(linear_ops.MMA_CONFIGS) else "16-bit weights, prompts"
+            out.append((f"linear_mma_{dt}_m{bm}", 32 * warps, linear_ops.mma_shared_mem(bm), serves))
+    for (isz, d), _ in attention_ops.CONFIGS.items():
+        dt = {4: ("f32",), 2: ("bf16", "f16")}[isz]
+        for name in dt:
+            out.append((f"attention_{name}_d{d}", 32 * attention_ops.WARPS, attention_ops.shared_mem_bytes(isz, d),
+                        "decode, verify, drafter"))
+            if isz == 2:
+                out.append((f"attention_prompt_{name}_d{d}", attention_ops.PROMPT_THREADS,
+                            attention_ops.prompt_shared_mem_bytes(isz, d), "prompt passes"))
+    for name in ("f32", "f16", "bf16"):
+        out.append((f"attention_combine_{name}", attention_ops.COMBINE_THREADS, 0, "split-parallel merge"))
+    for dk in (16, 32, 64, 128):
+        for name, isz in (("f32", 4), ("f16", 2), ("bf16", 2)):
+            out.append((f"gdn_chunk_prep_{name}_dk{dk}", chunk_ops.THREADS, chunk_ops.prep_shared_mem(dk, dk, isz),
+                        f"prompt gdn, dv = {dk}"))
+            out.append((f"gdn_chunk_state_{name}_dk{dk}", chunk_ops.THREADS, chunk_ops.state_shared_mem(dk, isz),
+                        "prompt gdn"))
+    return out
 
 
 def cubins(path: Path) -> list[Cubin]:
@@ -34,20 +98,62 @@ def report() -> str:
         "| file | kernel | " + " | ".join(f"{a} regs | {a} smem | {a} stack | {a} spills" for a in ARCHS) + " |",
         "|---|---|" + "---|" * (4 * len(ARCHS)),
     ]
+    resources = {}
     for path in kernel_files():
         per_arch = [c.resources() for c in cubins(path)]
         for name in sorted(per_arch[0]):
             cells = []
-            for rep in per_arch:
+            for arch, rep in zip(ARCHS, per_arch):
                 r = rep[name]
+                resources[name, arch] = r
                 cells += [str(r.registers), str(r.smem), str(r.stack), f"{r.spill_stores}/{r.spill_loads}"]
             lines.append(f"| {path.name} | `{name}` | " + " | ".join(cells) + " |")
+    lines += [
+        "",
+        "## Residency of the tile shapes",
+        "",
+        "Every GEMM, attention and chunked-gdn tile shape the launch plans use: threads per CTA, the dynamic "
+        "shared memory the plan asks (static shared memory above), registers per thread, and the CTAs one SM "
+        "holds (`ctas_per_sm`: registers in units of 256 per warp from 64 Ki, shared memory plus 1 KiB per CTA "
+        "from 164 KiB on sm_80 and 228 KiB on sm_90, 2048 threads, 32 CTAs).",
+        "",
+        "| kernel | serves | threads | dynamic smem | " + " | ".join(f"{a} regs | {a} CTAs/SM" for a in ARCHS) + " |",
+        "|---|---|---|---|" + "---|" * (2 * len(ARCHS)),
+    ]
+    for name, threads, smem, serves in tile_shapes():
+        cells = []
+        for arch in ARCHS:
+            r = resources[name, arch]
+            cells += [str(r.registers), str(ctas_per_sm(r.registers, threads, r.smem + smem, arch))]
+        lines.append(f"| `{name}` | {serves} | {threads} | {smem} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
+
+
+_ROW = re.compile(r"^\| (\S+\.cu) \| `(\w+)` \| (.*) \|$")
+
+
+def read_report(path: Path = REPORT) -> dict[tuple[str, str], tuple[int, int]]:
+    """(entry point, arch) -> (registers per thread, static shared memory) from a written report."""
+    out = {}
+    for line in path.read_text().splitlines():
+        m = _ROW.match(line)
+        if m:
+            cells = [c.strip() for c in m.group(3).split("|")]
+            for i, arch in enumerate(ARCHS):
+                out[m.group(2), arch] = (int(cells[4 * i]), int(cells[4 * i + 1]))
+    return out
+
+
+def residency(kernel: str, threads: int, dynamic_smem: int, arch: str = "sm_90", path: Path = REPORT) -> int:
+    """CTAs per SM of `kernel` launched with `threads` and `dynamic_smem`, its registers and static
+    shared memory as the written report lists them."""
+    regs, smem = read_report(path)[kernel, arch]
+    return ctas_per_sm(regs, threads, smem + dynamic_smem, arch)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--out", type=Path, default=Path(__file__).with_name("ptxas_report.md"))
+    ap.add_argument("--out", type=Path, default=REPORT)
     args = ap.parse_args()
     args.out.write_text(report())
     print(f"wrote {args.out}")

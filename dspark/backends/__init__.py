@@ -67,10 +67,34 @@ class Backend:
             return 0
         return int(a.data.ptr) if self.name == "cuda" else int(a.ctypes.data)
 
+    def free_bytes(self) -> int:
+        """Bytes a new allocation can still take: the device's free memory plus what CuPy's pool
+        holds unused (cuda), the host's available memory (numpy, simt)."""
+        if self.name == "cuda":
+            free, _ = self.xp.cuda.runtime.memGetInfo()
+            return int(free) + int(self.xp.get_default_memory_pool().free_bytes())
+        return host_available()
+
     def pointer_table(self, arrays) -> object:
         """A uint64 array of element addresses, for `const T* const*` kernel parameters. The
         caller keeps `arrays` alive for as long as the table is used."""
         return self.xp.asarray(np.array([self.address(a) for a in arrays], dtype=np.uint64))
+
+
+def host_available() -> int:
+    """The host memory a process can still allocate: MemAvailable of /proc/meminfo (Linux), else
+    the free physical pages."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return 1 << 62  # no way to tell: refuse nothing
 
 
 @functools.lru_cache(maxsize=None)

@@ -681,7 +681,14 @@ def _device_synchronize() -> None:
     _record("sync")
 
 
-_RUNTIME = _Namespace("cupy.cuda.runtime", getDeviceCount=lambda: 1, deviceSynchronize=_device_synchronize)
+def _mem_get_info() -> tuple[int, int]:
+    """(free, total) device bytes: the stand-in's device is the host's memory."""
+    from . import host_available
+    return host_available(), os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+_RUNTIME = _Namespace("cupy.cuda.runtime", getDeviceCount=lambda: 1, deviceSynchronize=_device_synchronize,
+                      memGetInfo=_mem_get_info)
 _CUDA = _Namespace("cupy.cuda", Device=Device, Stream=Stream, MemoryPool=MemoryPool, MemoryPointer=MemoryPointer,
                    runtime=_RUNTIME, get_current_stream=lambda device=None: Stream.null,
                    is_available=lambda: True)

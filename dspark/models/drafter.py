@@ -203,7 +203,7 @@ class DsparkDrafter:
         pos = np.array([kv.pos for kv in kvs], np.int32)
         positions = (pos[:, None] + np.arange(b)[None, :]).reshape(-1)
         indptr = (np.arange(B + 1) * b).astype(np.int32)
-        x = self.embed[xp.asarray(ids.reshape(-1))]
+        x = dense.widen(self.embed[xp.asarray(ids.reshape(-1))])  # f32 rows of a 16-bit embedding (the trunk's)
         if c.embed_scale != 1.0:
             x = x * np.float32(c.embed_scale)
         rows = B * b

@@ -10,10 +10,19 @@ One ragged forward serves every use: `prefill` (one session, many rows), `decode
 one row each) and `verify` (many sessions, vt rows each). New K/V rows go to a block scratch and
 reach the cache through one `kv_commit` launch, so verify can commit only the accepted prefix.
 Every op is row-invariant, so a verify column equals the decode step at the same position bitwise.
+
+Prompt passes (`prefill`) on the kernel backends run each gdn layer in chunks of 64 on the absolute
+position grid (dspark.ops.gdn_chunk, the WY form on tensor cores for 16-bit weights): a pass that
+starts inside a chunk recomputes it from the state and inputs the cache kept at its start, so a
+prompt split into passes anywhere gives bitwise the state and logits of one pass. Verify and decode
+keep the sequential scan; a prompt pass over a cache they moved runs the scan up to the next chunk
+boundary first. Plain decode and the speculative session prefill alike, so their streams stay
+equal byte for byte.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -23,17 +32,22 @@ from ..errors import CapacityError, ShapeError, TokenRangeError
 from ..ops import dense
 from ..ops.attention import attention
 from ..ops.checks import Staged
+from ..ops import gdn_chunk
 from ..ops.gdn import gdn_scan
 from ..ops.kv_commit import kv_commit
 from ..ops.linear import linear
 from ..ops.norm import rmsnorm
 from ..ops.snapshot import checkpoint_select
 from ..ops.tables import PointerTable
+from ..params import PROMPT_CHUNK
 from .batch_tables import TableStore
 from .cache import Cache
 from .config import TrunkConfig
 from .weights import OFFSET_NORMS, STORAGE, check_weights, load_model, random_weights, save_model, trunk_spec, \
     trunk_to_backend
+
+
+LOGITS = ("all", "last", "none")
 
 
 @dataclass
@@ -58,6 +72,40 @@ class TrunkPass:
     conv_ckpt: list = field(default_factory=list)   # per gdn layer [rows, C, 3]
 
 
+@dataclass
+class PromptPlan:
+    """How a prompt pass runs each session's gdn columns (the same for every gdn layer): the first
+    `seq[b]` by the sequential scan (a cache whose chunk tail a decode or verify invalidated, up to
+    the next chunk boundary), the rest in chunks resuming `tails[b]` rows into the current chunk;
+    `chunk_len[b]` is the cache's chunk_len after the pass."""
+    seq: np.ndarray        # int32 [B]
+    tails: np.ndarray      # int32 [B]
+    chunk_len: np.ndarray  # int [B]
+    seq_rows: object = None    # backend index arrays of the scanned / chunked rows (None: no scanned rows)
+    chunk_rows: object = None
+    seq_indptr: object = None  # Staged row pointers of those rows
+    chunk_indptr: object = None
+
+    @classmethod
+    def of(cls, be, caches: list[Cache], lens: np.ndarray) -> "PromptPlan":
+        pos = np.array([c.pos for c in caches], np.int64)
+        off = pos % gdn_chunk.CHUNK
+        resumes = np.array([c.chunk_len for c in caches]) == off
+        seq = np.where((off == 0) | resumes, 0, np.minimum(lens, gdn_chunk.CHUNK - off)).astype(np.int32)
+        tails = np.where(resumes & (off > 0) & (seq == 0), off, 0).astype(np.int32)
+        end = (pos + lens) % gdn_chunk.CHUNK
+        chunk_len = np.where(lens == 0, [c.chunk_len for c in caches], np.where((lens > seq) | (end == 0), end, -1))
+        plan = cls(seq, tails, chunk_len)
+        if seq.any():
+            starts = np.concatenate([[0], np.cumsum(lens)])[:-1]
+            first = np.concatenate([s + np.arange(k) for s, k in zip(starts, seq)]).astype(np.int64)
+            rest = np.concatenate([s + np.arange(k, n) for s, k, n in zip(starts, seq, lens)]).astype(np.int64)
+            plan.seq_rows, plan.chunk_rows = be.xp.asarray(first), be.xp.asarray(rest)
+            plan.seq_indptr = Staged(be, np.concatenate([[0], np.cumsum(seq)]).astype(np.int32))
+            plan.chunk_indptr = Staged(be, np.concatenate([[0], np.cumsum(lens - seq)]).astype(np.int32))
+        return plan
+
+
 class TrunkTables:
     """One batch's pointer tables: per attention layer the sessions' K and V caches, per gdn
     layer their states and conv windows, and every K/V cache for kv_commit (k then v, layer by
@@ -74,6 +122,11 @@ class TrunkTables:
                       for g in range(n_gdn)]
         self.commit = PointerTable(be, [c.k[i] for i in range(n_attn) for c in caches]
                                    + [c.v[i] for i in range(n_attn) for c in caches], "kv caches", writable=True)
+        n_tails = len(caches[0].tail) if caches else 0
+        self.chunk_states = [PointerTable(be, [c.chunk_state[g] for c in caches], f"chunk_states[{g}]", writable=True)
+                             for g in range(n_tails)]
+        self.tails = [PointerTable(be, [c.tail[g] for c in caches], f"tails[{g}]", writable=True)
+                      for g in range(n_tails)]
 
 
 class HybridTrunk:
@@ -93,6 +146,11 @@ class HybridTrunk:
         self.source = None  # a hf.LoadReport when loaded from a Hugging Face checkpoint
         self.w = trunk_to_backend(backend, config, weights, dtype)
         self._tables = TableStore()
+        # The chunked prompt pass's operands: the weights' 16-bit type (tensor cores), else f32.
+        self.chunk_dtype = dtype if dtype.itemsize == 2 else np.dtype(np.float32)
+        self.chunked_gdn = (backend.kernels is not None and "gdn" in config.layers
+                            and gdn_chunk.supported(config.gdn_dk, config.gdn_dv, self.chunk_dtype))
+        self.prompt_chunk = PROMPT_CHUNK  # tokens per prompt pass (prompt_passes)
 
     # ---- construction and files ---------------------------------------------------------------
     @classmethod
@@ -119,7 +177,7 @@ class HybridTrunk:
                    fmt)
 
     def new_cache(self, capacity: int | None = None, owner: str | None = None) -> Cache:
-        return Cache(self.be, self.config, capacity, owner)
+        return Cache(self.be, self.config, capacity, owner, chunk_tails=self.chunked_gdn)
 
     # ---- validation ---------------------------------------------------------------------------
     def check_tokens(self, tokens, what: str) -> np.ndarray:
@@ -141,7 +199,7 @@ class HybridTrunk:
 
     # ---- the forward --------------------------------------------------------------------------
     def forward(self, caches: list[Cache], tokens: list, *, commit: bool, record_gdn: bool = False,
-                checkpoints: bool = False, taps=None) -> TrunkPass:
+                checkpoints: bool = False, taps=None, prompt: bool = False, logits: str = "all") -> TrunkPass:
         """Run `tokens[b]` at positions caches[b].pos.. for every session b.
 
         commit=True copies every new K/V row into the caches, advances pos and the gdn state
@@ -154,7 +212,13 @@ class HybridTrunk:
         taps: the layers whose outputs (hidden_states[layer + 1] in transformers' terms; -1 is the
         embedding, hidden_states[0]) make TrunkPass.taps, in that order; default config.tap_layers.
         The session passes its drafter's, so one loaded target serves any drafter.
+        prompt (with commit): a prompt pass, whose gdn layers run in chunks where the backend has
+        the kernels (module doc). logits: "all" rows', each session's "last" row's ([B, V]: what a
+        prompt pass needs, its first token), or "none" (the LM head skipped: a prompt's earlier
+        passes); the products are row-invariant, so a row's logits are the same bits either way.
         """
+        if logits not in LOGITS:
+            raise ValueError(f"logits={logits!r}: expected one of {LOGITS}")
         c, be, w = self.config, self.be, self.w
         xp = be.xp
         tap_layers = self.check_taps(taps)
@@ -169,6 +233,7 @@ class HybridTrunk:
         positions = np.concatenate([p + np.arange(n) for p, n in zip(pos, lens)]).astype(np.int64) if len(lens) else np.zeros(0, np.int64)
         ids = xp.asarray(np.concatenate(toks) if toks else np.zeros(0, np.int32))
         staged = Staged(be, indptr)  # validated on the host, uploaded once for every gdn layer
+        chunked = PromptPlan.of(be, caches, lens) if prompt and commit and self.chunked_gdn else None
         tables = self.tables(caches)
         rope = dense.rope_table(xp, xp.asarray(positions), c.rope_theta, c.rope_dim, c.rope_scaling) \
             if "attn" in c.layers else None  # one table for every attention layer's q and k
@@ -183,7 +248,7 @@ class HybridTrunk:
                 x = x + self._attention(h, p, caches, tables, ia, pos, indptr, rope, out)
                 ia += 1
             else:
-                x = x + self._gdn(h, p, tables, ig, staged, out, commit, record_gdn, checkpoints)
+                x = x + self._gdn(h, p, tables, ig, staged, out, commit, record_gdn, checkpoints, chunked)
                 ig += 1
             h = rmsnorm(be, x, w[p + "norm2"], c.norm_eps)
             gate_up = linear(self.be, h, w[p + "mlp.w_gate_up"])
@@ -192,9 +257,15 @@ class HybridTrunk:
             if i in tap_layers:
                 taps_of[i] = x
         out.taps = xp.concatenate([taps_of[i] for i in tap_layers], axis=1)
-        out.logits = linear(self.be, rmsnorm(be, x, w["final_norm"], c.norm_eps), w["lm_head"])
+        if logits == "last":
+            x = x[xp.asarray(indptr[1:][lens > 0] - 1)]
+        if logits != "none":
+            out.logits = linear(self.be, rmsnorm(be, x, w["final_norm"], c.norm_eps), w["lm_head"])
         if commit:
             self.commit_rows(caches, out, lens)
+        if commit and self.chunked_gdn:  # the chunk tails describe the live state after a chunked pass only
+            for b, cache in enumerate(caches):
+                cache.chunk_len = int(chunked.chunk_len[b]) if chunked is not None else cache.chunk_len if not lens[b] else -1
         return out
 
     def check_taps(self, taps) -> tuple[int, ...]:
@@ -235,7 +306,7 @@ class HybridTrunk:
             o = o * dense.sigmoid(gate)
         return linear(self.be, o, w[p + "attn.wo"])
 
-    def _gdn(self, h, p, tables, ig, staged, out, commit, record, checkpoints):
+    def _gdn(self, h, p, tables, ig, staged, out, commit, record, checkpoints, chunked=None):
         c, w, xp = self.config, self.w, self.be.xp
         rows, H, dv, C = h.shape[0], c.gdn_heads, c.gdn_dv, c.gdn_channels
         proj = linear(self.be, h, w[p + "gdn.w_in"])  # one GEMM: [qkv (C) | z (H dv) | a (H) | b (H)]
@@ -251,8 +322,11 @@ class HybridTrunk:
             out.conv_ckpt.append(cck)
         if record:
             out.gdn_inputs.append(GdnInputs(mixed, a, b))
-        o = self._scan(p, mixed, a, b, tables.states[ig], tables.convs[ig], staged, commit=commit, state_ckpt=sck,
-                       conv_ckpt=cck)
+        if chunked is not None:
+            o = self._prompt_scan(p, mixed, a, b, tables, ig, staged, chunked)
+        else:
+            o = self._scan(p, mixed, a, b, tables.states[ig], tables.convs[ig], staged, commit=commit, state_ckpt=sck,
+                           conv_ckpt=cck)
         o = rmsnorm(self.be, o, w[p + "gdn.o_norm"], c.norm_eps) * dense.silu(z)
         return linear(self.be, o.reshape(rows, H * dv), w[p + "gdn.wo"])
 
@@ -260,6 +334,23 @@ class HybridTrunk:
         c, w = self.config, self.w
         return gdn_scan(self.be, mixed, a, b, w[p + "gdn.conv"], w[p + "gdn.A_log"], w[p + "gdn.dt_bias"], states,
                         convs, indptr, heads=c.gdn_heads, dk=c.gdn_dk, dv=c.gdn_dv, k_heads=c.gdn_key_heads, **kw)
+
+    def _prompt_scan(self, p, mixed, a, b, tables, ig, staged, plan: PromptPlan):
+        """One gdn layer of a prompt pass: the scanned columns (plan.seq), then the chunks."""
+        c, w, xp = self.config, self.w, self.be.xp
+
+        def chunks(mixed, a, b, indptr):
+            return gdn_chunk.gdn_prompt(self.be, mixed, a, b, w[p + "gdn.conv"], w[p + "gdn.A_log"], w[p + "gdn.dt_bias"],
+                                        tables.states[ig], tables.convs[ig], tables.chunk_states[ig], tables.tails[ig],
+                                        indptr, plan.tails, heads=c.gdn_heads, dk=c.gdn_dk, dv=c.gdn_dv,
+                                        k_heads=c.gdn_key_heads, dtype=self.chunk_dtype)
+        if plan.seq_rows is None:
+            return chunks(mixed, a, b, staged)
+        out = xp.empty((mixed.shape[0], c.gdn_heads, c.gdn_dv), np.float32)
+        s, r = plan.seq_rows, plan.chunk_rows
+        out[s] = self._scan(p, mixed[s], a[s], b[s], tables.states[ig], tables.convs[ig], plan.seq_indptr)
+        out[r] = chunks(mixed[r], a[r], b[r], plan.chunk_indptr)
+        return out
 
     def replay(self, caches: list[Cache], tp: TrunkPass, starts, keep) -> None:
         """Advance each session's gdn state by the first keep[b] columns a verify recorded for
@@ -272,6 +363,7 @@ class HybridTrunk:
         for gi, (i, inp) in enumerate(zip(gdn_layers, tp.gdn_inputs)):
             self._scan(f"layers.{i}.", inp.mixed[rows], inp.a[rows], inp.b[rows], tables.states[gi],
                        tables.convs[gi], staged)
+        moved(caches, keep)
 
     def select(self, caches: list[Cache], tp: TrunkPass, keep) -> None:
         """Set each session's gdn state to the checkpoint after its first keep[b] verify columns
@@ -281,6 +373,7 @@ class HybridTrunk:
         for g in range(len(tp.state_ckpt)):
             checkpoint_select(self.be, tp.state_ckpt[g], tp.conv_ckpt[g], tables.states[g], tables.convs[g], indptr,
                               keep, committed=False)
+        moved(caches, keep.host)
 
     def commit_rows(self, caches: list[Cache], tp: TrunkPass, keep) -> None:
         """Copy rows [0, keep[b]) of each session's scratch into its cache (all attention layers,
@@ -296,7 +389,26 @@ class HybridTrunk:
 
     # ---- entry points used by the session layer -----------------------------------------------
     def prefill(self, cache: Cache, tokens, taps=None) -> TrunkPass:
-        return self.forward([cache], [tokens], commit=True, taps=taps)
+        """One prompt pass over all of `tokens`: every row's logits and taps (tests, tools). A
+        request's prompt goes through `prompt_passes`, in bounded memory."""
+        return self.forward([cache], [tokens], commit=True, taps=taps, prompt=True)
+
+    def prompt_passes(self, cache: Cache, tokens, taps=None, chunk: int | None = None) -> Iterator[TrunkPass]:
+        """The prompt in passes of at most `chunk` tokens (default self.prompt_chunk), so the
+        activations and scratch are bounded by the pass, not the prompt: each pass's TrunkPass
+        with its taps; the last one's logits are its last row's [1, V] (the boundary logits), the
+        others' None. Split invariance makes the result the same bits as one pass. The whole
+        prompt is checked against the cache before the first pass moves anything."""
+        t = self.check_tokens(tokens, "tokens")
+        chunk = self.prompt_chunk if chunk is None else chunk
+        if not isinstance(chunk, (int, np.integer)) or isinstance(chunk, bool) or chunk < 1:
+            raise ValueError(f"chunk={chunk!r}: expected a number of tokens >= 1")
+        if cache.pos + t.size > cache.capacity:
+            raise CapacityError(f"tokens: {t.size} rows at pos {cache.pos} exceed the cache capacity {cache.capacity}")
+        for i in range(0, t.size, int(chunk)):
+            last = i + chunk >= t.size
+            yield self.forward([cache], [t[i : i + chunk]], commit=True, taps=taps, prompt=True,
+                               logits="last" if last else "none")
 
     def decode(self, caches: list[Cache], tokens, taps=None) -> TrunkPass:
         """One row per session."""
@@ -307,3 +419,11 @@ class HybridTrunk:
         checkpoints the state after every column is kept (`select`); the scan inputs always
         (`replay`)."""
         return self.forward(caches, cand, commit=False, record_gdn=True, checkpoints=checkpoints, taps=taps)
+
+
+def moved(caches: list[Cache], keep) -> None:
+    """A rollback moved the recurrent state of the sessions that kept columns: their chunk tails no
+    longer describe it."""
+    for cache, k in zip(caches, np.asarray(keep).reshape(-1)):
+        if k:
+            cache.chunk_len = -1

@@ -59,6 +59,7 @@ MMA_CONFIGS = {16: (256, 32, 4, 4), 32: (256, 32, 4, 4), 64: (128, 32, 8, 4), 12
 MMA_STEP = 16          # k per mma.sync m16n8k16: the order's k-step
 MMA_ALIGN = 32         # kchunk is a multiple of it, so every tile shape's BK divides a chunk
 MMA_SPLIT_TILE = 256   # the column tile the K split aims at (the BM 16 and 32 shapes': few rows)
+MMA_GROUP_ROWS = 8     # kMmaGroupRows: fold mode's CTAs take their tiles in groups of this many row tiles
 MMA_TARGET_CTAS = 264  # two per SM of an H200: the most CTAs the K split aims at for one row tile
 SMS = 132              # an H200's SMs: the split prefers CTA counts that fill whole waves of them
 # linear_numpy (f32 product of the widened weights) vs the 16-bit kernels: the activations'

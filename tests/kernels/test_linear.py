@@ -77,7 +77,7 @@ def test_every_mma_tile_shape_and_mode_gives_the_same_bits(simt, rng, dtype):
     one each (split, partials merged by the last) change the launch, never the order: chunks of
     a K that is no multiple of the k-step, N neither a multiple of 8 (scalar weight loads) nor of
     the column tiles, rows crossing the 16-row m-tiles."""
-    x, w = inputs(rng, 37, 700, 77, dtype)
+    x, w = inputs(rng, 150, 700, 77, dtype)  # 10 row tiles of 16: fold mode's CTA groups of 8, and a ragged one
     splits, kchunk = mma_split_plan(*w.shape)
     assert splits >= 2 and kchunk % 16 == 0 and 700 % kchunk % 16
     want = linear_mma_ref(x, w, kchunk)

@@ -234,3 +234,59 @@ def test_cuda_code_path_stores_bf16_and_equals_simt(saved, simt):
     assert np.abs(got - wide).max() <= 2e-2 * np.abs(wide).max()
     for tok in p[:3]:
         assert np.array_equal(dev.to_host(on_dev.decode([a], [tok]).logits), on_simt.decode([b], [tok]).logits)
+
+
+# ---- prompt passes on the kernels: chunked gdn, the tensor-core GEMM ------------------------
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("case", [CASES[0], QWEN35[0]], ids=repr)
+def test_prompt_passes_keep_speculation_exact_on_the_kernels(saved, simt, case, dtype):
+    """On simt, f32 and bf16 weights (bf16: the tensor-core GEMM; Qwen3.5: the chunked gdn prompt
+    pass), prompts of 1, 63, 64, 65 and 201 tokens: plain decode prefills each in one pass, the
+    speculative sessions in passes of 50 tokens (off the 64-token grid), batched five at a time;
+    after the first burst one session is demoted to plain batched decode and the 201-token one is
+    restored from its prefix capture (its prompt ends inside a chunk) into a new session. Every
+    stream equals plain decode's."""
+    d, _ = saved(case)
+    trunk = load_target(d, simt, dtype=dtype)
+    assert trunk.chunked_gdn == ("gdn" in trunk.config.layers)
+    rng, n = np.random.default_rng(case.seed + 11), 10
+    prompts = [rng.integers(0, trunk.config.vocab, m).astype(np.int32) for m in (1, 63, 64, 65, 201)]
+    wants = [plain_generate(trunk, p, n) for p in prompts]
+    trunk.prompt_chunk = 50
+    drafter = oracle_for(trunk, case.seed + 2, hit_rate=0.6)
+    sessions = []
+    for p, want in zip(prompts, wants):
+        drafter.next_stream = [*p.tolist(), *want]
+        sessions.append(DsparkSpecSession.prime(trunk, drafter, p, SpecParams(max_new_tokens=n, burst_target=4)))
+    capture = sessions[4].take_prefix_capture()
+    assert capture.pos == 201 and capture.cache.chunk_len == (201 % 64 if trunk.chunked_gdn else 0)
+    restored = DsparkSpecSession.restore(trunk, drafter, capture, SpecParams(max_new_tokens=n, burst_target=4))
+    spec_burst(sessions)
+    batch = PlainBatch(trunk)
+    demoted = sessions.pop(1)
+    if demoted.finished():
+        got_demoted = demoted.emitted
+    else:
+        cache, last = demoted.into_demoted()
+        sid = batch.join(cache, last, n, demoted.emitted)
+        batch.run()
+        got_demoted = batch.leave(sid).emitted
+        cache.free()
+    live = sessions + [restored]
+    while not all(s.finished() for s in live):
+        spec_burst([s for s in live if not s.finished()])
+    assert got_demoted == wants[1]
+    assert [s.emitted for s in live] == [wants[i] for i in (0, 2, 3, 4, 4)]
+    for s in live:
+        s.close()
+    capture.free()
+
+
+def test_max_ctx_up_to_max_position_embeddings(saved, numpy_backend):
+    """max_ctx may reach the model's max_position_embeddings (256 in this case) and no further."""
+    from dspark.models.hf import CheckpointError
+    case = next(c for c in CASES if "max_position_embeddings" in c.config)
+    d, _ = saved(case)
+    assert load_target(d, numpy_backend, max_ctx=256).new_cache().capacity == 256
+    with pytest.raises(CheckpointError, match="max_ctx=257: expected 1 to the model's max_position_embeddings=256"):
+        load_target(d, numpy_backend, max_ctx=257)

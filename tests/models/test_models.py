@@ -73,15 +73,53 @@ def test_decode_is_the_same_alone_and_batched(model_backend, rng, others, conven
 
 @CONVENTIONS
 def test_prefill_equals_token_by_token(model_backend, rng, conventions):
+    """numpy prefills with the sequential gdn scan: bitwise the decode steps. The kernel backends
+    run the prompt's gdn layers in chunks of 64 (dspark.ops.gdn_chunk): the logits and state within
+    CHUNK_TOLERANCE of decoding token by token (K/V rows, from the attention layers' row-invariant
+    products of nearby inputs, within it too); its own exactness is split invariance
+    (test_prompt_passes_equal_one_pass)."""
+    from dspark.ops.gdn_chunk import CHUNK_TOLERANCE
     trunk, _ = small_pair(model_backend, seed=5, **conventions)
-    p = prompt(rng, 37)
+    p = prompt(rng, 70)
     a, b = trunk.new_cache(), trunk.new_cache()
-    full = trunk.prefill(a, p)
-    for j, t in enumerate(p):
-        step = trunk.decode([b], [t])
-        assert same(model_backend, full.logits[j], step.logits[0])
-    assert a.pos == b.pos == 37
+    full = model_backend.to_host(trunk.prefill(a, p).logits)
+    steps = np.concatenate([model_backend.to_host(trunk.decode([b], [t]).logits) for t in p])
+    assert a.pos == b.pos == 70
+    if not trunk.chunked_gdn:
+        assert np.array_equal(full, steps)
+        for x, y in zip(a.k + a.v + a.recurrent(), b.k + b.v + b.recurrent()):
+            assert same(model_backend, x, y)
+        return
+    tol = 20 * CHUNK_TOLERANCE[trunk.chunk_dtype]  # through four layers' norms and products
+    assert np.abs(full - steps).max() <= tol * np.abs(steps).max()
     for x, y in zip(a.k + a.v + a.recurrent(), b.k + b.v + b.recurrent()):
+        x, y = model_backend.to_host(x).astype(np.float32), model_backend.to_host(y).astype(np.float32)
+        assert np.abs(x - y).max() <= tol * np.abs(y).max()
+
+
+@CONVENTIONS
+@pytest.mark.parametrize("cuts", [[70], [37, 33], [64, 6], [1, 63, 1, 5]], ids=str)
+def test_prompt_passes_equal_one_pass(model_backend, rng, conventions, cuts):
+    """A prompt in passes cut anywhere (on and off the 64-row chunk grid) gives the logits, taps,
+    K/V and recurrent state of one pass bitwise, on every backend; so does a pass resumed from a
+    copy of the cache (a prefix capture) taken where the first ends."""
+    trunk, _ = small_pair(model_backend, seed=9, **conventions)
+    p = prompt(rng, 70)
+    one = trunk.new_cache()
+    want = trunk.prefill(one, p)
+    cache, parts, at = trunk.new_cache(), [], 0
+    for n in cuts:
+        parts.append(trunk.prefill(cache, p[at : at + n]))
+        at += n
+        if at == cuts[0] and len(cuts) > 1:  # resume the rest from a copy, as a restored capture does
+            cache = cache.copy()
+    for name in ("logits", "taps"):
+        got = np.concatenate([model_backend.to_host(getattr(t, name)) for t in parts])
+        assert np.array_equal(got, model_backend.to_host(getattr(want, name))), name
+    assert cache.pos == one.pos and cache.chunk_len == one.chunk_len
+    live = len(cache.tail) and cache.chunk_len
+    for x, y in zip((*cache.k, *cache.v, *cache.recurrent(), *cache.chunk_state, *(t[:live] for t in cache.tail)),
+                    (*one.k, *one.v, *one.recurrent(), *one.chunk_state, *(t[:live] for t in one.tail))):
         assert same(model_backend, x, y)
 
 
@@ -233,3 +271,49 @@ def test_default_taps_follow_the_per_call_rule(numpy_backend, rng):
         with pytest.raises(ValueError, match=rf"tap_layers={re.escape(str(bad))}: expected one or more layer "
                                              r"indices in \[-1, 4\) \(-1: the embedding\)"):
             replace(TINY_TRUNK, tap_layers=bad)
+
+
+def test_prompt_passes_bound_memory_and_give_one_pass(numpy_backend, rng):
+    """prompt_passes: passes of at most `chunk` rows (the last pass's logits are its last row, the
+    earlier ones skip the LM head), their taps and the final logits the bits of one pass, and the
+    host memory of a 512-token prompt in passes of 32 a fraction of one pass's (activations scale
+    with the pass, not the prompt)."""
+    import tracemalloc
+    trunk, _ = small_pair(numpy_backend, seed=4, max_ctx=600)
+    p = prompt(rng, 512)
+    one = trunk.new_cache()
+    tracemalloc.start()
+    want = trunk.prefill(one, p)
+    whole = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    cache = trunk.new_cache()
+    tracemalloc.start()
+    passes = []
+    for tp in trunk.prompt_passes(cache, p, chunk=32):
+        passes.append((tp.taps.shape[0], tp.taps.copy(), None if tp.logits is None else tp.logits.copy()))
+    chunked = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    assert [n for n, _, _ in passes] == [32] * 16 and all(lg is None for _, _, lg in passes[:-1])
+    assert np.array_equal(np.concatenate([t for _, t, _ in passes]), want.taps)
+    assert np.array_equal(passes[-1][2], want.logits[-1:])
+    assert chunked < whole / 4, (chunked, whole)
+    for bad in (0, -3, 2.5):
+        with pytest.raises(ValueError, match="chunk="):
+            next(trunk.prompt_passes(trunk.new_cache(), p, chunk=bad))
+
+
+def test_a_cache_that_does_not_fit_is_refused_naming_the_numbers(numpy_backend, monkeypatch):
+    """Caches are allocated whole: one the backend has no room for raises CapacityError with its
+    size, its K/V share and the free memory, before anything is allocated."""
+    from dspark.errors import CapacityError
+    from dspark.models.cache import cache_bytes
+    trunk, _ = small_pair(numpy_backend, seed=4)
+    before = numpy_backend.alloc.bytes()
+    need = cache_bytes(trunk.config, 1 << 20)
+    monkeypatch.setattr(numpy_backend, "free_bytes", lambda: sum(need.values()) - 1)
+    with pytest.raises(CapacityError, match=rf"a cache of 1048576 rows needs .* GiB \(K/V .* GiB in float32 over 2 "
+                                            rf"attention layers, .*\), more than the .* GiB the numpy backend has free"):
+        trunk.new_cache(capacity=1 << 20)
+    assert numpy_backend.alloc.bytes() == before
+    monkeypatch.setattr(numpy_backend, "free_bytes", lambda: sum(need.values()))
+    trunk.new_cache(capacity=1 << 20).free()

@@ -197,6 +197,8 @@ def config_of(config: dict, max_ctx: int | None = None, tap_layers=None, generat
     theta, fraction, scaling = rope_of(model_type, t)
     n = len(layers)
     max_pos = int(t.get("max_position_embeddings", DEFAULT_MAX_CTX))
+    if max_ctx is not None and not 1 <= int(max_ctx) <= max_pos:
+        raise CheckpointError(f"max_ctx={max_ctx}: expected 1 to the model's max_position_embeddings={max_pos}")
     try:
         eos = eos_ids_of(config, generation, int(t["vocab_size"]))
         return TrunkConfig(
@@ -372,11 +374,12 @@ def load_target(path, backend=None, dtype=None, *, max_ctx: int | None = None, t
     backend: a Backend, a backend name, or None for dspark.get_backend's default. dtype: storage
     dtype of the weight matrices on the backend (float32, float16, bfloat16; narrower than the
     checkpoint rounds to nearest even); None: see `default_dtype`. max_ctx: cache rows per
-    session (default min(max_position_embeddings, 4096)). tap_layers: the default taps (layer
-    outputs, hidden_states[i + 1]); a drafter can ask for others per call. kv_dtype: the K/V
-    cache's storage (float32, as transformers computes; float16 or bfloat16 halve it). The trunk's `source`
-    is a LoadReport: dtypes read, tensors skipped by rule. Raises CheckpointError before
-    allocating anything when the checkpoint cannot be served.
+    session (default min(max_position_embeddings, 4096), at most max_position_embeddings; a cache
+    the backend has no room for is refused when it is made, dspark.models.cache.require_room).
+    tap_layers: the default taps (layer outputs, hidden_states[i + 1]); a drafter can ask for
+    others per call. kv_dtype: the K/V cache's storage (float32, as transformers computes; float16
+    or bfloat16 halve it). The trunk's `source` is a LoadReport: dtypes read, tensors skipped by
+    rule. Raises CheckpointError before allocating anything when the checkpoint cannot be served.
     """
     from ...backends import Backend, get_backend
     from ..trunk import HybridTrunk
