@@ -13,8 +13,8 @@
 //   q_i, k_i  L2-normalised as the scan does (gdn_l2norm_warp), q scaled by 1 / sqrt(dk)
 //   G_i       = g_0 + .. + g_i,  g = gdn_log_decay (log alpha), summed in order; gam_i = exp(G_i),
 //               del_i = exp(G_63 - G_i), Gam_ij = exp(G_i - G_j), gl = exp(G_63)
-//   A         = strictly lower part of (beta_i k_i . k_j) Gam_ij;  T = (I + A)^-1 by forward substitution
-//               (f32, one thread per column: T_ic = -sum_{j=c}^{i-1} A_ij T_jc, in increasing j)
+//   A         = strictly lower part of (beta_i k_i . k_j) Gam_ij;  T = (I + A)^-1 in f32 by blocks of 16
+//               rows (chunk_solve: diagonal blocks by forward substitution, then the blocks below)
 //   U = T (beta v),  W = T ((beta_i gam_i) k),  P_ij = (q_i . k_j) Gam_ij for j <= i (else 0),
 //   Qt_i = gam_i q_i,  Kt_j = del_j k_j                                        (gdn_chunk_prep)
 // then, chunk after chunk from the state S at the first chunk's start   (gdn_chunk_state):
@@ -31,7 +31,8 @@
 // gdn_chunk_state_<e>_dk<DK>: grid (ceil(dv / 32), H, B), 128 threads: 32 state rows of one head of
 //   one session (in registers), walking its chunks in order; writes o for the pass's columns, the live
 //   state after the last row, the state at the last chunk's start (chunk_states, when that chunk is
-//   partial), and (CTA (0, 0, s)) the session's new tail rows.
+//   partial), and (CTA (0, 0, s)) the session's new tail rows and conv window.
+// gdn_conv_rows_f32 (first): the conv of the pass's columns, in parallel (below).
 #include "common.cuh"
 #include "gdn.cuh"
 #include "tensor_core.cuh"
@@ -94,6 +95,48 @@ template <typename E>
 struct ChunkPad {
   static constexpr int kE = 16 / (int)sizeof(E);
 };
+
+// T = (I + A)^-1 for a strictly lower triangular A [64][64] (f32, row stride ld), by blocks of 16
+// rows: (1) each diagonal block's inverse by forward substitution, a thread per column (row i of
+// column c: -sum_{j=c}^{i-1} A_ij T_jc in increasing j); (2) for block distance d = 1, 2, 3 the
+// blocks (I, I - d): M = sum_{K=J}^{I-1} A_IK T_KJ (K, then k, increasing), T_IJ = -T_II M (p
+// increasing). Row i of T reads rows <= i of A alone, zeros stay exact zeros. `m` is 768 floats
+// of scratch. All threads of the block call it; it ends with T complete after a barrier.
+DSPARK_DEVICE void chunk_solve(const float* A, float* T, float* m, int ld) {
+  const int tid = threadIdx.x;
+  if (tid < kChunk) {
+    const int c = tid, blk0 = c / 16 * 16;
+    for (int i = 0; i < blk0; ++i) T[i * ld + c] = 0.f;
+    for (int i = blk0; i < blk0 + 16; ++i) {
+      float v = i < c ? 0.f : 1.f;
+      if (i > c) {
+        float acc = 0.f;
+        for (int j = c; j < i; ++j) acc = fmaf(A[i * ld + j], T[j * ld + c], acc);
+        v = -acc;
+      }
+      T[i * ld + c] = v;
+    }
+  }
+  __syncthreads();
+  for (int d = 1; d < 4; ++d) {
+    const int blocks = 4 - d;  // (I, J) = (d + b, b)
+    for (int e = tid; e < blocks * 256; e += blockDim.x) {
+      const int b = e / 256, r = e % 256 / 16, n = e % 16, I = d + b, J = b;
+      float acc = 0.f;
+      for (int K = J; K < I; ++K)
+        for (int k = 0; k < 16; ++k) acc = fmaf(A[(16 * I + r) * ld + 16 * K + k], T[(16 * K + k) * ld + 16 * J + n], acc);
+      m[e] = acc;
+    }
+    __syncthreads();
+    for (int e = tid; e < blocks * 256; e += blockDim.x) {
+      const int b = e / 256, r = e % 256 / 16, n = e % 16, I = d + b, J = b;
+      float acc = 0.f;
+      for (int q = 0; q <= r; ++q) acc = fmaf(T[(16 * I + r) * ld + 16 * I + q], m[b * 256 + q * 16 + n], acc);
+      T[(16 * I + r) * ld + 16 * J + n] = -acc;
+    }
+    __syncthreads();
+  }
+}
 
 // ---- gdn_chunk_prep ---------------------------------------------------------------------------------
 // Shared memory (dspark.ops.gdn_chunk.prep_shared_mem computes the same):
@@ -237,22 +280,10 @@ DSPARK_DEVICE void gdn_chunk_prep(const float* __restrict__ x, const float* __re
   }
   __syncthreads();
 
-  // 5. T = (I + A)^-1, a column per thread, in f32; T in E for the products.
-  if (tid < kChunk) {
-    const int c = tid;
-    for (int i = 0; i < kChunk; ++i) {
-      float v;
-      if (i < c) v = 0.f;
-      else if (i == c) v = 1.f;
-      else {
-        float acc = 0.f;
-        for (int j = c; j < i; ++j) acc = fmaf(Af[i * LDA + j], Tf[j * LDA + c], acc);
-        v = -acc;
-      }
-      Tf[i * LDA + c] = v;
-      TE[i * LDT + c] = from_float<E>(v);
-    }
-  }
+  // 5. T = (I + A)^-1 in f32, by 16-row blocks (chunk_solve); T in E for the products.
+  chunk_solve(Af, Tf, reinterpret_cast<float*>(TE), LDA);  // TE's space holds its scratch until then
+  for (int e = tid; e < kChunk * kChunk; e += blockDim.x)
+    TE[(e / kChunk) * LDT + e % kChunk] = from_float<E>(Tf[(e / kChunk) * LDA + e % kChunk]);
   // 6. beta v in E (Y: q, k in E are dead).
   for (int e = tid; e < kChunk * dvp; e += blockDim.x) {
     const int i = e / dvp, v = e % dvp;
@@ -307,8 +338,10 @@ struct ChunkStateLayout {
 };
 
 template <typename E, int DK>
-DSPARK_DEVICE void gdn_chunk_state(const float* __restrict__ x, const float* __restrict__ a_in, const float* __restrict__ b_in,
-                                   float* const* __restrict__ states, float* const* __restrict__ chunk_states,
+DSPARK_DEVICE void gdn_chunk_state(const float* __restrict__ mixed, const float* __restrict__ x,
+                                   const float* __restrict__ a_in, const float* __restrict__ b_in,
+                                   float* const* __restrict__ conv_windows, float* const* __restrict__ states,
+                                   float* const* __restrict__ chunk_states,
                                    float* const* __restrict__ tails, const int* __restrict__ col_indptr,
                                    const int* __restrict__ tail_lens, const int* __restrict__ chunk_indptr, int heads,
                                    int k_heads, int dv, const float* __restrict__ u_s, const E* __restrict__ w_s,
@@ -337,16 +370,29 @@ DSPARK_DEVICE void gdn_chunk_state(const float* __restrict__ x, const float* __r
   auto P_of = [&](int st) { return W_of(st) + 3 * kChunk * LDE; };
   auto U_of = [&](int st) { return reinterpret_cast<float*>(W_of(st) + L::kOperands); };
 
-  // The session's new tail, when its last chunk is partial: rows [64 (chunks - 1), rows) (those
-  // already in the tail stay).
-  if (blockIdx.x == 0 && blockIdx.y == 0 && cr.rows % kChunk) {
+  if (blockIdx.x == 0 && blockIdx.y == 0) {
+    // The session's new tail, when its last chunk is partial: rows [64 (chunks - 1), rows) (those
+    // already in the tail stay).
     const int last0 = kChunk * (cr.chunks - 1);
-    for (int e = tid; e < (cr.rows - last0) * TW; e += blockDim.x) {
+    for (int e = tid; cr.rows % kChunk && e < (cr.rows - last0) * TW; e += blockDim.x) {
       const int r = last0 + e / TW, f = e % TW, col = cr.col0 + r - cr.tail_len;
       if (r < cr.tail_len) continue;
       tails[s][(int64_t)(r - last0) * TW + f] = f < C ? x[(int64_t)col * C + f]
                                                 : f < C + heads ? a_in[(int64_t)col * heads + f - C]
                                                                 : b_in[(int64_t)col * heads + f - C - heads];
+    }
+    // The conv window: the session's last 3 inputs (gdn_conv_rows left the old window to be read).
+    const int cols = cr.rows - cr.tail_len;
+    for (int c = tid; c < C; c += blockDim.x) {
+      float* win = conv_windows[s] + (int64_t)c * kGdnWindow;
+      float w[kGdnWindow];
+#pragma unroll
+      for (int j = 0; j < kGdnWindow; ++j) {
+        const int back = cols - kGdnWindow + j;  // the input `back` columns into the pass (< 0: the old window)
+        w[j] = back >= 0 ? mixed[(int64_t)(cr.col0 + back) * C + c] : win[kGdnWindow + back];
+      }
+#pragma unroll
+      for (int j = 0; j < kGdnWindow; ++j) win[j] = w[j];
     }
   }
 
@@ -486,6 +532,35 @@ DSPARK_DEVICE void gdn_chunk_state(const float* __restrict__ x, const float* __r
       }
 }
 
+// gdn_conv_rows_f32(mixed [cols, C], conv_weight [C, 4], conv_windows [B] -> [C, 3], col_indptr, C, x)
+//   The causal conv + SiLU of a prompt pass's columns, a thread per (channel, 64 columns of a
+//   session): each output reads the 4 inputs it needs (the window for a session's first three),
+//   in gdn_conv_silu's order, so it gives the scan's conv (gdn_conv_f32) bit for bit with a pass's
+//   columns in parallel. Grid (ceil(C / 128), ceil(most columns / 64), B). The windows are read
+//   here and moved on by gdn_chunk_state, after every read.
+constexpr int kConvCols = 64;
+
+extern "C" __global__ void __launch_bounds__(kChunkThreads) gdn_conv_rows_f32(
+    const float* __restrict__ mixed, const float* __restrict__ conv_weight, float* const* __restrict__ conv_windows,
+    const int* __restrict__ col_indptr, int C, float* __restrict__ x) {
+  const int c = blockIdx.x * kChunkThreads + threadIdx.x, s = blockIdx.z;
+  const int c0 = col_indptr[s], c1 = col_indptr[s + 1], t0 = c0 + (int)blockIdx.y * kConvCols;
+  if (c >= C || t0 >= c1) return;  // no barriers here: threads may leave on their own
+  const float* window = conv_windows[s] + (int64_t)c * kGdnWindow;
+  float win[kGdnWindow], w[kGdnTaps];
+#pragma unroll
+  for (int j = 0; j < kGdnTaps; ++j) w[j] = conv_weight[(int64_t)c * kGdnTaps + j];
+#pragma unroll
+  for (int j = 0; j < kGdnWindow; ++j) {
+    const int col = t0 - kGdnWindow + j;
+    win[j] = col >= c0 ? mixed[(int64_t)col * C + c] : window[col - c0 + kGdnWindow];
+  }
+  for (int t = t0; t < min(c1, t0 + kConvCols); ++t) {
+    const int64_t i = (int64_t)t * C + c;
+    x[i] = gdn_conv_silu(win, w, mixed[i], nullptr);
+  }
+}
+
 #define DSPARK_GDN_CHUNK_ENTRIES(SUF, E, DK)                                                                  \
   extern "C" __global__ void __launch_bounds__(kChunkThreads) gdn_chunk_prep_##SUF##_dk##DK(                 \
       const float* __restrict__ x, const float* __restrict__ a, const float* __restrict__ b,                  \
@@ -497,13 +572,15 @@ DSPARK_DEVICE void gdn_chunk_state(const float* __restrict__ x, const float* __r
                           k_heads, dv, u_s, w_s, q_s, k_s, p_s, gl_s);                                         \
   }                                                                                                             \
   extern "C" __global__ void __launch_bounds__(kChunkThreads, 1) gdn_chunk_state_##SUF##_dk##DK(             \
-      const float* __restrict__ x, const float* __restrict__ a, const float* __restrict__ b,                  \
-      float* const* __restrict__ states, float* const* __restrict__ chunk_states, float* const* __restrict__ tails, \
+      const float* __restrict__ mixed, const float* __restrict__ x, const float* __restrict__ a,               \
+      const float* __restrict__ b, float* const* __restrict__ conv_windows, float* const* __restrict__ states,  \
+      float* const* __restrict__ chunk_states, float* const* __restrict__ tails,                               \
       const int* __restrict__ col_indptr, const int* __restrict__ tail_lens, const int* __restrict__ chunk_indptr, \
       int heads, int k_heads, int dv, const float* __restrict__ u_s, const E* __restrict__ w_s,               \
       const E* __restrict__ q_s, const E* __restrict__ k_s, const E* __restrict__ p_s,                        \
       const float* __restrict__ gl_s, float* __restrict__ out) {                                               \
-    gdn_chunk_state<E, DK>(x, a, b, states, chunk_states, tails, col_indptr, tail_lens, chunk_indptr, heads,  \
+    gdn_chunk_state<E, DK>(mixed, x, a, b, conv_windows, states, chunk_states, tails, col_indptr, tail_lens,   \
+                           chunk_indptr, heads,                                                                  \
                            k_heads, dv, u_s, w_s, q_s, k_s, p_s, gl_s, out);                                   \
   }
 

@@ -34,7 +34,7 @@ class SamplingParams:
 
 
 VERIFY_POLICIES = ("auto", "confidence", "ladder", "full")
-PROMPT_CHUNK = 4096  # tokens per prompt pass by default (HybridTrunk.prompt_passes): activations scale with it
+PROMPT_CHUNK = 8192  # tokens per prompt pass by default (HybridTrunk.prompt_passes): activations scale with it
 ROLLBACKS = ("checkpoint", "replay")
 
 

@@ -9,7 +9,8 @@
 GPU sizes: Qwen3.5-27B's (profiling/perf_model.py SHAPES): 16 attention layers with 4 KV heads of
 dim 256 and GQA 6 (24 query heads), bf16 KV; 48 gdn layers with 48 value heads on 16 key heads,
 dk = dv = 128; d_model 5120 (the norms) and MLP 17408 (the GEMMs, bf16 weights); the vocabulary 248320; contexts 4k and 32k; verify width
-vt = 8 (7 drafts); batches of 1, 2 and 32 sessions. The vocabulary reductions split each row
+vt = 8 (7 drafts); batches of 1, 2 and 32 sessions; plain batched decode's GEMMs at 1, 8 and 32 rows;
+a prompt pass of 8192 rows (the GEMMs, prompt attention, the chunked gdn). The vocabulary reductions split each row
 across ceil(V / 8192) CTAs, and the shape column names the split (S), the launches and the passes
 over each row, from the op's own launch plan (dspark.ops.argmax / dspark.ops.sampling `*_plan`).
 
@@ -80,6 +81,8 @@ class Sizes:
     gdn_k_heads: int = 0             # key heads (0: one per value head)
     d_model: int = 5120
     mlp_hidden: int = 17408
+    prompt_rows: int = 8192          # rows of a prompt pass (the GEMMs, prompt attention, the chunked gdn)
+    plain_batches: tuple[int, ...] = (1, 8, 32)  # plain batched decode's rows for the GEMMs
 
     @property
     def drafts(self) -> int:
@@ -94,7 +97,7 @@ GPU = Sizes("Qwen3.5-27B: 16 attention layers (Hkv=4, Hq=24, D=256, bf16 KV), 48
 CPU = Sizes("tiny (simt, CPU): 2 attention layers (Hkv=2, Hq=8, D=64, bf16 KV), 3 gdn layers (H=2, dk=dv=16), "
             "V=1000", batches=(1, 3), contexts=(100,), vt=8, hkv=2, gqa=4, head_dim=64, kv_dtype=BF16, vocab=1000,
             attn_layers=2, gdn_layers=3, gdn_heads=2, dk=16, dv=16, markov_rank=8, reduce_batches=(1, 3), d_model=64,
-            mlp_hidden=96)
+            mlp_hidden=96, prompt_rows=130, plain_batches=(1, 3))
 
 
 @dataclasses.dataclass
@@ -193,6 +196,12 @@ def attention_benches(be, s: Sizes) -> Iterator[Bench]:
                 names = (plan.kernel,) + ((plan.combine_kernel,) if plan.combine_kernel else ())
                 yield Bench("attention", case, {"B": B, "ctx": ctx, "vt": vt, "CTAs": plan.ctas}, x.bytes, x.flops,
                             names, x.op, sum(k.time for k in pm.attention_kernels("bench", plan, pm.H200)))
+    # A prompt pass of one session from position 0: the prompt kernel (16-bit K/V)
+    rows, hq = s.prompt_rows, s.hkv * s.gqa
+    x = attention_inputs(be, 1, 0, rows, s.hkv, s.gqa, s.head_dim, s.kv_dtype)
+    plan = launch_plan([rows], [0], hq=hq, hkv=s.hkv, head_dim=s.head_dim, dtype=s.kv_dtype)
+    yield Bench("attention", "prompt", {"B": 1, "ctx": 0, "vt": rows, "CTAs": plan.ctas}, x.bytes, x.flops,
+                (plan.kernel,), x.op, pm.prompt_attention("bench", hq, s.hkv, s.head_dim, 0, rows, pm.H200).time)
 
 
 # ---- kv_commit: the accepted rows of every attention layer, one launch ----------------------------------
@@ -329,20 +338,50 @@ def norm_benches(be, s: Sizes) -> Iterator[Bench]:
 
 # ---- linear: the MLP's GEMMs, bf16 weights as stored ---------------------------------------------------
 def linear_benches(be, s: Sizes) -> Iterator[Bench]:
-    """The tensor-core GEMM (linear_mma_bf16_m<BM>, the tile shape its plan picks) over a decode
-    step's rows (B) and a verify's (B * vt) for the MLP's two projections (gate|up fused, down):
-    bytes from the plan's min_bytes (the weights once, x, out)."""
+    """The tensor-core GEMM (linear_mma_bf16_m<BM>, the tile shape its plan picks) for the MLP's two
+    projections (gate|up fused, down) over plain batched decode's rows (B), a verify's (B * vt) and
+    a prompt pass's: bytes from the plan's min_bytes (the weights once, x, out), 2 rows K N flops;
+    predicted occupancy priced (perf_model.gemm)."""
     d, f = s.d_model, s.mlp_hidden
     for proj, k, n in (("gate|up", d, 2 * f), ("down", f, d)):
         w = randn(be, (k, n), BF16, scale=float(1 / np.sqrt(k)))
-        for B in s.batches:
-            for case, rows in (("decode", B), ("verify", B * s.vt)):
-                x, out = randn(be, (rows, k)), be.xp.empty((rows, n), np.float32)
-                plan = linear_plan(rows, k, n, 2)
-                yield Bench("linear", case, {"proj": proj, "B": B, "rows": rows, "K": k, "N": n, "S": plan.splits},
-                            plan.min_bytes, 2 * rows * k * n, (f"linear_mma_bf16_m{plan.notes['bm']}",),
-                            lambda b, x=x, w=w, o=out: linear(b, x, w, out=o),
-                            pm.linear("bench", proj, rows, k, n, 2, pm.H200)[0].time)
+        cases = [("decode", B, B) for B in s.plain_batches] + [("verify", B, B * s.vt) for B in s.batches]
+        for case, B, rows in cases + [("prompt", 1, s.prompt_rows)]:
+            x, out = randn(be, (rows, k)), be.xp.empty((rows, n), np.float32)
+            plan = linear_plan(rows, k, n, 2)
+            yield Bench("linear", case, {"proj": proj, "B": B, "rows": rows, "K": k, "N": n, "S": plan.splits},
+                        plan.min_bytes, 2 * rows * k * n, (f"linear_mma_bf16_m{plan.notes['bm']}",),
+                        lambda b, x=x, w=w, o=out: linear(b, x, w, out=o),
+                        pm.gemm("bench", proj, rows, k, n, 2, pm.H200)[0].time)
+
+
+# ---- gdn_chunk: one gdn layer's prompt pass in chunks of 64 ------------------------------------------------
+def gdn_chunk_benches(be, s: Sizes) -> Iterator[Bench]:
+    """A prompt pass of prompt_rows rows of one session through one gdn layer (bf16 operands): the
+    conv, gdn_chunk_prep, gdn_chunk_state. Bytes: the inputs, the conv's outputs written and read,
+    the chunk scratch written and read, the state read and written, the output; flops: the chunk
+    products as the MMAs run them (dspark.ops.gdn_chunk.chunk_flops)."""
+    from dspark.ops.gdn_chunk import CHUNK, chunk_flops, gdn_prompt, scratch_bytes
+    H, dk, dv, kh = s.gdn_heads, s.dk, s.dv, s.gdn_k_heads or None
+    C, rows = channels(H, dk, dv, kh), s.prompt_rows
+    chunks = -(-rows // CHUNK)
+    conv_w, A_log = randn(be, (C, 4), scale=0.5), be.asarray(np.log(_RNG.uniform(1, 16, H)).astype(np.float32))
+    dt_bias = be.asarray(np.full(H, -4.0, np.float32))
+    mixed, a, b_gate = randn(be, (rows, C)), randn(be, (rows, H)), randn(be, (rows, H), scale=2.0)
+    states, chunk_states = [randn(be, (H, dv, dk), scale=0.3)], [be.xp.zeros((H, dv, dk), np.float32)]
+    windows, tails = [randn(be, (C, 3))], [be.xp.zeros((CHUNK, C + 2 * H), np.float32)]
+    out = be.xp.empty((rows, H, dv), np.float32)
+    ptr = indptr([rows])
+    fl = chunk_flops(H, dk, dv)
+    nbytes = F32 * (rows * (C + 2 * H) + 2 * rows * C + 3 * H * dv * dk + rows * H * dv) \
+        + 2 * scratch_bytes(chunks, H, dk, dv, 2)
+    yield Bench("gdn_chunk", "prompt", {"rows": rows, "H": H, "dk": dk, "dv": dv, "chunks": chunks}, nbytes,
+                chunks * (fl["prep"] + fl["state"]),
+                ("gdn_conv_rows_f32", f"gdn_chunk_prep_bf16_dk{dk}", f"gdn_chunk_state_bf16_dk{dk}"),
+                lambda b, x=(mixed, a, b_gate): gdn_prompt(b, *x, conv_w, A_log, dt_bias, states, windows, chunk_states,
+                                                           tails, ptr, np.zeros(1, np.int32), heads=H, dk=dk, dv=dv,
+                                                           k_heads=kh, dtype=BF16, out=out),
+                sum(k.time for k in pm.prompt_gdn("bench", H, dk, dv, kh, rows, pm.H200)))
 
 
 def predict(plan) -> float:
@@ -377,6 +416,7 @@ FAMILIES: dict[str, Callable[[object, Sizes], Iterator[Bench]]] = {
     "sampling": sampling_benches,
     "norm": norm_benches,
     "linear": linear_benches,
+    "gdn_chunk": gdn_chunk_benches,
 }
 NOT_BENCHMARKED = {"selftest"}  # csrc/selftest.cu: the simt runtime's own checks
 

@@ -521,6 +521,12 @@ MMA_SYNC_SHARE = 2 / 3   # mma.sync's ceiling as a share of Device.mma (the dens
                          # H200): about 527 TFLOP/s; the GPU check measures it (bench_kernels' linear prompt rows)
 
 
+SM_CLOCK = 1.98e9        # an H200 SM's boost clock, Hz
+FMA_LATENCY = 4          # cycles from an fmaf to a dependent one (Ampere, Hopper)
+SOLVE_CHAIN = 120 + 32 + 48 + 64  # dependent fmaf of gdn_chunk_prep's solve: the longest diagonal column,
+                                  # then M and T_IJ at block distances 1, 2, 3 (csrc/gdn_chunk.cu, chunk_solve)
+
+
 def mma_sync(dev: Device) -> float:
     """FLOP/s of mma.sync m16n8k16 bf16 with f32 accumulation, the whole device."""
     return MMA_SYNC_SHARE * dev.mma
@@ -564,44 +570,43 @@ def gemm(phase, name, rows, k, n, wb, dev, kind="weights") -> list[Kernel]:
                    max(t_mma, t_mem), 1, plan.min_bytes)]
 
 
-def prompt_attention(phase, shape: Shape, start: int, rows: int, dev: Device) -> Kernel:
-    """attention_prompt over a pass of `rows` query rows after `start` committed ones: each CTA's
-    key tiles (64 items x 64 keys x 4 D flops each, the whole tile as the MMAs run it) at the
-    mma.sync ceiling, longest CTA first; the K/V of the visible keys once from DRAM (the CTAs'
+def prompt_attention(phase, hq: int, hkv: int, head_dim: int, start: int, rows: int, dev: Device) -> Kernel:
+    """attention_prompt (bf16 K/V) over a pass of `rows` query rows after `start` committed ones:
+    each CTA's key tiles (64 items x 64 keys x 4 D flops each, the whole tile as the MMAs run it) at
+    the mma.sync ceiling, longest CTA first; the K/V of the visible keys once from DRAM (the CTAs'
     re-reads of them from L2), q and out."""
-    c = shape.trunk
-    kv_isz = np.dtype(BF16 if c.kv_dtype == "bfloat16" else c.kv_dtype).itemsize
-    plan = launch_plan([rows], [start], hq=c.attn_heads, hkv=c.attn_kv_heads, head_dim=c.head_dim,
-                       dtype=BF16 if kv_isz == 2 else np.float32)
+    plan = launch_plan([rows], [start], hq=hq, hkv=hkv, head_dim=head_dim, dtype=BF16)
     per_sm = occupancy(plan.kernel, plan.block[0], plan.shared_mem)
     tiles = -(-plan.cta_keys // TILE)
-    t_mma = scheduled(tiles * TILE * 64 * 4 * c.head_dim, mma_sync(dev), per_sm, dev)
-    dram = ((start + rows) * 2 * c.attn_kv_heads + rows * c.attn_heads) * c.head_dim * kv_isz + plan.bytes["out"]
+    t_mma = scheduled(tiles * TILE * 64 * 4 * head_dim, mma_sync(dev), per_sm, dev)
+    dram = 2 * ((start + rows) * 2 * hkv + rows * hq) * head_dim + plan.bytes["out"]
     return Kernel(phase, plan.kernel, "kv", int(dram), plan.flops, plan.ctas, -(-plan.ctas // (dev.sms * per_sm)),
                   max(t_mma, dram / dev.bw), 1, int(dram))
 
 
-def prompt_gdn(phase, shape: Shape, rows: int, dev: Device) -> list[Kernel]:
-    """One gdn layer's prompt pass (dspark.ops.gdn_chunk): the conv; gdn_chunk_prep, one CTA per
-    (chunk, value head), its products at the mma.sync ceiling and its triangular solve (64^3 / 2
-    fmaf per chunk and head) at the f32 rate, its inputs and scratch at the copy bandwidth; and
+def prompt_gdn(phase, H: int, dk: int, dv: int, k_heads, rows: int, dev: Device) -> list[Kernel]:
+    """One gdn layer's prompt pass (dspark.ops.gdn_chunk): the conv (a thread per channel and 64
+    columns); gdn_chunk_prep, one CTA per
+    (chunk, value head), its products at the mma.sync ceiling, its inputs and scratch at the copy
+    bandwidth, and its triangular solve's dependent fmaf chain (SOLVE_CHAIN) at the FMA latency per
+    wave; and
     gdn_chunk_state, one CTA per (32 state rows, value head) walking the chunks in order: per chunk
     its share of the products at its slot's share of the mma.sync ceiling, waves in series."""
-    c = shape.trunk
-    H, dk, dv, C = c.gdn_heads, c.gdn_dk, c.gdn_dv, c.gdn_channels
+    C = gdn_ops.channels(H, dk, dv, k_heads)
     chunks = -(-rows // chunk_ops.CHUNK)
-    conv = planned(phase, "gdn_conv_f32", "state", even(4 * rows * 2 * C, -(-C // gdn_ops.CONV_THREADS)),
-                   8 * rows * C, gdn_ops.CONV_THREADS, 0, dev)
+    conv = planned(phase, "gdn_conv_rows_f32", "state",
+                   even(4 * rows * 2 * C, -(-C // chunk_ops.THREADS) * -(-rows // chunk_ops.CONV_COLS)), 8 * rows * C,
+                   chunk_ops.THREADS, 0, dev)
     fl = chunk_ops.chunk_flops(H, dk, dv)
     prep_ctas = chunks * H
     per_sm = occupancy(f"gdn_chunk_prep_bf16_dk{dk}", chunk_ops.THREADS, chunk_ops.prep_shared_mem(dk, dv, 2))
     scratch = chunk_ops.scratch_bytes(chunks, H, dk, dv, 2)
-    prep_bytes = 4 * rows * H * (2 * dk + dv + 2) + scratch
+    prep_bytes = 4 * rows * (C + 2 * H) + scratch  # x and the gates once (a key head's value heads share them in L2)
+    waves = -(-prep_ctas // (dev.sms * per_sm))
     t_prep = max(scheduled(even(chunks * fl["prep"], prep_ctas), mma_sync(dev), per_sm, dev),
-                 scheduled(even(prep_bytes, prep_ctas), dev.bw, per_sm, dev)) \
-        + scheduled(even(2 * chunks * fl["solve"], prep_ctas), dev.f32, per_sm, dev)
-    prep = Kernel(phase, f"gdn_chunk_prep_bf16_dk{dk}", "state", prep_bytes, chunks * (fl["prep"] + 2 * fl["solve"]),
-                  prep_ctas, -(-prep_ctas // (dev.sms * per_sm)), t_prep, 1, prep_bytes)
+                 scheduled(even(prep_bytes, prep_ctas), dev.bw, per_sm, dev)) + waves * SOLVE_CHAIN * FMA_LATENCY / SM_CLOCK
+    prep = Kernel(phase, f"gdn_chunk_prep_bf16_dk{dk}", "state", prep_bytes, chunks * fl["prep"], prep_ctas, waves,
+                  t_prep, 1, prep_bytes)
     slices = -(-dv // chunk_ops.SLICE)
     walk_ctas = slices * H
     per_sm = occupancy(f"gdn_chunk_state_bf16_dk{dk}", chunk_ops.THREADS, chunk_ops.state_shared_mem(dk, 2))
@@ -634,11 +639,11 @@ def prompt_pass(shape: Shape, start: int, rows: int, dev: Device, *, last: bool)
             if c.qk_norm:
                 layer.append(rmsnorm_kernel(ph, "q/k norm", rows * (c.attn_heads + c.attn_kv_heads), c.head_dim, dev, 2))
             layer.append(roofline(ph, "rope, gate (glue)", "other", 4 * rows * 3 * (nq + 2 * nkv), 0, dev))
-            layer.append(prompt_attention(ph, shape, start, rows, dev))
+            layer.append(prompt_attention(ph, c.attn_heads, c.attn_kv_heads, c.head_dim, start, rows, dev))
             layer += gemm(ph, "attn o", rows, c.attn_heads * c.head_dim, d, wb, dev)
         else:
             layer += gemm(ph, "gdn in", rows, d, C + H * dv + 2 * H, wb, dev)
-            layer += prompt_gdn(ph, shape, rows, dev)
+            layer += prompt_gdn(ph, H, dk, dv, c.gdn_k_heads or None, rows, dev)
             layer.append(rmsnorm_kernel(ph, "gdn o_norm", rows * H, dv, dev))
             layer.append(roofline(ph, "z gate (glue)", "other", 4 * rows * 3 * H * dv, 0, dev))
             layer += gemm(ph, "gdn out", rows, H * dv, d, wb, dev)
@@ -654,30 +659,45 @@ def prompt_pass(shape: Shape, start: int, rows: int, dev: Device, *, last: bool)
 
 @dataclasses.dataclass
 class Prompt:
-    """A prompt of `tokens` in passes of `chunk`: every pass's kernels and the launches they take."""
+    """A prompt of `tokens` in passes of `chunk`: every pass's kernels, the launches they take, the
+    host-device waits inside the passes (`syncs`: small uploads from pageable memory, each waits for
+    the work before it) and the pointer tables uploaded before the first pass (`tables`)."""
     shape: Shape
     tokens: int
     chunk: int
     kernels: list[Kernel]
     launches: int
+    syncs: int
+    tables: int
 
     def gpu(self) -> float:
         return sum(k.time for k in self.kernels)
 
     def ttft(self, dev: Device = H200) -> float:
-        """Time to first token: the passes' GPU time, their launches at the host cost, one sync."""
-        return self.gpu() + self.launches * dev.launch + dev.sync
+        """Time to first token. A pass's launches are asynchronous: the host issues them while the
+        GPU runs the ones before, so they cost GPU time only at a wait (each wait: the copy, then one
+        launch's issue before the GPU has work again), and where all of them take longer than the
+        GPU work (never at these sizes); the tables' uploads before any work; the final fetch."""
+        host = self.launches * dev.launch
+        return (self.gpu() + self.syncs * (dev.sync + dev.launch) + self.tables * dev.sync
+                + max(0.0, host - self.gpu()) + dev.sync)
 
 
 def prompt(shape: Shape, tokens: int, dev: Device = H200, chunk: int = PROMPT_CHUNK) -> Prompt:
-    """The prompt pass of one request (dspark.models.trunk.HybridTrunk.prompt_passes)."""
-    kernels, launches = [], 0
+    """The prompt pass of one request (dspark.models.trunk.HybridTrunk.prompt_passes). Waits per
+    pass (as the code issues them): the token ids, the row pointers, the RoPE positions, the gdn
+    chunk schedule, each attention layer's metadata, the last row's index; pointer tables: K and V
+    per attention layer, state, conv window, chunk state and tail per gdn layer, the commit table."""
+    c = shape.trunk
+    attn, gdn = c.layers.count("attn"), c.layers.count("gdn")
+    kernels, launches, syncs = [], 0, 0
     for start in range(0, tokens, chunk):
         rows = min(chunk, tokens - start)
         ks = prompt_pass(shape, start, rows, dev, last=start + rows >= tokens)
         kernels += ks
         launches += sum(k.launches for k in ks) + array_ops(shape, 1, rows, verify=False, round_glue=False)
-    return Prompt(shape, tokens, chunk, kernels, launches)
+        syncs += attn + 4 + (1 if gdn else 0) + (1 if start + rows >= tokens else 0)
+    return Prompt(shape, tokens, chunk, kernels, launches, syncs, 2 * attn + 4 * gdn + 1)
 
 
 def plain_step(shape: Shape, B: int, context: int, dev: Device = H200) -> float:
@@ -782,14 +802,16 @@ def prompt_report(table_of: dict[str, Shape], chunk: int, kernels: bool = False,
         flops = sum(x.flops for x in pr.kernels)
         rows.append([table_of[model].label, str(tokens), f"{pr.ttft(dev) * 1e3:,.0f}", f"{gemms * 1e3:,.0f}",
                      f"{attn * 1e3:,.1f}", f"{gdn * 1e3:,.1f}", f"{(pr.gpu() - gemms - attn - gdn) * 1e3:,.1f}",
-                     f"{pr.launches * dev.launch * 1e3:,.1f}", f"{flops / 1e12:,.0f}",
+                     f"{(pr.ttft(dev) - pr.gpu()) * 1e3:,.1f}", f"{pr.launches * dev.launch * 1e3:,.1f}",
+                     f"{flops / 1e12:,.0f}",
                      f"{flops / pr.gpu() / mma_sync(dev):.0%}"])
         if kernels:
             details.append((f"{table_of[model].label} {tokens} tokens", pr))
-    out.append(table(["shape", "prompt", "TTFT ms", "GEMMs ms", "attention ms", "gdn ms", "other ms", "launches ms",
-                      "TFLOP", "of mma.sync"], rows))
-    out.append("TTFT: the prompt passes' GPU time + their launches x 4 us + one sync; TFLOP the useful flops; "
-               "of mma.sync: useful flops / GPU time / the mma.sync ceiling")
+    out.append(table(["shape", "prompt", "TTFT ms", "GEMMs ms", "attention ms", "gdn ms", "other ms", "waits ms",
+                      "launches ms", "TFLOP", "of mma.sync"], rows))
+    out.append("TTFT: the prompt passes' GPU time + each wait inside them (10 us + one 4 us launch) + the pointer "
+               "tables' uploads + the final fetch; the launches (column: their host time) are issued while the GPU "
+               "runs; TFLOP the useful flops; of mma.sync: useful flops / GPU time / the mma.sync ceiling")
     out.append("")
     rows = []
     for model in ("qwen3.5-27b", "qwen3-8b"):

@@ -85,6 +85,7 @@ class PromptPlan:
     chunk_rows: object = None
     seq_indptr: object = None  # Staged row pointers of those rows
     chunk_indptr: object = None
+    schedule: object = None    # gdn_chunk.ChunkSchedule of the chunked rows: uploaded once for every gdn layer
 
     @classmethod
     def of(cls, be, caches: list[Cache], lens: np.ndarray) -> "PromptPlan":
@@ -103,6 +104,8 @@ class PromptPlan:
             plan.seq_rows, plan.chunk_rows = be.xp.asarray(first), be.xp.asarray(rest)
             plan.seq_indptr = Staged(be, np.concatenate([[0], np.cumsum(seq)]).astype(np.int32))
             plan.chunk_indptr = Staged(be, np.concatenate([[0], np.cumsum(lens - seq)]).astype(np.int32))
+        cols = np.concatenate([[0], np.cumsum(lens - seq)]).astype(np.int32)
+        plan.schedule = gdn_chunk.ChunkSchedule(be, cols, tails)
         return plan
 
 
@@ -342,7 +345,7 @@ class HybridTrunk:
         def chunks(mixed, a, b, indptr):
             return gdn_chunk.gdn_prompt(self.be, mixed, a, b, w[p + "gdn.conv"], w[p + "gdn.A_log"], w[p + "gdn.dt_bias"],
                                         tables.states[ig], tables.convs[ig], tables.chunk_states[ig], tables.tails[ig],
-                                        indptr, plan.tails, heads=c.gdn_heads, dk=c.gdn_dk, dv=c.gdn_dv,
+                                        indptr, plan.schedule, heads=c.gdn_heads, dk=c.gdn_dk, dv=c.gdn_dv,
                                         k_heads=c.gdn_key_heads, dtype=self.chunk_dtype)
         if plan.seq_rows is None:
             return chunks(mixed, a, b, staged)

@@ -35,7 +35,7 @@ from ..arrays import adopt
 from ..dtypes import BF16
 from ..errors import CapacityError, DTypeError, ShapeError
 from .checks import host_and_device, require_dtype, require_indptr, require_ndim, require_shape
-from .gdn import CONV_THREADS, SUPPORTED_DK, TAPS, WINDOW, channels, conv_silu_ref, conv_windows_of, gdn_gates_ref, \
+from .gdn import SUPPORTED_DK, TAPS, WINDOW, channels, conv_silu_ref, conv_windows_of, gdn_gates_ref, \
     l2norm_ref
 from .snapshot import require_tensor
 from .tables import PointerTable, as_table
@@ -44,6 +44,7 @@ F32 = np.float32
 CHUNK = 64               # tokens per chunk; chunks sit at absolute positions [64 c, 64 c + 64)
 SLICE = 32               # kChunkSlice: state rows per CTA of the state walk
 THREADS = 128            # kChunkThreads
+CONV_COLS = 64           # kConvCols: columns per thread of gdn_conv_rows_f32
 MAX_SHARED_MEM = 163 * 1024  # sm_80's per-CTA limit: the chunk kernels run on A100 and H100/H200 alike
 DTYPES = (np.dtype(np.float32), np.dtype(np.float16), BF16)
 # The pass against the sequential scan and transformers' chunked form, relative to the largest
@@ -182,6 +183,23 @@ def chunk_indptr_of(col_indptr: np.ndarray, tail_lens: np.ndarray) -> np.ndarray
     return np.concatenate([[0], np.cumsum(chunks)]).astype(np.int32)
 
 
+class ChunkSchedule:
+    """A pass's chunks, the same for each of its gdn layers: per session the rows of its chunk already
+    in the tail (`tail_lens`, host int32 [B], validated: 0..63) and its chunks' offsets, uploaded
+    once (`device`: tail_lens then chunk_indptr) so the layers issue no copy of their own."""
+
+    def __init__(self, be, col_indptr, tail_lens):
+        self.col_indptr = np.asarray(col_indptr)
+        B = self.col_indptr.shape[0] - 1
+        tail_lens = np.asarray(tail_lens)
+        require_shape(tail_lens, (B,), "tail_lens")
+        if tail_lens.dtype.kind not in "iu" or np.any((tail_lens < 0) | (tail_lens >= CHUNK)):
+            raise CapacityError(f"tail_lens={tail_lens.tolist()[:8]}: expected ints in [0, {CHUNK})")
+        self.tail_lens = tail_lens.astype(np.int32)
+        self.chunk_indptr = chunk_indptr_of(self.col_indptr, self.tail_lens)
+        self.device = be.asarray(np.concatenate([self.tail_lens, self.chunk_indptr]))
+
+
 def gdn_prompt(be, mixed, a, b, conv_weight, A_log, dt_bias, states, conv_windows, chunk_states, tails, col_indptr,
                tail_lens, *, heads, dk, dv, k_heads=None, dtype=np.float32, out=None):
     """A prompt pass of one gdn layer over each session's columns -> out [cols, H, dv] f32, with the
@@ -190,9 +208,9 @@ def gdn_prompt(be, mixed, a, b, conv_weight, A_log, dt_bias, states, conv_window
 
     Arguments as dspark.ops.gdn.gdn_scan's, plus: chunk_states (B arrays [H, dv, dk] f32, or a
     PointerTable): the state at the start of the chunk holding pos; tails (B arrays [64, C + 2H]
-    f32): that chunk's rows before pos; tail_lens (host int32 [B], 0..63): pos % 64 of each session
-    whose chunk state and tail hold its chunk so far (0: the live state sits on the grid); dtype: the
-    products' operand type (module doc). dk a scan size, dv a multiple of 4 (`supported`)."""
+    f32): that chunk's rows before pos; tail_lens (host int32 [B], 0..63, or a ChunkSchedule made
+    once for a pass's layers): pos % 64 of each session whose chunk state and tail hold its chunk so
+    far (0: the live state sits on the grid); dtype: the products' operand type (module doc). dk a scan size, dv a multiple of 4 (`supported`)."""
     mixed, a, b, conv_weight, A_log, dt_bias, col_indptr, out = adopt(
         be, mixed=mixed, a=a, b=b, conv_weight=conv_weight, A_log=A_log, dt_bias=dt_bias, col_indptr=col_indptr,
         out=out, writes=("out",))
@@ -220,11 +238,10 @@ def gdn_prompt(be, mixed, a, b, conv_weight, A_log, dt_bias, states, conv_window
     host_indptr, dev_indptr = host_and_device(be, col_indptr)
     require_indptr(host_indptr, "col_indptr", cols)
     B = host_indptr.shape[0] - 1
-    tail_lens = np.asarray(tail_lens)
-    require_shape(tail_lens, (B,), "tail_lens")
-    if tail_lens.dtype.kind not in "iu" or np.any((tail_lens < 0) | (tail_lens >= CHUNK)):
-        raise CapacityError(f"tail_lens={tail_lens.tolist()[:8]}: expected ints in [0, {CHUNK})")
-    tail_lens = tail_lens.astype(np.int32)
+    sched = tail_lens if isinstance(tail_lens, ChunkSchedule) else ChunkSchedule(be, host_indptr, tail_lens)
+    if not np.array_equal(sched.col_indptr, host_indptr):
+        raise ShapeError("tail_lens: a ChunkSchedule made for other columns than col_indptr's")
+    tail_lens = sched.tail_lens
     states = as_table(be, tables["states"], "states", count=B, shape=(heads, dv, dk), dtype=F32, writable=True, align=16)
     convs = as_table(be, tables["conv_windows"], "conv_windows", count=B, shape=(C, WINDOW), dtype=F32, writable=True)
     chunk_states = as_table(be, tables["chunk_states"], "chunk_states", count=B, shape=(heads, dv, dk), dtype=F32,
@@ -239,14 +256,13 @@ def gdn_prompt(be, mixed, a, b, conv_weight, A_log, dt_bias, states, conv_window
                        k_heads, dtype)
     elif cols:
         xp = be.xp
-        chunk_indptr = chunk_indptr_of(host_indptr, tail_lens)
-        n = int(chunk_indptr[-1])
-        meta = be.asarray(np.concatenate([tail_lens, chunk_indptr]))
-        dev_tails, dev_chunks = meta[:B], meta[B:]
+        n = int(sched.chunk_indptr[-1])
+        dev_tails, dev_chunks = sched.device[:B], sched.device[B:]
         x = xp.empty((cols, C), xp.float32)  # the conv's SiLU outputs
-        be.kernels.get_function("gdn_conv_f32")(
-            (-(-C // CONV_THREADS), B), (CONV_THREADS,),
-            (mixed, conv_weight, convs.device, dev_indptr, np.int32(C), x, None, np.int32(1)))
+        longest = int(np.diff(host_indptr).max())
+        be.kernels.get_function("gdn_conv_rows_f32")(
+            (-(-C // THREADS), -(-longest // CONV_COLS), B), (THREADS,),
+            (mixed, conv_weight, convs.device, dev_indptr, np.int32(C), x))
         u_s = xp.empty((n, heads, CHUNK, dv), xp.float32)
         w_s, q_s, k_s = (xp.empty((n, heads, CHUNK, dk), dtype) for _ in range(3))
         p_s = xp.empty((n, heads, CHUNK, CHUNK), dtype)
@@ -259,8 +275,8 @@ def gdn_prompt(be, mixed, a, b, conv_weight, A_log, dt_bias, states, conv_window
             shared_mem=prep_shared_mem(dk, dv, dtype.itemsize))
         be.kernels.get_function(f"gdn_chunk_state_{suf}_dk{dk}")(
             (-(-dv // SLICE), heads, B), (THREADS,),
-            (x, a, b, states.device, chunk_states.device, tails.device, dev_indptr, dev_tails, dev_chunks,
-             np.int32(heads), np.int32(k_heads), np.int32(dv), u_s, w_s, q_s, k_s, p_s, gl_s, out),
+            (mixed, x, a, b, convs.device, states.device, chunk_states.device, tails.device, dev_indptr, dev_tails,
+             dev_chunks, np.int32(heads), np.int32(k_heads), np.int32(dv), u_s, w_s, q_s, k_s, p_s, gl_s, out),
             shared_mem=state_shared_mem(dk, dtype.itemsize))
     if cols:
         moved = prompt_bytes(int(np.count_nonzero(np.diff(host_indptr))), cols, heads, dk, dv, k_heads)

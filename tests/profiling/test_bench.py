@@ -50,17 +50,19 @@ def test_bench_kernels_dry_run_lists_every_family():
 def test_bench_kernels_runs_under_the_cli():
     """`dspark bench kernels` runs the script with runpy: its sibling imports must still resolve."""
     out = ok(script("-m", "dspark", "bench", "kernels", "--dry-run")[0])
-    assert "benchmarks in 8 families" in out
+    assert "benchmarks in 9 families" in out
 
 
 def test_ncu_regexes_pick_the_verify_kernel_and_every_family():
-    """--verify profiles the split attention kernel, never its combine; the session run every family."""
+    """--verify profiles the split attention kernel, never its combine nor the prompt kernel; the
+    session run every family."""
     import bench_kernels
     from dspark.kernel_sources import scan
     verify, session = (re.compile(r) for r in bench_kernels.ncu_regexes())
     names = scan()
     attention = [n for n in names if n.startswith("attention_") and "_probe" not in n]
-    assert {n for n in attention if verify.search(n)} == {n for n in attention if "combine" not in n and "_d" in n}
+    assert {n for n in attention if verify.search(n)} == {n for n in attention
+                                                          if "combine" not in n and "prompt" not in n and "_d" in n}
     assert not any(verify.search(n) for n in names if n.startswith("attention_combine_"))
     assert bench_kernels.ncu_misses(names) == [], "the session regex skips a kernel family"
 
@@ -72,7 +74,7 @@ def test_attention_bench_lists_the_combine_kernel_of_a_split_plan(numpy_backend)
 
     import bench_kernels
     sizes = dataclasses.replace(bench_kernels.CPU, contexts=(700,), batches=(1,))
-    benches = list(bench_kernels.attention_benches(numpy_backend, sizes))
+    benches = [b for b in bench_kernels.attention_benches(numpy_backend, sizes) if b.case != "prompt"]
     assert benches and all(len(b.kernels) == 2 and b.kernels[1].startswith("attention_combine_") for b in benches)
     assert all(b.predicted > 0 for b in benches)
 
