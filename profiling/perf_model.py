@@ -807,21 +807,21 @@ def prompt_report(table_of: dict[str, Shape], chunk: int, kernels: bool = False,
                      f"{flops / pr.gpu() / mma_sync(dev):.0%}"])
         if kernels:
             details.append((f"{table_of[model].label} {tokens} tokens", pr))
-    out.append(table(["shape", "prompt", "TTFT ms", "GEMMs ms", "attention ms", "gdn ms", "other ms", "waits ms",
-                      "launches ms", "TFLOP", "of mma.sync"], rows))
     out.append("TTFT: the prompt passes' GPU time + each wait inside them (10 us + one 4 us launch) + the pointer "
                "tables' uploads + the final fetch; the launches (column: their host time) are issued while the GPU "
                "runs; TFLOP the useful flops; of mma.sync: useful flops / GPU time / the mma.sync ceiling")
+    out.append(table(["shape", "prompt", "TTFT ms", "GEMMs ms", "attention ms", "gdn ms", "other ms", "waits ms",
+                      "launches ms", "TFLOP", "of mma.sync"], rows))
     out.append("")
     rows = []
     for model in ("qwen3.5-27b", "qwen3-8b"):
         steps = [plain_step(table_of[model], b, PLAIN_CONTEXT, dev) for b in PLAIN_BATCHES]
         rows.append([table_of[model].label, str(PLAIN_CONTEXT)] + [us(t) for t in steps]
                     + [f"{steps[-1] / steps[0]:.2f}", f"{verify_over_plain(table_of[model], PLAIN_CONTEXT, 8, dev):.3f}"])
-    out.append(table(["shape", "context"] + [f"plain B={b} us" for b in PLAIN_BATCHES]
-                     + [f"B={PLAIN_BATCHES[-1]} / B=1", "verify/plain B=1"], rows))
     out.append("plain step: GPU time + launches x 4 us + one sync, GEMMs occupancy priced (`gemm`); verify/plain: "
                "the B = 1 trunk verify of 8 columns over the plain step, GPU time")
+    out.append(table(["shape", "context"] + [f"plain B={b} us" for b in PLAIN_BATCHES]
+                     + [f"B={PLAIN_BATCHES[-1]} / B=1", "verify/plain B=1"], rows))
     out.append("")
     rows = []
     for model in ("qwen3.5-27b", "qwen3-8b"):
@@ -832,11 +832,11 @@ def prompt_report(table_of: dict[str, Shape], chunk: int, kernels: bool = False,
             rows.append([table_of[model].label, str(ctx), gib(m["kv"]), gib(m["state"]), gib(m["draft_kv"]),
                          gib(total), gib(m["pass"]),
                          "yes" if m["fits"] else f"no: max_position_embeddings {table_of[model].trunk.max_ctx}"])
-    out.append(table(["shape", "context", "K/V GiB", "gdn state GiB", "draft KV GiB", "session GiB", "pass GiB",
-                      "served"], rows))
     out.append("session: the trunk cache (K/V bf16 at full capacity, gdn states, conv windows, chunk states and tails) "
                "and a DSpark drafter's draft-KV ring; pass: the prompt pass's largest arrays at the chunk size "
                "(activations of the widest layer, taps, the chunked gdn scratch)")
+    out.append(table(["shape", "context", "K/V GiB", "gdn state GiB", "draft KV GiB", "session GiB", "pass GiB",
+                      "served"], rows))
     for head, pr in details:
         out.append(f"\n{head}: TTFT {pr.ttft(dev) * 1e3:,.1f} ms")
         out.append(table(["phase", "kernel", "kind", "MB", "GFLOP", "CTAs", "waves", "launches", "us"],

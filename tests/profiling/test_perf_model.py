@@ -102,3 +102,41 @@ def test_bytes_and_launches_of_a_round_are_what_the_contract_path_counts(rollbac
     assert abs(c.array_ops - pm.array_ops(TINY, batch, vts[0], verify=True, round_glue=True)) <= 0.05 * c.array_ops
     for s in sessions:
         s.close()
+
+
+def test_prompt_table_meets_the_targets_and_adds_up():
+    """--prompt: time to first token for Qwen3.5-27B within 0.9 s at 8k and 4.0 s at 32k (bf16,
+    H200, the GEMMs and attention at the mma.sync ceiling, occupancy from the ptxas report); each
+    row's parts add up to its TTFT; plain batched decode at B = 32 within 1.5x the B = 1 step; the
+    B = 1 verify/plain ratio priced with occupancy; the memory rows add up and say where a context
+    passes max_position_embeddings."""
+    out = ok(script("profiling/perf_model.py", "--prompt")[0])
+    ttft = {(r[0], int(r[1])): r for r in rows_of(out, "shape ", "TTFT ms")}
+    assert set(ttft) == {("Qwen3.5-27B", 8192), ("Qwen3.5-27B", 32768), ("Qwen3-8B", 8192)}
+    for r in ttft.values():
+        parts = sum(num(x) for x in r[3:8])
+        assert abs(parts - num(r[2])) <= 0.01 * num(r[2]) + 2, r     # GEMMs .. waits add up (rounded cells)
+        assert 0 < num(r[10]) <= 100, r
+    assert num(ttft["Qwen3.5-27B", 8192][2]) <= 900 and num(ttft["Qwen3.5-27B", 32768][2]) <= 4000
+    plain = {r[0]: r for r in rows_of(out, "shape ", "plain B=1")}
+    q35 = plain["Qwen3.5-27B"]
+    assert num(q35[4]) <= 1.5 * num(q35[2]) and abs(num(q35[5]) - num(q35[4]) / num(q35[2])) <= 0.01
+    assert 1.0 < num(q35[6]) <= 1.15
+    mem = rows_of(out, "shape ", "K/V GiB")
+    assert len(mem) == 4 and all(abs(sum(num(x) for x in r[2:5]) - num(r[5])) <= 0.02 for r in mem)
+    assert [r[7] for r in mem] == ["yes", "yes", "yes", "no: max_position_embeddings 40960"]
+
+
+def test_occupancy_comes_from_the_ptxas_report():
+    """The report's residency table lists every tile shape the plans use with at least one CTA per
+    SM on sm_90, and the model's occupancy is that table's."""
+    import ptxas_report
+    report = ptxas_report.read_report()
+    for name, threads, smem, _ in ptxas_report.tile_shapes():
+        regs, static = report[name, "sm_90"]
+        assert ptxas_report.ctas_per_sm(regs, threads, static + smem) >= 1, name
+    assert ptxas_report.ctas_per_sm(255, 256, 0) == 1 and ptxas_report.ctas_per_sm(32, 64, 0) == 32
+    assert ptxas_report.ctas_per_sm(64, 128, 100 * 1024) == 2  # shared memory binds: 228 KiB / (100 + 1) KiB
+    p = pm.linear_ops.mma_plan(8192, 5120, 5120)
+    assert pm.occupancy(f"linear_mma_bf16_m{p.bm}", p.threads, p.shared_mem) == ptxas_report.residency(
+        "linear_mma_bf16_m128", 256, p.shared_mem) == 1
