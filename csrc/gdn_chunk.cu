@@ -292,30 +292,30 @@ DSPARK_DEVICE void gdn_chunk_prep(const float* __restrict__ x, const float* __re
   }
   __syncthreads();
 
-  // 7. U = T (beta v) (f32) and W = T ((beta gam) k) (E), to scratch.
-  {
-    const int g = lane >> 2, t = lane & 3, m0 = 16 * warp;
-    for (int cg = 0; cg < dvp / 16; ++cg) {
-      float u[2][4] = {};
-      warp_mma16<E, false, true>(u, TE + m0 * LDT, LDT, vE + 16 * cg, LDV, kChunk / 16);
+  // 7. U = T (beta v) (f32) and W = T ((beta gam) k) (E), to scratch: 16 columns at a time. Element
+  // (nt, c) of a product is row m0 + g + 8 (c / 2), column 16 cg + 8 nt + 2 t + c % 2.
+  const int g = lane >> 2, t = lane & 3, m0 = 16 * warp;
+  auto product = [&](const E* b, int ldb, int cg, float (&acc)[2][4]) {
 #pragma unroll
-      for (int nt = 0; nt < 2; ++nt)
+    for (int e = 0; e < 8; ++e) acc[e >> 2][e & 3] = 0.f;
+    warp_mma16<E, false, true>(acc, TE + m0 * LDT, LDT, b + 16 * cg, ldb, kChunk / 16);
+  };
+  for (int cg = 0; cg < dvp / 16; ++cg) {
+    float u[2][4];
+    product(vE, LDV, cg, u);
 #pragma unroll
-        for (int c = 0; c < 4; ++c) {
-          const int i = m0 + g + 8 * (c >> 1), v = 16 * cg + 8 * nt + 2 * t + (c & 1);
-          if (v < dv) u_s[(slot * kChunk + i) * dv + v] = u[nt][c];
-        }
+    for (int e = 0; e < 8; ++e) {
+      const int i = m0 + g + 8 * ((e & 3) >> 1), v = 16 * cg + 8 * (e >> 2) + 2 * t + (e & 1);
+      if (v < dv) u_s[(slot * kChunk + i) * dv + v] = u[e >> 2][e & 3];
     }
-    for (int cg = 0; cg < DK / 16; ++cg) {
-      float w[2][4] = {};
-      warp_mma16<E, false, true>(w, TE + m0 * LDT, LDT, bkE + 16 * cg, LDE, kChunk / 16);
+  }
+  for (int cg = 0; cg < DK / 16; ++cg) {
+    float w[2][4];
+    product(bkE, LDE, cg, w);
 #pragma unroll
-      for (int nt = 0; nt < 2; ++nt)
-#pragma unroll
-        for (int c = 0; c < 4; ++c) {
-          const int i = m0 + g + 8 * (c >> 1), d = 16 * cg + 8 * nt + 2 * t + (c & 1);
-          w_s[(slot * kChunk + i) * DK + d] = from_float<E>(w[nt][c]);
-        }
+    for (int e = 0; e < 8; ++e) {
+      const int i = m0 + g + 8 * ((e & 3) >> 1), d = 16 * cg + 8 * (e >> 2) + 2 * t + (e & 1);
+      w_s[(slot * kChunk + i) * DK + d] = from_float<E>(w[e >> 2][e & 3]);
     }
   }
 }
@@ -326,6 +326,13 @@ DSPARK_DEVICE void gdn_chunk_prep(const float* __restrict__ x, const float* __re
 // (dspark.ops.gdn_chunk.state_shared_mem computes the same): S in E [32][DK + pad] (the products'
 // operand), and STAGES buffers (2 for 16-bit E: the next chunk's operands land while this one
 // runs) of W, Qt, Kt in E [64][DK + pad], P in E [64][64 + pad], U f32 [64][32]; Vn in E [64][32 + pad].
+// f(i, nt, q) for each of a lane's kPairs x 2 x 4 state elements (in registers, unrolled).
+template <int kPairs, typename F>
+DSPARK_DEVICE void each_state(F&& f) {
+#pragma unroll
+  for (int e = 0; e < kPairs * 8; ++e) f(e >> 3, (e >> 2) & 1, e & 3);
+}
+
 template <typename E, int DK>
 struct ChunkStateLayout {
   static constexpr int PE = ChunkPad<E>::kE;
@@ -405,19 +412,11 @@ DSPARK_DEVICE void gdn_chunk_state(const float* __restrict__ mixed, const float*
   };
   // The state at the first chunk's start: the chunk state when the pass resumes inside a chunk.
   float S[L::kPairs][2][4];
-  {
-    const float* base = (cr.tail_len ? chunk_states[s] : states[s]) + (int64_t)h * dv * DK;
-#pragma unroll
-    for (int i = 0; i < L::kPairs; ++i)
-#pragma unroll
-      for (int nt = 0; nt < 2; ++nt)
-#pragma unroll
-        for (int q = 0; q < 4; ++q) {
-          int v, d;
-          const bool mine = state_at(i, nt, q, v, d);
-          S[i][nt][q] = mine && v < dv ? base[(int64_t)v * DK + d] : 0.f;
-        }
-  }
+  const float* base = (cr.tail_len ? chunk_states[s] : states[s]) + (int64_t)h * dv * DK;
+  each_state<L::kPairs>([&](int i, int nt, int q) {
+    int v, d;
+    S[i][nt][q] = state_at(i, nt, q, v, d) && v < dv ? base[(int64_t)v * DK + d] : 0.f;
+  });
 
   auto issue = [&](int c, int st) {  // chunk c's operands into stage st
     const int64_t slot = (int64_t)(cr.chunk0 + c) * heads + h;
@@ -450,17 +449,12 @@ DSPARK_DEVICE void gdn_chunk_state(const float* __restrict__ mixed, const float*
     }
     // S in E, and (the last chunk cut short) the chunk state: the state at the chunk's start.
     const bool last_partial = c == cr.chunks - 1 && cr.rows % kChunk != 0;
-#pragma unroll
-    for (int i = 0; i < L::kPairs; ++i)
-#pragma unroll
-      for (int nt = 0; nt < 2; ++nt)
-#pragma unroll
-        for (int q = 0; q < 4; ++q) {
-          int v, d;
-          if (!state_at(i, nt, q, v, d)) continue;
-          SE[(v - v0) * LDE + d] = from_float<E>(S[i][nt][q]);
-          if (last_partial && v < dv) chunk_states[s][((int64_t)h * dv + v) * DK + d] = S[i][nt][q];
-        }
+    each_state<L::kPairs>([&](int i, int nt, int q) {
+      int v, d;
+      if (!state_at(i, nt, q, v, d)) return;
+      SE[(v - v0) * LDE + d] = from_float<E>(S[i][nt][q]);
+      if (last_partial && v < dv) chunk_states[s][((int64_t)h * dv + v) * DK + d] = S[i][nt][q];
+    });
     if (L::STAGES == 2) cp_async_wait<1>();
     else cp_async_wait<0>();
     __syncthreads();  // [A] chunk c's operands and S in E are in shared memory
@@ -509,9 +503,7 @@ DSPARK_DEVICE void gdn_chunk_state(const float* __restrict__ mixed, const float*
       const int pr = warp + 4 * i, mt = pr / (DK / 16), cg = pr % (DK / 16);
       if (pr < 2 * (DK / 16)) {
 #pragma unroll
-        for (int nt = 0; nt < 2; ++nt)
-#pragma unroll
-          for (int q = 0; q < 4; ++q) S[i][nt][q] = gl * S[i][nt][q];
+        for (int e = 0; e < 8; ++e) S[i][e >> 2][e & 3] = gl * S[i][e >> 2][e & 3];
         warp_mma16<E, true, true>(S[i], Vn + 16 * mt, LDV, Kt + 16 * cg, LDE, kChunk / 16);
       }
     }
@@ -521,15 +513,10 @@ DSPARK_DEVICE void gdn_chunk_state(const float* __restrict__ mixed, const float*
   cp_async_wait<0>();
 
   float* live = states[s] + (int64_t)h * dv * DK;
-#pragma unroll
-  for (int i = 0; i < L::kPairs; ++i)
-#pragma unroll
-    for (int nt = 0; nt < 2; ++nt)
-#pragma unroll
-      for (int q = 0; q < 4; ++q) {
-        int v, d;
-        if (state_at(i, nt, q, v, d) && v < dv) live[(int64_t)v * DK + d] = S[i][nt][q];
-      }
+  each_state<L::kPairs>([&](int i, int nt, int q) {
+    int v, d;
+    if (state_at(i, nt, q, v, d) && v < dv) live[(int64_t)v * DK + d] = S[i][nt][q];
+  });
 }
 
 // gdn_conv_rows_f32(mixed [cols, C], conv_weight [C, 4], conv_windows [B] -> [C, 3], col_indptr, C, x)

@@ -192,6 +192,23 @@ def gdn_scan_ref(mixed, a, b, conv_weight, A_log, dt_bias, states, conv_windows,
 
 
 # ---- op ---------------------------------------------------------------------------------------
+def check_layer_inputs(be, mixed, a, b, conv_weight, A_log, dt_bias, col_indptr, heads, dk, dv, k_heads):
+    """One gdn layer's inputs to a launch (shapes and f32), and its row pointer on the host and the
+    backend: (C, cols, host col_indptr, device col_indptr)."""
+    C = channels(heads, dk, dv, k_heads)
+    require_ndim(mixed, 2, "mixed", "[cols, C]")
+    cols = mixed.shape[0]
+    for arg, what, shape in ((mixed, "mixed", (cols, C)), (a, "a", (cols, heads)), (b, "b", (cols, heads)),
+                             (conv_weight, "conv_weight", (C, TAPS)), (A_log, "A_log", (heads,)),
+                             (dt_bias, "dt_bias", (heads,))):
+        require_shape(arg, shape, what)
+        require_dtype(arg, np.float32, what)
+    host_indptr, dev_indptr = host_and_device(be, col_indptr)
+    require_indptr(host_indptr, "col_indptr", cols)
+    return C, cols, host_indptr, dev_indptr
+
+
+
 def gdn_scan(be, mixed, a, b, conv_weight, A_log, dt_bias, states, conv_windows, col_indptr, *,
              heads, dk, dv, k_heads=None, out=None, state_ckpt=None, conv_ckpt=None, commit=True):
     """Run each session's columns of one gdn layer through the recurrence -> out [cols, H, dv] f32.
@@ -216,16 +233,8 @@ def gdn_scan(be, mixed, a, b, conv_weight, A_log, dt_bias, states, conv_windows,
         conv_windows = adopt(be, conv_windows=conv_windows, writes=("conv_windows",) if commit else ())
     name, threads, smem = scan_plan(heads, dk, dv, k_heads)
     k_heads = heads if k_heads is None else int(k_heads)
-    C = channels(heads, dk, dv, k_heads)
-    require_ndim(mixed, 2, "mixed", "[cols, C]")
-    cols = mixed.shape[0]
-    for arg, what, shape in ((mixed, "mixed", (cols, C)), (a, "a", (cols, heads)), (b, "b", (cols, heads)),
-                             (conv_weight, "conv_weight", (C, TAPS)), (A_log, "A_log", (heads,)),
-                             (dt_bias, "dt_bias", (heads,))):
-        require_shape(arg, shape, what)
-        require_dtype(arg, np.float32, what)
-    host_indptr, dev_indptr = host_and_device(be, col_indptr)
-    require_indptr(host_indptr, "col_indptr", cols)
+    C, cols, host_indptr, dev_indptr = check_layer_inputs(be, mixed, a, b, conv_weight, A_log, dt_bias, col_indptr,
+                                                          heads, dk, dv, k_heads)
     B = host_indptr.shape[0] - 1
     commit = bool(commit)
     states = as_table(be, states, "states", count=B, shape=(heads, dv, dk), dtype=np.float32, writable=commit,

@@ -26,16 +26,14 @@ and fast; this op on numpy runs the twin, for tests.
 
 from __future__ import annotations
 
-import math
-
 import numpy as np
 
 from .. import profile
 from ..arrays import adopt
 from ..dtypes import BF16
 from ..errors import CapacityError, DTypeError, ShapeError
-from .checks import host_and_device, require_dtype, require_indptr, require_ndim, require_shape
-from .gdn import SUPPORTED_DK, TAPS, WINDOW, channels, conv_silu_ref, conv_windows_of, gdn_gates_ref, \
+from .checks import require_shape
+from .gdn import SUPPORTED_DK, WINDOW, channels, check_layer_inputs, conv_silu_ref, conv_windows_of, gdn_gates_ref, \
     l2norm_ref
 from .snapshot import require_tensor
 from .tables import PointerTable, as_table
@@ -227,16 +225,8 @@ def gdn_prompt(be, mixed, a, b, conv_weight, A_log, dt_bias, states, conv_window
     k_heads = heads if k_heads is None else int(k_heads)
     if not (isinstance(heads, (int, np.integer)) and heads >= 1 and k_heads >= 1 and heads % k_heads == 0):
         raise ShapeError(f"heads={heads!r}, k_heads={k_heads!r}: expected ints >= 1, k_heads dividing heads")
-    C = channels(heads, dk, dv, k_heads)
-    require_ndim(mixed, 2, "mixed", "[cols, C]")
-    cols = mixed.shape[0]
-    for arg, what, shape in ((mixed, "mixed", (cols, C)), (a, "a", (cols, heads)), (b, "b", (cols, heads)),
-                             (conv_weight, "conv_weight", (C, TAPS)), (A_log, "A_log", (heads,)),
-                             (dt_bias, "dt_bias", (heads,))):
-        require_shape(arg, shape, what)
-        require_dtype(arg, np.float32, what)
-    host_indptr, dev_indptr = host_and_device(be, col_indptr)
-    require_indptr(host_indptr, "col_indptr", cols)
+    C, cols, host_indptr, dev_indptr = check_layer_inputs(be, mixed, a, b, conv_weight, A_log, dt_bias, col_indptr,
+                                                          heads, dk, dv, k_heads)
     B = host_indptr.shape[0] - 1
     sched = tail_lens if isinstance(tail_lens, ChunkSchedule) else ChunkSchedule(be, host_indptr, tail_lens)
     if not np.array_equal(sched.col_indptr, host_indptr):
