@@ -19,7 +19,8 @@ def test_demo_runs_and_is_exact(capsys):
 
 
 def test_generate_greedy_spec_equals_no_spec(capsys):
-    rc1, spec, _ = run(capsys, "generate", "def main():\n", "--max-new-tokens", "20")
+    """Also with the prompt in passes of 3 tokens for the speculative run (--prompt-chunk)."""
+    rc1, spec, _ = run(capsys, "generate", "def main():\n", "--max-new-tokens", "20", "--prompt-chunk", "3")
     rc2, plain, _ = run(capsys, "generate", "def main():\n", "--max-new-tokens", "20", "--no-spec")
     assert rc1 == rc2 == 0 and spec == plain and spec.startswith("def main():\n")
 
@@ -43,6 +44,8 @@ def test_info(capsys):
     (("generate", "x", "--top-p", "0"), "--top-p=0.0: expected in (0, 1]"),
     (("generate", "x", "--temperature", "-1"), "--temperature=-1.0"),
     (("frobnicate",), "invalid choice"),
+    (("generate", "x", "--prompt-chunk", "0"), "0 must be >= 1"),
+    (("generate", "x", "--backend", "numpy", "--max-ctx", "100"), "--max-ctx applies to --model"),
 ])
 def test_errors_are_one_line_with_exit_code_2(capsys, argv, match):
     rc, out, err = run(capsys, *argv)
