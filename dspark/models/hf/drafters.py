@@ -46,9 +46,6 @@ def check_plan(p: Plan, tc) -> None:
     if c.draft_vocab and c.draft_vocab > tc.vocab:
         raise CheckpointError(f"{p.format}: draft_vocab_size={c.draft_vocab} exceeds the target's vocabulary "
                               f"{tc.vocab}")
-    if c.markov == "selector" and c.draft_vocab:
-        raise CheckpointError(f"{p.format}: draft_vocab_size={c.draft_vocab}: the DFlash2 selector needs the full "
-                              f"vocabulary")
 
 
 def _transform(a: np.ndarray, how: str) -> np.ndarray:
@@ -132,6 +129,11 @@ def load_drafter(path, target, backend=None) -> DsparkDrafter:
     weights = read_weights(p, ckpt, target.config)
     config = _share_target_copies(p, weights, target)
     drafter = DsparkDrafter(config, weights, target)
+    windows = sorted({w for w in config.windows() if w})
     drafter.source = (f"{p.format} drafter from {ckpt.path} (block {config.block}, {config.drafts} drafts, taps "
-                      f"{drafter.taps}, Markov head {config.markov}, confidence head {config.confidence})")
+                      f"{drafter.taps}, Markov head {config.markov}, confidence head {config.confidence}"
+                      + (f", draft vocabulary {config.draft_vocab}" if config.draft_vocab else "")
+                      + (f", {config.window_mode} window {'/'.join(map(str, windows))}" if windows else "")
+                      + (f", RoPE {dict(config.rope_scaling)['rope_type']}" if config.rope_scaling else "") + ")"
+                      + (f"; ignored target-only config keys: {', '.join(p.ignored_keys)}" if p.ignored_keys else ""))
     return drafter
