@@ -19,6 +19,7 @@ get_input_embeddings() and lm_head, the stand-in or a transformers causal LM.
 
 from __future__ import annotations
 
+import copy
 import json
 from dataclasses import dataclass
 from types import SimpleNamespace
@@ -29,6 +30,8 @@ from torch import nn
 from transformers import DynamicCache, Qwen3_5TextConfig, Qwen3Config
 from transformers.models.qwen3.modeling_qwen3 import (Qwen3MLP, Qwen3PreTrainedModel, Qwen3RMSNorm,
                                                       Qwen3RotaryEmbedding, eager_attention_forward, rotate_half)
+
+from tests.models.hf_models import QWEN3_8_SHAPE
 
 H, V, MASK = 64, 300, 299          # the stand-in target's hidden size, vocabulary, mask token
 TARGET_LAYERS = 6
@@ -261,18 +264,13 @@ def deepspec_model(seed, *, markov_rank=8, markov_head_type="vanilla", confidenc
 
 
 # ---- DeepSpec's Qwen3.6 / Qwen3.8 DSpark: the Qwen3 draft in the target's Qwen3.5 text config ----
-def qwen3_8_text_config(sizes: Sizes = TINY, **over) -> Qwen3_5TextConfig:
-    """A Qwen3.5 text config with Qwen3.8-27B's structure scaled down: layers in the 3 gdn + 1 full
-    attention pattern, attention heads of 256 at GQA 6 with partial RoPE 0.25 (mrope sections
-    11/11/10 of its 32 frequencies), gdn value heads three per key head (16:48 -> 2:6), theta 1e7."""
-    cfg = dict(vocab_size=sizes.vocab, hidden_size=sizes.hidden, intermediate_size=96,
-               num_hidden_layers=sizes.target_layers, num_attention_heads=6, num_key_value_heads=1, head_dim=256,
-               linear_num_key_heads=2, linear_num_value_heads=6, linear_key_head_dim=32, linear_value_head_dim=32,
-               max_position_embeddings=512, rms_norm_eps=1e-5,
-               rope_parameters={"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25,
-                                "mrope_section": [11, 11, 10], "mrope_interleaved": True})
-    cfg.update(over)
-    return Qwen3_5TextConfig(**cfg)
+def qwen3_8_text_config(sizes: Sizes = TINY) -> Qwen3_5TextConfig:
+    """A Qwen3.5 text config of Qwen3.8-27B's structure scaled down (hf_models.QWEN3_8_SHAPE: the
+    3 gdn + 1 full attention pattern, heads of 256 at GQA 6, partial RoPE 0.25 with mrope sections,
+    gdn value heads three per key head) at these sizes."""
+    return Qwen3_5TextConfig(vocab_size=sizes.vocab, hidden_size=sizes.hidden, intermediate_size=96,
+                             num_hidden_layers=sizes.target_layers, max_position_embeddings=512,
+                             **copy.deepcopy(QWEN3_8_SHAPE))
 
 
 class Qwen3_6DSparkModel(Qwen3DSparkModel):
@@ -293,7 +291,6 @@ def deepspec_qwen35_model(seed, target_config, *, arch="Qwen3_8DSparkModel", lay
     full_attention, the DSpark fields), then qwen3_8/config.py's resets (default RoPE at theta
     1e7 over the whole head, or `rope` where given: the seed's export runs YaRN; its notes). The
     target-only keys (linear_*, the mrope sections) stay in, as DeepSpec leaves them."""
-    import copy
     cfg = copy.deepcopy(target_config)
     cfg.architectures = [arch]
     cfg.update(dict(num_target_layers=target_config.num_hidden_layers, num_hidden_layers=layers, block_size=block,
