@@ -382,9 +382,11 @@ def dflash2_qwen3_8_model(seed, *, layers=2, window=3, taps=(1, 3), block=4, dra
 
 
 # ---- z-lab dflash ----------------------------------------------------------------------------
-def dflash_model(seed, *, v2=False, taps=(1, 3), block=4, extra=None, sizes: Sizes = TINY):
+def dflash_model(seed, *, v2=False, taps=(1, 3), block=4, extra=None, sizes: Sizes = TINY, **layers):
+    """z-lab's DFlashDraftModel / DFlash2DraftModel; `layers`: more Qwen3 layer config (layer_types,
+    sliding_window, is_causal)."""
     from dflash.model import DFlash2DraftModel, DFlashDraftModel
-    cfg = layer_config(sizes=sizes, num_target_layers=sizes.target_layers, block_size=block)
+    cfg = layer_config(sizes=sizes, num_target_layers=sizes.target_layers, block_size=block, **layers)
     cfg.dflash_config = {"target_layer_ids": list(taps), "mask_token_id": sizes.mask, **(extra or {})}
     if v2:
         cfg.dflash_config.update(conv_kernel_size=2, conv_group_size=16, selector_rank=8, selector_top_k=5)

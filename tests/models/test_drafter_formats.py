@@ -95,6 +95,9 @@ CASES = [
     Case("dflash", _dflash(extra={"input_embedding_scale": 1.5, "output_multiplier": 0.75,
                                   "final_logit_softcapping": 20.0}), (1, 3)),
     Case("dflash2", _dflash(v2=True), (0, 2)),
+    # a per-row window of 2 on one layer, all rows on the other (is_causal false, as dflash reads it)
+    Case("dflash-sliding-and-full", _dflash(layer_types=["sliding_attention", "full_attention"], sliding_window=2,
+                                            use_sliding_window=True, is_causal=False), (2, 4)),
     Case("speculators-dflash", _spec("dflash"), (2, 4)),
     Case("speculators-dspark-vanilla-draft_vocab", _spec("dspark", draft_vocab=120), (2, 4)),
     Case("speculators-dspark-rnn-mask_fill-conf_hidden", _spec("dspark", markov_rank=8, markov_head_type="rnn",
@@ -199,7 +202,7 @@ def run_case(case, be, saved, target):
 def test_format_matches_peer_numpy(case, numpy_backend, saved, target):
     drafter = run_case(case, numpy_backend, saved, target)
     cfg = drafter.config
-    mask_fill = ("dflash", "dflash2", "speculators-dflash", "speculators-dflash2",
+    mask_fill = ("dflash", "dflash2", "dflash-sliding-and-full", "speculators-dflash", "speculators-dflash2",
                  "speculators-dspark-rnn-mask_fill-conf_hidden", "dflash2-qwen3_8-sliding", "dflash2-qwen3_8-sliding-d2t")
     assert cfg.harvest == ("mask_fill" if case.name in mask_fill else "shifted")
 
