@@ -94,7 +94,8 @@ def test_the_target_is_transformers_qwen3_5(seed):
 def test_the_exports_load_as_the_seed_serves_them(seed):
     """What each export is, in dspark's terms (drafter.source and config)."""
     dspark, dflash2, trimmed = (load_drafter(seed.drafters[n].path, seed.trunk) for n in seed.drafters)
-    assert dspark.source.startswith("DeepSpec DSpark (Qwen3_8DSparkModel)") and "RoPE yarn" in dspark.source
+    assert "DeepSpec DSpark drafter from" in dspark.source and "(Qwen3_8DSparkModel, block 4" in dspark.source
+    assert "RoPE yarn" in dspark.source and " tensors (F32 " in dspark.source and " on numpy)" in dspark.source
     assert "ignored target-only config keys: linear_conv_kernel_dim" in dspark.source
     assert (dspark.config.head_dim, dflash2.config.head_dim) == (256, 128)
     assert dflash2.windows == (WINDOW, WINDOW) and dflash2.window_modes == ("row", "row")

@@ -96,6 +96,7 @@ class Plan:
     ignored: tuple[str, ...] = ()        # checkpoint tensors that are known and unused at inference
     aliases: dict[str, str] = field(default_factory=dict)   # stored name -> the table's name
     ignored_keys: tuple[str, ...] = ()   # config keys only the target reads, ignored by rule (TARGET_ONLY)
+    architecture: str = ""               # the config's architectures entry, as written
 
     def source(self, ours: str) -> tuple[str, str]:
         """(checkpoint name, transform) of one of our tensors."""
@@ -256,7 +257,7 @@ def deepspec(raw: dict) -> Plan:
     taps = tuple(int(t) for t in get(raw, "target_layer_ids"))
     f.update(block=int(get(raw, "block_size")), mask_id=int(get(raw, "mask_token_id")), taps=taps,
              harvest="shifted", own_embed=True, own_head=True, own_norm=True)
-    return Plan(f"DeepSpec DSpark ({arch})", build(f, ""), int(get(raw, "vocab_size")),
+    return Plan("DeepSpec DSpark", build(f, ""), int(get(raw, "vocab_size")),
                 int(get(raw, "num_target_layers")), "target_layer_ids", taps, ignored_keys=ignored)
 
 
@@ -355,4 +356,6 @@ READERS = {"deepspec": deepspec, "dflash": dflash, "speculators": speculators}
 
 def plan(raw: dict) -> Plan:
     """The Plan of a drafter's config.json (a dict)."""
-    return READERS[detect(raw)](raw)
+    p = READERS[detect(raw)](raw)
+    p.architecture = ",".join(raw.get("architectures") or [])
+    return p
