@@ -273,6 +273,10 @@ def qwen3_8_text_config(sizes: Sizes = TINY) -> Qwen3_5TextConfig:
                              **copy.deepcopy(QWEN3_8_SHAPE))
 
 
+# YaRN in the drafter, as the seed's DSpark export runs it (factor 4 over 128 of qwen3_8_text_config's 512)
+YARN = {"rope_type": "yarn", "rope_theta": 1e7, "factor": 4.0, "original_max_position_embeddings": 128}
+
+
 class Qwen3_6DSparkModel(Qwen3DSparkModel):
     """deepspec/modeling/dspark/qwen3_6/modeling.py: the Qwen3 DSpark draft, config_class
     Qwen3_5TextConfig."""

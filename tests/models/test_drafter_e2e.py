@@ -99,24 +99,27 @@ def world(tmp_path_factory, numpy_backend):
     made = {}
 
     def get(case):
-        if case.name in made:
-            return made[case.name]
-        d = tmp_path_factory.mktemp(case.name)
-        build(case, d)
-        model = reference(case, d)
-        trunk = load_target(d, numpy_backend)
-        prompt, want = live_prompt(trunk, case.seed)
-        sizes = peers.sizes_of(model)
-        drafters = {}
-        for i, (name, (make, taps)) in enumerate(formats(sizes.target_layers).items()):
-            peer = make(model, sizes, SEED + i).eval()
-            path = d / name
-            peer.save_pretrained(path)
-            drafters[name] = SimpleNamespace(peer=peer, path=path, taps=taps)
-        made[case.name] = SimpleNamespace(path=d, model=model, trunk=trunk, prompt=prompt, want=want,
-                                          drafters=drafters)
+        if case.name not in made:
+            made[case.name] = saved_world(tmp_path_factory.mktemp(case.name), case, numpy_backend, formats)
         return made[case.name]
     return get
+
+
+def saved_world(d, case, be, formats_of) -> SimpleNamespace:
+    """Target `case` saved by transformers into `d` (its model, dspark's trunk on `be`, a prompt
+    and its plain greedy stream) and the drafters formats_of(target layers) names (name ->
+    (builder(target model, sizes, seed), taps)), each saved by its peer's save_pretrained."""
+    build(case, d)
+    model = reference(case, d)
+    trunk = load_target(d, be)
+    prompt, want = live_prompt(trunk, case.seed)
+    sizes = peers.sizes_of(model)
+    drafters = {}
+    for i, (name, (make, taps)) in enumerate(formats_of(sizes.target_layers).items()):
+        peer = make(model, sizes, SEED + i).eval()
+        peer.save_pretrained(d / name)
+        drafters[name] = SimpleNamespace(peer=peer, path=d / name, taps=taps)
+    return SimpleNamespace(path=d, model=model, trunk=trunk, prompt=prompt, want=want, drafters=drafters)
 
 
 def live_prompt(trunk, seed):

@@ -64,9 +64,6 @@ def _dflash2_qwen3_8(**kw):
     return lambda target, seed, taps: (peers.dflash2_qwen3_8_model(seed, taps=taps, **kw), "dflash")
 
 
-YARN = {"rope_type": "yarn", "rope_theta": 1e7, "factor": 4.0, "original_max_position_embeddings": 128}
-
-
 def _dflash(**kw):
     return lambda target, seed, taps: (peers.dflash_model(seed, taps=taps, **kw), "dflash")
 
@@ -85,7 +82,7 @@ CASES = [
     Case("deepspec-no_markov", _deepspec(markov_rank=0, with_markov=False), (1, 3)),
     # DeepSpec's Qwen3.8 / Qwen3.6 drafts: Qwen3 layers at the target's head dim 256 in its copied
     # qwen3_5_text config (target-only keys left in); the seed's export runs YaRN
-    Case("deepspec-qwen3_8-yarn", _deepspec_qwen35(rope=YARN), (-1, 1, 3)),
+    Case("deepspec-qwen3_8-yarn", _deepspec_qwen35(rope=peers.YARN), (-1, 1, 3)),
     Case("deepspec-qwen3_6-two_layers-own_copies", _deepspec_qwen35(arch="Qwen3_6DSparkModel", layers=2,
                                                                     markov_head_type="rnn", copies=False), (0, 4)),
     # DeepSpec's DFlash2 for Qwen3.8: head dim 128, every layer a non-causal sliding window (3: below

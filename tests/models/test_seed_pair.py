@@ -22,7 +22,6 @@ times the window (the allocator's counts), and a prompt-end capture restores it.
 from __future__ import annotations
 
 from functools import partial
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -34,48 +33,32 @@ peer("transformers")
 peer("dflash.model")
 
 from dspark.decode import plain_generate  # noqa: E402
-from dspark.models.hf import load_drafter, load_target  # noqa: E402
+from dspark.models.hf import load_drafter  # noqa: E402
 from dspark.session import DsparkSpecSession, SpecParams  # noqa: E402
 from tests.models import drafter_peers as peers  # noqa: E402
-from tests.models.hf_models import QWEN3_8, assert_logits_close, build, hf_logits, reference  # noqa: E402
-from tests.models.test_drafter_e2e import (N, SEED, assert_hidden_close, boost, live_prompt, oracle,  # noqa: E402
-                                           run_dflash_generate, run_session, target_taps)
+from tests.models.hf_models import QWEN3_8, assert_logits_close, hf_logits  # noqa: E402
+from tests.models.test_drafter_e2e import (MIN_MEAN, N, assert_hidden_close, boost, oracle,  # noqa: E402
+                                           run_dflash_generate, run_session, saved_world, target_taps)
+from tests.models.test_drafter_e2e import one_torch_thread  # noqa: E402, F401  (autouse fixture: used here too)
 
 WINDOW = 6                     # the DFlash2 layers' sliding window (Qwen3.8's: 2048)
-YARN = {"rope_type": "yarn", "rope_theta": 1e7, "factor": 4.0, "original_max_position_embeddings": 128}
 TAPS = (0, 2)                  # not the trunk's default taps (1, 3); layer 3's output is normed in HF
-MIN_MEAN = 2.0
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 @pytest.fixture(scope="module")
 def seed(tmp_path_factory, numpy_backend):
     """The target (directory, transformers' model, dspark's trunk on numpy, a prompt and its plain
     greedy stream) and the three drafters, each saved by its peer's save_pretrained."""
-    d = tmp_path_factory.mktemp(QWEN3_8.name)
-    build(QWEN3_8, d)
-    model = reference(QWEN3_8, d)
-    trunk = load_target(d, numpy_backend)
-    prompt, want = live_prompt(trunk, QWEN3_8.seed)
-    sizes = peers.sizes_of(model)
     made = {
-        "dspark": peers.deepspec_qwen35_model(SEED, model.config, taps=TAPS, rope=YARN, target=model, sizes=sizes),
-        "dflash2": peers.dflash2_qwen3_8_model(SEED + 1, window=WINDOW, taps=TAPS, block=8, sizes=sizes),
-        "dflash2-d2t": peers.dflash2_qwen3_8_model(SEED + 2, window=WINDOW, taps=TAPS, block=8, draft_vocab=280,
-                                                   sizes=sizes),
+        "dspark": lambda model, sizes, seed: peers.deepspec_qwen35_model(seed, model.config, taps=TAPS, rope=peers.YARN,
+                                                                         target=model, sizes=sizes),
+        "dflash2": lambda model, sizes, seed: peers.dflash2_qwen3_8_model(seed, window=WINDOW, taps=TAPS, block=8,
+                                                                          sizes=sizes),
+        "dflash2-d2t": lambda model, sizes, seed: peers.dflash2_qwen3_8_model(seed, window=WINDOW, taps=TAPS, block=8,
+                                                                              draft_vocab=280, sizes=sizes),
     }
-    drafters = {}
-    for name, m in made.items():
-        m.save_pretrained(d / name)
-        drafters[name] = SimpleNamespace(peer=m, path=d / name, taps=TAPS)
-    return SimpleNamespace(path=d, model=model, trunk=trunk, prompt=prompt, want=want, drafters=drafters)
+    return saved_world(tmp_path_factory.mktemp(QWEN3_8.name), QWEN3_8, numpy_backend,
+                       lambda layers: {name: (make, TAPS) for name, make in made.items()})
 
 
 def test_the_target_is_transformers_qwen3_5(seed):
