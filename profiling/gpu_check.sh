@@ -103,9 +103,9 @@ step info 45 bash -c "$PY -m dspark info && $PY -c 'from dspark import profile; 
 
 # ---- cubins: every family compiled by dspark's NVRTC options for the device, loaded by path ----------
 if [[ $DRY == 1 ]]; then
-  step cubins 120 $PY -m dspark.backends.cuda --contract
+  step cubins 120 $PY profiling/load_cubins.py --contract
 else
-  step cubins 120 $PY -m dspark.backends.cuda
+  step cubins 120 $PY profiling/load_cubins.py
 fi
 
 # ---- tests ---------------------------------------------------------------------------------------------

@@ -27,7 +27,8 @@ Device memory is host memory here, so a device pointer is a host address the sim
 follow: pointer tables work as on a GPU. Arithmetic is NumPy's (CuPy follows NumPy's promotion
 rules); the stand-in checks the contract, not CuPy's numerics.
 
-`python -m dspark.backends.contract` prints the per-round counts of a greedy and a sampled session.
+A test double of the backends layer: it imports nothing above it (no session, model or worker).
+`python profiling/round_counts.py` prints the per-round counts of greedy and sampled sessions.
 """
 
 from __future__ import annotations
@@ -864,66 +865,15 @@ def cupy_module() -> _CupyModule:
     return m
 
 
-def backend(arch: str = "sm_90"):
-    """dspark's `cuda` Backend on the stand-in, for device `arch` (the cubins are built for it)."""
+def backend(arch: str = "sm_90", nvrtc=None):
+    """dspark's `cuda` Backend on the stand-in, for device `arch` (the cubins are built for it,
+    by `nvrtc`, a dspark.toolchain.Nvrtc: default the toolchain's choice)."""
     from . import Backend
     from .cuda import CudaExecutor
     xp = cupy_module()
     Device.ARCH[0] = arch.removeprefix("sm_")
-    return Backend("cuda", xp, CudaExecutor(cupy=xp, arch=arch))
+    return Backend("cuda", xp, CudaExecutor(cupy=xp, arch=arch, nvrtc=nvrtc))
 
 
 def pool() -> MemoryPool:
     return _POOL
-
-
-# ---- per-round counts ----------------------------------------------------------------------------------
-def round_counts(sampled: bool, rounds: int = 4, batch: int = 1, seed: int = 7, pair=None, prompt_len: int = 24):
-    """(Counts, rounds run, batch) of `rounds` spec rounds of `batch` sessions on the stand-in,
-    after one warm-up round (module loads and the batch's pointer tables are not per-round
-    costs). `pair`: a (trunk, drafter) on this stand-in's backend; default the tiny random pair."""
-    from ..models.presets import tiny_pair
-    from ..params import SamplingParams, SpecParams
-    from ..session import DsparkSpecSession, spec_round
-    trunk, drafter = pair if pair is not None else tiny_pair(backend(), seed)
-    rng = np.random.default_rng(seed)
-    sampling = SamplingParams(temperature=0.8, top_p=0.95, seed=seed) if sampled else SamplingParams()
-    params = SpecParams(max_new_tokens=10_000, sampling=sampling, capture=False)
-    vocab = min(trunk.config.vocab, 256)
-    sessions = [DsparkSpecSession.prime(trunk, drafter, rng.integers(0, vocab, prompt_len).astype(np.int32), params)
-                for _ in range(batch)]
-    spec_round(sessions)
-    with profile.counting() as c:
-        for _ in range(rounds):
-            spec_round(sessions)
-    for s in sessions:
-        s.close()
-    return c, rounds, batch
-
-
-def embedded_pair():
-    """The embedded default pair (dspark.models.load_default) on the stand-in."""
-    from ..models import load_default
-    return load_default(backend())
-
-
-def main() -> None:
-    pairs = {"tiny pair (drafter block 4)": None, "embedded pair (drafter block 8)": embedded_pair()}
-    for label, pair in pairs.items():
-        print(f"per round on the cuda backend (CuPy {CUPY_VERSION} contract stand-in), {label}:")
-        for sampled in (False, True):
-            for batch in (1, 2):
-                c, n, b = round_counts(sampled, batch=batch, pair=pair)
-                print(f"  {'sampled' if sampled else 'greedy '} B={b}: {c.line(n)}")
-                print(f"           bytes moved: {c.bytes_line(n)}")
-    c, n, _ = round_counts(False)
-    print("device->host copies and syncs of one greedy round (B=1, tiny pair), by dspark line:")
-    for site, k in sorted(c.sites.items()):
-        print(f"  {k / n:.0f}  {site}")
-    print("dspark kernel launches of one greedy round (B=1, tiny pair), by kernel:")
-    for name, k in sorted(c.by_name.items()):
-        print(f"  {k / n:.0f}  {name}")
-
-
-if __name__ == "__main__":
-    main()

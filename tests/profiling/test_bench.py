@@ -130,7 +130,7 @@ def test_gpu_check_dry_run(tmp_path):
         assert statuses.get(name, "").startswith("ok"), f"{name}: {statuses.get(name)}\n{report}"
     for name in ("wheels", "sanitizer_memcheck", "sanitizer_racecheck", "sanitizer_synccheck", "nsys", "ncu"):
         assert name in statuses, f"no status for {name}\n{report}"
-    assert "entry points scanned from the sources" in report and "SOME STEPS FAILED" not in report
+    assert "entry points read from the sources" in report and "SOME STEPS FAILED" not in report
     assert re.search(r"Qwen3.5-27B\s+32\s+32768", report) and "H200 model" in report  # predictions recorded
 
 
