@@ -239,7 +239,7 @@ def _from_cai(x) -> np.ndarray:
 
 def _check_dtype(dtype) -> np.dtype:
     dt = np.dtype(dtype) if dtype is not None else np.dtype(np.float64)
-    from .cuda import dtype_supported
+    from ..dtypes import dtype_supported
     if dt.kind == "V" and not dtype_supported(_cupy, dt):
         raise ValueError(f"Unsupported dtype {dt}")
     return dt
@@ -800,20 +800,19 @@ def _get_array_module(*args):
 
 
 def _from_dlpack(x, *, device=None, copy=None):
+    """cupy.from_dlpack: DLPack only (CuPy does not fall back on __cuda_array_interface__); the
+    capsule is read by dspark.arrays.dlpack_view, as the stand-in's device memory is host memory.
+    bfloat16 comes through where the installed CuPy holds it."""
     if isinstance(x, ndarray):
         return x
-    if _cai(x) is not None:
-        return ndarray._of(_from_cai(x))
+    if not hasattr(x, "__dlpack__"):
+        raise TypeError(f"from_dlpack: {type(x)} does not implement __dlpack__")
     if int(x.__dlpack_device__()[0]) not in (2, 13):
         raise BufferError(f"from_dlpack: {type(x)} is not in device memory")
-
-    class _AsHost:  # the stand-in's device memory is host memory: let NumPy read the capsule
-        def __dlpack_device__(self):
-            return (1, 0)
-
-        def __dlpack__(self, **kw):
-            return x.__dlpack__(**kw)
-    return ndarray._of(np.from_dlpack(_AsHost()))
+    from ..arrays import dlpack_view
+    h = dlpack_view(x)
+    _check_dtype(h.dtype)
+    return ndarray._of(h)
 
 
 _EXPLICIT = {

@@ -15,6 +15,7 @@ from __future__ import annotations
 import numpy as np
 
 from .. import profile
+from ..dtypes import dtype_supported  # noqa: F401  (its home was here: callers may still import it from here)
 from ..errors import KernelArgumentError
 from ..kernel_sources import Signature, csrc_dir, scan
 from ..toolchain import Cubin, Nvrtc, family_cubin
@@ -29,22 +30,6 @@ def source_signatures() -> dict[str, Signature]:
 def device_arch(cupy) -> str:
     """sm_XY of the current device."""
     return f"sm_{cupy.cuda.Device().compute_capability}"
-
-
-def dtype_supported(cupy, dtype) -> bool:
-    """Whether this CuPy can hold arrays of `dtype` (bfloat16 needs CuPy >= 14 with ml_dtypes):
-    asked of CuPy's own type table, so no device is needed."""
-    try:
-        cupy._core._scalar.get_typename(np.dtype(dtype))
-        return True
-    except (KeyError, ValueError, TypeError):
-        return False
-    except AttributeError:  # a CuPy without that table: try an allocation
-        try:
-            cupy.empty(1, dtype)
-            return True
-        except Exception:  # TypeError or ValueError, depending on the version
-            return False
 
 
 class CudaKernel:

@@ -139,7 +139,7 @@ def test_models_sessions_demotion_and_worker_on_cuda_equal_simt(dev, simt):
 
 def test_trunk_and_drafter_on_cuda_equal_simt_with_bf16_kv(dev, simt, rng):
     """A bf16 KV cache where this CuPy has bfloat16 (the capability is asked of CuPy itself)."""
-    from dspark.backends.cuda import dtype_supported
+    from dspark.dtypes import dtype_supported
     from dspark.dtypes import BF16
     if not dtype_supported(cupy, BF16):
         pytest.skip(f"CuPy {cupy.__version__} has no bfloat16 arrays")
