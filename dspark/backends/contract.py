@@ -33,6 +33,7 @@ A test double of the backends layer: it imports nothing above it (no session, mo
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import operator
 import os
@@ -543,6 +544,22 @@ def surface_excess() -> list[str]:
 
 
 # ---- kernels ---------------------------------------------------------------------------------------------
+_EXECUTING = [True]
+
+
+@contextlib.contextmanager
+def executing(on: bool):
+    """Launches inside run their kernels (on simt) or, with on=False, stop after the host path:
+    arguments checked and packed as CuPy would, nothing executed, outputs left as they were. What
+    the host pays per launch is timed so (profiling/launch_cost.py)."""
+    before = _EXECUTING[0]
+    _EXECUTING[0] = bool(on)
+    try:
+        yield
+    finally:
+        _EXECUTING[0] = before
+
+
 class RawKernel(_Checked):
     """One entry point of a loaded cubin, executed by simt on the stand-in's buffers."""
     _where = "cupy.RawKernel"
@@ -579,8 +596,8 @@ class RawKernel(_Checked):
                 slots.append(np.asarray(a).tobytes().ljust(8, b"\0"))
             else:
                 raise TypeError(f"{self.name}: argument {i}: Unsupported type {type(a)}")
-        if not all(g):
-            return  # an empty grid launches nothing
+        if not all(g) or not _EXECUTING[0]:
+            return  # an empty grid launches nothing; with execution off only the host path ran
         self._simt.launch(self.name, g, b, b"".join(slots), int(shared_mem))
 
 
