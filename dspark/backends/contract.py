@@ -563,13 +563,13 @@ def executing(on: bool):
 class RawKernel(_Checked):
     """One entry point of a loaded cubin, executed by simt on the stand-in's buffers."""
     _where = "cupy.RawKernel"
-    __slots__ = ("name", "file_path", "max_dynamic_shared_size_bytes", "_simt")
+    __slots__ = ("name", "file_path", "max_dynamic_shared_size_bytes")
 
     MAX_THREADS_PER_BLOCK = 1024
     STATIC_SMEM_LIMIT = 48 * 1024
 
-    def __init__(self, name: str, path: str, simt):
-        self.name, self.file_path, self._simt = name, path, simt
+    def __init__(self, name: str, path: str):
+        self.name, self.file_path = name, path
         self.max_dynamic_shared_size_bytes = 0
 
     def __call__(self, grid, block, args, *, shared_mem=0, stream=None, enable_cooperative_groups=False):
@@ -598,13 +598,14 @@ class RawKernel(_Checked):
                 raise TypeError(f"{self.name}: argument {i}: Unsupported type {type(a)}")
         if not all(g) or not _EXECUTING[0]:
             return  # an empty grid launches nothing; with execution off only the host path ran
-        self._simt.launch(self.name, g, b, b"".join(slots), int(shared_mem))
+        from .simt import load_module  # only to execute: loading cubins needs no simt build
+        load_module().launch(self.name, g, b, b"".join(slots), int(shared_mem))
 
 
 class RawModule(_Checked):
     """cupy.RawModule(path=...): a cubin dspark compiled; its kernels run on simt."""
     _where = "cupy.RawModule"
-    __slots__ = ("file_path", "code", "options", "backend", "_bytes", "_simt", "_owner")
+    __slots__ = ("file_path", "code", "options", "backend", "_bytes", "_owner")
 
     def __init__(self, code=None, *, path=None, options=(), backend="nvrtc", translate_cucomplex=False,
                  enable_cooperative_groups=False, name_expressions=None, jitify=None):
@@ -620,13 +621,11 @@ class RawModule(_Checked):
         self._bytes = data
         self._owner = _OWNER[0]
         self._owner.loaded[path] = data
-        from .simt import load_module
-        self._simt = load_module()
 
     def get_function(self, name: str) -> RawKernel:
         if name.encode() + b"\0" not in self._bytes:
             raise RuntimeError(f"{name}: CUDA_ERROR_NOT_FOUND in {self.file_path}")
-        return RawKernel(name, self.file_path, self._simt)
+        return RawKernel(name, self.file_path)
 
 
 # ---- devices and streams -------------------------------------------------------------------------------
