@@ -260,6 +260,8 @@ class Preprocessor:
                 self.once.add(path)
             elif word == "error":
                 raise PreprocessorError(f"{where}: #error {rest}")
+            elif word not in ("pragma", "warning", "line", ""):
+                raise PreprocessorError(f"{where}: #{word} is not a directive dspark's preprocessor knows")
         flush()
         if stack:
             raise PreprocessorError(f"{path.name}: #if without #endif")

@@ -86,6 +86,8 @@ def test_preprocessor_errors_name_the_place(tmp_path):
         expand(tmp_path, "#if 1\nint x;\n")
     with pytest.raises(PreprocessorError, match="macro F takes 2 arguments, got 1"):
         expand(tmp_path, "#define F(a, b) a b\nF(1)\n")
+    with pytest.raises(PreprocessorError, match="k.cu:1: #embed is not a directive"):
+        expand(tmp_path, "#embed \"x.bin\"\n")
 
 
 def test_the_cuda_path_runs_with_no_host_compiler(tmp_path):
