@@ -55,7 +55,7 @@ from dspark.ops.snapshot import checkpoint_select, snapshot_save
 from dspark.philox import Tag
 from dspark.ops.attention import launch_plan
 import perf_model as pm
-from timing import clock_for, gpu_module, measure_ceilings, record, replay, seconds, table
+from timing import clock_for, device_rng, gpu_module, measure_ceilings, record, replay, seconds, table
 
 F32 = 4  # bytes of a float32 / int32
 
@@ -122,15 +122,18 @@ _RNG = np.random.default_rng(0)
 
 
 def randn(be, shape, dtype=np.float32, scale=1.0):
-    """Standard normal * scale, generated where the arrays live (gigabytes of caches on a GPU)."""
-    xp = be.xp
-    x = _RNG.standard_normal(shape, np.float32) if xp is np else xp.random.standard_normal(shape, dtype=np.float32)
+    """Standard normal * scale, generated where the arrays live."""
+    rng = device_rng(be)
+    x = _RNG.standard_normal(shape, np.float32) if rng is None else rng.standard_normal(shape, dtype=np.float32)
+    x = x if rng is not None or be.xp is np else be.asarray(x)
     return (x * np.float32(scale)).astype(dtype)
 
 
 def uniform(be, shape):
-    xp = be.xp
-    return _RNG.random(shape, np.float32) if xp is np else xp.random.random(shape, dtype=np.float32)
+    rng = device_rng(be)
+    if rng is not None:
+        return rng.random(shape, dtype=np.float32)
+    return be.asarray(_RNG.random(shape, np.float32))
 
 
 def indptr(counts) -> np.ndarray:
@@ -341,7 +344,7 @@ def linear_benches(be, s: Sizes) -> Iterator[Bench]:
     """The tensor-core GEMM (linear_mma_bf16_m<BM>, the tile shape its plan picks) for the MLP's two
     projections (gate|up fused, down) over plain batched decode's rows (B), a verify's (B * vt) and
     a prompt pass's: bytes from the plan's min_bytes (the weights once, x, out), 2 rows K N flops;
-    predicted occupancy priced (perf_model.gemm)."""
+    predicted time and occupancy as perf_model.linear prices them."""
     d, f = s.d_model, s.mlp_hidden
     for proj, k, n in (("gate|up", d, 2 * f), ("down", f, d)):
         w = randn(be, (k, n), BF16, scale=float(1 / np.sqrt(k)))
@@ -352,7 +355,7 @@ def linear_benches(be, s: Sizes) -> Iterator[Bench]:
             yield Bench("linear", case, {"proj": proj, "B": B, "rows": rows, "K": k, "N": n, "S": plan.splits},
                         plan.min_bytes, 2 * rows * k * n, (f"linear_mma_bf16_m{plan.notes['bm']}",),
                         lambda b, x=x, w=w, o=out: linear(b, x, w, out=o),
-                        pm.gemm("bench", proj, rows, k, n, 2, pm.H200)[0].time)
+                        pm.linear("bench", proj, rows, k, n, 2, pm.H200)[0].time)
 
 
 # ---- gdn_chunk: one gdn layer's prompt pass in chunks of 64 ------------------------------------------------

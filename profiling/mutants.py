@@ -37,7 +37,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 TABLE = Path(__file__).with_name("mutants.toml")
 FIELDS = {"id", "class", "file", "original", "replacement", "breaks", "kill"}
-CLASSES = {"session", "sampling", "kernel"}
+CLASSES = {"session", "sampling", "kernel", "tooling"}  # tooling: the model, the GPU check, interop
 SKIP = shutil.ignore_patterns(".git", ".venv", "venv", "build", "dist", "__pycache__", ".pytest_cache",
                               ".hypothesis", "*.egg-info")
 

@@ -15,44 +15,67 @@ untied), stored bf16 as on the `cuda` backend. Their drafter is not part of thos
 model uses a one-layer DSpark drafter of the target's widths, block 8, a 4096-row window, rank-32
 Markov head (--drafter-window changes the window).
 
-Device (issue 16): copy bandwidth 4.3 TB/s, bf16 MMA 790 TFLOP/s, 4 us per launch, 132 SMs; and,
-beyond those, from NVIDIA's H200 data sheet: f32 CUDA-core math 67 TFLOP/s (the gdn scan, the
-reductions, and the GEMM kernel's f32 multiply-adds), 228 KiB shared memory, 2048
-threads and 32 CTAs per SM, 50 MB L2.
+The seed's pair: Qwen3.8-27B (the Qwen3.5-27B text config above: DeepSpec's
+deepspec/modeling/dspark/qwen3_8/config.py checks exactly those numbers) with each of DeepSpec's
+drafters for it. "qwen3.8-27b-dflash2": the served DFlash2 (dflash2/qwen3_8/config.py): five Qwen3
+layers of 32 query / 8 kv heads of 128, MLP 17408, every layer a non-causal sliding window of 2048
+rows around each block row, verification block 8 (7 drafts), grouped dynamic convolutions
+(kernel 2, groups of 16), the candidate selector (rank 256, top 16), taps 5/19/33/47/61; its
+trimmed draft vocabulary's size is not published: 32768 rows here (DFLASH2_DRAFT_VOCAB).
+"qwen3.8-27b-dspark": DeepSpec's Qwen3_8DSparkModel (the target's attention geometry, 24 / 4
+heads of 256, MLP 17408, full attention over every committed row) with the same five layers,
+taps and block, a vanilla rank-256 Markov head and the confidence head on [h ; W1[x]]; the
+layer count and head sizes of its export are not published either.
 
-Kernel time. dspark's kernels are priced from their own launch plans (dspark.ops.attention.
-launch_plan, the row-split plans of dspark.ops.argmax / sampling, dspark.ops.linear.linear_plan,
-dspark.ops.gdn.scan_plan and scan_bytes, the norm, commit and select grids): each CTA moves its
-bytes at its SM's share of the copy bandwidth (BW / 132 / CTAs resident per SM, from threads and
-shared memory; fewer CTAs than SMs get an SM each), CTAs go longest first to the slot that
-frees first (the attention kernel dispatches each row's splits last-first), and the memory time is
-the last slot's finish, so waves and imbalance both show; the math time is flops / (rate x the
-share of SMs busy); the kernel's time is the larger. CuPy's elementwise ops
-have no plan of ours: they are priced at the roofline (bytes / BW, flops / rate). The GEMMs are
-dspark.ops.linear's kernel: one launch per projection, the weights at their stored width (bf16: 2
-bytes) once per 16 rows, x once per column tile and the K splits' partials written and read back
-(all priced at the copy bandwidth, though x and the partials mostly come from L2), f32 math on the
-CUDA cores; its residency counts threads and shared memory, not its ~186 registers.
+How a kernel is priced (extend it here: new kernels go through `planned`, new costs into Device):
 
-The prompt pass (--prompt) is priced from what the tensor-core kernels compile to: occupancy from
-profiling/ptxas_report.md (registers, shared memory), the MMAs at the mma.sync ceiling (MMA_SYNC_SHARE
-of the 790 TFLOP/s wgmma rate), bytes at the copy bandwidth (a prompt GEMM's waves read their tiles
-from DRAM once, L2 keeps them), launches at the host cost: time to first token for Qwen3.5-27B at 8k
-and 32k and Qwen3-8B at 8k, the plain batched decode step at B = 1, 8, 32 (4k context), the B = 1
-verify/plain ratio with the GEMMs so priced, and the memory one session holds at 32k and 128k.
+* Plan: every dspark kernel from its op's own launch plan (dspark.ops.attention.launch_plan, the
+  row-split plans of dspark.ops.argmax / sampling, dspark.ops.linear.linear_plan, dspark.ops.gdn.
+  scan_plan and scan_bytes, the norm, commit and select grids): CTAs, threads, dynamic shared
+  memory, the bytes each CTA moves, the flops, and the entry point it launches (`Kernel.entry`).
+* Code as compiled (`compiled(entry)`): registers per thread, static shared memory, and the f32
+  instruction mix, read from the sm_90 cubin and the PTX it was assembled from, built by the device
+  image's NVRTC (13; another major where 13 is absent, named in the header) with dspark's options
+  (dspark.toolchain.family_cubin, cached). Under -fmad=false a multiply-add the source writes as
+  a * b + c is two instructions (mul.rn, add.rn) and only fmaf() is one (fma.rn): the PTX says
+  how many flops each f32 instruction carries (`Compiled.flops_per_instruction`, 1 to 2).
+* Residency (`resident`): CTAs per SM = the least of 32, 2048 threads / threads, 64 K registers
+  / the CTA's registers (allocated per warp in units of 256) and 228 KiB / (shared memory + 1 KiB
+  reserved per CTA). linear_f32's 126 registers hold it to 4 CTAs per SM, the tensor-core GEMM's
+  32-row tile's 198 to 2 (profiling/ptxas_report.md lists every tile shape's count).
+* Memory time (`priced`): each CTA moves its bytes at its SM's share of the copy bandwidth (BW /
+  132 / CTAs resident per SM; fewer CTAs than SMs get an SM each), CTAs go longest first to the
+  slot that frees first (the attention kernel dispatches each row's splits last-first), and the
+  memory time is the last slot's finish, so waves and imbalance both show. Never below bytes / BW.
+* Issue time: f32 instructions (flops / flops per instruction as compiled) at the f32 issue rate
+  (132 SMs x 128 lanes x 1.98 GHz = 33.5 T lane-instructions/s; the data sheet's 67 TFLOP/s is that
+  rate with every instruction an FMA) over the busy share of the SMs; tensor-core flops at the
+  mma.sync ceiling (`Device.mma_sync`: two thirds of the 790 TFLOP/s wgmma rate, the instruction
+  dspark's kernels issue; the GPU check measures it). Only the f32 arithmetic is counted (loads, integer and conversion instructions
+  share the same issue slots), so it is a lower bound. The kernel's time is the larger of memory
+  and issue time: `Kernel.bandwidth_bound` and `Kernel.issue_bound` are what it may never beat
+  (tests/profiling/test_perf_model.py checks every kernel of every round).
+* Host: each launch costs `Device.launch` of host time, the ops' host path measured by
+  profiling/launch_cost.py (the stand-in with execution off; --launch-us overrides it), dspark
+  kernels from the plans and CuPy array ops from per-layer counts made on the CuPy contract path
+  (LAUNCH_GLUE), listed with the round's two synchronisations as "overhead". Predicted round time
+  = GPU time + overhead (no overlap assumed). Speedup = mean accepted length x plain step time /
+  round time.
 
-Launches are not in a kernel's time: each costs 4 us of host time (dspark kernels from the plans,
-CuPy array ops from per-layer counts made on the CuPy contract path, LAUNCH_GLUE), listed with the
-round's two synchronisations as "overhead". Predicted round time = GPU time + overhead (no
-overlap assumed). Speedup = mean accepted length x plain step time / round time.
+Device: copy bandwidth 4.3 TB/s and bf16 MMA 790 TFLOP/s (measured on the lent H200), 132 SMs;
+from NVIDIA's H200/H100 data sheets: the f32 rate (67 TFLOP/s with FMA), 228 KiB shared memory,
+64 K registers, 2048 threads and 32 CTAs per SM, 50 MB L2. CuPy's elementwise ops have no plan of
+ours: their launches are priced, their bytes are in no kernel.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import heapq
 import math
+import re
 import sys
 from pathlib import Path
 
@@ -60,12 +83,13 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # sibling scripts, also when run by `dspark bench`
 from dspark.dtypes import BF16
+from dspark.kernel_sources import kernel_files
 from dspark.models.config import TrunkConfig, from_json
 from dspark.models.drafter_config import DrafterConfig
 from dspark.ops import argmax as argmax_ops
 from dspark.ops import gdn as gdn_ops
-from dspark.ops import linear as linear_ops
 from dspark.ops import gdn_chunk as chunk_ops
+from dspark.ops import linear as linear_ops
 from dspark.ops import norm as norm_ops
 from dspark.ops import snapshot as snapshot_ops
 from dspark.models.cache import cache_bytes
@@ -73,26 +97,48 @@ from dspark.ops.attention import TILE, launch_plan
 from dspark.ops.kv_commit import THREADS as COMMIT_THREADS
 from dspark.ops.kv_commit import commit_bytes
 from dspark.params import PROMPT_CHUNK
-
-import ptxas_report
+from dspark.toolchain import default_nvrtc, family_cubin, find_nvrtc
 from timing import table
 
 F32 = 4
+STORAGE_SUFFIX = {4: "f32", 2: "bf16"}  # the models' weights: f32 (embedded pair) or bf16 as stored
+LAUNCH_MEASURED = 114e-6  # s: `python profiling/launch_cost.py`, 111-117 us in three runs on the 2-core CI machine
 
 
 @dataclasses.dataclass(frozen=True)
 class Device:
     name: str = "H200"
     bw: float = 4.3e12             # copy bandwidth, bytes/s (read + write)
-    mma: float = 790e12            # bf16 tensor-core FLOP/s
-    f32: float = 67e12             # f32 CUDA-core FLOP/s
-    launch: float = 4e-6           # host cost of one launch, s
+    mma: float = 790e12            # bf16 tensor-core FLOP/s (wgmma, dense)
+    # mma.sync m16n8k16 (what dspark's kernels issue) reaches about two thirds of the wgmma rate on
+    # Hopper: its ceiling, which every MMA flop of ours is priced at; the GPU check measures it
+    mma_sync_share: float = 2 / 3
+    f32_issue: float = 33.5e12     # f32 lane-instructions/s: 132 SMs x 128 lanes x 1.98 GHz (FMA: 2 flops each)
+    # Host time of one launch, s: the ops' host path measured by `python profiling/launch_cost.py`
+    # (CuPy contract stand-in, execution off, weighted by a Qwen3.5-27B round's launches; 2 shared
+    # CPU cores). A measured default: a GPU machine's benchmark of the whole round replaces it.
+    launch: float = LAUNCH_MEASURED
     sync: float = 10e-6            # one device->host wait (a copy of a few bytes), s
     sms: int = 132
-    smem: int = 228 * 1024
+    smem: int = 228 * 1024         # shared memory per SM, bytes
+    smem_reserved: int = 1024      # shared memory the runtime keeps per CTA (sm_80 and later)
+    regs: int = 65536              # registers per SM
+    reg_unit: int = 256            # registers are allocated per warp in units of this many
     threads: int = 2048
     ctas: int = 32
     l2: int = 50 * 10**6
+    arch: str = "sm_90"
+    nvrtc: int = 13                # the NVRTC major of the device image (CUDA 13.0)
+
+    @property
+    def f32(self) -> float:
+        """f32 FLOP/s when every instruction is an FMA (the data sheet's figure)."""
+        return 2 * self.f32_issue
+
+    @property
+    def mma_sync(self) -> float:
+        """bf16 FLOP/s of mma.sync m16n8k16 with f32 accumulation: about 527 TFLOP/s on an H200."""
+        return self.mma_sync_share * self.mma
 
 
 H200 = Device()
@@ -118,6 +164,24 @@ def _drafter_for(t: TrunkConfig, window: int) -> DrafterConfig:
                          kv_heads=t.attn_kv_heads, head_dim=t.head_dim, mlp_hidden=t.mlp_hidden, markov_rank=32)
 
 
+DFLASH2_DRAFT_VOCAB = 32768   # the served DFlash2's trimmed vocabulary: assumed, not published
+QWEN3_8_TAPS = (5, 19, 33, 47, 61)
+
+
+def _qwen3_8_drafters(t: TrunkConfig) -> dict[str, DrafterConfig]:
+    """DeepSpec's two drafters for Qwen3.8-27B (module doc): DFlash2 and DSpark."""
+    common = dict(block=8, d_model=t.d_model, layers=5, mlp_hidden=17408, taps=QWEN3_8_TAPS, q_norm=True,
+                  rope_theta=1e7, own_norm=True)
+    return {
+        "dflash2": DrafterConfig(**common, window=0, layer_windows=(2048,) * 5, window_mode="row", heads=32,
+                                 kv_heads=8, head_dim=128, harvest="mask_fill", markov="selector", markov_rank=0,
+                                 confidence="none", selector_rank=256, selector_top_k=16, conv_kernel=2, conv_group=16,
+                                 draft_vocab=DFLASH2_DRAFT_VOCAB, own_head=True),
+        "dspark": DrafterConfig(**common, window=0, heads=t.attn_heads, kv_heads=t.attn_kv_heads, head_dim=t.head_dim,
+                                markov_rank=256),
+    }
+
+
 def shapes(drafter_window: int = 4096) -> dict[str, Shape]:
     trunk, drafter = _default_configs()
     q3 = TrunkConfig(vocab=151936, eos_id=151645, mask_id=151669, d_model=4096, mlp_hidden=12288, layers=("attn",) * 36,
@@ -133,6 +197,10 @@ def shapes(drafter_window: int = 4096) -> dict[str, Shape]:
         "qwen3-8b": Shape("Qwen3-8B", q3, _drafter_for(q3, drafter_window), 2, "Qwen/Qwen3-8B config.json"),
         "qwen3.5-27b": Shape("Qwen3.5-27B", q35, _drafter_for(q35, drafter_window), 2,
                              "Qwen/Qwen3.5-27B config.json (text_config)"),
+        **{f"qwen3.8-27b-{name}": Shape(f"Qwen3.8-27B + {label}", q35, dc, 2, source)
+           for (name, dc), (label, source) in zip(_qwen3_8_drafters(q35).items(), (
+               ("DFlash2", "DeepSpec dflash2/qwen3_8/config.py (draft vocabulary assumed)"),
+               ("DSpark", "DeepSpec dspark/qwen3_8/config.py (layers and Markov head assumed)")))},
     }
 
 
@@ -148,22 +216,96 @@ class Kernel:
     kind: str               # weights | kv | state | other: the round composition it counts towards
     bytes: int
     flops: int
-    ctas: int               # 0: not ours (cuBLAS, CuPy), priced at the roofline
+    ctas: int
     waves: int
     time: float
     launches: int
     min_bytes: int = 0      # what any implementation must move (attention: K/V, q, out once)
+    entry: str = ""         # the entry point launched ("" for CuPy's own kernels)
+    f32_instr: float = 0.0  # f32 lane-instructions issued: flops / flops per instruction as compiled
+    mma_flops: float = 0.0  # flops on the tensor cores
+    per_sm: int = 0         # CTAs resident per SM
+
+    def bandwidth_bound(self, dev: "Device") -> float:
+        return self.bytes / dev.bw
+
+    def issue_bound(self, dev: "Device") -> float:
+        return max(self.f32_instr / dev.f32_issue, self.mma_flops / dev.mma_sync)
 
 
-def resident(threads: int, smem: int, dev: Device) -> int:
-    """CTAs of a kernel resident on one SM."""
+# ---- the code as compiled ------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class Compiled:
+    """One entry point as ptxas built it: registers, static shared memory, f32 instruction mix."""
+    entry: str
+    registers: int
+    static_smem: int
+    fma: int                # fma.rn.f32 in its PTX: 2 flops each
+    mul_add: int            # mul / add / sub .f32: 1 flop each
+
+    @property
+    def flops_per_instruction(self) -> float:
+        n = self.fma + self.mul_add
+        return (2 * self.fma + self.mul_add) / n if n else 1.0
+
+
+_F32_OP = re.compile(r"^\s*(fma|mul|add|sub)(?:\.r[nzmp])?(?:\.ftz)?(?:\.sat)?\.f32\s", re.M)
+
+
+def f32_mix(ptx: str, entry: str) -> tuple[int, int]:
+    """(fma, mul + add + sub) f32 instructions in the body of `entry` in PTX text (device
+    functions are inlined into it)."""
+    bodies = re.split(r"^\.(?:visible|weak)\s+\.entry\s+", ptx, flags=re.M)
+    body = next((b for b in bodies[1:] if b.startswith(entry + "(")), None)
+    if body is None:
+        raise LookupError(f"no entry {entry} in the PTX")
+    ops = _F32_OP.findall(body)
+    return ops.count("fma"), len(ops) - ops.count("fma")
+
+
+@functools.lru_cache(maxsize=None)
+def compiled_kernels(arch: str, nvrtc_major: int) -> tuple[str, dict[str, Compiled]]:
+    """(NVRTC used, entry -> Compiled) over every kernel family, from dspark's own cubins."""
+    try:
+        nv = find_nvrtc(nvrtc_major)
+    except OSError:
+        nv = default_nvrtc()  # the header says which NVRTC's code was priced
+    out = {}
+    for source in kernel_files():
+        cubin = family_cubin(source, arch, nv)
+        ptx = cubin.ptx()
+        for name, r in cubin.resources().items():
+            out[name] = Compiled(name, r.registers, r.smem, *f32_mix(ptx, name))
+    return f"NVRTC {nv.version[0]}.{nv.version[1]}", out
+
+
+def compiled(entry: str, dev: "Device") -> Compiled:
+    table = compiled_kernels(dev.arch, dev.nvrtc)[1]
+    if entry not in table:
+        raise LookupError(f"no kernel entry {entry!r} in csrc/ (the model names what the ops launch)")
+    return table[entry]
+
+
+def resident(threads: int, smem: int, regs: int, dev: Device) -> int:
+    """CTAs of a kernel resident on one SM: threads, registers (per warp, in units of
+    dev.reg_unit) and shared memory (plus what the runtime reserves per CTA) each cap it."""
+    warps = -(-max(threads, 1) // 32)
     n = min(dev.ctas, dev.threads // max(threads, 1))
-    return max(1, min(n, dev.smem // smem) if smem else n)
+    if regs:
+        per_warp = -(-regs * 32 // dev.reg_unit) * dev.reg_unit
+        n = min(n, (dev.regs // per_warp) // warps)
+    if smem:
+        n = min(n, dev.smem // (smem + dev.smem_reserved))
+    if n < 1:
+        raise ValueError(f"a CTA of {threads} threads, {regs} registers and {smem} bytes of shared memory "
+                         f"does not fit on an SM")
+    return n
 
 
-def priced(cta_bytes, flops: float, per_sm: int, dev: Device, rate: float) -> tuple[float, int]:
+def priced(cta_bytes, f32_instr: float, mma_flops: float, per_sm: int, dev: Device) -> tuple[float, int]:
     """(time, waves) of a kernel whose CTAs move cta_bytes each: longest first onto SMs x per_sm
-    slots, each slot streaming at BW / slots; math at `rate` over the busy share of the SMs."""
+    slots, each slot streaming at BW / slots; f32 instructions at the issue rate and tensor-core
+    flops at the mma.sync ceiling, over the busy share of the SMs."""
     loads = np.sort(np.asarray(cta_bytes, np.float64))[::-1]
     n = loads.size
     if n == 0:
@@ -179,19 +321,28 @@ def priced(cta_bytes, flops: float, per_sm: int, dev: Device, rate: float) -> tu
             heapq.heappush(heap, heapq.heappop(heap) + float(b))
         finish = max(heap)
     busy = min(1.0, n / dev.sms)
-    return max(finish / (dev.bw / slots), flops / (rate * busy)), waves
+    return max(finish / (dev.bw / slots), f32_instr / (dev.f32_issue * busy), mma_flops / (dev.mma_sync * busy)), waves
 
 
-def planned(phase, name, kind, cta_bytes, flops, threads, smem, dev, rate=None, launches=1, min_bytes=0) -> Kernel:
-    per_sm = resident(threads, smem, dev)
-    t, waves = priced(cta_bytes, flops, per_sm, dev, dev.f32 if rate is None else rate)
+def planned(phase, name, kind, cta_bytes, flops, threads, smem, dev, entry: str, *, mma=False, launches=1,
+            min_bytes=0) -> Kernel:
+    """A dspark kernel from its plan (CTAs' bytes, flops, threads, dynamic shared memory) and its
+    entry point as compiled (registers, static shared memory, flops per f32 instruction); `mma`:
+    its flops run on the tensor cores."""
+    code = compiled(entry, dev)
+    per_sm = resident(threads, smem + code.static_smem, code.registers, dev)
+    f32_instr = 0.0 if mma else flops / code.flops_per_instruction
+    mma_flops = float(flops) if mma else 0.0
+    t, waves = priced(cta_bytes, f32_instr, mma_flops, per_sm, dev)
     return Kernel(phase, name, kind, int(np.sum(cta_bytes)), int(flops), int(np.size(cta_bytes)), waves, t, launches,
-                  min_bytes)
+                  min_bytes, entry, f32_instr, mma_flops, per_sm)
 
 
-def roofline(phase, name, kind, nbytes, flops, dev, rate=None, launches=1) -> Kernel:
-    t = max(nbytes / dev.bw, flops / (dev.f32 if rate is None else rate))
-    return Kernel(phase, name, kind, int(nbytes), int(flops), 0, 0, t, launches)
+def roofline(phase, name, kind, nbytes, flops, dev, launches=1) -> Kernel:
+    """A CuPy array op (no plan of ours): its bytes at the copy bandwidth and its flops at one per
+    f32 instruction (CuPy's elementwise code contracts nothing we can see), whichever is longer."""
+    t = max(nbytes / dev.bw, flops / dev.f32_issue)
+    return Kernel(phase, name, kind, int(nbytes), int(flops), 0, 0, t, launches, f32_instr=float(flops))
 
 
 def even(total: float, ctas: int) -> np.ndarray:
@@ -201,25 +352,61 @@ def even(total: float, ctas: int) -> np.ndarray:
 # ---- GEMMs (dspark.ops.linear) ---------------------------------------------------------------------------
 def linear(phase, name, rows, k, n, wb, dev, kind="weights") -> list[Kernel]:
     """The GEMM of [rows, K] @ [K, N] stored with wb bytes per element, from its launch plan
-    (dspark.ops.linear.linear_plan): one launch, the weights at their stored width once per row
-    tile, and the K-split partials written and read back by the last CTA of each column tile. f32
-    weights: linear_f32, f32 math on CUDA cores; 16-bit: linear_mma, the MMAs' executed flops
-    (padded tiles) at the tensor-core rate."""
+    (dspark.ops.linear.linear_plan), one launch. f32 weights: linear_f32, the weights once per
+    16-row tile, the K-split partials written and read back by the last CTA of each column tile,
+    f32 instructions as compiled. 16-bit weights: linear_mma_bf16_m<BM> (mma_plan's tile shape),
+    its MMAs' executed flops (whole tiles) at the mma.sync ceiling; a few rows (split mode) move the
+    weights once per row tile, the partials, and x once (L2 keeps it for the other column tiles),
+    each CTA at its slot's share;
+    a prompt (fold mode, `prompt_gemm`) reads each wave's tiles from DRAM once."""
+    if wb == 2:
+        p, plan = linear_ops.mma_plan(rows, k, n), linear_ops.mma_linear_plan(rows, k, n)
+        entry = f"linear_mma_bf16_m{p.bm}"
+        if p.grid_splits == 1 and p.m_tiles > 1:
+            return [prompt_gemm(phase, name, kind, p, plan, rows, k, n, entry, dev)]
+        # x ([rows, K] f32, at most 128 x 17408 x 4 = 8.9 MB) stays in L2 across the column tiles: DRAM
+        # sees it once, not once per column tile as the plan's bytes (what the CTAs load) count it
+        dram = plan.bytes - (p.n_tiles - 1) * 4 * rows * k
+        return [planned(phase, name, kind, even(dram, p.ctas), plan.notes["mma_flops"], p.threads, p.shared_mem,
+                        dev, entry, mma=True, min_bytes=plan.min_bytes)]
     p = linear_ops.linear_plan(rows, k, n, wb)
     (run,) = p.launches
-    mma = "mma_flops" in p.notes
-    return [planned(phase, name, kind, even(p.bytes, run.ctas), p.notes["mma_flops" if mma else "flops"], run.threads,
-                    run.shared_mem, dev, rate=dev.mma if mma else None, min_bytes=p.min_bytes)]
+    # the plan's shared memory is the kernel's static array (launched with none dynamic): compiled() has it
+    return [planned(phase, name, kind, even(p.bytes, run.ctas), p.notes["flops"], run.threads, 0, dev,
+                    f"linear_{STORAGE_SUFFIX[wb]}", min_bytes=p.min_bytes)]
+
+
+def prompt_gemm(phase, name, kind, p, plan, rows, k, n, entry, dev: Device) -> Kernel:
+    """A tensor-core GEMM in fold mode (many rows): its CTAs' MMAs at the mma.sync ceiling, each at
+    its slot's share, wave after wave (`scheduled`); DRAM: each wave reads its group of
+    kMmaGroupRows row tiles of x (f32) and the weight columns of its CTAs once (L2 keeps them while
+    it runs), and the output is written. The larger."""
+    code = compiled(entry, dev)
+    per_sm = resident(p.threads, p.shared_mem + code.static_smem, code.registers, dev)
+    slots = dev.sms * per_sm
+    waves = -(-p.ctas // slots)
+    group = min(linear_ops.MMA_GROUP_ROWS, p.m_tiles)
+    dram = waves * (group * p.bm * k * 4 + min(p.n_tiles, -(-slots // group)) * p.bn * k * 2) + rows * n * 4
+    flops = plan.notes["mma_flops"]
+    t = max(scheduled(even(flops, p.ctas), dev.mma_sync, per_sm, dev), dram / dev.bw)
+    return Kernel(phase, name, kind, int(dram), int(flops), p.ctas, waves, t, 1, plan.min_bytes, entry, 0.0,
+                  float(flops), per_sm)
+
+
+def scheduled(cta_work, rate: float, per_sm: int, dev: Device) -> float:
+    """Seconds for CTAs of `cta_work` units each (bytes or flops) at `rate` units/s for the whole
+    device: longest first onto 132 x per_sm slots, each at rate / slots (waves and imbalance show,
+    as `priced` does for bytes)."""
+    return priced(cta_work, 0.0, 0.0, per_sm, dataclasses.replace(dev, bw=rate))[0]
 
 
 # ---- the trunk pass ---------------------------------------------------------------------------------------
 def trunk_pass(shape: Shape, B: int, context: int, cols: int, dev: Device, *, verify: bool,
-               rollback="checkpoint", gemm=None) -> list[Kernel]:
+               rollback="checkpoint") -> list[Kernel]:
     """Every kernel of one trunk pass over `cols` columns per session at `context` committed rows:
     a verify (the state read, not written; per-column checkpoints) or a plain decode step (cols 1,
-    state written, K/V committed). `gemm` prices the GEMMs (default `linear`)."""
+    state written, K/V committed)."""
     c, wb, out = shape.trunk, shape.weight_bytes, []
-    linear_ = linear if gemm is None else gemm
     ph = "verify" if verify else "decode"
     rows, d = B * cols, c.d_model
     kv_isz = np.dtype(BF16 if c.kv_dtype == "bfloat16" else c.kv_dtype).itemsize
@@ -236,24 +423,24 @@ def trunk_pass(shape: Shape, B: int, context: int, cols: int, dev: Device, *, ve
             continue
         layer = [norm("rmsnorm x2", 2 * rows, d, 2)]
         if kind == "attn":
-            layer += linear_(ph, "attn q|k|v", rows, d, nq + 2 * nkv, wb, dev)
+            layer += linear(ph, "attn q|k|v", rows, d, nq + 2 * nkv, wb, dev)
             if c.qk_norm:
                 layer.append(norm("q/k norm", rows * (c.attn_heads + c.attn_kv_heads), c.head_dim, 2))
             plan = launch_plan([cols] * B, [context] * B, hq=c.attn_heads, hkv=c.attn_kv_heads, head_dim=c.head_dim,
                                dtype=BF16 if kv_isz == 2 else np.float32)
             layer += attention_kernels(ph, plan, dev)
-            layer += linear_(ph, "attn o", rows, c.attn_heads * c.head_dim, d, wb, dev)
+            layer += linear(ph, "attn o", rows, c.attn_heads * c.head_dim, d, wb, dev)
         else:
-            layer += linear_(ph, "gdn in", rows, d, C + H * dv + 2 * H, wb, dev)
+            layer += linear(ph, "gdn in", rows, d, C + H * dv + 2 * H, wb, dev)
             layer += scan_kernels(ph, c, B, rows, dev, checkpoints=verify and rollback == "checkpoint",
                                   commit=not verify)
             layer.append(norm("gdn o_norm", rows * H, dv))
-            layer += linear_(ph, "gdn out", rows, H * dv, d, wb, dev)
-        layer += linear_(ph, "mlp gate|up", rows, d, 2 * c.mlp_hidden, wb, dev)
-        layer += linear_(ph, "mlp down", rows, c.mlp_hidden, d, wb, dev)
+            layer += linear(ph, "gdn out", rows, H * dv, d, wb, dev)
+        layer += linear(ph, "mlp gate|up", rows, d, 2 * c.mlp_hidden, wb, dev)
+        layer += linear(ph, "mlp down", rows, c.mlp_hidden, d, wb, dev)
         out += scaled(layer, count, f"x{count} {kind} layers")
     out.append(norm("final norm", rows, d))
-    out += linear_(ph, "lm head", rows, d, c.vocab, wb, dev)
+    out += linear(ph, "lm head", rows, d, c.vocab, wb, dev)
     if verify:
         p = argmax_ops.greedy_accept_plan(B, rows, c.vocab)
     else:
@@ -269,7 +456,7 @@ def rmsnorm_kernel(phase, name, rows, n, dev: Device, launches=1) -> Kernel:
     """rmsnorm_f32 over `rows` rows of n (in `launches` calls): a warp per row, 8 rows per CTA."""
     ctas = -(-rows // norm_ops.WARPS)
     k = planned(phase, name, "other", even(2 * F32 * rows * n + launches * F32 * n, ctas), 3 * rows * n,
-                32 * norm_ops.WARPS, 0, dev)
+                32 * norm_ops.WARPS, 0, dev, "rmsnorm_f32")
     k.launches = launches
     return k
 
@@ -277,7 +464,8 @@ def rmsnorm_kernel(phase, name, rows, n, dev: Device, launches=1) -> Kernel:
 def scaled(kernels: list[Kernel], n: int, suffix: str) -> list[Kernel]:
     """The kernels of one layer, for n layers alike: bytes, flops, time and launches times n."""
     return [dataclasses.replace(k, name=f"{k.name} ({suffix})", bytes=k.bytes * n, flops=k.flops * n, time=k.time * n,
-                                launches=k.launches * n, min_bytes=k.min_bytes * n) for k in kernels]
+                                launches=k.launches * n, min_bytes=k.min_bytes * n, f32_instr=k.f32_instr * n,
+                                mma_flops=k.mma_flops * n) for k in kernels]
 
 
 def attention_kernels(phase, plan, dev: Device) -> list[Kernel]:
@@ -288,17 +476,16 @@ def attention_kernels(phase, plan, dev: Device) -> list[Kernel]:
     kv = plan.cta_keys * 2 * plan.head_dim * isz
     rest = plan.bytes["q"] + (plan.bytes["partials_written"] if plan.combine_kernel else plan.bytes["out"])
     cta = kv + rest / max(plan.ctas, 1)
-    rate = dev.mma if isz == 2 else dev.f32
     min_bytes = plan.bytes["kv"] + plan.bytes["q"] + plan.bytes["out"]
-    main = planned(phase, plan.kernel, "kv", cta, plan.flops, plan.block[0], plan.shared_mem, dev, rate=rate,
-                   min_bytes=min_bytes)
+    main = planned(phase, plan.kernel, "kv", cta, plan.flops, plan.block[0], plan.shared_mem, dev, plan.kernel,
+                   mma=isz == 2, min_bytes=min_bytes)
     if not plan.combine_kernel:
         return [main]
     partials = plan.bytes["partials_read"]
     from_memory = partials if partials > dev.l2 else 0
     ctas = plan.combine_grid[0] * plan.combine_grid[1]
     combine = planned(phase, plan.combine_kernel, "kv", even(from_memory + plan.bytes["out"], ctas), 0,
-                      plan.combine_block[0], 0, dev)
+                      plan.combine_block[0], 0, dev, plan.combine_kernel)
     return [main, combine]
 
 
@@ -315,33 +502,35 @@ def gdn_kernels(phase, H: int, dk: int, dv: int, k_heads, B: int, rows: int, dev
     per (value head, session)."""
     C = gdn_ops.channels(H, dk, dv, k_heads)
     by = gdn_ops.scan_bytes(B, rows, H, dk, dv, k_heads, checkpoints=checkpoints, commit=commit)
-    _, threads, smem = gdn_ops.scan_plan(H, dk, dv, k_heads)
+    entry, threads, smem = gdn_ops.scan_plan(H, dk, dv, k_heads)
     conv_ctas = -(-C // gdn_ops.CONV_THREADS) * B
     conv_bytes = F32 * rows * 2 * C
     conv = planned(phase, f"{name}: conv", "state", even(conv_bytes, conv_ctas), 8 * rows * C, gdn_ops.CONV_THREADS,
-                   0, dev)
+                   0, dev, "gdn_conv_f32")
     scan_state = by["state"] + by["checkpoints"]
     scan = planned(phase, name, "state", even(by["columns"] - conv_bytes + scan_state, H * B),
-                   rows * H * 7 * dv * dk, threads, smem, dev)
+                   rows * H * 7 * dv * dk, threads, smem, dev, entry)
     return [conv, scan]
 
 
 def rowsplit_kernel(phase, plan, dev: Device) -> Kernel:
     """A vocabulary reduction from its row-split plan (dspark.ops.rowsplit.Plan)."""
     kernels = []
-    for launch in plan.launches:
+    flops = plan.notes.get("flops", 0)
+    for launch in plan.launches:  # f32 logits: the LM head's output
         share = plan.bytes * launch.ctas / max(plan.ctas, 1)
-        kernels.append(planned(phase, plan.op, "other", even(share, launch.ctas), plan.notes.get("flops", 0),
-                               launch.threads, launch.shared_mem, dev))
+        kernels.append(planned(phase, plan.op, "other", even(share, launch.ctas), flops * launch.ctas / plan.ctas,
+                               launch.threads, launch.shared_mem, dev, f"{launch.kernel}_f32"))
     t = sum(k.time for k in kernels)
-    return Kernel(phase, plan.op, "other", int(plan.bytes), int(plan.notes.get("flops", 0)), plan.ctas,
-                  max(k.waves for k in kernels), t, len(plan.launches), plan.min_bytes)
+    return Kernel(phase, plan.op, "other", int(plan.bytes), int(flops), plan.ctas, max(k.waves for k in kernels), t,
+                  len(plan.launches), plan.min_bytes, kernels[0].entry, sum(k.f32_instr for k in kernels), 0.0,
+                  min(k.per_sm for k in kernels))
 
 
 def commit_kernel(phase, name, B, layers, keep, row_bytes, dev: Device, kind="kv") -> Kernel:
     """kv_commit_rows: grid (B, layers, 2), each CTA copies one session's kept rows of K or V."""
     return planned(phase, name, kind, even(commit_bytes(layers, B * keep, 1, row_bytes, 1), B * layers * 2), 0,
-                   COMMIT_THREADS, 0, dev)
+                   COMMIT_THREADS, 0, dev, "kv_commit_rows")
 
 
 # ---- a round ----------------------------------------------------------------------------------------------
@@ -359,15 +548,24 @@ def drafter_pass(shape: Shape, B: int, context: int, dev: Device) -> list[Kernel
                                   dc.head_dim, dev, 2 if dc.q_norm else 1))
         window = dc.windows()[i] or context
         plan = launch_plan([dc.block] * B, [min(context, window + dc.block)] * B, hq=dc.heads, hkv=dc.kv_heads,
-                           head_dim=dc.head_dim, dtype=np.float32, mode="block", window=window)
+                           head_dim=dc.head_dim, dtype=np.float32, mode="block", window=window,
+                           window_mode=dc.window_mode if dc.windows()[i] else "anchor")
         out += attention_kernels(ph, plan, dev)
         out += linear(ph, "drafter o", rows, nq, d, F32, dev)
+        if dc.conv_kernel:   # DFlash2: each sublayer's dynamic kernels, one projection per side
+            out += scaled(linear(ph, "drafter conv kernels", rows, d, 2 * dc.conv_kernel * (d // dc.conv_group), F32,
+                                 dev), 2, "two sides")
         out += linear(ph, "drafter gate|up", rows, d, 2 * dc.mlp_hidden, F32, dev)
         out += linear(ph, "drafter down", rows, dc.mlp_hidden, d, F32, dev)
     out.append(rmsnorm_kernel(ph, "drafter final norm", rows, d, dev))
-    out += linear(ph, "drafter lm head (the trunk's)", rows, d, t.vocab, wb, dev)
+    vd = dc.draft_vocab or t.vocab
+    out += linear(ph, "drafter lm head" + (" (own, draft vocabulary)" if dc.own_head else " (the trunk's)"), rows, d,
+                  vd, F32 if dc.own_head else wb, dev)
     nd = dc.drafts
-    out.append(rowsplit_kernel("propose", argmax_ops.markov_chain_plan(B, nd, t.vocab, dc.markov_rank), dev))
+    if dc.markov == "selector":   # per slot: the top-k of its logits (a sort), rescored; no plan of ours
+        out.append(roofline("propose", "candidate selector", "other", B * nd * vd * 4 * 2, 0, dev, launches=nd * 4))
+    else:
+        out.append(rowsplit_kernel("propose", argmax_ops.markov_chain_plan(B, nd, vd, dc.markov_rank), dev))
     if dc.confidence != "none":  # c_k = sigmoid(w . [h_k ; W1[x_{k-1}]] + b): a GEMM of one column
         feats = d + (dc.markov_rank if dc.confidence == "markov" else 0)
         out += linear("propose", "confidence head", rows, feats, 1, F32, dev, kind="other")
@@ -401,14 +599,15 @@ def select_kernel(phase, B: int, state: int, window: int, dev: Device) -> Kernel
     its live state and window written."""
     tensors, chunks = snapshot_ops.copy_grid(B, state)
     return planned(phase, "checkpoint_select", "state", even(snapshot_ops.select_bytes(B, state, window),
-                                                             tensors * chunks), 0, snapshot_ops.COPY_THREADS, 0, dev)
+                                                             tensors * chunks), 0, snapshot_ops.COPY_THREADS, 0, dev,
+                   "checkpoint_select_f32")
 
 
 def copy_kernel(phase, sizes, dev: Device) -> Kernel:
     """snapshot_copy_f32 over tensors of `sizes` floats: grid copy_grid(n, largest), read and write."""
     tensors, chunks = snapshot_ops.copy_grid(len(sizes), max(sizes))
     per = np.concatenate([even(2 * F32 * n, chunks) for n in sizes])
-    return planned(phase, "snapshot_copy", "state", per, 0, snapshot_ops.COPY_THREADS, 0, dev)
+    return planned(phase, "snapshot_copy", "state", per, 0, snapshot_ops.COPY_THREADS, 0, dev, "snapshot_copy_f32")
 
 
 def round_moves(shape: Shape, vts, keeps, rollback: str = "checkpoint", ingest=None) -> dict[str, int]:
@@ -470,19 +669,20 @@ class Round:
     plain: list[Kernel]        # every kernel of a plain decode step
     launches: int
     plain_launches: int
+    dev: Device = H200
     syncs: int = 2
 
     def gpu(self, kernels=None) -> float:
         return sum(k.time for k in (self.kernels if kernels is None else kernels))
 
     def overhead(self) -> float:
-        return self.launches * H200.launch + self.syncs * H200.sync
+        return self.launches * self.dev.launch + self.syncs * self.dev.sync
 
     def time(self) -> float:
         return self.gpu() + self.overhead()
 
     def plain_time(self) -> float:
-        return self.gpu(self.plain) + self.plain_launches * H200.launch + H200.sync
+        return self.gpu(self.plain) + self.plain_launches * self.dev.launch + self.dev.sync
 
     def composition(self) -> dict[str, float]:
         """Seconds of the round by what its kernels move; overhead = launches and syncs."""
@@ -510,64 +710,17 @@ def spec_round(shape: Shape, B: int, context: int, vt: int, dev: Device = H200,
     ours = sum(k.launches for k in kernels if k.ctas)
     launches = ours + array_ops(shape, B, vt, verify=True, round_glue=True)
     plain_launches = sum(k.launches for k in plain if k.ctas) + array_ops(shape, B, 1, verify=False, round_glue=False)
-    return Round(shape, B, context, vt, kernels, plain, launches, plain_launches)
+    return Round(shape, B, context, vt, kernels, plain, launches, plain_launches, dev)
 
 
 # ---- the prompt pass, plain batched decode and memory per session ------------------------------------------
-# Priced with what the tensor-core kernels compile to: occupancy from profiling/ptxas_report.md (registers,
-# shared memory, threads: ptxas_report.residency), the MMAs at the mma.sync ceiling below, bytes at the copy
-# bandwidth, launches at the host cost. Each price names its bound and never goes under it.
-MMA_SYNC_SHARE = 2 / 3   # mma.sync's ceiling as a share of Device.mma (the dense bf16 rate wgmma reaches on an
-                         # H200): about 527 TFLOP/s; the GPU check measures it (bench_kernels' linear prompt rows)
-
-
+# Priced from the kernels as compiled, as the round is: occupancy from their registers and shared
+# memory (`resident`), the MMAs at the mma.sync ceiling, bytes at the copy bandwidth, launches at the
+# measured host cost. Each price names its bound and never goes under it.
 SM_CLOCK = 1.98e9        # an H200 SM's boost clock, Hz
 FMA_LATENCY = 4          # cycles from an fmaf to a dependent one (Ampere, Hopper)
 SOLVE_CHAIN = 120 + 32 + 48 + 64  # dependent fmaf of gdn_chunk_prep's solve: the longest diagonal column,
                                   # then M and T_IJ at block distances 1, 2, 3 (csrc/gdn_chunk.cu, chunk_solve)
-
-
-def mma_sync(dev: Device) -> float:
-    """FLOP/s of mma.sync m16n8k16 bf16 with f32 accumulation, the whole device."""
-    return MMA_SYNC_SHARE * dev.mma
-
-
-def occupancy(kernel: str, threads: int, dynamic_smem: int) -> int:
-    """CTAs per SM of `kernel` (sm_90) from the ptxas report: registers and shared memory as compiled."""
-    return max(1, ptxas_report.residency(kernel, threads, dynamic_smem))
-
-
-def scheduled(cta_work, rate: float, per_sm: int, dev: Device) -> float:
-    """Seconds for CTAs of `cta_work` units each (bytes or flops) at `rate` units/s for the whole
-    device: longest first onto 132 x per_sm slots, each slot at rate / slots (waves and imbalance
-    show, as in `priced`)."""
-    return priced(cta_work, 0, per_sm, dataclasses.replace(dev, bw=rate), rate)[0]
-
-
-def gemm(phase, name, rows, k, n, wb, dev, kind="weights") -> list[Kernel]:
-    """The GEMM at any row count, occupancy priced. 16-bit weights: linear_mma from its plan
-    (dspark.ops.linear.mma_plan); the MMAs' executed flops (padded tiles) at the mma.sync ceiling,
-    each CTA its slot's share, waves in order. Memory: split mode (few rows) the plan's bytes per
-    CTA at its slot's share of the copy bandwidth; fold mode (prompts) what each wave reads from
-    DRAM, its group of kMmaGroupRows row tiles of x (f32) and the weight columns of its CTAs (L2
-    keeps them while the wave runs), and the output. The larger. f32 weights: `linear`."""
-    if wb != 2:
-        return linear(phase, name, rows, k, n, wb, dev, kind)
-    p, plan = linear_ops.mma_plan(rows, k, n), linear_ops.mma_linear_plan(rows, k, n)
-    per_sm = occupancy(f"linear_mma_bf16_m{p.bm}", p.threads, p.shared_mem)
-    slots = dev.sms * per_sm
-    t_mma = scheduled(even(plan.notes["mma_flops"], p.ctas), mma_sync(dev), per_sm, dev)
-    if p.grid_splits == 1:
-        group = min(linear_ops.MMA_GROUP_ROWS, p.m_tiles)
-        cols = min(p.n_tiles, -(-slots // group))
-        waves = -(-p.ctas // slots)
-        dram = waves * (group * p.bm * k * 4 + cols * p.bn * k * 2) + rows * n * 4
-        t_mem = dram / dev.bw
-    else:
-        dram = plan.bytes
-        t_mem = scheduled(even(dram, p.ctas), dev.bw, per_sm, dev)
-    return [Kernel(phase, name, kind, int(dram), int(plan.notes["flops"]), p.ctas, -(-p.ctas // slots),
-                   max(t_mma, t_mem), 1, plan.min_bytes)]
 
 
 def prompt_attention(phase, hq: int, hkv: int, head_dim: int, start: int, rows: int, dev: Device) -> Kernel:
@@ -576,53 +729,57 @@ def prompt_attention(phase, hq: int, hkv: int, head_dim: int, start: int, rows: 
     the mma.sync ceiling, longest CTA first; the K/V of the visible keys once from DRAM (the CTAs'
     re-reads of them from L2), q and out."""
     plan = launch_plan([rows], [start], hq=hq, hkv=hkv, head_dim=head_dim, dtype=BF16)
-    per_sm = occupancy(plan.kernel, plan.block[0], plan.shared_mem)
-    tiles = -(-plan.cta_keys // TILE)
-    t_mma = scheduled(tiles * TILE * 64 * 4 * head_dim, mma_sync(dev), per_sm, dev)
+    code = compiled(plan.kernel, dev)
+    per_sm = resident(plan.block[0], plan.shared_mem + code.static_smem, code.registers, dev)
+    cta_flops = -(-plan.cta_keys // TILE) * TILE * 64 * 4 * head_dim
     dram = 2 * ((start + rows) * 2 * hkv + rows * hq) * head_dim + plan.bytes["out"]
-    return Kernel(phase, plan.kernel, "kv", int(dram), plan.flops, plan.ctas, -(-plan.ctas // (dev.sms * per_sm)),
-                  max(t_mma, dram / dev.bw), 1, int(dram))
+    t = max(scheduled(cta_flops, dev.mma_sync, per_sm, dev), dram / dev.bw)
+    return Kernel(phase, plan.kernel, "kv", int(dram), int(cta_flops.sum()), plan.ctas,
+                  -(-plan.ctas // (dev.sms * per_sm)), t, 1, int(dram), plan.kernel, 0.0, float(cta_flops.sum()),
+                  per_sm)
 
 
 def prompt_gdn(phase, H: int, dk: int, dv: int, k_heads, rows: int, dev: Device) -> list[Kernel]:
     """One gdn layer's prompt pass (dspark.ops.gdn_chunk): the conv (a thread per channel and 64
-    columns); gdn_chunk_prep, one CTA per
-    (chunk, value head), its products at the mma.sync ceiling, its inputs and scratch at the copy
-    bandwidth, and its triangular solve's dependent fmaf chain (SOLVE_CHAIN) at the FMA latency per
-    wave; and
-    gdn_chunk_state, one CTA per (32 state rows, value head) walking the chunks in order: per chunk
-    its share of the products at its slot's share of the mma.sync ceiling, waves in series."""
+    columns); gdn_chunk_prep, one CTA per (chunk, value head), its products at the mma.sync ceiling,
+    its inputs (x and the gates once: a key head's value heads share them in L2) and scratch at the
+    copy bandwidth, and its triangular solve's dependent fmaf chain (SOLVE_CHAIN) at the FMA latency
+    per wave; and gdn_chunk_state, one CTA per (32 state rows, value head) walking the chunks in
+    order: per chunk its share of the products at its slot's share of the mma.sync ceiling, waves
+    in series, never under its bytes at the copy bandwidth."""
     C = gdn_ops.channels(H, dk, dv, k_heads)
     chunks = -(-rows // chunk_ops.CHUNK)
     conv = planned(phase, "gdn_conv_rows_f32", "state",
                    even(4 * rows * 2 * C, -(-C // chunk_ops.THREADS) * -(-rows // chunk_ops.CONV_COLS)), 8 * rows * C,
-                   chunk_ops.THREADS, 0, dev)
+                   chunk_ops.THREADS, 0, dev, "gdn_conv_rows_f32")
     fl = chunk_ops.chunk_flops(H, dk, dv)
-    prep_ctas = chunks * H
-    per_sm = occupancy(f"gdn_chunk_prep_bf16_dk{dk}", chunk_ops.THREADS, chunk_ops.prep_shared_mem(dk, dv, 2))
     scratch = chunk_ops.scratch_bytes(chunks, H, dk, dv, 2)
-    prep_bytes = 4 * rows * (C + 2 * H) + scratch  # x and the gates once (a key head's value heads share them in L2)
+    entry = f"gdn_chunk_prep_bf16_dk{dk}"
+    code = compiled(entry, dev)
+    prep_ctas = chunks * H
+    per_sm = resident(chunk_ops.THREADS, chunk_ops.prep_shared_mem(dk, dv, 2) + code.static_smem, code.registers, dev)
     waves = -(-prep_ctas // (dev.sms * per_sm))
-    t_prep = max(scheduled(even(chunks * fl["prep"], prep_ctas), mma_sync(dev), per_sm, dev),
+    prep_bytes = 4 * rows * (C + 2 * H) + scratch
+    t_prep = max(scheduled(even(chunks * fl["prep"], prep_ctas), dev.mma_sync, per_sm, dev),
                  scheduled(even(prep_bytes, prep_ctas), dev.bw, per_sm, dev)) + waves * SOLVE_CHAIN * FMA_LATENCY / SM_CLOCK
-    prep = Kernel(phase, f"gdn_chunk_prep_bf16_dk{dk}", "state", prep_bytes, chunks * fl["prep"], prep_ctas, waves,
-                  t_prep, 1, prep_bytes)
-    slices = -(-dv // chunk_ops.SLICE)
-    walk_ctas = slices * H
-    per_sm = occupancy(f"gdn_chunk_state_bf16_dk{dk}", chunk_ops.THREADS, chunk_ops.state_shared_mem(dk, 2))
+    prep = Kernel(phase, entry, "state", prep_bytes, chunks * fl["prep"], prep_ctas, waves, t_prep, 1, prep_bytes,
+                  entry, 0.0, float(chunks * fl["prep"]), per_sm)
+    entry = f"gdn_chunk_state_bf16_dk{dk}"
+    code = compiled(entry, dev)
+    walk_ctas = -(-dv // chunk_ops.SLICE) * H
+    per_sm = resident(chunk_ops.THREADS, chunk_ops.state_shared_mem(dk, 2) + code.static_smem, code.registers, dev)
     slots = dev.sms * per_sm
     waves = -(-walk_ctas // slots)
-    per_chunk = fl["state"] / walk_ctas / (mma_sync(dev) / slots)
     walk_bytes = scratch + 4 * rows * H * dv + 3 * 4 * H * dv * dk
-    t_walk = max(waves * chunks * per_chunk, walk_bytes / dev.bw)
-    walk = Kernel(phase, f"gdn_chunk_state_bf16_dk{dk}", "state", walk_bytes, chunks * fl["state"], walk_ctas, waves,
-                  t_walk, 1, walk_bytes)
+    t_walk = max(waves * chunks * fl["state"] / walk_ctas / (dev.mma_sync / slots), walk_bytes / dev.bw)
+    walk = Kernel(phase, entry, "state", walk_bytes, chunks * fl["state"], walk_ctas, waves, t_walk, 1, walk_bytes,
+                  entry, 0.0, float(chunks * fl["state"]), per_sm)
     return [conv, prep, walk]
 
 
 def prompt_pass(shape: Shape, start: int, rows: int, dev: Device, *, last: bool) -> list[Kernel]:
     """Every kernel of one prompt pass of `rows` tokens after `start` (one session): per layer the
-    norms, the GEMMs (`gemm`), prompt attention or the chunked gdn, and the elementwise glue (CuPy
+    norms, the GEMMs (`linear`), prompt attention or the chunked gdn, and the elementwise glue (CuPy
     array ops: the residual adds, RoPE, the output gate, SwiGLU, the z gate, at the copy bandwidth);
     the last pass's final norm and LM head on its last row."""
     c, wb, out, ph = shape.trunk, shape.weight_bytes, [], "prompt"
@@ -635,25 +792,25 @@ def prompt_pass(shape: Shape, start: int, rows: int, dev: Device, *, last: bool)
             continue
         layer = [rmsnorm_kernel(ph, "rmsnorm x2", 2 * rows, d, dev, 2)]
         if kind == "attn":
-            layer += gemm(ph, "attn q|k|v", rows, d, nq + 2 * nkv, wb, dev)
+            layer += linear(ph, "attn q|k|v", rows, d, nq + 2 * nkv, wb, dev)
             if c.qk_norm:
                 layer.append(rmsnorm_kernel(ph, "q/k norm", rows * (c.attn_heads + c.attn_kv_heads), c.head_dim, dev, 2))
             layer.append(roofline(ph, "rope, gate (glue)", "other", 4 * rows * 3 * (nq + 2 * nkv), 0, dev))
             layer.append(prompt_attention(ph, c.attn_heads, c.attn_kv_heads, c.head_dim, start, rows, dev))
-            layer += gemm(ph, "attn o", rows, c.attn_heads * c.head_dim, d, wb, dev)
+            layer += linear(ph, "attn o", rows, c.attn_heads * c.head_dim, d, wb, dev)
         else:
-            layer += gemm(ph, "gdn in", rows, d, C + H * dv + 2 * H, wb, dev)
+            layer += linear(ph, "gdn in", rows, d, C + H * dv + 2 * H, wb, dev)
             layer += prompt_gdn(ph, H, dk, dv, c.gdn_k_heads or None, rows, dev)
             layer.append(rmsnorm_kernel(ph, "gdn o_norm", rows * H, dv, dev))
             layer.append(roofline(ph, "z gate (glue)", "other", 4 * rows * 3 * H * dv, 0, dev))
-            layer += gemm(ph, "gdn out", rows, H * dv, d, wb, dev)
-        layer += gemm(ph, "mlp gate|up", rows, d, 2 * F, wb, dev)
+            layer += linear(ph, "gdn out", rows, H * dv, d, wb, dev)
+        layer += linear(ph, "mlp gate|up", rows, d, 2 * F, wb, dev)
         layer.append(roofline(ph, "swiglu, residual adds (glue)", "other", 4 * rows * (3 * F + 6 * d), 0, dev))
-        layer += gemm(ph, "mlp down", rows, F, d, wb, dev)
+        layer += linear(ph, "mlp down", rows, F, d, wb, dev)
         out += scaled(layer, count, f"x{count} {kind} layers")
     if last:
         out.append(rmsnorm_kernel(ph, "final norm", 1, d, dev))
-        out += gemm(ph, "lm head (last row)", 1, d, c.vocab, wb, dev)
+        out += linear(ph, "lm head (last row)", 1, d, c.vocab, wb, dev)
     return out
 
 
@@ -677,7 +834,7 @@ class Prompt:
         """Time to first token. A pass's launches are asynchronous: the host issues them while the
         GPU runs the ones before, so they cost GPU time only at a wait (each wait: the copy, then one
         launch's issue before the GPU has work again), and where all of them take longer than the
-        GPU work (never at these sizes); the tables' uploads before any work; the final fetch."""
+        GPU work; the tables' uploads before any work; the final fetch."""
         host = self.launches * dev.launch
         return (self.gpu() + self.syncs * (dev.sync + dev.launch) + self.tables * dev.sync
                 + max(0.0, host - self.gpu()) + dev.sync)
@@ -700,18 +857,13 @@ def prompt(shape: Shape, tokens: int, dev: Device = H200, chunk: int = PROMPT_CH
     return Prompt(shape, tokens, chunk, kernels, launches, syncs, 2 * attn + 4 * gdn + 1)
 
 
-def plain_step(shape: Shape, B: int, context: int, dev: Device = H200) -> float:
-    """A plain batched decode step of B sessions at `context`, its GEMMs occupancy priced
-    (`gemm`): GPU time plus launches and one sync."""
-    ks = trunk_pass(shape, B, context, 1, dev, verify=False, gemm=gemm)
+def plain_step(shape: Shape, B: int, context: int, dev: Device = H200) -> tuple[float, float]:
+    """A plain batched decode step of B sessions at `context`: (GPU time, GPU time + its launches
+    at the host cost + one sync)."""
+    ks = trunk_pass(shape, B, context, 1, dev, verify=False)
+    gpu = sum(k.time for k in ks)
     launches = sum(k.launches for k in ks if k.ctas) + array_ops(shape, B, 1, verify=False, round_glue=False)
-    return sum(k.time for k in ks) + launches * dev.launch + dev.sync
-
-
-def verify_over_plain(shape: Shape, context: int, vt: int, dev: Device = H200) -> float:
-    """The B = 1 trunk verify pass over a plain step (GPU time), both occupancy priced (`gemm`)."""
-    v = sum(k.time for k in trunk_pass(shape, 1, context, vt, dev, verify=True, gemm=gemm))
-    return v / sum(k.time for k in trunk_pass(shape, 1, context, 1, dev, verify=False, gemm=gemm))
+    return gpu, gpu + launches * dev.launch + dev.sync
 
 
 def memory_row(shape: Shape, context: int, chunk: int = PROMPT_CHUNK) -> dict:
@@ -721,7 +873,8 @@ def memory_row(shape: Shape, context: int, chunk: int = PROMPT_CHUNK) -> dict:
     and whether the context is within the model's max_position_embeddings (the shapes' max_ctx)."""
     c, dc = shape.trunk, shape.drafter
     cache = cache_bytes(c, context, chunk_tails="gdn" in c.layers)
-    ring = dc.layers * 2 * dc.kv_heads * (min(dc.window or context, context) + dc.block) * dc.head_dim * F32
+    ring = dc.layers * 2 * dc.kv_heads * (min(max(w or context for w in dc.windows()), context) + dc.block) \
+        * dc.head_dim * F32
     widest = max(2 * c.mlp_hidden, c.gdn_channels + c.gdn_heads * c.gdn_dv + 2 * c.gdn_heads if "gdn" in c.layers else 0,
                  c.attn_heads * c.head_dim * 2 + 2 * c.attn_kv_heads * c.head_dim)
     taps = len(c.tap_layers) * c.d_model
@@ -730,6 +883,72 @@ def memory_row(shape: Shape, context: int, chunk: int = PROMPT_CHUNK) -> dict:
     return {"kv": cache["kv"], "state": cache["state"] + cache["chunk"], "draft_kv": ring,
             "pass": F32 * chunk * (3 * c.d_model + 2 * widest + taps) + scratch,
             "fits": context <= c.max_ctx}
+
+
+TTFT_CASES = (("qwen3.5-27b", 8192), ("qwen3.5-27b", 32768), ("qwen3-8b", 8192))
+PLAIN_BATCHES, PLAIN_CONTEXT = (1, 8, 32), 4096
+MEMORY_CONTEXTS = (32768, 131072)
+
+
+def prompt_report(table_of: dict[str, Shape], chunk: int, kernels: bool = False, dev: Device = H200) -> str:
+    """The --prompt tables: time to first token, the plain batched decode step, memory per session."""
+    gib = lambda n: f"{n / 2**30:.2f}"  # noqa: E731
+    out = [f"{dev.name}: mma.sync {dev.mma_sync / 1e12:.0f} TFLOP/s ({dev.mma_sync_share:.2f} of {dev.mma / 1e12:.0f}), "
+           f"copy {dev.bw / 1e12:.1f} TB/s, f32 issue {dev.f32_issue / 1e12:.1f} T instr/s, launch "
+           f"{dev.launch * 1e6:.1f} us host, sync {dev.sync * 1e6:.0f} us; code as compiled for {dev.arch} by "
+           f"{compiled_kernels(dev.arch, dev.nvrtc)[0]}; prompt passes of {chunk} tokens, bf16 weights and K/V", ""]
+    rows, details = [], []
+    for model, tokens in TTFT_CASES:
+        pr = prompt(table_of[model], tokens, dev, chunk)
+        gemms = sum(x.time for x in pr.kernels if x.kind == "weights")
+        attn = sum(x.time for x in pr.kernels if x.name.startswith("attention_prompt"))
+        gdn = sum(x.time for x in pr.kernels if x.kind == "state")
+        flops = sum(x.flops for x in pr.kernels)
+        rows.append([table_of[model].label, str(tokens), f"{pr.ttft(dev) * 1e3:,.0f}", f"{gemms * 1e3:,.0f}",
+                     f"{attn * 1e3:,.1f}", f"{gdn * 1e3:,.1f}", f"{(pr.gpu() - gemms - attn - gdn) * 1e3:,.1f}",
+                     f"{(pr.ttft(dev) - pr.gpu()) * 1e3:,.1f}", f"{pr.launches * dev.launch * 1e3:,.0f}",
+                     f"{flops / 1e12:,.0f}", f"{flops / pr.gpu() / dev.mma_sync:.0%}"])
+        if kernels:
+            details.append((f"{table_of[model].label} {tokens} tokens", pr))
+    out.append("TTFT: the prompt passes' GPU time + each wait inside them (a sync + one launch's host cost) + the "
+               "pointer tables' uploads + the final fetch; the launches (column: their host time) are issued while the "
+               "GPU runs; TFLOP as the kernels execute them; of mma.sync: TFLOP / GPU time / the mma.sync ceiling")
+    out.append(table(["shape", "prompt", "TTFT ms", "GEMMs ms", "attention ms", "gdn ms", "other ms", "waits ms",
+                      "launches ms", "TFLOP", "of mma.sync"], rows))
+    out.append("")
+    rows = []
+    for model in ("qwen3.5-27b", "qwen3-8b"):
+        steps = [plain_step(table_of[model], b, PLAIN_CONTEXT, dev) for b in PLAIN_BATCHES]
+        v = sum(k.time for k in trunk_pass(table_of[model], 1, PLAIN_CONTEXT, 8, dev, verify=True))
+        rows.append([table_of[model].label, str(PLAIN_CONTEXT)] + [us(g) for g, _ in steps]
+                    + [f"{steps[-1][0] / steps[0][0]:.2f}", f"{steps[-1][1] / steps[0][1]:.2f}",
+                       f"{v / steps[0][0]:.3f}"])
+    out.append("plain step: GPU time (GEMMs occupancy priced); B=32 / B=1 of the GPU time, and with each step's "
+               "launches at the host cost and a sync; verify/plain: the B = 1 trunk verify of 8 columns over the "
+               "plain step, GPU time")
+    out.append(table(["shape", "context"] + [f"plain B={b} us" for b in PLAIN_BATCHES]
+                     + [f"B={PLAIN_BATCHES[-1]} / B=1", "with launches", "verify/plain B=1"], rows))
+    out.append("")
+    rows = []
+    for model in ("qwen3.5-27b", "qwen3-8b"):
+        for ctx in MEMORY_CONTEXTS:
+            m = memory_row(table_of[model], ctx, chunk)
+            total = m["kv"] + m["state"] + m["draft_kv"]
+            rows.append([table_of[model].label, str(ctx), gib(m["kv"]), gib(m["state"]), gib(m["draft_kv"]),
+                         gib(total), gib(m["pass"]),
+                         "yes" if m["fits"] else f"no: max_position_embeddings {table_of[model].trunk.max_ctx}"])
+    out.append("session: the trunk cache (K/V bf16 at full capacity, gdn states, conv windows, chunk states and tails) "
+               "and a DSpark drafter's draft-KV ring; pass: the prompt pass's largest arrays at the chunk size "
+               "(activations of the widest layer, taps, the chunked gdn scratch)")
+    out.append(table(["shape", "context", "K/V GiB", "gdn state GiB", "draft KV GiB", "session GiB", "pass GiB",
+                      "served"], rows))
+    for head, pr in details:
+        out.append(f"\n{head}: TTFT {pr.ttft(dev) * 1e3:,.1f} ms")
+        out.append(table(["phase", "kernel", "kind", "MB", "GFLOP", "CTAs", "waves", "launches", "us"],
+                         [[k.phase, k.name, k.kind, f"{k.bytes / 1e6:,.1f}", f"{k.flops / 1e9:,.1f}",
+                           str(k.ctas) if k.ctas else "-", str(k.waves) if k.ctas else "-", str(k.launches), us(k.time)]
+                          for k in pr.kernels]))
+    return "\n".join(out)
 
 
 # ---- printing ---------------------------------------------------------------------------------------------
@@ -770,80 +989,25 @@ SUMMARY_HEADERS = ["shape", "B", "context", "vt", "attn of copy", "verify/plain"
                    "round us", "weights", "kv", "state", "other", "overhead", "launches", "speedup"]
 
 
-def kernel_rows(r: Round, dev: Device = H200) -> list[list[str]]:
-    out = []
+def kernel_rows(r: Round) -> list[list[str]]:
+    out, dev = [], r.dev
     for k in r.kernels:
         frac = f"{(k.min_bytes or k.bytes) / k.time / dev.bw:.0%}" if k.time else "-"
+        bound = "issue" if k.issue_bound(dev) >= k.bandwidth_bound(dev) else "memory"
+        if k.entry:
+            code = compiled(k.entry, dev)
+            regs, per_sm = str(code.registers), str(k.per_sm)
+            mix = "mma" if k.mma_flops else f"{code.flops_per_instruction:.2f}"
+        else:  # a CuPy array op (roofline): no code of ours to read
+            regs = per_sm = mix = "-"
         out.append([k.phase, k.name, k.kind, f"{k.bytes / 1e6:,.2f}", f"{k.flops / 1e9:,.2f}",
                     str(k.ctas) if k.ctas else "-", str(k.waves) if k.ctas else "-", str(k.launches), us(k.time),
-                    frac])
+                    frac, regs, per_sm, mix, bound])
     return out
 
 
-KERNEL_HEADERS = ["phase", "kernel", "kind", "MB", "GFLOP", "CTAs", "waves", "launches", "us", "of copy"]
-
-
-TTFT_CASES = (("qwen3.5-27b", 8192), ("qwen3.5-27b", 32768), ("qwen3-8b", 8192))
-PLAIN_BATCHES, PLAIN_CONTEXT = (1, 8, 32), 4096
-MEMORY_CONTEXTS = (32768, 131072)
-
-
-def prompt_report(table_of: dict[str, Shape], chunk: int, kernels: bool = False, dev: Device = H200) -> str:
-    """The --prompt tables: time to first token, the plain batched decode step, memory per session."""
-    out = [f"{dev.name}: mma.sync {mma_sync(dev) / 1e12:.0f} TFLOP/s ({MMA_SYNC_SHARE:.2f} of {dev.mma / 1e12:.0f}), "
-           f"copy {dev.bw / 1e12:.1f} TB/s, f32 {dev.f32 / 1e12:.0f} TFLOP/s, launch {dev.launch * 1e6:.0f} us; "
-           f"occupancy from profiling/ptxas_report.md; prompt passes of {chunk} tokens, bf16 weights and K/V", ""]
-    rows, details = [], []
-    for model, tokens in TTFT_CASES:
-        pr = prompt(table_of[model], tokens, dev, chunk)
-        gemms = sum(x.time for x in pr.kernels if x.kind == "weights")
-        attn = sum(x.time for x in pr.kernels if x.name.startswith("attention_prompt"))
-        gdn = sum(x.time for x in pr.kernels if x.kind == "state")
-        flops = sum(x.flops for x in pr.kernels)
-        rows.append([table_of[model].label, str(tokens), f"{pr.ttft(dev) * 1e3:,.0f}", f"{gemms * 1e3:,.0f}",
-                     f"{attn * 1e3:,.1f}", f"{gdn * 1e3:,.1f}", f"{(pr.gpu() - gemms - attn - gdn) * 1e3:,.1f}",
-                     f"{(pr.ttft(dev) - pr.gpu()) * 1e3:,.1f}", f"{pr.launches * dev.launch * 1e3:,.1f}",
-                     f"{flops / 1e12:,.0f}",
-                     f"{flops / pr.gpu() / mma_sync(dev):.0%}"])
-        if kernels:
-            details.append((f"{table_of[model].label} {tokens} tokens", pr))
-    out.append("TTFT: the prompt passes' GPU time + each wait inside them (10 us + one 4 us launch) + the pointer "
-               "tables' uploads + the final fetch; the launches (column: their host time) are issued while the GPU "
-               "runs; TFLOP the useful flops; of mma.sync: useful flops / GPU time / the mma.sync ceiling")
-    out.append(table(["shape", "prompt", "TTFT ms", "GEMMs ms", "attention ms", "gdn ms", "other ms", "waits ms",
-                      "launches ms", "TFLOP", "of mma.sync"], rows))
-    out.append("")
-    rows = []
-    for model in ("qwen3.5-27b", "qwen3-8b"):
-        steps = [plain_step(table_of[model], b, PLAIN_CONTEXT, dev) for b in PLAIN_BATCHES]
-        rows.append([table_of[model].label, str(PLAIN_CONTEXT)] + [us(t) for t in steps]
-                    + [f"{steps[-1] / steps[0]:.2f}", f"{verify_over_plain(table_of[model], PLAIN_CONTEXT, 8, dev):.3f}"])
-    out.append("plain step: GPU time + launches x 4 us + one sync, GEMMs occupancy priced (`gemm`); verify/plain: "
-               "the B = 1 trunk verify of 8 columns over the plain step, GPU time")
-    out.append(table(["shape", "context"] + [f"plain B={b} us" for b in PLAIN_BATCHES]
-                     + [f"B={PLAIN_BATCHES[-1]} / B=1", "verify/plain B=1"], rows))
-    out.append("")
-    rows = []
-    for model in ("qwen3.5-27b", "qwen3-8b"):
-        for ctx in MEMORY_CONTEXTS:
-            m = memory_row(table_of[model], ctx, chunk)
-            gib = lambda n: f"{n / 2**30:.2f}"  # noqa: E731
-            total = m["kv"] + m["state"] + m["draft_kv"]
-            rows.append([table_of[model].label, str(ctx), gib(m["kv"]), gib(m["state"]), gib(m["draft_kv"]),
-                         gib(total), gib(m["pass"]),
-                         "yes" if m["fits"] else f"no: max_position_embeddings {table_of[model].trunk.max_ctx}"])
-    out.append("session: the trunk cache (K/V bf16 at full capacity, gdn states, conv windows, chunk states and tails) "
-               "and a DSpark drafter's draft-KV ring; pass: the prompt pass's largest arrays at the chunk size "
-               "(activations of the widest layer, taps, the chunked gdn scratch)")
-    out.append(table(["shape", "context", "K/V GiB", "gdn state GiB", "draft KV GiB", "session GiB", "pass GiB",
-                      "served"], rows))
-    for head, pr in details:
-        out.append(f"\n{head}: TTFT {pr.ttft(dev) * 1e3:,.1f} ms")
-        out.append(table(["phase", "kernel", "kind", "MB", "GFLOP", "CTAs", "waves", "launches", "us"],
-                         [[k.phase, k.name, k.kind, f"{k.bytes / 1e6:,.1f}", f"{k.flops / 1e9:,.1f}",
-                           str(k.ctas) if k.ctas else "-", str(k.waves) if k.ctas else "-", str(k.launches), us(k.time)]
-                          for k in pr.kernels]))
-    return "\n".join(out)
+KERNEL_HEADERS = ["phase", "kernel", "kind", "MB", "GFLOP", "CTAs", "waves", "launches", "us", "of copy", "regs",
+                  "CTAs/SM", "flop/instr", "bound"]
 
 
 def main(argv=None) -> int:
@@ -856,29 +1020,37 @@ def main(argv=None) -> int:
     ap.add_argument("--rollback", choices=("checkpoint", "replay"), default="checkpoint")
     ap.add_argument("--drafter-window", type=int, default=4096)
     ap.add_argument("--kernels", action="store_true", help="also every kernel of each round")
+    ap.add_argument("--launch-us", type=float, default=None,
+                    help=f"host cost of one launch, us (default {H200.launch * 1e6:.1f}: profiling/launch_cost.py)")
     ap.add_argument("--prompt", action="store_true",
                     help="instead: time to first token, the plain batched decode step, memory per session")
     ap.add_argument("--prompt-chunk", type=int, default=PROMPT_CHUNK, help="tokens per prompt pass (--prompt)")
     a = ap.parse_args(argv)
     if a.width < 1 or any(b < 1 for b in a.batch) or any(c < 1 for c in a.context) or a.prompt_chunk < 1:
         ap.error("--width, --batch, --context and --prompt-chunk must be >= 1")
+    if a.launch_us is not None and a.launch_us < 0:
+        ap.error("--launch-us must be >= 0")
+    d = H200 if a.launch_us is None else dataclasses.replace(H200, launch=a.launch_us * 1e-6)
     if a.prompt:
-        print(prompt_report(shapes(a.drafter_window), a.prompt_chunk, a.kernels))
+        print(prompt_report(shapes(a.drafter_window), a.prompt_chunk, a.kernels, d))
         return 0
     table_of = shapes(a.drafter_window)
-    rounds = [spec_round(table_of[m], b, ctx, a.width, rollback=a.rollback)
+    rounds = [spec_round(table_of[m], b, ctx, a.width, d, rollback=a.rollback)
               for m in a.model for b in a.batch for ctx in a.context]
-    d = H200
-    print(f"{d.name}: copy {d.bw / 1e12:.1f} TB/s, bf16 MMA {d.mma / 1e12:.0f} TFLOP/s, f32 {d.f32 / 1e12:.0f} TFLOP/s, "
-          f"launch {d.launch * 1e6:.0f} us, sync {d.sync * 1e6:.0f} us, {d.sms} SMs; GEMMs "
-          f"linear_f32 / linear_mma (weights read as stored); "
+    print(f"{d.name}: copy {d.bw / 1e12:.1f} TB/s, bf16 MMA {d.mma / 1e12:.0f} TFLOP/s, f32 issue "
+          f"{d.f32_issue / 1e12:.1f} T instr/s ({d.f32 / 1e12:.0f} TFLOP/s as FMAs), launch {d.launch * 1e6:.1f} us "
+          f"host, sync {d.sync * 1e6:.0f} us, {d.sms} SMs; code as compiled for {d.arch} by "
+          f"{compiled_kernels(d.arch, d.nvrtc)[0]}; GEMMs linear_f32 / linear_mma (weights read as stored); "
           f"rollback {a.rollback}; speedup at mean accepted length {a.accepted}")
     for m in a.model:
-        print(f"  {table_of[m].label}: {table_of[m].source}")
-    print(table(SUMMARY_HEADERS, summary_rows(rounds, a.accepted)))
+        dc = table_of[m].drafter
+        ring = max(w or table_of[m].trunk.max_ctx for w in dc.windows()) + dc.block
+        print(f"  {table_of[m].label}: {table_of[m].source}; draft KV {ring} rows, "
+              f"{2 * dc.layers * dc.kv_heads * ring * dc.head_dim * F32 / 1e6:,.1f} MB per session (f32)")
+    print(table(SUMMARY_HEADERS, summary_rows(rounds, a.accepted, d)))
     print("attn of copy: the verify attention kernel's K/V + q + out bytes over its predicted time, as a share of "
           "the copy bandwidth; verify/plain: the trunk verify pass over a plain decode step (GPU time); "
-          "weights .. overhead: shares of the round (overhead = launches x 4 us + 2 syncs)")
+          f"weights .. overhead: shares of the round (overhead = launches x {d.launch * 1e6:.1f} us + 2 syncs)")
     print("\nrecurrent state and K/V moved per round (a full accept; the kinds dspark.profile counts):")
     moves = []
     for r in rounds:

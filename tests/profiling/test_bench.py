@@ -1,5 +1,5 @@
 """The profiling scripts: bench_kernels (--dry-run and a CPU run through simt), the session
-workload on numpy, gpu_check.sh --dry-run, and the timing helpers they share."""
+workload on numpy, and the timing helpers they share (gpu_check: tests/profiling/test_gpu_check.py)."""
 
 from __future__ import annotations
 
@@ -117,23 +117,6 @@ def test_session_workload_on_numpy_with_nvtx_on(mode):
 def test_session_workload_refuses_a_context_overflow():
     r, _ = script("profiling/session_workload.py", "--backend", "numpy", "--model", "tiny", "--tokens", "1000")
     assert r.returncode != 0 and "more than the tiny trunk's context of 256" in r.stderr
-
-
-# ---- gpu_check.sh ---------------------------------------------------------------------------------------
-def test_gpu_check_dry_run(tmp_path):
-    """Every step that can run without a GPU passes, and the report names every step with its
-    status, the ones that need a GPU included."""
-    out = ok(script("bash", "profiling/gpu_check.sh", "--dry-run", str(tmp_path), timeout=400)[0])
-    assert "dry run OK" in out
-    report = (tmp_path / "gpu_report.md").read_text()
-    statuses = dict(re.findall(r"^## (\w+): (.*)$", report, re.M))
-    for name in ("build", "info", "cubins", "cuda_tests", "sanitizer_targets", "nsys_workload", "verify_launch", "gate",
-                 "perf_model", "bench"):
-        assert statuses.get(name, "").startswith("ok"), f"{name}: {statuses.get(name)}\n{report}"
-    for name in ("wheels", "sanitizer_memcheck", "sanitizer_racecheck", "sanitizer_synccheck", "nsys", "ncu"):
-        assert name in statuses, f"no status for {name}\n{report}"
-    assert "entry points scanned from the sources" in report and "SOME STEPS FAILED" not in report
-    assert re.search(r"Qwen3.5-27B\s+32\s+32768", report) and "H200 model" in report  # predictions recorded
 
 
 # ---- timing helpers ---------------------------------------------------------------------------------------
