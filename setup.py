@@ -1,4 +1,5 @@
-"""Build dspark: the Python package plus dspark._simt, the csrc/ kernels compiled for the host."""
+"""Build dspark: the Python package plus dspark._simt, the csrc/ kernels compiled for the host, and
+dspark._cpu, the numpy backend's native code (csrc/cpu)."""
 
 import importlib.util
 import shutil
@@ -65,7 +66,16 @@ setup(
             # -Wno-unknown-pragmas: `#pragma unroll` is for nvcc; the host compiler rightly ignores it.
             extra_compile_args=["-O2", "-DDSPARK_SIMT", "-ffp-contract=off", "-Wno-unknown-pragmas"],
             cxx_std=17,
-        )
+        ),
+        # The numpy backend's native code (csrc/cpu): plain C++, an AVX2 build of the product picked at
+        # run time beside the baseline one. -ffp-contract=off: a multiply and an add stay two roundings,
+        # so the NumPy reference (dspark.ops.product.product_ref) reproduces every bit.
+        Pybind11Extension(
+            "dspark._cpu",
+            sources=["csrc/cpu/module.cpp", "csrc/cpu/product_avx2.cpp", "csrc/cpu/product_base.cpp"],
+            extra_compile_args=["-O2", "-ffp-contract=off", "-Wno-psabi"],
+            cxx_std=17,
+        ),
     ],
     cmdclass={"build_ext": BuildSimt},
     entry_points={"console_scripts": ["dspark=dspark.cli:main"]},
