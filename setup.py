@@ -72,7 +72,8 @@ setup(
         # so the NumPy reference (dspark.ops.product.product_ref) reproduces every bit.
         Pybind11Extension(
             "dspark._cpu",
-            sources=["csrc/cpu/module.cpp", "csrc/cpu/product_avx2.cpp", "csrc/cpu/product_base.cpp"],
+            sources=["csrc/cpu/module.cpp", "csrc/cpu/product_avx2.cpp", "csrc/cpu/product_base.cpp",
+                     "csrc/cpu/host_ops.cpp"],
             extra_compile_args=["-O2", "-ffp-contract=off", "-Wno-psabi"],
             cxx_std=17,
         ),

@@ -22,6 +22,9 @@ void product_avx2(int, const float*, const void*, float*, ptrdiff_t, ptrdiff_t, 
                   ptrdiff_t, ptrdiff_t, float*, float*);
 void product_base(int, const float*, const void*, float*, ptrdiff_t, ptrdiff_t, ptrdiff_t, ptrdiff_t, ptrdiff_t,
                   ptrdiff_t, ptrdiff_t, float*, float*);
+void delta_columns(float* S, const float* q, const float* k, const float* v, const float* alpha, const float* beta,
+                   const int* indptr, int sessions, int heads, int dv, int dk, float* out, float* ckpt);
+void rmsnorm(const float* x, const float* weight, float eps, ptrdiff_t rows, ptrdiff_t n, float* y);
 }  // namespace dspark_cpu
 
 namespace {
@@ -165,6 +168,35 @@ void product(int dtype, const py::array& x, const py::array& w, py::array& out, 
   pool().run(parts, part);
 }
 
+template <typename T>
+T* ptr(py::array& a) {
+  return static_cast<T*>(a.mutable_data());
+}
+
+template <typename T>
+const T* cptr(const py::array& a) {
+  return static_cast<const T*>(a.data());
+}
+
+// host_ops.cpp's walk of the gated delta rule (arrays checked by dspark.ops.host).
+void delta_columns(py::array& S, const py::array& q, const py::array& k, const py::array& v, const py::array& alpha,
+                   const py::array& beta, const py::array& indptr, int sessions, int heads, int dv, int dk,
+                   py::array& out, py::object ckpt) {
+  py::array ck_array = ckpt.is_none() ? py::array() : ckpt.cast<py::array>();
+  float* ck = ckpt.is_none() ? nullptr : ptr<float>(ck_array);
+  float* s = ptr<float>(S);
+  float* o = ptr<float>(out);
+  py::gil_scoped_release release;
+  dspark_cpu::delta_columns(s, cptr<float>(q), cptr<float>(k), cptr<float>(v), cptr<float>(alpha),
+                            cptr<float>(beta), cptr<int>(indptr), sessions, heads, dv, dk, o, ck);
+}
+
+void rmsnorm(const py::array& x, const py::array& weight, float eps, ptrdiff_t rows, ptrdiff_t n, py::array& y) {
+  float* out = ptr<float>(y);
+  py::gil_scoped_release release;
+  dspark_cpu::rmsnorm(cptr<float>(x), cptr<float>(weight), eps, rows, n, out);
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_cpu, m) {
@@ -173,6 +205,8 @@ PYBIND11_MODULE(_cpu, m) {
         py::arg("k"), py::arg("n"), py::arg("threads"), py::arg("strip"), py::arg("kblock"), py::arg("isa") = "",
         "out f32 [rows, N] = x f32 [rows, K] @ w [K, N] (dtype 0 f32, 1 f16, 2 bf16), by address");
   m.def("isa", [] { return isa(); }, "the instruction set in use: avx2 or base");
+  m.def("delta_columns", &delta_columns, "the gated delta rule over each session's columns (dspark.ops.host)");
+  m.def("rmsnorm", &rmsnorm, "RMSNorm of rows, NumPy's summation order (dspark.ops.host)");
   py::list isas;  // what this CPU runs, best first
   if (has_avx2()) isas.append("avx2");
   isas.append("base");
