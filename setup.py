@@ -68,13 +68,11 @@ setup(
             cxx_std=17,
         ),
         # The numpy backend's native code (csrc/cpu): plain C++, an AVX2 build of the product picked at
-        # run time beside the baseline one. -ffp-contract=off: a multiply and an add stay two roundings,
-        # so the NumPy reference (dspark.ops.product.product_ref) reproduces every bit.
+        # run time beside the baseline one; sources and flags in dspark/kernel_sources.py.
         Pybind11Extension(
             "dspark._cpu",
-            sources=["csrc/cpu/module.cpp", "csrc/cpu/product_avx2.cpp", "csrc/cpu/product_base.cpp",
-                     "csrc/cpu/host_ops.cpp"],
-            extra_compile_args=["-O2", "-ffp-contract=off", "-Wno-psabi"],
+            sources=[f"csrc/{f}" for f in _kernel_sources().CPU_SOURCES],
+            extra_compile_args=_kernel_sources().CPU_CXXFLAGS,
             cxx_std=17,
         ),
     ],
