@@ -1,6 +1,6 @@
 // The numpy backend's native paths for the ops whose NumPy references cost most per step after the
-// product: the gated delta rule's walk over the columns (dspark.ops.gdn) and RMSNorm
-// (dspark.ops.norm). Each does exactly its reference's arithmetic, operation for operation (f32,
+// product: the gated delta rule's walk over the columns (dspark.ops.gdn), RMSNorm (dspark.ops.norm)
+// and attention's two products per key tile (dspark.ops.attention). Each does exactly its reference's arithmetic, operation for operation (f32,
 // no contracted multiply-add, NumPy's pairwise sums: pairwise.h), so the two give the same bits
 // and dspark.ops.host checks them against each other in the tests.
 #include <cmath>
@@ -83,6 +83,70 @@ void rmsnorm(const float* x, const float* weight, float eps, ptrdiff_t rows, ptr
     const float root = std::sqrt(ms + eps);
     for (ptrdiff_t j = 0; j < n; ++j) y[r * n + j] = (xr[j] / root) * weight[j];
   }
+}
+
+static inline f4 load4(const float* p) {
+  f4 v;
+  __builtin_memcpy(&v, p, sizeof v);
+  return v;
+}
+
+static inline void store4(float* p, f4 v) { __builtin_memcpy(p, &v, sizeof v); }
+
+// x[i] = x[i] + x[i + h] for h = len / 2, len / 4, ..., 1 (len a power of two): attention's
+// _halving_sum, leaving the sum in x[0]; four lanes at a time while the halves are that long.
+static inline void halve(float* x, int len) {
+  int h = len / 2;
+  for (; h >= 4; h /= 2)
+    for (int i = 0; i < h; i += 4) store4(x + i, load4(x + i) + load4(x + i + h));
+  for (; h >= 1; h /= 2)
+    for (int i = 0; i < h; ++i) x[i] = x[i] + x[i + h];
+}
+
+// attention._attend's scores before the scale: s [n, hkv, g, L] = the halving sum over D of
+// q [n, hkv, g, D] * k [hkv, L, D] (D a power of two, at least 4).
+void attention_scores(const float* q, const float* k, int n, int hkv, int g, int L, int D, float* s) {
+  std::vector<float> buf(D);
+  for (int i = 0; i < n; ++i)
+    for (int h = 0; h < hkv; ++h)
+      for (int j = 0; j < g; ++j) {
+        const ptrdiff_t row = (ptrdiff_t(i) * hkv + h) * g + j;
+        const float* qr = q + row * D;
+        for (int t = 0; t < L; ++t) {
+          const float* kr = k + (ptrdiff_t(h) * L + t) * D;
+          for (int d = 0; d < D / 2; d += 4)  // the first halving with the products
+            store4(buf.data() + d, load4(qr + d) * load4(kr + d) + load4(qr + d + D / 2) * load4(kr + d + D / 2));
+          halve(buf.data(), D / 2);
+          s[row * L + t] = buf[0];
+        }
+      }
+}
+
+// attention._attend's p.v: o [n, hkv, g, D] = the halving sum over L of p [n, hkv, g, L] *
+// v [hkv, L, D] (L a power of two), D columns (a multiple of 4) at once.
+void attention_weighted(const float* p, const float* v, int n, int hkv, int g, int L, int D, float* o) {
+  std::vector<float> buf(ptrdiff_t(L / 2) * D);
+  for (int i = 0; i < n; ++i)
+    for (int h = 0; h < hkv; ++h)
+      for (int j = 0; j < g; ++j) {
+        const ptrdiff_t row = (ptrdiff_t(i) * hkv + h) * g + j;
+        const float* pr = p + row * L;
+        const float* vh = v + ptrdiff_t(h) * L * D;
+        for (int t = 0; t < L / 2; ++t) {  // the first halving with the products
+          const f4 a = f4{pr[t], pr[t], pr[t], pr[t]}, b = f4{pr[t + L / 2], pr[t + L / 2], pr[t + L / 2], pr[t + L / 2]};
+          const float* va = vh + ptrdiff_t(t) * D;
+          const float* vb = vh + ptrdiff_t(t + L / 2) * D;
+          float* out = buf.data() + ptrdiff_t(t) * D;
+          for (int d = 0; d < D; d += 4) store4(out + d, a * load4(va + d) + b * load4(vb + d));
+        }
+        for (int half = L / 4; half >= 1; half /= 2)
+          for (int t = 0; t < half; ++t) {
+            float* a = buf.data() + ptrdiff_t(t) * D;
+            const float* b = buf.data() + ptrdiff_t(t + half) * D;
+            for (int d = 0; d < D; d += 4) store4(a + d, load4(a + d) + load4(b + d));
+          }
+        std::memcpy(o + row * D, buf.data(), sizeof(float) * D);
+      }
 }
 
 }  // namespace dspark_cpu

@@ -25,6 +25,8 @@ void product_base(int, const float*, const void*, float*, ptrdiff_t, ptrdiff_t, 
 void delta_columns(float* S, const float* q, const float* k, const float* v, const float* alpha, const float* beta,
                    const int* indptr, int sessions, int heads, int dv, int dk, float* out, float* ckpt);
 void rmsnorm(const float* x, const float* weight, float eps, ptrdiff_t rows, ptrdiff_t n, float* y);
+void attention_scores(const float* q, const float* k, int n, int hkv, int g, int L, int D, float* s);
+void attention_weighted(const float* p, const float* v, int n, int hkv, int g, int L, int D, float* o);
 }  // namespace dspark_cpu
 
 namespace {
@@ -197,6 +199,18 @@ void rmsnorm(const py::array& x, const py::array& weight, float eps, ptrdiff_t r
   dspark_cpu::rmsnorm(cptr<float>(x), cptr<float>(weight), eps, rows, n, out);
 }
 
+void attention_scores(const py::array& q, const py::array& k, int n, int hkv, int g, int L, int D, py::array& s) {
+  float* out = ptr<float>(s);
+  py::gil_scoped_release release;
+  dspark_cpu::attention_scores(cptr<float>(q), cptr<float>(k), n, hkv, g, L, D, out);
+}
+
+void attention_weighted(const py::array& p, const py::array& v, int n, int hkv, int g, int L, int D, py::array& o) {
+  float* out = ptr<float>(o);
+  py::gil_scoped_release release;
+  dspark_cpu::attention_weighted(cptr<float>(p), cptr<float>(v), n, hkv, g, L, D, out);
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_cpu, m) {
@@ -207,6 +221,8 @@ PYBIND11_MODULE(_cpu, m) {
   m.def("isa", [] { return isa(); }, "the instruction set in use: avx2 or base");
   m.def("delta_columns", &delta_columns, "the gated delta rule over each session's columns (dspark.ops.host)");
   m.def("rmsnorm", &rmsnorm, "RMSNorm of rows, NumPy's summation order (dspark.ops.host)");
+  m.def("attention_scores", &attention_scores, "q.k halving sums over D (dspark.ops.host)");
+  m.def("attention_weighted", &attention_weighted, "p.v halving sums over the keys (dspark.ops.host)");
   py::list isas;  // what this CPU runs, best first
   if (has_avx2()) isas.append("avx2");
   isas.append("base");

@@ -3,7 +3,9 @@ references cost most per step after the product:
 
 * `delta_walk`: gdn_scan_ref's walk of each session's columns through the gated delta rule
   (delta_rule_ref per column, with the per-column checkpoints);
-* `rmsnorm`: rmsnorm_numpy.
+* `rmsnorm`: rmsnorm_numpy;
+* `attention_products`: attention._attend's two products per tile of keys (q.k and p.v, each a
+  product then a halving sum).
 
 Each does its reference's arithmetic operation for operation, NumPy's pairwise sums included
 (csrc/cpu/pairwise.h), so the numpy backend keeps the reference's bits at native speed; the tests
@@ -50,3 +52,28 @@ def rmsnorm(x, weight, eps: float) -> np.ndarray:
     if x.size:
         _module().rmsnorm(x, _f32(weight), float(F32(eps)), x.size // n, n, y)
     return y
+
+
+class AttentionProducts:
+    """attention._attend's products natively (attention.NUMPY_PRODUCTS is the NumPy pair)."""
+
+    @staticmethod
+    def scores(q, kt) -> np.ndarray:
+        """q [n, Hkv, G, D] . kt [Hkv, L, D] -> [n, Hkv, G, L], halving over D."""
+        n, hkv, g, d = q.shape
+        length = kt.shape[1]
+        s = np.empty((n, hkv, g, length), F32)
+        _module().attention_scores(_f32(q), _f32(kt), n, hkv, g, length, d, s)
+        return s
+
+    @staticmethod
+    def weighted(p, vt) -> np.ndarray:
+        """p [n, Hkv, G, L] . vt [Hkv, L, D] -> [n, Hkv, G, D], halving over L."""
+        n, hkv, g, length = p.shape
+        d = vt.shape[2]
+        o = np.empty((n, hkv, g, d), F32)
+        _module().attention_weighted(_f32(p), _f32(vt), n, hkv, g, length, d, o)
+        return o
+
+
+attention_products = AttentionProducts()

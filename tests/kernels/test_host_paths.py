@@ -5,6 +5,7 @@ references they replace, bit for bit: the gated delta rule's walk over the colum
 import numpy as np
 import pytest
 
+from dspark.dtypes import BF16
 from dspark.ops import gdn, host, norm
 from tests.conftest import poison
 
@@ -79,3 +80,18 @@ def test_the_numpy_backend_runs_them(numpy_backend, rng, monkeypatch):
                  np.zeros(heads, F32), np.zeros(heads, F32), states, windows, np.array([0, 2], np.int32),
                  heads=heads, dk=dk, dv=dv)
     assert calls == ["rmsnorm", "delta_walk"]
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16, BF16], ids=["f32", "f16", "bf16"])
+@pytest.mark.parametrize("mode", ["causal", "block"])
+def test_attention_on_the_numpy_backend_equals_the_numpy_reference(numpy_backend, rng, dtype, mode):
+    """The op's native products (dspark.ops.host.attention_products) give attention_ref's bits with
+    its NumPy products, at every head dim, across tiles and splits."""
+    from dspark.ops.attention import SplitRule, attention, attention_ref
+    from tests.kernels.test_attention import make_case
+    for d in (64, 128, 256):
+        case = make_case(rng, dtype, d, 4, 2, [3, 1, 6], [300, 0, 70], mode=mode, window=90 if mode == "block" else 0)
+        split = SplitRule(64, 2, 128)  # several splits within the context
+        want = attention_ref(*case.args(), mode=mode, window=case.window, split=split).astype(dtype)
+        got = attention(numpy_backend, *case.args(), mode=mode, window=case.window, split=split)
+        np.testing.assert_array_equal(got, want, err_msg=f"d={d}")
