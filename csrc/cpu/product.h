@@ -30,6 +30,9 @@
 #elif defined(__SSE2__)
 #include <emmintrin.h>
 #endif
+#if defined(__SSE__)
+#include <xmmintrin.h>
+#endif
 
 // Loops over a tile's rows and vectors must unroll so its accumulators stay in registers.
 #define DSPARK_UNROLL _Pragma("GCC unroll 16")
@@ -226,6 +229,45 @@ static void pack(const typename Weights<DT>::T* w, ptrdiff_t ldw, ptrdiff_t kn, 
   }
 }
 
+// The same panels from w stored transposed, e = w^T [N, K] (row stride lde): a tied LM head, the
+// embedding. Four rows of e (columns of w) at a time are read along k; f32 goes through 4 x 4
+// transposes where the target has SSE.
+template <int DT>
+static void pack_transposed(const typename Weights<DT>::T* e, ptrdiff_t lde, ptrdiff_t kn, int cols, float* buf) {
+  using Wt = Weights<DT>;
+  const int padded = (cols + kPanel - 1) / kPanel * kPanel;
+  int n = 0;
+#if defined(__SSE__)
+  if constexpr (DT == kF32) {
+    for (; n + 4 <= cols && (n % kPanel) + 4 <= kPanel; n += 4) {
+      float* dst = buf + (n / kPanel) * panel_stride(kn) + n % kPanel;
+      const float* r0 = e + n * lde;
+      ptrdiff_t k = 0;
+      for (; k + 4 <= kn; k += 4) {
+        __m128 a = _mm_loadu_ps(r0 + k), b = _mm_loadu_ps(r0 + lde + k), c = _mm_loadu_ps(r0 + 2 * lde + k),
+               d = _mm_loadu_ps(r0 + 3 * lde + k);
+        _MM_TRANSPOSE4_PS(a, b, c, d);
+        _mm_storeu_ps(dst + k * kPanel, a);
+        _mm_storeu_ps(dst + (k + 1) * kPanel, b);
+        _mm_storeu_ps(dst + (k + 2) * kPanel, c);
+        _mm_storeu_ps(dst + (k + 3) * kPanel, d);
+      }
+      for (; k < kn; ++k)
+        for (int i = 0; i < 4; ++i) dst[k * kPanel + i] = r0[i * lde + k];
+    }
+  }
+#endif
+  for (; n < padded; ++n) {
+    float* dst = buf + (n / kPanel) * panel_stride(kn) + n % kPanel;
+    if (n < cols) {
+      const typename Wt::T* row = e + n * lde;
+      for (ptrdiff_t k = 0; k < kn; ++k) dst[k * kPanel] = Wt::one(row + k);
+    } else {
+      for (ptrdiff_t k = 0; k < kn; ++k) dst[k * kPanel] = 0.0f;
+    }
+  }
+}
+
 struct Fetch {  // the next block's rows, one cache line every `every` steps of the tiles' k loops
   const char* row;   // the row being fetched
   ptrdiff_t ld;      // bytes between rows
@@ -279,12 +321,14 @@ static void tile_rows(int rows, const float* x, ptrdiff_t ldx, const float* pane
 }
 
 // ---- a thread's columns -------------------------------------------------------------------------
-// Columns [c0, c1) of out [rows, N] = x [rows, K] @ w [K, N]. `acc` holds rows x (strip + kPad)
-// floats (rows of `out` N floats apart could share L1 sets, and a load would wait on the store to
-// the row before at the same low address bits), `buf` the panels of a block.
+// Columns [c0, c1) of out [rows, N] = x [rows, K] @ w [K, N] (w given as e = w^T [N, K] when
+// `transposed`: always packed). `acc` holds rows x (strip + kPad) floats (rows of `out` N floats
+// apart could share L1 sets, and a load would wait on the store to the row before at the same low
+// address bits), `buf` the panels of a block.
 template <int DT>
-static void columns(const float* x, const void* w, float* out, ptrdiff_t rows, ptrdiff_t K, ptrdiff_t N,
-                    ptrdiff_t c0, ptrdiff_t c1, ptrdiff_t strip, ptrdiff_t kblock, float* acc, float* buf) {
+static void columns(const float* x, const void* w, bool transposed, float* out, ptrdiff_t rows, ptrdiff_t K,
+                    ptrdiff_t N, ptrdiff_t c0, ptrdiff_t c1, ptrdiff_t strip, ptrdiff_t kblock, float* acc,
+                    float* buf) {
   using T = typename Weights<DT>::T;
   const T* wt = static_cast<const T*>(w);
   const ptrdiff_t lda = strip + kPad;
@@ -293,24 +337,27 @@ static void columns(const float* x, const void* w, float* out, ptrdiff_t rows, p
     const ptrdiff_t used = (cols + kPanel - 1) / kPanel * kPanel;  // a tile's last panel adds zeros past cols
     for (ptrdiff_t r = 0; r < rows; ++r)
       for (ptrdiff_t n = 0; n < used; ++n) acc[r * lda + n] = 0.0f;
-    if (rows == 1) {
+    if (rows == 1 && !transposed) {
       stream<DT, 1>(x, K, wt + n0, N, K, acc, lda, cols);
-    } else if (rows <= kStreamRows) {
+    } else if (rows <= kStreamRows && !transposed) {
       stream<DT, 2>(x, K, wt + n0, N, K, acc, lda, cols);
     } else {
       const int panels = (cols + kPanel - 1) / kPanel;
       const int groups = int((rows + kTileRows - 1) / kTileRows);  // tiles of rows, sizes as even as can be
-      const ptrdiff_t row_bytes = ptrdiff_t(cols) * ptrdiff_t(sizeof(T)), lines = (row_bytes + 63) / 64;
       for (ptrdiff_t k0 = 0; k0 < K; k0 += kblock) {
         const ptrdiff_t kn = K - k0 < kblock ? K - k0 : kblock;
-        pack<DT>(wt + k0 * N + n0, N, kn, cols, buf);
+        if (transposed) pack_transposed<DT>(wt + n0 * K + k0, K, kn, cols, buf);
+        else pack<DT>(wt + k0 * N + n0, N, kn, cols, buf);
         float* xb = buf + panels * panel_stride(kn);  // x's block, rows a line more than kn apart
         const ptrdiff_t ldxb = kn + 16;
         for (ptrdiff_t r = 0; r < rows; ++r) __builtin_memcpy(xb + r * ldxb, x + r * K + k0, sizeof(float) * kn);
-        const ptrdiff_t k1 = k0 + kn, next = K - k1 < kblock ? K - k1 : kblock;
+        // the next block: rows k1 .. of w's columns n0 ..; of e, rows n0 .. from column k1
+        const ptrdiff_t k1 = k0 + kn, next = K - k1 < kblock ? K - k1 : kblock, sz = ptrdiff_t(sizeof(T));
+        const ptrdiff_t fetch_rows = transposed ? (next > 0 ? cols : 0) : next;
+        const ptrdiff_t row_bytes = (transposed ? next : cols) * sz, lines = fetch_rows * ((row_bytes + 63) / 64);
         const ptrdiff_t steps = ptrdiff_t(panels) * groups * kn;
-        Fetch f{reinterpret_cast<const char*>(wt + k1 * N + n0), N * ptrdiff_t(sizeof(T)), row_bytes, 0, next,
-                int(next > 0 && steps > next * lines ? steps / (next * lines) : 1), 0};
+        Fetch f{reinterpret_cast<const char*>(transposed ? wt + n0 * K + k1 : wt + k1 * N + n0), (transposed ? K : N) * sz,
+                row_bytes, 0, fetch_rows, int(lines > 0 && steps > lines ? steps / lines : 1), 0};
         for (int p = 0; p < panels; ++p)
           for (int g = 0; g < groups; ++g) {
             const ptrdiff_t r0 = rows * g / groups, r1 = rows * (g + 1) / groups;
@@ -324,13 +371,13 @@ static void columns(const float* x, const void* w, float* out, ptrdiff_t rows, p
 }
 
 // This instruction set's entry point (module.cpp picks one at run time).
-inline void product_columns(int dtype, const float* x, const void* w, float* out, ptrdiff_t rows, ptrdiff_t K,
-                            ptrdiff_t N, ptrdiff_t c0, ptrdiff_t c1, ptrdiff_t strip, ptrdiff_t kblock, float* acc,
-                            float* buf) {
+inline void product_columns(int dtype, const float* x, const void* w, bool transposed, float* out, ptrdiff_t rows,
+                            ptrdiff_t K, ptrdiff_t N, ptrdiff_t c0, ptrdiff_t c1, ptrdiff_t strip, ptrdiff_t kblock,
+                            float* acc, float* buf) {
   switch (dtype) {
-    case kF32: return columns<kF32>(x, w, out, rows, K, N, c0, c1, strip, kblock, acc, buf);
-    case kF16: return columns<kF16>(x, w, out, rows, K, N, c0, c1, strip, kblock, acc, buf);
-    default: return columns<kBF16>(x, w, out, rows, K, N, c0, c1, strip, kblock, acc, buf);
+    case kF32: return columns<kF32>(x, w, transposed, out, rows, K, N, c0, c1, strip, kblock, acc, buf);
+    case kF16: return columns<kF16>(x, w, transposed, out, rows, K, N, c0, c1, strip, kblock, acc, buf);
+    default: return columns<kBF16>(x, w, transposed, out, rows, K, N, c0, c1, strip, kblock, acc, buf);
   }
 }
 

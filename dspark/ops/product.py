@@ -79,20 +79,22 @@ def product_ref(x, w) -> np.ndarray:
 
 
 # ---- native -----------------------------------------------------------------------------------------
-def blocking(rows: int) -> tuple[int, int]:
+def blocking(rows: int, transposed: bool = False) -> tuple[int, int]:
     """(strip, kblock) for a product of `rows` rows (csrc/cpu/product.h): the columns a thread
     walks at once, sized so that their accumulators and the rows of w in use stay in cache, and the
-    rows of w per packed block (more than 8 rows). Neither changes a single bit of the result."""
-    if rows <= 2:  # streamed: long runs of each row of w, the accumulators in L1 / L2
+    rows of w per packed block (more than 2 rows, or w stored transposed). Neither changes a single
+    bit of the result."""
+    if rows <= 2 and not transposed:  # streamed: long runs of each row of w, the accumulators in L1 / L2
         return (8192 if rows == 1 else 2048), 1
     return 256, 128  # packed: a block of w (128 KB in f32) in L2, a panel (8 KB) in L1
 
 
 def product(x: np.ndarray, w: np.ndarray, out: np.ndarray | None = None, *, threads: int | None = None,
             isa: str = "") -> np.ndarray:
-    """x f32 [rows, K] @ w [K, N] (f32, f16 or bf16) -> out f32 [rows, N], C-contiguous host arrays
-    (the op validates; this only computes). `threads` (default: get_num_threads(), fewer for a
-    small product) and `isa` ("avx2", "base"; default: the best this CPU runs) are for tests."""
+    """x f32 [rows, K] @ w [K, N] (f32, f16 or bf16) -> out f32 [rows, N]: x and out C-contiguous
+    host arrays, w C-contiguous or the transpose of a C-contiguous [N, K] (a tied LM head, read in
+    place). The op validates; this only computes. `threads` (default: get_num_threads(), fewer for
+    a small product) and `isa` ("avx2", "base"; default: the best this CPU runs) are for tests."""
     rows, k = x.shape
     n = w.shape[1]
     if out is None:
@@ -102,16 +104,21 @@ def product(x: np.ndarray, w: np.ndarray, out: np.ndarray | None = None, *, thre
     if k == 0:
         out[...] = 0
         return out
+    transposed = not w.flags.c_contiguous
+    if transposed and not w.T.flags.c_contiguous:
+        w, transposed = np.ascontiguousarray(w), False
     if threads is None:  # a small product is not worth waking a thread for
         threads = max(1, min(get_num_threads(), k * n * (rows + 4) // WORK_PER_THREAD))
-    strip, kblock = blocking(rows)
-    _module().product(DTYPE_CODES[w.dtype], x, w, out, rows, k, n, threads, strip, kblock, isa)
+    strip, kblock = blocking(rows, transposed)
+    _module().product(DTYPE_CODES[w.dtype], x, w.T if transposed else w, transposed, out, rows, k, n, threads,
+                      strip, kblock, isa)
     return out
 
 
 def host_linear(x, w, out=None) -> np.ndarray:
-    """The numpy backend's `linear` (validated there): any strides in, written into `out` if given."""
-    x, w = np.ascontiguousarray(x), np.ascontiguousarray(w)
+    """The numpy backend's `linear` (validated there): x of any strides, w as product() takes it
+    (else copied), written into `out` if given."""
+    x = np.ascontiguousarray(x)
     if out is not None and out.flags.c_contiguous:
         return product(x, w, out)
     y = product(x, w)

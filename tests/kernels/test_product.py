@@ -144,3 +144,17 @@ def test_prefill_rows_equal_decode_rows(numpy_backend, rng, monkeypatch, threads
         np.testing.assert_array_equal(verify.taps, full.taps[-6:])
     finally:
         dspark.set_num_threads(before)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+def test_transposed_weights_are_read_in_place(rng, dtype):
+    """A tied LM head is the embedding's transpose: read as it is stored (no copy per call), the
+    same bits as its contiguous copy, for one row and many."""
+    for rows, k, n in ((1, 130, 300), (2, 257, 33), (9, 64, 1000)):
+        x, _ = inputs(rng, rows, k, n, dtype)
+        e = (rng.standard_normal((n, k)) / np.sqrt(k)).astype(dtype)  # the embedding [vocab, d]
+        assert not e.T.flags.c_contiguous
+        expect = prod.product_ref(x, np.ascontiguousarray(e.T))
+        for isa in ISAS:
+            for threads in (1, 2):
+                np.testing.assert_array_equal(native(x, e.T, threads, isa), expect, err_msg=f"{rows} rows, {isa}")
