@@ -3,9 +3,9 @@ commit's, in one run: plain and speculative greedy decode, tokens/s of each, int
 
     python profiling/bench_embedded.py --base REV [--repeats 5] [--max-new-tokens 256]
 
-The earlier tree is `git archive REV` unpacked into a temporary directory (its numpy backend needs
-no build; this tree's dspark._cpu must be built: pip install -e . or python setup.py build_ext
---inplace). Each tree runs in its own child process (one dspark per interpreter) that loads the
+The earlier tree is `git archive REV` unpacked into a temporary directory (a tree from before
+csrc/cpu needs no build; a later one gets its dspark._cpu built there; this tree's must be built:
+pip install -e . or python setup.py build_ext --inplace). Each tree runs in its own child process (one dspark per interpreter) that loads the
 pair once and then serves requests; the parent asks them in turn, so only one computes at a time,
 and alternates which goes first. Each request is the demo's: its prompt, greedy, its verify policy,
 tau and verify width (dspark.cli), one plain and one speculative generation, single-threaded BLAS
@@ -78,11 +78,16 @@ class Tree:
 
 
 def unpack(rev: str, dest: Path) -> Path:
+    """The tree at `rev`, its dspark._cpu built when it has one (with its own build helper)."""
     archive = dest / "base.tar"
     subprocess.run(["git", "archive", "--format=tar", "-o", str(archive), rev], cwd=ROOT, check=True)
+    tree = dest / "tree"
     with tarfile.open(archive) as t:
-        t.extractall(dest / "tree", filter="data")
-    return dest / "tree"
+        t.extractall(tree, filter="data")
+    if (tree / "csrc" / "cpu").is_dir():
+        subprocess.run([sys.executable, "-c", "from dspark.kernel_sources import build_cpu; build_cpu()"], cwd=tree,
+                       env=dict(os.environ, PYTHONPATH=str(tree)), check=True)
+    return tree
 
 
 def main(argv=None) -> int:

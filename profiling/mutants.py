@@ -180,22 +180,6 @@ def build_family(tree: Path, cache: Path, family: str) -> str:
     return r.stdout.strip().split("=", 1)[1]
 
 
-def build_native(tree: Path) -> None:
-    """The copy's dspark._cpu (csrc/cpu) rebuilt in place, with the flags setup.py uses."""
-    import sysconfig
-
-    import pybind11
-
-    from dspark.backends.simt_build import compiler
-    from dspark.kernel_sources import CPU_CXXFLAGS, CPU_SOURCES
-    target = next((tree / "dspark").glob("_cpu.*"), None) or tree / "dspark" / f"_cpu{sysconfig.get_config_var('EXT_SUFFIX')}"
-    cmd = [compiler(), "-std=c++17", "-shared", "-fPIC", "-fvisibility=hidden", *CPU_CXXFLAGS, "-I", pybind11.get_include(),
-           "-I", sysconfig.get_paths()["include"], *(str(tree / "csrc" / f) for f in CPU_SOURCES), "-o", str(target)]
-    r = subprocess.run(cmd, capture_output=True, text=True)
-    if r.returncode:
-        raise RuntimeError(f"build of dspark._cpu failed:\n{(r.stdout + r.stderr)[-3000:]}")
-
-
 class Workspace:
     """One private copy of the tree per worker thread; mutants are applied and reverted in it."""
 
@@ -217,8 +201,12 @@ class Workspace:
         try:
             module = None
             if m.cls == "native":
-                try:
-                    build_native(self.tree)
+                try:  # the copy's own build helper, compiling the copy's csrc/cpu
+                    r = subprocess.run([sys.executable, "-c", "from dspark.kernel_sources import build_cpu; build_cpu()"],
+                                       cwd=self.tree, env=child_env(self.tree, self.cache), capture_output=True,
+                                       text=True)
+                    if r.returncode:
+                        raise RuntimeError((r.stdout + r.stderr)[-3000:])
                 except RuntimeError as e:
                     return Outcome("ERROR", f"the mutant does not compile (not a realistic mutant): {e}")
             if m.cls == "kernel":
