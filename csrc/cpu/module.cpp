@@ -11,6 +11,7 @@
 #include <cstdint>
 #include <functional>
 #include <mutex>
+#include <pthread.h>
 #include <string>
 #include <thread>
 #include <vector>
@@ -140,9 +141,17 @@ class Pool {
   bool stop_ = false;
 };
 
+Pool* the_pool = nullptr;  // never destroyed: workers must not be joined at interpreter exit
+
+// A forked child has none of the parent's workers: it starts a pool of its own (the parent's
+// is left as it was, its memory unreachable in the child).
+void forget_pool_in_child() { the_pool = nullptr; }
+
 Pool& pool() {
-  static Pool* p = new Pool();  // never destroyed: workers must not be joined at interpreter exit
-  return *p;
+  static const bool registered = pthread_atfork(nullptr, nullptr, forget_pool_in_child) == 0;
+  (void)registered;
+  if (!the_pool) the_pool = new Pool();
+  return *the_pool;
 }
 
 // out [rows, N] = x [rows, K] @ w [K, N] over `threads` column parts. Part boundaries are whole

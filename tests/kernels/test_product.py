@@ -158,3 +158,15 @@ def test_transposed_weights_are_read_in_place(rng, dtype):
         for isa in ISAS:
             for threads in (1, 2):
                 np.testing.assert_array_equal(native(x, e.T, threads, isa), expect, err_msg=f"{rows} rows, {isa}")
+
+
+def test_a_forked_child_multiplies_with_threads_of_its_own(rng):
+    """The worker pool does not survive fork(): a child process starts its own instead of waiting
+    on the parent's workers."""
+    import multiprocessing
+    x, w = inputs(rng, 4, 300, 2000, np.float32)
+    expect = native(x, w, 2)  # the parent's pool is up
+    ctx = multiprocessing.get_context("fork")
+    with ctx.Pool(1) as p:
+        got = p.apply_async(prod.product, (x, w), dict(threads=2)).get(timeout=60)
+    np.testing.assert_array_equal(got, expect)
