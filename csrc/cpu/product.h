@@ -13,11 +13,12 @@
 // * One or two rows (decode): w streams in memory order. Each pass takes four rows of w and adds
 //   them to the strip's accumulators (a = a + x0 w0; a = a + x1 w1; ... per vector of columns),
 //   with the x values in registers and w prefetched kPrefetchRows ahead.
-// * More rows (verify, prefill): K in blocks of `kblock` rows of w. A block is widened once into
-//   panels of kPanel columns, [kblock][kPanel] contiguous (`pack`); tiles of up to kTileRows rows x
-//   kPanel columns keep their accumulators in registers over the block, one k at a time in order
-//   (`tile`), while they prefetch the next block. Each weight is read from memory once per strip
-//   and from cache by every tile of rows.
+// * More rows: K in blocks of `kblock` rows of w; tiles of up to kTileRows rows x kPanel columns
+//   keep their accumulators in registers over a block, one k at a time in order (`tile`), while
+//   they prefetch the next block. Up to kDirectRows rows (verify) the tiles read w in place
+//   (`wtile`); more rows (prefill) first widen the block into panels [kblock][kPanel] contiguous
+//   (`pack`) that every tile of rows then reads from cache. A transposed w (a tied LM head) is
+//   always packed. Each weight is read from memory once per strip.
 //
 // This header is compiled once per instruction set, inside namespace DSPARK_CPU_ISA, with the
 // vector width and tile shape that set's registers hold (generic GCC/Clang vector extensions).
@@ -41,17 +42,23 @@
 #define DSPARK_LANES 4
 #define DSPARK_TILE_ROWS 4
 #define DSPARK_TILE_VECS 2
+#define DSPARK_DIRECT_TILE_ROWS 4
+#define DSPARK_DIRECT_TILE_VECS 3
 #endif
 
 namespace DSPARK_CPU_ISA {
 
 constexpr int kLanes = DSPARK_LANES;          // floats per vector
 constexpr int kUnroll = 4;                    // rows of w per pass of `stream`
-constexpr int kStreamRows = 2;                // up to this many rows: `stream`; more: `pack` + `tile`
+constexpr int kStreamRows = 2;                // up to this many rows: `stream`; more: tiles
+constexpr int kDirectRows = 8;                // up to this many rows, tiles read w in place; more: packed
 constexpr int kPrefetchRows = 16;             // rows of w ahead of use that `stream` and `pack` prefetch
 constexpr int kTileRows = DSPARK_TILE_ROWS;   // a tile's accumulators: kTileRows x kTileVecs vectors
 constexpr int kTileVecs = DSPARK_TILE_VECS;
 constexpr int kPanel = kTileVecs * kLanes;    // columns of a packed panel
+constexpr int kDirectTileRows = DSPARK_DIRECT_TILE_ROWS;  // the tiles that read w in place
+constexpr int kDirectTileVecs = DSPARK_DIRECT_TILE_VECS;
+constexpr int kDirectPanel = kDirectTileVecs * kLanes;
 constexpr int kPad = 64;                      // floats between accumulator rows beyond the strip
 
 typedef float vf __attribute__((vector_size(4 * kLanes)));
@@ -277,47 +284,85 @@ struct Fetch {  // the next block's rows, one cache line every `every` steps of 
   inline void step() {
     if (rows_left > 0 && ++phase >= every) {
       phase = 0;
-      __builtin_prefetch(row + col);
+      __builtin_prefetch(row + col, 0, 1);  // toward L2: L1 keeps the block in use
       col += 64;
       if (col >= bytes) col = 0, row += ld, --rows_left;
     }
   }
 };
 
-// acc [R, kPanel] += x [R, kn] @ panel [kn, kPanel], k in order, accumulators in registers.
-template <int R>
+// acc [R, V lanes] += x [R, kn] @ panel [kn, V lanes], k in order, accumulators in registers.
+template <int R, int V>
 static void tile(const float* x, ptrdiff_t ldx, const float* panel, ptrdiff_t kn, float* acc, ptrdiff_t lda,
                  Fetch* f) {
-  vf a[R][kTileVecs];
+  vf a[R][V];
   DSPARK_UNROLL
   for (int r = 0; r < R; ++r)
     DSPARK_UNROLL
-    for (int v = 0; v < kTileVecs; ++v) a[r][v] = load(acc + r * lda + v * kLanes);
+    for (int v = 0; v < V; ++v) a[r][v] = load(acc + r * lda + v * kLanes);
   for (ptrdiff_t k = 0; k < kn; ++k) {
     f->step();
-    vf b[kTileVecs];
+    vf b[V];
     DSPARK_UNROLL
-    for (int v = 0; v < kTileVecs; ++v) b[v] = load(panel + k * kPanel + v * kLanes);
+    for (int v = 0; v < V; ++v) b[v] = load(panel + k * V * kLanes + v * kLanes);
     DSPARK_UNROLL
     for (int r = 0; r < R; ++r) {
       const vf s = splat(x[r * ldx + k]);
       DSPARK_UNROLL
-      for (int v = 0; v < kTileVecs; ++v) a[r][v] = a[r][v] + s * b[v];
+      for (int v = 0; v < V; ++v) a[r][v] = a[r][v] + s * b[v];
     }
   }
   DSPARK_UNROLL
   for (int r = 0; r < R; ++r)
     DSPARK_UNROLL
-    for (int v = 0; v < kTileVecs; ++v) store(acc + r * lda + v * kLanes, a[r][v]);
+    for (int v = 0; v < V; ++v) store(acc + r * lda + v * kLanes, a[r][v]);
 }
 
+// The same tile reading w in place (row stride ldw, as stored, widened per load).
+template <int DT, int R, int V>
+static void wtile(const float* x, ptrdiff_t ldx, const typename Weights<DT>::T* w, ptrdiff_t ldw, ptrdiff_t kn,
+                  float* acc, ptrdiff_t lda, Fetch* f) {
+  using Wt = Weights<DT>;
+  vf a[R][V];
+  DSPARK_UNROLL
+  for (int r = 0; r < R; ++r)
+    DSPARK_UNROLL
+    for (int v = 0; v < V; ++v) a[r][v] = load(acc + r * lda + v * kLanes);
+  for (ptrdiff_t k = 0; k < kn; ++k) {
+    f->step();
+    vf b[V];
+    DSPARK_UNROLL
+    for (int v = 0; v < V; ++v) b[v] = Wt::vec(w + k * ldw + v * kLanes);
+    DSPARK_UNROLL
+    for (int r = 0; r < R; ++r) {
+      const vf s = splat(x[r * ldx + k]);
+      DSPARK_UNROLL
+      for (int v = 0; v < V; ++v) a[r][v] = a[r][v] + s * b[v];
+    }
+  }
+  DSPARK_UNROLL
+  for (int r = 0; r < R; ++r)
+    DSPARK_UNROLL
+    for (int v = 0; v < V; ++v) store(acc + r * lda + v * kLanes, a[r][v]);
+}
+
+// A tile of `rows` <= R rows: the instantiation for exactly that many.
 template <int R>
 static void tile_rows(int rows, const float* x, ptrdiff_t ldx, const float* panel, ptrdiff_t kn, float* acc,
                       ptrdiff_t lda, Fetch* f) {
   if constexpr (R > 1) {
     if (rows < R) return tile_rows<R - 1>(rows, x, ldx, panel, kn, acc, lda, f);
   }
-  tile<R>(x, ldx, panel, kn, acc, lda, f);
+  tile<R, kTileVecs>(x, ldx, panel, kn, acc, lda, f);
+}
+
+template <int DT, int R>
+static void wtile_rows(int rows, const float* x, ptrdiff_t ldx, const typename Weights<DT>::T* w, ptrdiff_t ldw,
+                       ptrdiff_t kn, float* acc, ptrdiff_t lda, Fetch* f) {
+  if constexpr (R > 1) {
+    if (rows < R) return wtile_rows<DT, R - 1>(rows, x, ldx, w, ldw, kn, acc, lda, f);
+  }
+  wtile<DT, R, kDirectTileVecs>(x, ldx, w, ldw, kn, acc, lda, f);
 }
 
 // ---- a thread's columns -------------------------------------------------------------------------
@@ -334,7 +379,7 @@ static void columns(const float* x, const void* w, bool transposed, float* out, 
   const ptrdiff_t lda = strip + kPad;
   for (ptrdiff_t n0 = c0; n0 < c1; n0 += strip) {
     const int cols = int(c1 - n0 < strip ? c1 - n0 : strip);
-    const ptrdiff_t used = (cols + kPanel - 1) / kPanel * kPanel;  // a tile's last panel adds zeros past cols
+    const ptrdiff_t used = cols + kPanel;  // a packed tile's last panel adds zeros past cols
     for (ptrdiff_t r = 0; r < rows; ++r)
       for (ptrdiff_t n = 0; n < used; ++n) acc[r * lda + n] = 0.0f;
     if (rows == 1 && !transposed) {
@@ -342,12 +387,18 @@ static void columns(const float* x, const void* w, bool transposed, float* out, 
     } else if (rows <= kStreamRows && !transposed) {
       stream<DT, 2>(x, K, wt + n0, N, K, acc, lda, cols);
     } else {
-      const int panels = (cols + kPanel - 1) / kPanel;
+      // Up to kDirectRows rows, tiles read w's whole panels of kDirectPanel columns where they are
+      // (at most two passes over a block the tiles before fetched into L2: packing would cost more
+      // than it saves); the columns past them, and every column for more rows, are packed.
+      const int direct = transposed || rows > kDirectRows ? 0 : cols / kDirectPanel;
+      const int packed_cols = cols - direct * kDirectPanel, panels = (packed_cols + kPanel - 1) / kPanel;
       const int groups = int((rows + kTileRows - 1) / kTileRows);  // tiles of rows, sizes as even as can be
+      const int direct_groups = int((rows + kDirectTileRows - 1) / kDirectTileRows);
       for (ptrdiff_t k0 = 0; k0 < K; k0 += kblock) {
         const ptrdiff_t kn = K - k0 < kblock ? K - k0 : kblock;
-        if (transposed) pack_transposed<DT>(wt + n0 * K + k0, K, kn, cols, buf);
-        else pack<DT>(wt + k0 * N + n0, N, kn, cols, buf);
+        const ptrdiff_t d0 = n0 + direct * kDirectPanel;  // the first packed column
+        if (transposed) pack_transposed<DT>(wt + d0 * K + k0, K, kn, packed_cols, buf);
+        else pack<DT>(wt + k0 * N + d0, N, kn, packed_cols, buf);
         float* xb = buf + panels * panel_stride(kn);  // x's block, rows a line more than kn apart
         const ptrdiff_t ldxb = kn + 16;
         for (ptrdiff_t r = 0; r < rows; ++r) __builtin_memcpy(xb + r * ldxb, x + r * K + k0, sizeof(float) * kn);
@@ -355,14 +406,20 @@ static void columns(const float* x, const void* w, bool transposed, float* out, 
         const ptrdiff_t k1 = k0 + kn, next = K - k1 < kblock ? K - k1 : kblock, sz = ptrdiff_t(sizeof(T));
         const ptrdiff_t fetch_rows = transposed ? (next > 0 ? cols : 0) : next;
         const ptrdiff_t row_bytes = (transposed ? next : cols) * sz, lines = fetch_rows * ((row_bytes + 63) / 64);
-        const ptrdiff_t steps = ptrdiff_t(panels) * groups * kn;
+        const ptrdiff_t steps = (ptrdiff_t(panels) * groups + ptrdiff_t(direct) * direct_groups) * kn;
         Fetch f{reinterpret_cast<const char*>(transposed ? wt + n0 * K + k1 : wt + k1 * N + n0), (transposed ? K : N) * sz,
                 row_bytes, 0, fetch_rows, int(lines > 0 && steps > lines ? steps / lines : 1), 0};
+        for (int p = 0; p < direct; ++p)
+          for (int g = 0; g < direct_groups; ++g) {
+            const ptrdiff_t r0 = rows * g / direct_groups, r1 = rows * (g + 1) / direct_groups;
+            wtile_rows<DT, kDirectTileRows>(int(r1 - r0), xb + r0 * ldxb, ldxb, wt + k0 * N + n0 + p * kDirectPanel, N,
+                                            kn, acc + r0 * lda + p * kDirectPanel, lda, &f);
+          }
         for (int p = 0; p < panels; ++p)
           for (int g = 0; g < groups; ++g) {
             const ptrdiff_t r0 = rows * g / groups, r1 = rows * (g + 1) / groups;
             tile_rows<kTileRows>(int(r1 - r0), xb + r0 * ldxb, ldxb, buf + p * panel_stride(kn), kn,
-                                 acc + r0 * lda + p * kPanel, lda, &f);
+                                 acc + r0 * lda + (d0 - n0) + p * kPanel, lda, &f);
           }
       }
     }

@@ -82,11 +82,12 @@ def product_ref(x, w) -> np.ndarray:
 def blocking(rows: int, transposed: bool = False) -> tuple[int, int]:
     """(strip, kblock) for a product of `rows` rows (csrc/cpu/product.h): the columns a thread
     walks at once, sized so that their accumulators and the rows of w in use stay in cache, and the
-    rows of w per packed block (more than 2 rows, or w stored transposed). Neither changes a single
-    bit of the result."""
-    if rows <= 2 and not transposed:  # streamed: long runs of each row of w, the accumulators in L1 / L2
-        return (8192 if rows == 1 else 2048), 1
-    return 256, 128  # packed: a block of w (128 KB in f32) in L2, a panel (8 KB) in L1
+    rows of w per block of the tiles. Neither changes a single bit of the result."""
+    if transposed or rows > 8:  # packed: a block of w (128 KB in f32) in L2, a panel (8 KB) in L1
+        return 256, 128
+    if rows > 2:  # tiles on w in place: rows of 4 KB, blocks of 128 KB
+        return 1024, 32
+    return (8192 if rows == 1 else 2048), 1  # streamed: long runs of each row of w, accumulators in L1 / L2
 
 
 def product(x: np.ndarray, w: np.ndarray, out: np.ndarray | None = None, *, threads: int | None = None,
