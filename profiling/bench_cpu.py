@@ -6,8 +6,8 @@ checkpoint, in one process, interleaved, with the same threads.
 
 For each architecture a checkpoint of a few hundred million parameters (--size 300m; `tiny` for a
 smoke run) is built with transformers' own classes from a seeded random init, its matrices redrawn
-at unit scale (randn / sqrt(fan-in), as tests/models/hf_models.py does: greedy decoding then has
-no near-ties), saved in f32 into a temporary directory and loaded by both: transformers'
+at unit scale (randn / sqrt(fan-in): greedy decoding then has no near-ties), saved in f32 into a
+temporary directory and loaded by both: transformers'
 AutoModelForCausalLM and dspark.models.hf.load_target on the numpy backend. Then, per thread count
 (torch.set_num_threads and dspark.set_num_threads alike), `--repeats` rounds of:
 
@@ -36,24 +36,17 @@ from dataclasses import dataclass, field
 import numpy as np
 
 VERIFY = 8
-SIZES = {
-    # Qwen3.5 (hybrid: 3 gdn layers to 1 gated attention layer) and Qwen3 (dense attention), ~300M f32
-    "300m": {
-        "qwen3_5": dict(vocab_size=32000, hidden_size=1024, intermediate_size=3072, num_hidden_layers=16,
-                        num_attention_heads=8, num_key_value_heads=2, head_dim=256, linear_num_key_heads=8,
-                        linear_num_value_heads=16, linear_key_head_dim=64, linear_value_head_dim=64,
-                        layer_types=["linear_attention"] * 3 + ["full_attention"]),
-        "qwen3": dict(vocab_size=32000, hidden_size=1024, intermediate_size=3072, num_hidden_layers=16,
-                      num_attention_heads=16, num_key_value_heads=8, head_dim=64),
-    },
-    "tiny": {
-        "qwen3_5": dict(vocab_size=320, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
-                        num_attention_heads=4, num_key_value_heads=2, head_dim=64, linear_num_key_heads=2,
-                        linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=32,
-                        layer_types=["linear_attention"] * 3 + ["full_attention"]),
-        "qwen3": dict(vocab_size=320, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, head_dim=64),
-    },
+# The sizes: the model's dimensions, and per architecture its attention (and gdn) heads. 300m:
+# Qwen3.5 (hybrid: three gdn layers to one gated attention layer) and Qwen3 (dense attention) of
+# about 300M parameters in f32; tiny: a smoke run.
+DIMS = {"300m": (32000, 1024, 3072, 16), "tiny": (320, 64, 96, 4)}  # vocab, hidden, MLP, layers
+HEADS = {
+    ("300m", "qwen3_5"): dict(num_attention_heads=8, num_key_value_heads=2, head_dim=256, linear_num_key_heads=8,
+                              linear_num_value_heads=16, linear_key_head_dim=64, linear_value_head_dim=64),
+    ("300m", "qwen3"): dict(num_attention_heads=16, num_key_value_heads=8, head_dim=64),
+    ("tiny", "qwen3_5"): dict(num_attention_heads=4, num_key_value_heads=2, head_dim=64, linear_num_key_heads=2,
+                              linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=32),
+    ("tiny", "qwen3"): dict(num_attention_heads=4, num_key_value_heads=2, head_dim=64),
 }
 
 
@@ -61,21 +54,20 @@ def build_checkpoint(arch: str, size: str, directory: str, seed: int = 0) -> int
     """Save the model with transformers' save_pretrained; returns its parameter count."""
     import torch
     import transformers
-    cfg = dict(SIZES[size][arch])
+    vocab, hidden, mlp, layers = DIMS[size]
+    cfg = dict(vocab_size=vocab, hidden_size=hidden, intermediate_size=mlp, num_hidden_layers=layers,
+               tie_word_embeddings=False, **HEADS[(size, arch)])
+    torch.manual_seed(seed)
     if arch == "qwen3_5":
-        cfg["layer_types"] = [cfg["layer_types"][i % 4] for i in range(cfg["num_hidden_layers"])]
-        model = transformers.Qwen3_5ForCausalLM(transformers.Qwen3_5TextConfig(**cfg, tie_word_embeddings=False))
+        cfg["layer_types"] = ["full_attention" if i % 4 == 3 else "linear_attention" for i in range(layers)]
+        model = transformers.Qwen3_5ForCausalLM(transformers.Qwen3_5TextConfig(**cfg))
     else:
-        model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**cfg, tie_word_embeddings=False))
+        model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**cfg))
     g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
+    with torch.no_grad():  # matrices at unit scale; the rest as transformers initialised it
+        for p in model.parameters():
             if p.ndim >= 2:
                 p.copy_(torch.randn(p.shape, generator=g) / math.sqrt(p.shape[-1]))
-            elif name.endswith("A_log"):
-                p.copy_(torch.rand(p.shape, generator=g) * math.log(16.0))
-            elif name.endswith("dt_bias"):
-                p.copy_(torch.randn(p.shape, generator=g))
     model.eval().save_pretrained(directory)
     return sum(p.numel() for p in model.parameters())
 
@@ -213,7 +205,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--arch", nargs="+", default=["qwen3_5", "qwen3"], choices=["qwen3_5", "qwen3"])
     ap.add_argument("--threads", nargs="+", type=int, default=[1, 2])
-    ap.add_argument("--size", default="300m", choices=sorted(SIZES))
+    ap.add_argument("--size", default="300m", choices=sorted(DIMS))
     ap.add_argument("--prompt", type=int, default=32)
     ap.add_argument("--steps", type=int, default=8, help="decode steps per round")
     ap.add_argument("--repeats", type=int, default=5, help="rounds, interleaved")

@@ -16,7 +16,7 @@
 // * More rows: K in blocks of `kblock` rows of w; tiles of up to kTileRows rows x kPanel columns
 //   keep their accumulators in registers over a block, one k at a time in order (`tile`), while
 //   they prefetch the next block. Up to kDirectRows rows (verify) the tiles read w in place
-//   (`wtile`); more rows (prefill) first widen the block into panels [kblock][kPanel] contiguous
+//   (`tile` on w); more rows (prefill) first widen the block into panels [kblock][kPanel] contiguous
 //   (`pack`) that every tile of rows then reads from cache. A transposed w (a tied LM head) is
 //   always packed. Each weight is read from memory once per strip.
 //
@@ -291,36 +291,10 @@ struct Fetch {  // the next block's rows, one cache line every `every` steps of 
   }
 };
 
-// acc [R, V lanes] += x [R, kn] @ panel [kn, V lanes], k in order, accumulators in registers.
-template <int R, int V>
-static void tile(const float* x, ptrdiff_t ldx, const float* panel, ptrdiff_t kn, float* acc, ptrdiff_t lda,
-                 Fetch* f) {
-  vf a[R][V];
-  DSPARK_UNROLL
-  for (int r = 0; r < R; ++r)
-    DSPARK_UNROLL
-    for (int v = 0; v < V; ++v) a[r][v] = load(acc + r * lda + v * kLanes);
-  for (ptrdiff_t k = 0; k < kn; ++k) {
-    f->step();
-    vf b[V];
-    DSPARK_UNROLL
-    for (int v = 0; v < V; ++v) b[v] = load(panel + k * V * kLanes + v * kLanes);
-    DSPARK_UNROLL
-    for (int r = 0; r < R; ++r) {
-      const vf s = splat(x[r * ldx + k]);
-      DSPARK_UNROLL
-      for (int v = 0; v < V; ++v) a[r][v] = a[r][v] + s * b[v];
-    }
-  }
-  DSPARK_UNROLL
-  for (int r = 0; r < R; ++r)
-    DSPARK_UNROLL
-    for (int v = 0; v < V; ++v) store(acc + r * lda + v * kLanes, a[r][v]);
-}
-
-// The same tile reading w in place (row stride ldw, as stored, widened per load).
+// acc [R, V lanes] += x [R, kn] @ w [kn, V lanes] (row stride ldw, as stored, widened per load), k in
+// order, accumulators in registers: w a packed panel (f32, ldw = V lanes) or read in place.
 template <int DT, int R, int V>
-static void wtile(const float* x, ptrdiff_t ldx, const typename Weights<DT>::T* w, ptrdiff_t ldw, ptrdiff_t kn,
+static void tile(const float* x, ptrdiff_t ldx, const typename Weights<DT>::T* w, ptrdiff_t ldw, ptrdiff_t kn,
                   float* acc, ptrdiff_t lda, Fetch* f) {
   using Wt = Weights<DT>;
   vf a[R][V];
@@ -347,22 +321,13 @@ static void wtile(const float* x, ptrdiff_t ldx, const typename Weights<DT>::T* 
 }
 
 // A tile of `rows` <= R rows: the instantiation for exactly that many.
-template <int R>
-static void tile_rows(int rows, const float* x, ptrdiff_t ldx, const float* panel, ptrdiff_t kn, float* acc,
-                      ptrdiff_t lda, Fetch* f) {
+template <int DT, int R, int V>
+static void tile_of(int rows, const float* x, ptrdiff_t ldx, const typename Weights<DT>::T* w, ptrdiff_t ldw,
+                    ptrdiff_t kn, float* acc, ptrdiff_t lda, Fetch* f) {
   if constexpr (R > 1) {
-    if (rows < R) return tile_rows<R - 1>(rows, x, ldx, panel, kn, acc, lda, f);
+    if (rows < R) return tile_of<DT, R - 1, V>(rows, x, ldx, w, ldw, kn, acc, lda, f);
   }
-  tile<R, kTileVecs>(x, ldx, panel, kn, acc, lda, f);
-}
-
-template <int DT, int R>
-static void wtile_rows(int rows, const float* x, ptrdiff_t ldx, const typename Weights<DT>::T* w, ptrdiff_t ldw,
-                       ptrdiff_t kn, float* acc, ptrdiff_t lda, Fetch* f) {
-  if constexpr (R > 1) {
-    if (rows < R) return wtile_rows<DT, R - 1>(rows, x, ldx, w, ldw, kn, acc, lda, f);
-  }
-  wtile<DT, R, kDirectTileVecs>(x, ldx, w, ldw, kn, acc, lda, f);
+  tile<DT, R, V>(x, ldx, w, ldw, kn, acc, lda, f);
 }
 
 // ---- a thread's columns -------------------------------------------------------------------------
@@ -412,14 +377,15 @@ static void columns(const float* x, const void* w, bool transposed, float* out, 
         for (int p = 0; p < direct; ++p)
           for (int g = 0; g < direct_groups; ++g) {
             const ptrdiff_t r0 = rows * g / direct_groups, r1 = rows * (g + 1) / direct_groups;
-            wtile_rows<DT, kDirectTileRows>(int(r1 - r0), xb + r0 * ldxb, ldxb, wt + k0 * N + n0 + p * kDirectPanel, N,
-                                            kn, acc + r0 * lda + p * kDirectPanel, lda, &f);
+            tile_of<DT, kDirectTileRows, kDirectTileVecs>(int(r1 - r0), xb + r0 * ldxb, ldxb,
+                                                          wt + k0 * N + n0 + p * kDirectPanel, N, kn,
+                                                          acc + r0 * lda + p * kDirectPanel, lda, &f);
           }
         for (int p = 0; p < panels; ++p)
           for (int g = 0; g < groups; ++g) {
             const ptrdiff_t r0 = rows * g / groups, r1 = rows * (g + 1) / groups;
-            tile_rows<kTileRows>(int(r1 - r0), xb + r0 * ldxb, ldxb, buf + p * panel_stride(kn), kn,
-                                 acc + r0 * lda + (d0 - n0) + p * kPanel, lda, &f);
+            tile_of<kF32, kTileRows, kTileVecs>(int(r1 - r0), xb + r0 * ldxb, ldxb, buf + p * panel_stride(kn),
+                                                kPanel, kn, acc + r0 * lda + (d0 - n0) + p * kPanel, lda, &f);
           }
       }
     }

@@ -55,25 +55,25 @@ def rmsnorm(x, weight, eps: float) -> np.ndarray:
 
 
 class AttentionProducts:
-    """attention._attend's products natively (attention.NUMPY_PRODUCTS is the NumPy pair)."""
+    """attention._attend's products natively (attention.NumpyProducts is the NumPy pair)."""
 
     @staticmethod
     def scores(q, kt) -> np.ndarray:
         """q [n, Hkv, G, D] . kt [Hkv, L, D] -> [n, Hkv, G, L], halving over D."""
-        n, hkv, g, d = q.shape
-        length = kt.shape[1]
-        s = np.empty((n, hkv, g, length), F32)
-        _module().attention_scores(_f32(q), _f32(kt), n, hkv, g, length, d, s)
-        return s
+        return _per_tile("attention_scores", q, kt, kt.shape[1])
 
     @staticmethod
     def weighted(p, vt) -> np.ndarray:
         """p [n, Hkv, G, L] . vt [Hkv, L, D] -> [n, Hkv, G, D], halving over L."""
-        n, hkv, g, length = p.shape
-        d = vt.shape[2]
-        o = np.empty((n, hkv, g, d), F32)
-        _module().attention_weighted(_f32(p), _f32(vt), n, hkv, g, length, d, o)
-        return o
+        return _per_tile("attention_weighted", p, vt, vt.shape[2])
+
+
+def _per_tile(name: str, a, b, last: int) -> np.ndarray:
+    """dspark._cpu.<name> over a [n, Hkv, G, *] and b [Hkv, L, D] -> [n, Hkv, G, last]."""
+    n, hkv, g, _ = a.shape
+    out = np.empty((n, hkv, g, last), F32)
+    getattr(_module(), name)(_f32(a), _f32(b), n, hkv, g, b.shape[1], b.shape[2], out)
+    return out
 
 
 attention_products = AttentionProducts()
