@@ -91,9 +91,8 @@ def cmd_info(args) -> int:
               f"{props['totalGlobalMem'] / 2**30:.0f} GiB)")
     else:
         print("device: no CUDA GPU; kernels run on the CPU through the simt backend")
-    from . import _cpu
-    from .ops.product import get_num_threads
-    print(f"numpy backend: native code {_cpu.isa()} (of {', '.join(_cpu.isas)}), {get_num_threads()} thread(s)")
+    from .ops.product import native_status
+    print(native_status())
     if "simt" in avail:
         be = get_backend("simt")
         sigs = be.kernels.signatures

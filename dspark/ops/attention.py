@@ -544,7 +544,7 @@ def attention(be, q, k_blk, v_blk, k_caches, v_caches, pos, row_indptr, *, mode=
     if be.kernels is None:
         out[...] = attention_ref(q, k_blk, v_blk, k_caches, v_caches, call.pos, call.indptr, mode=mode,
                                  window=call.window, scale=call.scale, split=split,
-                                 window_mode=window_mode, products=host.attention_products).astype(q.dtype)
+                                 window_mode=window_mode, products=host.attention_products if host.NATIVE else NumpyProducts).astype(q.dtype)
         return out
     launch = plan(call, split, strategy)
     if call.rows == 0:

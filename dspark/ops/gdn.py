@@ -253,7 +253,7 @@ def gdn_scan(be, mixed, a, b, conv_weight, A_log, dt_bias, states, conv_windows,
         require_tensor(be, arg, what, shape, align=align)
     if be.kernels is None:
         gdn_scan_ref(mixed, a, b, conv_weight, A_log, dt_bias, list(states.arrays), list(conv_windows.arrays),
-                     host_indptr, heads, dk, dv, out, state_ckpt, conv_ckpt, k_heads, commit, walk=host.delta_walk)
+                     host_indptr, heads, dk, dv, out, state_ckpt, conv_ckpt, k_heads, commit, walk=host.delta_walk if host.NATIVE else None)
     elif cols:
         x = be.xp.empty((cols, C), be.xp.float32)  # the conv's SiLU outputs, read by the scan
         be.kernels.get_function("gdn_conv_f32")(

@@ -9,14 +9,15 @@ references cost most per step after the product:
 
 Each does its reference's arithmetic operation for operation, NumPy's pairwise sums included
 (csrc/cpu/pairwise.h), so the numpy backend keeps the reference's bits at native speed; the tests
-hold every one to its reference with array_equal. The references stay the oracles.
+hold every one to its reference with array_equal. The references stay the oracles, and run in
+their place where dspark._cpu is not built (`NATIVE` is False): the same bits, slower.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from .product import _module
+from .product import NATIVE, _module
 
 F32 = np.float32
 

@@ -62,7 +62,7 @@ def rmsnorm(be, x, weight, eps: float, out=None):
     require_shape(weight, (n,), "weight")
     require_dtype(weight, F32, "weight")
     if be.kernels is None:
-        y = host.rmsnorm(x, weight, eps)  # rmsnorm_numpy's bits, natively
+        y = host.rmsnorm(x, weight, eps) if host.NATIVE else rmsnorm_numpy(x, weight, eps)  # the same bits
         if out is None:
             return y
         out[...] = y

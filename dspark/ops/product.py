@@ -57,14 +57,24 @@ def get_num_threads() -> int:
 
 try:
     from .. import _cpu
-except ImportError:  # reported when the numpy backend first multiplies
+except ImportError:  # a tree without the build (a GPU machine with no host compiler): the NumPy twins run
     _cpu = None
+
+NATIVE = _cpu is not None
 
 
 def _module():
     if _cpu is None:
-        raise BackendUnavailable("the numpy backend needs the compiled dspark._cpu module: pip install -e .")
+        raise BackendUnavailable("dspark._cpu is not built (pip install -e . builds it): the numpy backend runs its "
+                                 "NumPy twins instead")
     return _cpu
+
+
+def native_status() -> str:
+    """What the numpy backend runs: the native module's instruction set and threads, or the twins."""
+    if not NATIVE:
+        return "numpy backend: NumPy twins of the native code (dspark._cpu is not built), the same bits"
+    return f"numpy backend: native code {_cpu.isa()} (of {', '.join(_cpu.isas)}), {get_num_threads()} thread(s)"
 
 
 # ---- NumPy ------------------------------------------------------------------------------------------
@@ -108,6 +118,9 @@ def product(x: np.ndarray, w: np.ndarray, out: np.ndarray | None = None, *, thre
     transposed = not w.flags.c_contiguous
     if transposed and not w.T.flags.c_contiguous:
         w, transposed = np.ascontiguousarray(w), False
+    if not NATIVE:  # its twin: the same bits, slower
+        out[...] = product_ref(x, w)
+        return out
     if threads is None:  # a small product is not worth waking a thread for
         threads = max(1, min(get_num_threads(), k * n * (rows + 4) // WORK_PER_THREAD))
     strip, kblock = blocking(rows, transposed)

@@ -95,3 +95,30 @@ def test_attention_on_the_numpy_backend_equals_the_numpy_reference(numpy_backend
         want = attention_ref(*case.args(), mode=mode, window=case.window, split=split).astype(dtype)
         got = attention(numpy_backend, *case.args(), mode=mode, window=case.window, split=split)
         np.testing.assert_array_equal(got, want, err_msg=f"d={d}")
+
+
+def test_without_the_native_module_the_twins_give_the_same_bits(numpy_backend, rng, monkeypatch):
+    """A tree without dspark._cpu (a GPU machine with no host compiler, where the numpy backend is
+    the sanitizer steps' oracle) runs the NumPy twins: a whole trunk pass gives the native bits."""
+    from dspark.models.presets import tiny_pair
+    from dspark.ops import product
+    trunk, _ = tiny_pair(numpy_backend, seed=3)
+    config = trunk.config
+    prompt = rng.integers(0, config.vocab, 11).astype(np.int32)
+
+    def logits():
+        cache = trunk.new_cache()
+        try:
+            tp = trunk.prefill(cache, prompt)
+            return np.asarray(tp.logits).copy(), np.asarray(trunk.decode([cache], [int(prompt[0])]).logits).copy()
+        finally:
+            cache.free()
+
+    native = logits()
+    for mod in (product, host):
+        monkeypatch.setattr(mod, "NATIVE", False)
+    monkeypatch.setattr(product, "_cpu", None)
+    twins = logits()
+    for a, b in zip(native, twins):
+        np.testing.assert_array_equal(a, b)
+    assert "NumPy twins" in product.native_status()
