@@ -12,7 +12,7 @@ summation order to be a function of the shapes alone, never of `rows`:
   array_equal).
 * 16-bit weights on simt and cuda run the tensor-core GEMM `linear_mma_<dt>_m<BM>`: the
   activations rounded to the weight's type (round to nearest even, as bf16 engines do), mma.sync
-  m16n8k16 with f32 accumulation in k-steps of 16, K cut into chunks of `kchunk` (a multiple of 64,
+  m16n8k16 with f32 accumulation in k-steps of 16, K cut into chunks of `kchunk` (a multiple of 32,
   `mma_split_plan`: from K and N alone) whose partials are added in index order. Row tiles of 16,
   32, 64 or 128 rows (`mma_plan`: by the row count, which also picks whether a tile's chunks run in
   one CTA or in one CTA each) read each weight once per tile; the order is the same for every tile
@@ -20,13 +20,17 @@ summation order to be a function of the shapes alone, never of `rows`:
   (csrc/simt/tensor_core.h: exact products summed in double in increasing k, one rounding), and
   within the MMA bound of a GPU's. This path does not give the product of the f32 widening: a
   16-bit weight and its f32 copy give different bits (the f32 copy takes the f32 kernel).
-* numpy (the reference backend) multiplies with BLAS in fixed-shape chunks of ROW_CHUNK rows,
-  zero-padded (`linear_numpy`): BLAS picks its algorithm, and so its order, by shape (a 1-row
-  product is a GEMV), so a plain `x @ w` over a batch is not row-invariant; a fixed [ROW_CHUNK, K]
-  x [K, N] product is. 16-bit weights are widened exactly for each call there (BLAS multiplies
-  f32), so on numpy a 16-bit weight gives bitwise the product of its f32 widening. It and the f32
-  kernel agree within f32 rounding: |a - b| <= 1e-5 * (|x| @ |w|) for K up to a few thousand
-  (TOLERANCE); the 16-bit kernels differ from it by the activations' rounding (MMA_TOLERANCE).
+* numpy (the reference backend) runs dspark.ops.product for every weight dtype: native code
+  (dspark._cpu) summing each output in k order over the weights read as stored and widened
+  exactly, the activations kept f32; its NumPy twin `product_ref` bit for bit, no padding. So on
+  numpy a 16-bit weight gives bitwise the product of its f32 widening, and numpy's 16-bit products
+  differ from simt's and cuda's by the activations' rounding (MMA_TOLERANCE); `linear_mma_ref`,
+  not the numpy backend, is the oracle of the 16-bit kernels.
+* `linear_numpy` is the product in fixed-shape BLAS chunks of ROW_CHUNK rows, zero-padded (BLAS
+  picks its algorithm, and so its order, by shape: a plain `x @ w` over a batch is not
+  row-invariant, a fixed [ROW_CHUNK, K] x [K, N] product is): the yardstick the tests hold the
+  f32 orders to. Any two f32 orders agree within f32 rounding: |a - b| <= 1e-5 * (|x| @ |w|) for K
+  up to a few thousand (TOLERANCE).
 
 `linear_plan` gives the kernel's launch and bytes for given shapes without running anything.
 """
@@ -40,7 +44,7 @@ import numpy as np
 from ..arrays import adopt
 from ..dtypes import BF16, suffix
 from ..errors import DTypeError, ShapeError
-from . import rowsplit
+from . import product, rowsplit
 from .checks import require_dtype, require_ndim, require_shape
 from .dense import widen
 from .rowsplit import Launch, Plan
@@ -242,11 +246,7 @@ def linear(be, x, w, out=None, *, splits: int | None = None, bm: int | None = No
         require_shape(out, (rows, n), "out")
         require_dtype(out, F32, "out")
     if be.kernels is None:
-        y = linear_numpy(x, w)
-        if out is None:
-            return y
-        out[...] = y
-        return out
+        return product.host_linear(x, w, out)
     xp = be.xp
     x, w = xp.ascontiguousarray(x), xp.ascontiguousarray(w)
     if out is None:
