@@ -286,7 +286,7 @@ def sampling_benches(be, s: Sizes) -> Iterator[Bench]:
     V, nd = s.vocab, s.drafts
     for B in s.reduce_batches:
         logits = randn(be, (B, V), scale=3.0)
-        streams = Streams.full(B, seed=_RNG.integers(0, 2**63, B, dtype=np.uint64), counter=7, tag=Tag.DECODE)
+        streams = Streams.full(B, seed=_RNG.integers(0, 2**63, B, dtype=np.uint64), counter=7, tag=Tag.PICK)
         streams = Streams(*(be.asarray(a) for a in (streams.seed, streams.counter, streams.stream)))
         token, prob = be.xp.empty(B, np.int32), be.xp.empty(B, np.float32)
         for case, settings in SAMPLE_FILTERS:

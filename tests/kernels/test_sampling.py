@@ -265,7 +265,7 @@ def stats_case(rng, vocab, temperature, top_k, top_p, min_p, draws=DRAWS):
         if margin > 1e-3 and (prob > 0).sum() >= 3:
             break
     f = Filters.full(draws, temperature, top_k, top_p, min_p)
-    s = Streams.full(draws, rng.integers(0, 2**64, dtype=np.uint64), np.arange(draws) * 7919, Tag.DECODE)
+    s = Streams.full(draws, rng.integers(0, 2**64, dtype=np.uint64), np.arange(draws) * 7919, Tag.PICK)
     return np.broadcast_to(x, (draws, vocab)), f, s, prob
 
 
