@@ -19,15 +19,13 @@ import numpy as np
 import pytest
 
 import dspark.spec_sampling as spec_sampling
-from dspark.decode import PlainBatch, plain_generate, prefill_anchor
+from dspark.decode import plain_generate, prefill_anchor
 from dspark.errors import StateError
 from dspark.models.oracle import TrunkDrafter
 from dspark.models.presets import tiny_pair
 from dspark.session import DsparkSpecSession, SamplingParams, SpecParams, spec_burst
 from dspark.spec_sampling import pick_at
-from dspark.stats import SpecStats
-
-N = 30
+from tests.session.coupled_runs import N, check_alone_and_batched, check_demotion_at_every_boundary, params, prime, run
 REQUESTS = [(12, SamplingParams(temperature=0.8, top_k=20, seed=3)),
             (3, SamplingParams(temperature=0.6, top_p=0.9, seed=1234)),
             (20, SamplingParams(temperature=1.1, min_p=0.05, seed=2)),
@@ -50,24 +48,6 @@ def prompts():
     return [(rng.integers(0, 256, n).astype(np.int32), sp) for n, sp in REQUESTS]
 
 
-def params(sampling, **kw) -> SpecParams:
-    return SpecParams(**{"max_new_tokens": N, "burst_target": 6, "tau": 0.0, "sampler": "coupled", "sampling": sampling,
-                         **kw})
-
-
-def prime(trunk, drafter, p, sp, **kw) -> DsparkSpecSession:
-    s = DsparkSpecSession.prime(trunk, drafter, p, params(sp, **kw))
-    drafter.follow(s)
-    return s
-
-
-def run(trunk, drafter, p, sp, **kw) -> DsparkSpecSession:
-    s = prime(trunk, drafter, p, sp, **kw)
-    while not s.finished():
-        spec_burst([s])
-    return s
-
-
 def test_coupled_stream_is_plain_sampled_decode(model_backend, pairs):
     """Four requests with their own prompts, filters and seeds: alone, each in its own burst size
     (1 to 13 tokens), and in one batch they join a burst apart, each emits plain sampled decode's
@@ -75,65 +55,20 @@ def test_coupled_stream_is_plain_sampled_decode(model_backend, pairs):
     trunk, base = pairs(model_backend)
     drafter = TrunkDrafter(base, tilt=0.6, seed=7)
     reqs = prompts()
-    want = [plain_generate(trunk, p, N, sampling=sp) for p, sp in reqs]
-    total = SpecStats()
-    for (p, sp), burst, w in zip(reqs, (1, 4, 7, 13), want):
-        s = run(trunk, drafter, p, sp, burst_target=burst)
-        assert s.emitted == w, burst
-        total = total.merge(s.stats)
-        s.close()
+    total = check_alone_and_batched(trunk, drafter, reqs, N)
     print(total.summary())
     nd = drafter.config.drafts
     assert total.mean_accepted_length >= 1.8 and sum(total.histogram[1:nd]) >= 4, total.summary()
-    batch = [prime(trunk, drafter, p, sp, burst_target=5) for p, sp in reqs]
-    joined = []
-    while not all(s.finished() for s in batch):
-        joined = batch[: len(joined) + 1]
-        spec_burst(joined)
-    assert [s.emitted for s in batch] == want
-    for s in batch:
-        s.close()
     p, sp = reqs[0]
-    assert plain_generate(trunk, p, N, sampling=SamplingParams(**{**sp.__dict__, "seed": 4})) != want[0]
+    assert plain_generate(trunk, p, N, sampling=SamplingParams(**{**sp.__dict__, "seed": 4})) != \
+        plain_generate(trunk, p, N, sampling=sp)
 
 
 def test_demotion_at_every_burst_boundary(model_backend, pairs):
-    """For every burst boundary k of a run (k = 0: right after the prime), a fresh session runs k
-    bursts, is demoted, and finishes inside a PlainBatch that already decodes two other sampled
-    sequences: the stream is plain sampled decode's, and the draft KV is freed at the demotion."""
     trunk, base = pairs(model_backend)
-    drafter = TrunkDrafter(base, tilt=0.6, seed=7)
-    be = trunk.be
     (p, sp), (q, sq) = prompts()[0], prompts()[2]
-    want = plain_generate(trunk, p, N, sampling=sp)
-    s, bursts = prime(trunk, drafter, p, sp), 0
-    while not s.finished():
-        spec_burst([s])
-        bursts += 1
-    assert s.emitted == want and bursts >= 4
-    s.close()
-    for k in range(bursts):
-        s = prime(trunk, drafter, p, sp)
-        s.take_prefix_capture().free()
-        for _ in range(k):
-            spec_burst([s])
-        assert not s.finished()
-        emitted, owner = list(s.emitted), s.owner
-        cache, last = s.into_demoted()
-        assert not any(o.startswith(owner) for o in be.alloc.owners())
-        batch, others = PlainBatch(trunk), []
-        for n, other in ((9, sq), (17, SamplingParams(temperature=0.5, seed=11))):
-            c = trunk.new_cache()
-            last_o, _ = prefill_anchor(trunk, c, q[:n], other)
-            others.append(c)
-            batch.join(c, last_o, 50, sampling=other)
-        batch.step()
-        sid = batch.join(cache, last, N, emitted, sp)
-        while not batch.sequences[sid].finished:
-            batch.step()
-        assert batch.leave(sid).emitted == want, k
-        for c in (cache, *others):
-            c.free()
+    others = [(q[:9], sq), (q[:17], SamplingParams(temperature=0.5, seed=11))]
+    assert check_demotion_at_every_boundary(trunk, TrunkDrafter(base, tilt=0.6, seed=7), (p, sp), others, N) >= 4
 
 
 def test_prime_restore_and_plain_take_the_same_first_token(numpy_backend, pairs):
