@@ -161,3 +161,15 @@ def test_bench_worker_prints_every_gate():
     for gate in ("0/1", "2/4", "64/65"):
         assert re.search(rf"\s{gate.split('/')[0]}/{gate.split('/')[1]}\s", out), out
     assert "tok/s" in out and "latency" in out
+
+
+def test_bench_coupled_prints_both_samplers_and_checks_equality(capsys):
+    """One prompt, one seed, a few tokens: each row has both samplers and the coupled text equals
+    plain sampled decode's."""
+    from tests.scripts import load_script
+    bench = load_script("bench_coupled")
+    rc = bench.main(["--pairs", "embedded", "--prompts", "1", "--seeds", "1", "--tokens", "12", "--temperatures", "0.8"])
+    out = capsys.readouterr().out
+    print(out)
+    assert rc == 0 and "coupled == plain sampled decode in every run" in out
+    assert re.search(r"T=0.8 +coupled +\| mean accepted length", out) and re.search(r"T=0.8 +rejection", out)
