@@ -23,7 +23,7 @@ import numpy as np
 
 from ..arrays import adopt
 from ..errors import TokenRangeError
-from .checks import host_and_device, require_dtype, require_indptr, require_ndim, require_shape
+from .checks import Staged, host_and_device, require_dtype, require_indptr, require_ndim, require_shape
 from .rowsplit import Launch, Plan
 from .sampling import (Filters, Streams, check_streams, prepare_rows, raise_rows, sample_filtered,
                        sample_filtered_ref, sample_plan)
@@ -162,7 +162,7 @@ def coupled_accept(be, logits, cand, col_indptr, filters: Filters, streams: Stre
     else:
         # validates logits, filters, streams and the outputs; with status_out, reads nothing back
         sample_filtered(be, logits, filters, streams, "gumbel", token_out=picks, status_out=status)
-        pick_accept(be, picks, cand, host_indptr, m_out, next_out)
+        pick_accept(be, picks, cand, Staged(be, host_indptr, col_indptr), m_out, next_out)
     if status_out is None:
         raise_rows(be.to_host(status), "logits")
     return m_out, next_out
