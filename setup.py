@@ -43,7 +43,7 @@ setup(
     package_data={"dspark": ["_kernels.json", "models/default/*"]},
     python_requires=">=3.10",
     install_requires=["numpy>=1.24", "ml_dtypes>=0.3", "safetensors>=0.4", "nvtx>=0.2.10", "threadpoolctl>=3.1",
-                      "tokenizers>=0.21"],
+                      "tokenizers>=0.21", "tqdm>=4.66"],
     extras_require={
         "cuda12": ["cupy-cuda12x>=13.0", "nvidia-cuda-nvrtc-cu12>=12.0"],
         "cuda13": ["cupy-cuda13x>=13.6", "nvidia-cuda-nvrtc>=13.0"],  # dspark compiles its cubins with NVRTC itself

@@ -7,6 +7,9 @@
 // block mode, the drafter's ring), keys at p >= pos_b from the session's block rows. Row i sees
 //   causal (block_mode 0): [0, pos_b + i]                        trunk prefill / decode / verify
 //   block  (block_mode 1): [max(0, pos_b - window), pos_b + n_b)  drafter: window + whole block
+//   rows   (block_mode 2): keys p with |p - (pos_b + i)| < window drafter: a window per row, both
+//                          directions, as dflash.model._attention_mask masks a non-causal sliding layer
+// (attn_row_lo / attn_row_hi). In block modes the split numbering starts at row 0's first key.
 //
 // Splits. The key axis is cut at fixed absolute positions (AttnSplits, attention.cuh: short splits
 // near the start, a fixed number per octave of position beyond, up to a longest split), independent
@@ -69,6 +72,14 @@ struct AttnArgs {
   T* out;
 };
 
+// [attn_row_lo, attn_row_hi): the keys row i of a session of n rows at pos sees (modes above).
+DSPARK_DEVICE int attn_row_lo(int mode, int pos, int i, int window) {
+  return mode == 2 ? max(0, pos + i - window + 1) : mode == 1 ? max(0, pos - window) : 0;
+}
+DSPARK_DEVICE int attn_row_hi(int mode, int pos, int n, int i, int window) {
+  return mode == 2 ? min(pos + n, pos + i + window) : mode == 1 ? pos + n : pos + i + 1;
+}
+
 template <typename T, int D, int MT, int STAGES>
 DSPARK_DEVICE void attention_cta(const AttnArgs<T>& a) {
   using L = AttnLayout<T, D, MT, STAGES>;
@@ -81,13 +92,15 @@ DSPARK_DEVICE void attention_cta(const AttnArgs<T>& a) {
   const int r0 = chunk * a.rows_per_cta;
   const int rows = min(a.rows_per_cta, n - r0);
   if (rows <= 0) return;  // the whole CTA leaves together
-  const int G = a.hq / a.hkv, items = rows * G, pos = a.pos[b];
-  // Keys some item of this CTA sees: [lo, hi); item j sees [lo, item_hi(j)).
-  const int lo = a.block_mode ? max(0, pos - a.window) : 0;
-  const int hi = a.block_mode ? pos + n : pos + r0 + rows;
-  const int j_base = a.splits.index(lo), j_end = a.splits.index(hi - 1);
-  const int j_first = j_base + slot, j_last = serial ? j_end : j_first;
-  if (j_first > j_end) return;  // this chunk's keys end before the slot's split
+  const int G = a.hq / a.hkv, items = rows * G, pos = a.pos[b], mode = a.block_mode;
+  // Keys some item of this CTA sees: [lo, hi); item j sees [item_lo(j), item_hi(j)).
+  const int lo = attn_row_lo(mode, pos, r0, a.window);
+  const int hi = attn_row_hi(mode, pos, n, r0 + rows - 1, a.window);
+  const int j_lo = a.splits.index(lo), j_end = a.splits.index(hi - 1);
+  // Split-parallel slots count from the session's first split (attention_combine's numbering).
+  const int j_first = serial ? j_lo : a.splits.index(attn_row_lo(mode, pos, 0, a.window)) + slot;
+  const int j_last = serial ? j_end : j_first;
+  if (j_first < j_lo || j_first > j_end) return;  // no key of this chunk lies in the slot's split
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, t4 = lane & 3;
   DSPARK_DYNAMIC_SMEM(unsigned char, smem);
@@ -99,12 +112,16 @@ DSPARK_DEVICE void attention_cta(const AttnArgs<T>& a) {
 #endif
   const L sm = L::carve(smem);
   const int mtiles = (items + 15) / 16;
-  auto item_hi = [&](int j) { return j >= items ? lo : a.block_mode ? hi : pos + r0 + j / G + 1; };
-  int row_hi[MT][2];  // item_hi of this lane's fragment rows 16 mt + g + 8 half
+  auto item_lo = [&](int j) { return j >= items ? lo : attn_row_lo(mode, pos, r0 + j / G, a.window); };
+  auto item_hi = [&](int j) { return j >= items ? lo : attn_row_hi(mode, pos, n, r0 + j / G, a.window); };
+  int row_lo[MT][2], row_hi[MT][2];  // item_lo / item_hi of this lane's fragment rows 16 mt + g + 8 half
 #pragma unroll
   for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-    for (int half = 0; half < 2; ++half) row_hi[mt][half] = item_hi(16 * mt + g + 8 * half);
+    for (int half = 0; half < 2; ++half) {
+      row_lo[mt][half] = item_lo(16 * mt + g + 8 * half);
+      row_hi[mt][half] = item_hi(16 * mt + g + 8 * half);
+    }
 
   AttnKeys<T> src;
   src.pos = pos;
@@ -167,7 +184,7 @@ DSPARK_DEVICE void attention_cta(const AttnArgs<T>& a) {
           for (int e = 0; e < 2; ++e) {
             const int p = t0 + 8 * warp + 2 * t4 + e, c = 2 * half + e;
             // A select, not arithmetic: an invisible key stays out whatever it holds.
-            s[mt][c] = p >= lo && p < row_hi[mt][half] ? __fmul_rn(s[mt][c], a.scale) : -dspark_inf();
+            s[mt][c] = p >= row_lo[mt][half] && p < row_hi[mt][half] ? __fmul_rn(s[mt][c], a.scale) : -dspark_inf();
             mx = fmaxf(mx, s[mt][c]);
           }
           mx = fmaxf(mx, __shfl_xor_sync(kFullMask, mx, 1));
@@ -181,7 +198,7 @@ DSPARK_DEVICE void attention_cta(const AttnArgs<T>& a) {
     // m' of a row: the max of its running max and the warps' tile maxima. Rows without a visible
     // key in this tile keep m and get alpha = 1, p = 0.
     auto tile_max = [&](int row, bool& seen) {
-      seen = max(lo, t0) < min(item_hi(row), t0 + kAttnTile);
+      seen = max(item_lo(row), t0) < min(item_hi(row), t0 + kAttnTile);
       float m = sm.m[row];
 #pragma unroll
       for (int w = 0; w < kAttnWarps; ++w) m = fmaxf(m, sm.red_max[w * L::kItems + row]);
@@ -255,7 +272,7 @@ DSPARK_DEVICE void attention_cta(const AttnArgs<T>& a) {
 #pragma unroll
             for (int half = 0; half < 2; ++half) {
               const int row = 16 * mt + g + 8 * half;
-              if (split_lo < min(row_hi[mt][half], split_hi)) {
+              if (max(split_lo, row_lo[mt][half]) < min(row_hi[mt][half], split_hi)) {
                 const AttnMergeFactors f = attn_merge_factors(sm.mm[row], sm.m[row]);
 #pragma unroll
                 for (int nt = 0; nt < NT; ++nt)
@@ -272,7 +289,7 @@ DSPARK_DEVICE void attention_cta(const AttnArgs<T>& a) {
         }
         __syncthreads();  // [F] every lane has read mm and m
         if (tid < items) {
-          if (split_lo < min(item_hi(tid), split_hi)) {
+          if (max(split_lo, item_lo(tid)) < min(item_hi(tid), split_hi)) {
             const AttnMergeFactors f = attn_merge_factors(sm.mm[tid], sm.m[tid]);
             sm.ll[tid] = attn_merge(sm.ll[tid], sm.l[tid], f);
             sm.mm[tid] = f.m;
@@ -305,7 +322,7 @@ DSPARK_DEVICE void attention_cta(const AttnArgs<T>& a) {
                         __fdiv_rn(acc[mt][nt][2 * half + 1], l));
         }
       } else {
-        if (split_lo < min(row_hi[mt][half], split_hi)) {
+        if (max(split_lo, row_lo[mt][half]) < min(row_hi[mt][half], split_hi)) {
           float* part = a.part_acc + (item * a.slots + slot) * D + dim0;
 #pragma unroll
           for (int nt = 0; nt < NT; ++nt)
@@ -315,7 +332,7 @@ DSPARK_DEVICE void attention_cta(const AttnArgs<T>& a) {
     }
   }
   if (!serial) {
-    if (tid < items && split_lo < min(item_hi(tid), split_hi)) {
+    if (tid < items && max(split_lo, item_lo(tid)) < min(item_hi(tid), split_hi)) {
       const int64_t item = (int64_t)(row0 + r0 + tid / G) * a.hq + h * G + tid % G;
       *reinterpret_cast<float2*>(a.part_ml + (item * a.slots + slot) * 2) = make_float2(sm.m[tid], sm.l[tid]);
     }
@@ -323,7 +340,8 @@ DSPARK_DEVICE void attention_cta(const AttnArgs<T>& a) {
 }
 
 // One CTA per (row, query head), 64 threads; thread x owns dims x, x + 64, ...: merges the row's
-// partials in increasing slot with attn_merge (the serial kernel's arithmetic) and writes out.
+// partials (the slots of the splits its keys reach) in increasing slot with attn_merge (the serial
+// kernel's arithmetic) and writes out.
 template <typename T>
 DSPARK_DEVICE void attention_combine(const int* __restrict__ row_indptr, const int* __restrict__ pos_arr, int sessions,
                                      int block_mode, int window, AttnSplits splits, int slots, int hq, int d,
@@ -337,15 +355,15 @@ DSPARK_DEVICE void attention_combine(const int* __restrict__ row_indptr, const i
     else top = mid;
   }
   const int pos = pos_arr[b], n = row_indptr[b + 1] - row_indptr[b], i = row - row_indptr[b];
-  const int lo = block_mode ? max(0, pos - window) : 0;
-  const int item_hi = block_mode ? pos + n : pos + i + 1;
-  const int count = splits.index(item_hi - 1) - splits.index(lo) + 1;
+  const int base = splits.index(attn_row_lo(block_mode, pos, 0, window));  // slot 0's split
+  const int first = splits.index(attn_row_lo(block_mode, pos, i, window)) - base;
+  const int count = splits.index(attn_row_hi(block_mode, pos, n, i, window) - 1) - base + 1;
   const int64_t item = (int64_t)row * hq + head;
   const float* ml = part_ml + item * slots * 2;
   const float* acc = part_acc + item * slots * d;
   for (int x = threadIdx.x; x < d; x += blockDim.x) {
     float m = -dspark_inf(), l = 0.f, A = 0.f;
-    for (int s = 0; s < count; ++s) {
+    for (int s = first; s < count; ++s) {
       const AttnMergeFactors f = attn_merge_factors(m, ml[2 * s]);
       A = attn_merge(A, acc[(int64_t)s * d + x], f);
       l = attn_merge(l, ml[2 * s + 1], f);

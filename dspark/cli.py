@@ -19,7 +19,7 @@ import sys
 import time
 from dataclasses import replace
 
-from . import __version__
+from . import __version__, progress
 from .backends import NAMES, backends, cuda_available, get_backend
 from .byte_vocab import decode, encode
 from .errors import DsparkError
@@ -123,11 +123,12 @@ def load_pair(be, block: int | None):
     return trunk, with_block(drafter, block)
 
 
-def load_model(be, path: str):
-    """--model: a Hugging Face target (dspark.models.hf) and its tokenizer; the load summary
-    (dtypes, tensors skipped by rule) goes to stderr."""
+def load_model(be, path: str, progress: bool | None = None):
+    """--model: a Hugging Face target (dspark.models.hf) and its tokenizer, with a bar of its
+    tensors reaching the device; the load summary (dtypes, storage, bytes on the device, tensors
+    skipped by rule) goes to stderr."""
     from .models.hf import load_target, load_tokenizer
-    trunk = load_target(path, be)
+    trunk = load_target(path, be, progress=progress)
     tokenizer = load_tokenizer(path)
     print(f"dspark: loaded {trunk.source.summary()}", file=sys.stderr)
     return trunk, tokenizer
@@ -137,7 +138,7 @@ def load_released_drafter(args, trunk):
     """--drafter: a released drafter (dspark.models.hf.load_drafter) for the --model target; its
     description goes to stderr."""
     from .models.hf import load_drafter
-    drafter = with_block(load_drafter(args.drafter, trunk), args.block)
+    drafter = with_block(load_drafter(args.drafter, trunk, progress=progress_flag(args)), args.block)
     print(f"dspark: loaded {drafter.source}", file=sys.stderr)
     return drafter
 
@@ -147,9 +148,15 @@ def check_drafter_option(args) -> None:
         raise CliError("--drafter needs --model: the Hugging Face target the drafter was trained for")
 
 
+def progress_flag(args) -> bool | None:
+    """--no-progress: no bars; otherwise dspark.progress's rule (a bar while stderr is a terminal)."""
+    return False if args.no_progress else None
+
+
 def run_spec(trunk, drafter, prompt, params, progress=None, split=None):
-    """Speculative generation; returns (tokens, decode seconds, stats, prime seconds). Rounds
-    are also recorded into `split` (a dspark.stats.RepetitionSplit) when one is given."""
+    """Speculative generation; returns (tokens, decode seconds, stats, prime seconds). `progress`:
+    a dspark.progress bar of the tokens emitted. Rounds are also recorded into `split` (a
+    dspark.stats.RepetitionSplit) when one is given."""
     from .session import DsparkSpecSession
     t0 = time.perf_counter()
     s = DsparkSpecSession.prime(trunk, drafter, prompt, params)
@@ -159,8 +166,8 @@ def run_spec(trunk, drafter, prompt, params, progress=None, split=None):
         before = (len(s.emitted), s.stats.drafted, s.stats.accepted)
         s.round()
         rounds.append((before[0], s.stats.drafted - before[1], s.stats.accepted - before[2]))
-        if progress:
-            progress(len(s.emitted), params.max_new_tokens)
+        if progress is not None:
+            progress.update(len(s.emitted) - progress.n)
     dt = time.perf_counter() - t1
     out, stats = list(s.emitted), s.stats
     s.close()
@@ -180,8 +187,8 @@ def run_plain(trunk, prompt, max_new, sampling=None, progress=None):
     t1 = time.perf_counter()
     while batch.active():
         batch.step()
-        if progress and len(batch.sequences[sid].emitted) % 16 == 0:
-            progress(len(batch.sequences[sid].emitted), max_new)
+        if progress is not None:
+            progress.update(len(batch.sequences[sid].emitted) - progress.n)
     dt = time.perf_counter() - t1
     out = batch.leave(sid).emitted
     cache.free()
@@ -201,23 +208,12 @@ def ending(trunk, out: list[int], max_new: int) -> str:
     return "token budget" if len(out) >= max_new else "context full"
 
 
-def progress_bar(label: str):
-    def show(done: int, total: int):
-        n = 30 * min(done, total) // max(total, 1)
-        print(f"\r{label:6s} [{'#' * n}{'.' * (30 - n)}] {done}/{total}", end="", file=sys.stderr, flush=True)
-    return show
-
-
-def end_progress():
-    print("\r" + " " * 60 + "\r", end="", file=sys.stderr, flush=True)
-
-
 def cmd_demo(args) -> int:
     from .session import SpecParams
     check_drafter_option(args)
     be = backend_of(args.backend)
     if args.model:
-        trunk, tokenizer = load_model(be, args.model)
+        trunk, tokenizer = load_model(be, args.model, progress_flag(args))
         if args.drafter:
             drafter = load_released_drafter(args, trunk)
             what = f"{args.model} with the drafter {args.drafter}"
@@ -237,10 +233,10 @@ def cmd_demo(args) -> int:
     run_spec(trunk, drafter, prompt[:8], replace(params, max_new_tokens=8))  # warm both paths
     run_plain(trunk, prompt[:8], 8)
     split = RepetitionSplit()
-    spec, t_spec, stats, t_prime = run_spec(trunk, drafter, prompt, params, progress_bar("spec"), split)
-    end_progress()
-    plain, t_plain, t_prefill = run_plain(trunk, prompt, args.max_new_tokens, progress=progress_bar("plain"))
-    end_progress()
+    with progress.bar(args.max_new_tokens, "spec", "tok", progress_flag(args)) as shown:
+        spec, t_spec, stats, t_prime = run_spec(trunk, drafter, prompt, params, shown, split)
+    with progress.bar(args.max_new_tokens, "plain", "tok", progress_flag(args)) as shown:
+        plain, t_plain, t_prefill = run_plain(trunk, prompt, args.max_new_tokens, progress=shown)
     print("---- prompt + speculative output " + "-" * 40)
     print(DEMO_PROMPT + text(body(trunk, spec)))
     print("-" * 73)
@@ -280,7 +276,7 @@ def cmd_generate(args) -> int:
     except ValueError as e:
         raise CliError(str(e).replace("SamplingParams.", "--").replace("_", "-")) from None
     if args.model:  # speculative with --drafter, else plain decode
-        trunk, tokenizer = load_model(be, args.model)
+        trunk, tokenizer = load_model(be, args.model, progress_flag(args))
         drafter = load_released_drafter(args, trunk) if args.drafter else None
         text, prompt = tokenizer.decode, tokenizer.encode(args.prompt)
     else:
@@ -337,6 +333,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help=f"confidence threshold for the verify width (default {DEMO_TAU})")
         p.add_argument("--max-verify", type=int, default=DEMO_MAX_VERIFY,
                        help=f"most columns per verify (default {DEMO_MAX_VERIFY}; 0: block + 1)")
+        p.add_argument("--no-progress", action="store_true",
+                       help="no progress bars (loads, the demo's streams); they show only on a terminal anyway, "
+                            "and DSPARK_PROGRESS=0 turns them off too")
 
     demo = sub.add_parser("demo", help="speculative vs plain greedy on the embedded pair")
     common(demo)

@@ -14,6 +14,18 @@ untied), stored bf16 as on the `cuda` backend. Their drafter is not part of thos
 model uses a one-layer DSpark drafter of the target's widths, block 8, a 4096-row window, rank-32
 Markov head (--drafter-window changes the window).
 
+The seed's pair: Qwen3.8-27B (the Qwen3.5-27B text config above: DeepSpec's
+deepspec/modeling/dspark/qwen3_8/config.py checks exactly those numbers) with each of DeepSpec's
+drafters for it. "qwen3.8-27b-dflash2": the served DFlash2 (dflash2/qwen3_8/config.py): five Qwen3
+layers of 32 query / 8 kv heads of 128, MLP 17408, every layer a non-causal sliding window of 2048
+rows around each block row, verification block 8 (7 drafts), grouped dynamic convolutions
+(kernel 2, groups of 16), the candidate selector (rank 256, top 16), taps 5/19/33/47/61; its
+trimmed draft vocabulary's size is not published: 32768 rows here (DFLASH2_DRAFT_VOCAB).
+"qwen3.8-27b-dspark": DeepSpec's Qwen3_8DSparkModel (the target's attention geometry, 24 / 4
+heads of 256, MLP 17408, full attention over every committed row) with the same five layers,
+taps and block, a vanilla rank-256 Markov head and the confidence head on [h ; W1[x]]; the
+layer count and head sizes of its export are not published either.
+
 Device (issue 16): copy bandwidth 4.3 TB/s, bf16 MMA 790 TFLOP/s, 4 us per launch, 132 SMs; and,
 beyond those, from NVIDIA's H200 data sheet: f32 CUDA-core math 67 TFLOP/s (the gdn scan, the
 reductions, and the GEMM kernel's f32 multiply-adds), 228 KiB shared memory, 2048
@@ -105,6 +117,24 @@ def _drafter_for(t: TrunkConfig, window: int) -> DrafterConfig:
                          kv_heads=t.attn_kv_heads, head_dim=t.head_dim, mlp_hidden=t.mlp_hidden, markov_rank=32)
 
 
+DFLASH2_DRAFT_VOCAB = 32768   # the served DFlash2's trimmed vocabulary: assumed, not published
+QWEN3_8_TAPS = (5, 19, 33, 47, 61)
+
+
+def _qwen3_8_drafters(t: TrunkConfig) -> dict[str, DrafterConfig]:
+    """DeepSpec's two drafters for Qwen3.8-27B (module doc): DFlash2 and DSpark."""
+    common = dict(block=8, d_model=t.d_model, layers=5, mlp_hidden=17408, taps=QWEN3_8_TAPS, q_norm=True,
+                  rope_theta=1e7, own_norm=True)
+    return {
+        "dflash2": DrafterConfig(**common, window=0, layer_windows=(2048,) * 5, window_mode="row", heads=32,
+                                 kv_heads=8, head_dim=128, harvest="mask_fill", markov="selector", markov_rank=0,
+                                 confidence="none", selector_rank=256, selector_top_k=16, conv_kernel=2, conv_group=16,
+                                 draft_vocab=DFLASH2_DRAFT_VOCAB, own_head=True),
+        "dspark": DrafterConfig(**common, window=0, heads=t.attn_heads, kv_heads=t.attn_kv_heads, head_dim=t.head_dim,
+                                markov_rank=256),
+    }
+
+
 def shapes(drafter_window: int = 4096) -> dict[str, Shape]:
     trunk, drafter = _default_configs()
     q3 = TrunkConfig(vocab=151936, eos_id=151645, mask_id=151669, d_model=4096, mlp_hidden=12288, layers=("attn",) * 36,
@@ -120,6 +150,10 @@ def shapes(drafter_window: int = 4096) -> dict[str, Shape]:
         "qwen3-8b": Shape("Qwen3-8B", q3, _drafter_for(q3, drafter_window), 2, "Qwen/Qwen3-8B config.json"),
         "qwen3.5-27b": Shape("Qwen3.5-27B", q35, _drafter_for(q35, drafter_window), 2,
                              "Qwen/Qwen3.5-27B config.json (text_config)"),
+        **{f"qwen3.8-27b-{name}": Shape(f"Qwen3.8-27B + {label}", q35, dc, 2, source)
+           for (name, dc), (label, source) in zip(_qwen3_8_drafters(q35).items(), (
+               ("DFlash2", "DeepSpec dflash2/qwen3_8/config.py (draft vocabulary assumed)"),
+               ("DSpark", "DeepSpec dspark/qwen3_8/config.py (layers and Markov head assumed)")))},
     }
 
 
@@ -342,15 +376,24 @@ def drafter_pass(shape: Shape, B: int, context: int, dev: Device) -> list[Kernel
                                   dc.head_dim, dev, 2 if dc.q_norm else 1))
         window = dc.windows()[i] or context
         plan = launch_plan([dc.block] * B, [min(context, window + dc.block)] * B, hq=dc.heads, hkv=dc.kv_heads,
-                           head_dim=dc.head_dim, dtype=np.float32, mode="block", window=window)
+                           head_dim=dc.head_dim, dtype=np.float32, mode="block", window=window,
+                           window_mode=dc.window_mode if dc.windows()[i] else "anchor")
         out += attention_kernels(ph, plan, dev)
         out += linear(ph, "drafter o", rows, nq, d, F32, dev)
+        if dc.conv_kernel:   # DFlash2: each sublayer's dynamic kernels, one projection per side
+            out += scaled(linear(ph, "drafter conv kernels", rows, d, 2 * dc.conv_kernel * (d // dc.conv_group), F32,
+                                 dev), 2, "two sides")
         out += linear(ph, "drafter gate|up", rows, d, 2 * dc.mlp_hidden, F32, dev)
         out += linear(ph, "drafter down", rows, dc.mlp_hidden, d, F32, dev)
     out.append(rmsnorm_kernel(ph, "drafter final norm", rows, d, dev))
-    out += linear(ph, "drafter lm head (the trunk's)", rows, d, t.vocab, wb, dev)
+    vd = dc.draft_vocab or t.vocab
+    out += linear(ph, "drafter lm head" + (" (own, draft vocabulary)" if dc.own_head else " (the trunk's)"), rows, d,
+                  vd, F32 if dc.own_head else wb, dev)
     nd = dc.drafts
-    out.append(rowsplit_kernel("propose", argmax_ops.markov_chain_plan(B, nd, t.vocab, dc.markov_rank), dev))
+    if dc.markov == "selector":   # per slot: the top-k of its logits (a sort), rescored; no plan of ours
+        out.append(roofline("propose", "candidate selector", "other", B * nd * vd * 4 * 2, 0, dev, launches=nd * 4))
+    else:
+        out.append(rowsplit_kernel("propose", argmax_ops.markov_chain_plan(B, nd, vd, dc.markov_rank), dev))
     if dc.confidence != "none":  # c_k = sigmoid(w . [h_k ; W1[x_{k-1}]] + b): a GEMM of one column
         feats = d + (dc.markov_rank if dc.confidence == "markov" else 0)
         out += linear("propose", "confidence head", rows, feats, 1, F32, dev, kind="other")
@@ -569,7 +612,10 @@ def main(argv=None) -> int:
           f"linear_<dt> (weights read as stored); "
           f"rollback {a.rollback}; speedup at mean accepted length {a.accepted}")
     for m in a.model:
-        print(f"  {table_of[m].label}: {table_of[m].source}")
+        dc = table_of[m].drafter
+        ring = max(w or table_of[m].trunk.max_ctx for w in dc.windows()) + dc.block
+        print(f"  {table_of[m].label}: {table_of[m].source}; draft KV {ring} rows, "
+              f"{2 * dc.layers * dc.kv_heads * ring * dc.head_dim * F32 / 1e6:,.1f} MB per session (f32)")
     print(table(SUMMARY_HEADERS, summary_rows(rounds, a.accepted)))
     print("attn of copy: the verify attention kernel's K/V + q + out bytes over its predicted time, as a share of "
           "the copy bandwidth; verify/plain: the trunk verify pass over a plain decode step (GPU time); "

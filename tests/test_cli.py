@@ -1,5 +1,8 @@
 """The command line: the main job, generate, info, and one-line errors with exit code 2."""
 
+import io
+import sys
+
 import pytest
 
 from dspark.cli import main
@@ -11,11 +14,22 @@ def run(capsys, *argv):
     return rc, out.out, out.err
 
 
-def test_demo_runs_and_is_exact(capsys):
+class Terminal(io.StringIO):
+    def isatty(self):
+        return True
+
+
+def test_demo_runs_and_is_exact(capsys, monkeypatch):
+    """On a terminal the two streams show tqdm bars on stderr (none with --no-progress)."""
+    monkeypatch.setattr(sys, "stderr", Terminal())
     rc, out, _ = run(capsys, "demo", "--max-new-tokens", "24")
     assert rc == 0, out
     assert "mean accepted length" in out and "acceptance by position" in out and "speedup" in out
     assert "EXACT" in out and "MISMATCH" not in out
+    assert "spec:" in sys.stderr.getvalue() and "plain:" in sys.stderr.getvalue() and "tok" in sys.stderr.getvalue()
+    monkeypatch.setattr(sys, "stderr", Terminal())
+    assert run(capsys, "demo", "--max-new-tokens", "8", "--no-progress")[0] == 0
+    assert sys.stderr.getvalue() == ""
 
 
 def test_generate_greedy_spec_equals_no_spec(capsys):

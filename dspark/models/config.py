@@ -12,6 +12,18 @@ MIXERS = ("gdn", "attn")
 ROPE_TYPES = ("default", "linear", "yarn")
 
 
+def rope_pairs(scaling) -> tuple:
+    """A config's rope_scaling as one hashable, sorted tuple of (key, value) pairs (JSON brings a
+    dict or a list of [key, value] lists); its rope_type must be one of ROPE_TYPES."""
+    if isinstance(scaling, dict) or (scaling and not isinstance(scaling[0], tuple)):
+        items = scaling.items() if isinstance(scaling, dict) else (tuple(kv) for kv in scaling)
+        scaling = tuple(sorted((str(k), v) for k, v in items))
+    rope_type = dict(scaling).get("rope_type", "default")
+    if rope_type not in ROPE_TYPES:
+        raise ValueError(f"rope_scaling rope_type={rope_type!r}: expected one of {ROPE_TYPES}")
+    return tuple(scaling)
+
+
 def extension(default):
     """A field added after the first file format: left out of the JSON while it holds its default
     (to_json), so the files written before it read and write as they were."""
@@ -82,14 +94,7 @@ class TrunkConfig:
         if not (0 < self.rope_dim <= self.head_dim and self.rope_dim % 2 == 0):
             raise ValueError(f"rope_fraction={self.rope_fraction} with head_dim={self.head_dim} rotates "
                              f"{self.rope_dim} dims: expected an even count in [2, {self.head_dim}]")
-        scaling = self.rope_scaling
-        if isinstance(scaling, dict) or (scaling and not isinstance(scaling[0], tuple)):
-            # JSON brings a dict or a list of [key, value] lists: keep one hashable, sorted form
-            items = scaling.items() if isinstance(scaling, dict) else (tuple(kv) for kv in scaling)
-            object.__setattr__(self, "rope_scaling", tuple(sorted((str(k), v) for k, v in items)))
-        rope_type = self.rope_params.get("rope_type", "default")
-        if rope_type not in ROPE_TYPES:
-            raise ValueError(f"rope_scaling rope_type={rope_type!r}: expected one of {ROPE_TYPES}")
+        object.__setattr__(self, "rope_scaling", rope_pairs(self.rope_scaling))
 
     @property
     def eos_ids(self) -> tuple[int, ...]:

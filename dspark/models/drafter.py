@@ -4,15 +4,18 @@ released formats; each is a mapping onto these names).
 
 Context: each committed trunk row's taps (the target's hidden_states[t + 1] for each tap layer t,
 concatenated) become a feature f = norm(fc(taps)). Every drafter layer projects f to K (k_norm,
-RoPE at the row's absolute position) and V and keeps them in a ring of `window + block` rows (the
-draft KV). Context rows do NOT pass the layer's input norm, and f is the same for every layer (as
+RoPE at the row's absolute position: default, linear or YaRN as transformers computes it) and V and
+keeps them in a ring of `window + block` rows (the draft KV), whatever the context. Context rows do NOT pass the layer's input norm, and f is the same for every layer (as
 in all three references). Only committed rows are ever ingested.
 
 Block: one parallel pass over [anchor, MASK x (b-1)] at positions pos..pos+b-1, embedded with the
 trunk's embedding (or the checkpoint's own copy) times embed_scale. Each layer: h = norm1(x); q
 (q_norm when the checkpoint has it, RoPE), k (k_norm, RoPE) and v of the block rows; every row
 attends, without a causal mask, to the layer's window of draft KV (all committed rows when the
-window is 0, as the references do) plus the whole block; x += wo(o); x += MLP(norm2(x)). DFlash2
+window is 0, as the references do) plus the whole block; x += wo(o); x += MLP(norm2(x)). A window
+is the last `window` committed rows for every block row (window_mode "anchor": speculators), or
+the keys within `window` of the row's own position, both ways (window_mode "row": dflash's
+non-causal sliding layers, DFlash2 for Qwen3.8). DFlash2
 wraps the attention and the MLP in grouped dynamic causal convolutions over the block rows. Rows
 go through the final norm (the checkpoint's own for the released formats, the trunk's for the
 embedded drafter) and the LM head (the trunk's, or the checkpoint's own for a reduced draft
@@ -108,8 +111,10 @@ class DsparkDrafter:
         self.taps = taps
         self.source = None  # a description when loaded from a released checkpoint (dspark.models.hf)
         # Window 0 means every committed row, as the references attend: the ring then holds the
-        # whole context the trunk's cache can.
+        # whole context the trunk's cache can, seen from the anchor. A sliding layer's window is
+        # measured as the checkpoint's format says (c.window_mode).
         self.windows = tuple(w or tc.max_ctx for w in c.windows())
+        self.window_modes = tuple(c.window_mode if w else "anchor" for w in c.windows())
         self.ring = max(self.windows) + c.block
         self.host_weights = weights
         self.w = to_backend(self.be, {k: v for k, v in weights.items()
@@ -184,7 +189,7 @@ class DsparkDrafter:
         indptr = np.concatenate([[0], np.cumsum(take)]).astype(np.int32)
         kept = taps[self.be.xp.asarray(np.asarray(rows, np.int64))]
         f = rmsnorm(self.be, linear(self.be, kept, w["fc"]), w["fc_norm"], c.norm_eps)
-        rope = dense.rope_table(self.be.xp, positions, c.rope_theta, c.head_dim)
+        rope = dense.rope_table(self.be.xp, positions, c.rope_theta, c.head_dim, c.rope_scaling)
         ks, vs = zip(*(self._kv(linear(self.be, f, w[f"layers.{i}.attn.wkv"]), i, rope) for i in range(c.layers)))
         kv_commit(self.be, list(ks), list(vs), [[kv.k[i] for kv in kvs] for i in range(c.layers)],
                   [[kv.v[i] for kv in kvs] for i in range(c.layers)], pos.astype(np.int32), take, indptr, ring=True,
@@ -208,7 +213,7 @@ class DsparkDrafter:
             x = x * np.float32(c.embed_scale)
         rows = B * b
         tables = self.tables(kvs)
-        rope = dense.rope_table(xp, positions, c.rope_theta, c.head_dim)  # one table for every layer
+        rope = dense.rope_table(xp, positions, c.rope_theta, c.head_dim, c.rope_scaling)  # one for every layer
         nq = c.heads * c.head_dim
         for i in range(c.layers):
             p = f"layers.{i}."
@@ -222,7 +227,7 @@ class DsparkDrafter:
             q = dense.rope(q, None, c.rope_theta, table=rope)
             k, v = self._kv(qkv[:, nq:], i, rope)
             o = attention(self.be, q, k, v, tables.k[i], tables.v[i], pos, indptr, mode="block",
-                          window=self.windows[i])
+                          window=self.windows[i], window_mode=self.window_modes[i])
             if c.conv_kernel:
                 x = x + self._conv(linear(self.be, o.reshape(rows, -1), w[p + "attn.wo"]), out_kernel,
                                    w[p + "attn_conv.base"][1], B)

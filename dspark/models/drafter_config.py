@@ -10,11 +10,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .config import extension
+from .config import extension, rope_pairs
 
 MARKOV_HEADS = ("none", "vanilla", "gated", "rnn", "selector")
 CONFIDENCE_HEADS = ("none", "hidden", "markov")
 HARVESTS = ("shifted", "mask_fill")
+WINDOW_MODES = ("anchor", "row")     # dspark.ops.attention: from the anchor (all rows), or per row
 INT_TENSORS = ("draft_to_target",)   # every other tensor is f32
 
 
@@ -36,6 +37,10 @@ class DrafterConfig:
     taps: tuple[int, ...] = extension(())      # target layer ids (tap t: output of layer t; -1: the
                                                # embedding); (): the trunk's tap_layers
     layer_windows: tuple[int, ...] = extension(())  # per-layer window (0: all rows); (): `window` each
+    window_mode: str = extension("anchor")     # a window's rows: the last `window` before the anchor, for every
+                                               # block row (speculators), or |row - key| < window per row (dflash)
+    rope_scaling: tuple = extension(())        # (key, value) pairs: rope_type linear | yarn and its parameters
+                                               # (dspark.ops.dense.rope_frequencies), as TrunkConfig's
     q_norm: bool = extension(False)            # RMSNorm on each query head (Qwen3 layers)
     markov: str = extension("vanilla")         # none | vanilla | gated | rnn | selector (DFlash2)
     confidence: str = extension("markov")      # none | hidden: w.h_k | markov: w.[h_k ; W1[x_{k-1}]]
@@ -65,6 +70,9 @@ class DrafterConfig:
             bad("window" if self.window < 0 else "layer_windows", "rows >= 0 (0: every committed row)")
         if self.layer_windows and len(self.layer_windows) != self.layers:
             bad("layer_windows", f"one window per layer ({self.layers})")
+        if self.window_mode not in WINDOW_MODES:
+            bad("window_mode", f"one of {WINDOW_MODES}")
+        object.__setattr__(self, "rope_scaling", rope_pairs(self.rope_scaling))
         if self.markov not in MARKOV_HEADS:
             bad("markov", f"one of {MARKOV_HEADS}")
         if self.confidence not in CONFIDENCE_HEADS:

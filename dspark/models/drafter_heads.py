@@ -9,11 +9,11 @@ vocabulary); x_{-1} is the anchor, x_k the slot's proposal (a target token id) a
 * gated:    l_k + W2 (sigmoid(Wg [h_k ; e_k] + bg) * e_k)   (DeepSpec GatedMarkovHead)
 * rnn:      [g ; c ; o] = Wj [s_{k-1} ; e_k ; h_k] + bj,  s_k = sigmoid(g) s_{k-1} + (1 - sigmoid(g)) tanh(c),
             s_{-1} = 0;  l_k + W2 tanh(o)                   (DeepSpec RNNHead)
-* selector: the top-K tokens C of l_k, scored l_k[C] + (P[x_{k-1}] * (H h_k)) . S[C]; every other token
-            -inf                                            (DFlash2's CandidateSelector)
+* selector: the top-K tokens C of l_k, scored l_k[C] + (P[x_{k-1}] * (H h_k)) . S[t(C)]; every other
+            token -inf                                      (DFlash2's CandidateSelector)
 
-W1 and P index the target vocabulary; W2 and the logits cover the draft vocabulary, whose row j
-is the target token draft_to_target[j] (speculators' d2t holds j + d2t[j]). Greedy: x_k = the
+W1, P and S index the target vocabulary; W2 and the logits cover the draft vocabulary, whose row j
+is the target token t(j) = draft_to_target[j] (a d2t map holds j + d2t[j]). Greedy: x_k = the
 argmax (lowest index on ties) of slot k's chain logits, mapped to its target id. Confidence:
 c_k = sigmoid(w . h_k + b) ("hidden") or sigmoid(w . [h_k ; e_k] + b) ("markov"), with the e_k of
 the chain's own x_{k-1}.
@@ -84,7 +84,8 @@ class Chain:
         xp, w, K = self.be.xp, self.dr.w, self.c.selector_top_k
         cand = xp.argsort(-logits, axis=1, kind="stable")[:, :K]   # ties: the lower index first
         ctx = w["selector.pred"][self.prev] * linear(self.be, h, w["selector.hidden"])   # [B, rank]
-        scores = xp.take_along_axis(logits, cand, axis=1) + dense.halving_sum(ctx[:, None, :] * w["selector.succ"][cand])
+        succ = w["selector.succ"][cand if self.dr.d2t_dev is None else self.dr.d2t_dev[cand]]   # of target ids
+        scores = xp.take_along_axis(logits, cand, axis=1) + dense.halving_sum(ctx[:, None, :] * succ)
         out = xp.full(logits.shape, -np.inf, np.float32)
         out[xp.arange(self.B)[:, None], cand] = scores
         return out

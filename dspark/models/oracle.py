@@ -80,14 +80,25 @@ class OracleDrafter(DsparkDrafter):
         b, nd = self.config.block, self.config.drafts
         first = b - nd  # shifted: row k is slot k; mask_fill: row k+1 is slot k
         host = self.be.to_host(logits).copy()
+        row_of = self.draft_row_of_token()
         self._trusted = np.zeros((len(kvs), nd), bool)
         for i, kv in enumerate(kvs):
             for k in range(nd):
                 s = self.steer(kv, k)
-                if s:
-                    host[i * b + first + k, kv.oracle_stream[kv.pos + k + 1]] += s * BOOST
-                self._trusted[i, k] = s > 0
+                j = row_of[kv.oracle_stream[kv.pos + k + 1]] if s else -1
+                if j >= 0:   # a token a trimmed draft vocabulary lacks cannot be proposed: left alone
+                    host[i * b + first + k, j] += s * BOOST
+                self._trusted[i, k] = s > 0 and j >= 0
         return hidden, self.be.asarray(host)
+
+    def draft_row_of_token(self) -> np.ndarray:
+        """Target token id -> its row of the drafter's logits (-1: not in a trimmed draft vocabulary)."""
+        V = self.trunk.config.vocab
+        if self.d2t is None:
+            return np.arange(V)
+        rows = np.full(V, -1, np.int64)
+        rows[self.d2t] = np.arange(self.d2t.size)
+        return rows
 
     def propose_greedy(self, hidden, logits, anchors):
         drafts, conf = super().propose_greedy(hidden, logits, anchors)

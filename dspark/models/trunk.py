@@ -77,10 +77,10 @@ class TrunkTables:
 
 
 class HybridTrunk:
-    def __init__(self, config: TrunkConfig, weights: dict[str, np.ndarray], backend, dtype=None):
+    def __init__(self, config: TrunkConfig, weights: dict[str, np.ndarray], backend, dtype=None, progress=None):
         """`weights` by our names (weights.trunk_spec), f32 / f16 / bf16 host arrays. `dtype` is
         the storage dtype of the matrices on the backend (default float32); vectors stay f32 and
-        all math is f32 (dspark.ops.linear)."""
+        all math is f32 (dspark.ops.linear). `progress(name)` hears of each tensor on the backend."""
         check_weights(weights, trunk_spec(config), "trunk", dtypes=STORAGE)
         dtype = np.dtype(np.float32 if dtype is None else dtype)
         if dtype not in STORAGE:
@@ -90,7 +90,7 @@ class HybridTrunk:
         self.weight_dtype = dtype
         self.host_weights = weights
         self.source = None  # a hf.LoadReport when loaded from a Hugging Face checkpoint
-        self.w = trunk_to_backend(backend, config, weights, dtype)
+        self.w = trunk_to_backend(backend, config, weights, dtype, progress)
         self._tables = TableStore()
 
     # ---- construction and files ---------------------------------------------------------------

@@ -172,13 +172,15 @@ def fused_parts(names) -> dict[str, tuple[str, ...]]:
     return out
 
 
-def trunk_to_backend(be, c: TrunkConfig, weights, dtype) -> dict:
+def trunk_to_backend(be, c: TrunkConfig, weights, dtype, progress=None) -> dict:
     """The trunk's weights on the backend, one tensor at a time (a memory-mapped checkpoint is
     read once): matrices stored as `dtype` (f32, f16 or bf16; rounded to nearest even when
     narrower than the file), vectors and the gdn kernels' inputs as f32, `norm_offset` added to
     the norms it applies to. A tied LM head is a view of the embedding, no copy. Projections of
-    one layer input are fused (FUSED): `layers.i.attn.wqkv` and so on."""
+    one layer input are fused (FUSED): `layers.i.attn.wqkv` and so on. `progress(name)`, where
+    given, hears of each of our tensors once it is on the backend."""
     out = {}
+    done = progress or (lambda name: None)
 
     def host_of(name):
         leaf = name.rsplit(".", 1)[-1]
@@ -192,6 +194,7 @@ def trunk_to_backend(be, c: TrunkConfig, weights, dtype) -> dict:
     for name in weights:
         if name not in grouped:
             out[name] = be.alloc.adopt(be.xp.asarray(host_of(name)), "weights")
+            done(name)
     for fused, parts in fused_parts(list(weights)).items():
         hosts = [host_of(q) for q in parts]
         dev = be.alloc.adopt(be.xp.asarray(np.concatenate(hosts, axis=1)), "weights")
@@ -200,6 +203,7 @@ def trunk_to_backend(be, c: TrunkConfig, weights, dtype) -> dict:
         for q, h in zip(parts, hosts):
             out[q] = dev[:, at : at + h.shape[1]]
             at += h.shape[1]
+            done(q)
         del hosts
     if c.tie_embeddings:
         out["lm_head"] = out["embed"].T

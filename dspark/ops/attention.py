@@ -7,8 +7,11 @@ absolute position pos[b] + i. Keys at positions p < pos[b] come from the session
 session's block rows in `k_blk` / `v_blk` [rows, Hkv, D]. Modes:
 
 * ``causal`` (trunk prefill, decode, verify): row i sees [0, pos[b] + i], bottom-right aligned.
-* ``block`` (drafter): every row sees the window [max(0, pos[b] - window), pos[b]) of committed
-  rows plus the whole block.
+* ``block`` (drafter), ``window_mode="anchor"``: every row sees the window [max(0, pos[b] - window),
+  pos[b]) of committed rows plus the whole block (speculators' anchor-relative window).
+* ``block``, ``window_mode="row"``: row i (at p = pos[b] + i) sees the keys k with |p - k| < window,
+  committed or in the block: the window measured from each row's own position, in both directions,
+  as dflash.model._attention_mask masks a non-causal sliding layer (DFlash2 for Qwen3.8).
 
 Row invariance (DESIGN section 3). The key axis is cut into splits at fixed absolute positions
 (`SplitRule`: never a function of the launch, the batch or the row) and each split into tiles
@@ -49,6 +52,7 @@ WARPS = 8                 # warps per CTA of the split kernels
 COMBINE_THREADS = 64
 HEAD_DIMS = (64, 128, 256)
 MODES = ("causal", "block")
+WINDOW_MODES = ("anchor", "row")   # block mode: the window from the anchor (all rows), or per row
 # (m-tiles of 16 items, pipeline stages) per (storage bytes, head dim): the instantiations in
 # csrc/attention.cu. f32 (CUDA cores) keeps 2 m-tiles; at D = 256 one stage (two do not fit).
 CONFIGS = {(4, 64): (2, 2), (4, 128): (2, 2), (4, 256): (2, 1),
@@ -121,11 +125,25 @@ class SplitRule:
 DEFAULT_SPLIT = SplitRule()
 
 
+# ---- which keys a row sees -------------------------------------------------------------------
+def key_bounds(mode: str, window_mode: str, pos, i, n, window: int):
+    """[lo, hi) of the keys row(s) i of a session of n rows at pos see (int arrays broadcast):
+    causal [0, pos + i]; block/anchor [pos - window, pos + n); block/row |pos + i - k| < window.
+    The kernels compute the same (attn_row_lo / attn_row_hi, csrc/attention.cu)."""
+    pos, i, n = (np.asarray(x, np.int64) for x in (pos, i, n))
+    if mode == "causal":
+        return np.zeros_like(pos + i), pos + i + 1
+    if window_mode == "row":
+        return np.maximum(0, pos + i - window + 1), np.minimum(pos + n, pos + i + window)
+    return np.maximum(0, pos - window) + 0 * i, pos + n + 0 * i
+
+
+def block_mode(mode: str, window_mode: str) -> int:
+    """The kernels' block_mode argument: 0 causal, 1 block with the anchor's window, 2 per-row window."""
+    return 0 if mode == "causal" else 2 if window_mode == "row" else 1
+
+
 # ---- NumPy reference ------------------------------------------------------------------------
-def _key_range(mode: str, pos: int, n: int, window: int) -> tuple[int, int]:
-    """[lo, hi): the positions some row of the session sees."""
-    lo = max(0, pos - window) if mode == "block" else 0
-    return lo, pos + n
 
 
 def _session_kv(k_cache, v_cache, k_rows, v_rows, pos, lo, hi, ring):
@@ -158,8 +176,8 @@ def _merge(run, split, fa, fb):
     return run * fa + split * fb
 
 
-def _attend(q, k, v, key0, lo, row_hi, scale, split: SplitRule, p_dtype):
-    """q [n, Hkv, G, D] f32; k, v [Hkv, L, D] from position key0; row r sees [lo, row_hi[r]).
+def _attend(q, k, v, key0, row_lo, row_hi, scale, split: SplitRule, p_dtype):
+    """q [n, Hkv, G, D] f32; k, v [Hkv, L, D] from position key0; row r sees [row_lo[r], row_hi[r]).
     Per split: online softmax over its tiles; splits merged in increasing order. -> [n, Hkv, G, D]"""
     n, hkv, g, d = q.shape
     tiles = k.shape[1] // TILE
@@ -174,7 +192,7 @@ def _attend(q, k, v, key0, lo, row_hi, scale, split: SplitRule, p_dtype):
         for t in range(tiles):
             kt, vt = k[:, t * TILE : (t + 1) * TILE], v[:, t * TILE : (t + 1) * TILE]
             keypos = key0 + t * TILE + np.arange(TILE)
-            visible = (keypos >= lo) & (keypos < row_hi[:, None])                  # [n, TILE]
+            visible = (keypos >= row_lo[:, None]) & (keypos < row_hi[:, None])     # [n, TILE]
             seen = visible.any(axis=1)[:, None, None]
             if seen.any():
                 s = _halving_sum(q[:, :, :, None, :] * kt[None, :, None, :, :], axis=-1) * scale
@@ -200,7 +218,7 @@ def _attend(q, k, v, key0, lo, row_hi, scale, split: SplitRule, p_dtype):
 
 
 def attention_ref(q, k_blk, v_blk, k_caches, v_caches, pos, row_indptr, *, mode="causal", window=0,
-                  scale=None, split: SplitRule | None = None) -> np.ndarray:
+                  scale=None, split: SplitRule | None = None, window_mode: str = "anchor") -> np.ndarray:
     """The NumPy twin of the kernels: f32 output [rows, Hq, D] (the op rounds to q's dtype)."""
     rows, hq, d = q.shape
     hkv = k_blk.shape[1]
@@ -214,15 +232,16 @@ def attention_ref(q, k_blk, v_blk, k_caches, v_caches, pos, row_indptr, *, mode=
         r0, r1 = int(row_indptr[b]), int(row_indptr[b + 1])
         if r0 == r1:
             continue
-        p0 = int(pos[b])
-        lo, hi = _key_range(mode, p0, r1 - r0, window)
+        p0, n = int(pos[b]), r1 - r0
+        row_lo, row_hi = key_bounds(mode, window_mode, p0, np.arange(n), n, window)
+        lo, hi = int(row_lo.min()), int(row_hi.max())
         k, v, key0 = _session_kv(k_caches[b], v_caches[b], k_blk[r0:r1], v_blk[r0:r1], p0, lo, hi, mode == "block")
         for c0 in range(r0, r1, chunk):
             c1 = min(r1, c0 + chunk)
-            row_hi = np.full(c1 - c0, hi) if mode == "block" else p0 + np.arange(c0 - r0, c1 - r0) + 1
-            span = -(-int(row_hi.max()) // TILE) * TILE - key0  # the tiles these rows reach
+            chunk_lo, chunk_hi = row_lo[c0 - r0 : c1 - r0], row_hi[c0 - r0 : c1 - r0]
+            span = -(-int(chunk_hi.max()) // TILE) * TILE - key0  # the tiles these rows reach
             qf = to_f32(q[c0:c1]).reshape(c1 - c0, hkv, g, d)
-            out[c0:c1] = _attend(qf, k[:, :span], v[:, :span], key0, lo, row_hi, scale, split,
+            out[c0:c1] = _attend(qf, k[:, :span], v[:, :span], key0, chunk_lo, chunk_hi, scale, split,
                                  p_dtype).reshape(c1 - c0, hq, d)
     return out
 
@@ -242,6 +261,7 @@ class AttentionCall:
     mode: str
     window: int
     scale: np.float32
+    window_mode: str = "anchor"
 
     @property
     def sessions(self) -> int:
@@ -308,8 +328,8 @@ def max_gqa(itemsize: int, head_dim: int) -> int:
 
 
 def launch_plan(lens, pos, *, hq: int, hkv: int, head_dim: int, dtype="bfloat16", mode: str = "causal",
-                window: int = 0, split: SplitRule | None = None, strategy: str = "auto", sms: int = SMS
-                ) -> AttentionPlan:
+                window: int = 0, split: SplitRule | None = None, strategy: str = "auto", sms: int = SMS,
+                window_mode: str = "anchor") -> AttentionPlan:
     """The launch plan of an attention call: sessions of `lens[b]` rows at positions `pos[b]`,
     Hq / Hkv heads of `head_dim`, storage `dtype`. Pure: nothing is allocated or launched, so a
     performance model can price a call (bytes, CTAs, their keys, launches) from shapes alone.
@@ -325,18 +345,20 @@ def launch_plan(lens, pos, *, hq: int, hkv: int, head_dim: int, dtype="bfloat16"
     mt, stages = CONFIGS[(isz, head_dim)]
     rows_per_cta = max(1, 16 * mt // g)
     rows = int(lens.sum())
-    lo_of = (lambda p0: np.maximum(0, p0 - window)) if mode == "block" else (lambda p0: np.zeros_like(p0))
 
-    # Per (session, row chunk): items, the key range [lo, hi) of its rows, and the splits it spans.
+    def bounds(s, i):  # key_bounds of rows i of sessions s
+        return key_bounds(mode, window_mode, pos[s], i, lens[s], window)
+
+    # Per (session, row chunk): items, the key range [lo, hi) of its rows, and the splits it spans;
+    # split-parallel slots count from the session's first split (row 0's), as the kernels do.
     chunk_n = -(-lens // rows_per_cta)
     sess = np.repeat(np.arange(lens.size), chunk_n)
     r0 = (np.arange(int(chunk_n.sum())) - np.repeat(np.cumsum(chunk_n) - chunk_n, chunk_n)) * rows_per_cta
     r = np.minimum(rows_per_cta, lens[sess] - r0)
-    lo = lo_of(pos[sess])
-    hi = pos[sess] + (lens[sess] if mode == "block" else r0 + r)
+    lo, hi = bounds(sess, r0)[0], bounds(sess, r0 + r - 1)[1]
     j0 = split.index(lo)
     count = split.index(hi - 1) - j0 + 1
-    max_splits = int(count.max(initial=1))
+    max_splits = int((split.index(hi - 1) - split.index(bounds(sess, 0 * r0)[0]) + 1).max(initial=1))
     chunks = int(chunk_n.max(initial=0))
     partials = rows * hq * max_splits * (head_dim + 2) * 4
     if strategy == "auto":
@@ -354,8 +376,7 @@ def launch_plan(lens, pos, *, hq: int, hkv: int, head_dim: int, dtype="bfloat16"
     # Useful work: every item's visible keys; partials: each (row, head, split it reaches).
     row_sess = np.repeat(np.arange(lens.size), lens)
     row_i = np.arange(rows) - np.repeat(np.cumsum(lens) - lens, lens)
-    row_lo = lo_of(pos[row_sess])
-    row_hi = pos[row_sess] + (lens[row_sess] if mode == "block" else row_i + 1)
+    row_lo, row_hi = bounds(row_sess, row_i)
     row_splits = int((split.index(row_hi - 1) - split.index(row_lo) + 1).sum())
     by = {
         "kv": int(cta_keys.sum()) * 2 * head_dim * isz,   # K and V of each CTA's keys, once per kv head
@@ -377,7 +398,8 @@ def launch_plan(lens, pos, *, hq: int, hkv: int, head_dim: int, dtype="bfloat16"
         max_splits=max_splits, cta_keys=cta_keys, bytes=by, flops=4 * head_dim * g * hkv * visible)
 
 
-def validate(be, q, k_blk, v_blk, k_caches, v_caches, pos, row_indptr, mode, window, scale) -> AttentionCall:
+def validate(be, q, k_blk, v_blk, k_caches, v_caches, pos, row_indptr, mode, window, scale,
+             window_mode: str = "anchor") -> AttentionCall:
     require_ndim(q, 3, "q", "[rows, Hq, D]")
     suffix(q.dtype, "q")
     rows, hq, d = q.shape
@@ -410,6 +432,11 @@ def validate(be, q, k_blk, v_blk, k_caches, v_caches, pos, row_indptr, mode, win
         raise ValueError(f"window={window!r}: expected an int >= 0")
     if mode == "causal" and window:
         raise ValueError(f"window={window} applies only to mode='block' (the drafter's ring)")
+    if window_mode not in WINDOW_MODES:
+        raise ValueError(f"window_mode={window_mode!r}: expected one of {WINDOW_MODES}")
+    if window_mode == "row" and (mode != "block" or window < 1):
+        raise ValueError(f"window_mode='row' with mode={mode!r}, window={window}: a per-row window is a block-mode "
+                         f"window of at least 1 row (a row always sees itself)")
     capacity = np.zeros(sessions, np.int32)
     for name, caches in (("k_caches", k_caches), ("v_caches", v_caches)):
         if not isinstance(caches, (list, tuple)) or len(caches) != sessions:
@@ -428,15 +455,21 @@ def validate(be, q, k_blk, v_blk, k_caches, v_caches, pos, row_indptr, mode, win
         if mode == "causal" and int(pos[b]) + int(lengths[b]) > capacity[b]:
             raise CapacityError(f"session {b}: pos={int(pos[b])} + {int(lengths[b])} rows exceeds the cache "
                                 f"capacity {capacity[b]} of k_caches[{b}]")
-        if mode == "block" and window > capacity[b]:
-            raise CapacityError(f"window={window} exceeds the ring capacity {capacity[b]} of k_caches[{b}]")
-        if int(pos[b]) + int(lengths[b]) > np.iinfo(np.int32).max:
-            raise CapacityError(f"session {b}: positions up to pos + rows must fit in int32")
+        # The ring must hold every committed row some block row sees: the anchor's window, or
+        # row 0's window - 1 rows below itself.
+        need = window - 1 if window_mode == "row" else window
+        if mode == "block" and need > capacity[b]:
+            row = window_mode == "row"
+            raise CapacityError(f"window={window} exceeds the ring capacity {capacity[b]}{' + 1' if row else ''} of "
+                                f"k_caches[{b}]" + (" (a per-row window reaches window - 1 committed rows)" if row else ""))
+        if int(pos[b]) + int(lengths[b]) + (window if window_mode == "row" else 0) > np.iinfo(np.int32).max:
+            raise CapacityError(f"session {b}: positions up to pos + rows (+ window) must fit in int32")
     if scale is None:
         scale = 1.0 / math.sqrt(d)
     if not np.isfinite(scale):
         raise ValueError(f"scale={scale!r}: expected a finite float")
-    return AttentionCall(rows, hq, hkv, d, q.dtype, indptr, pos, capacity, mode, int(window), np.float32(scale))
+    return AttentionCall(rows, hq, hkv, d, q.dtype, indptr, pos, capacity, mode, int(window), np.float32(scale),
+                         window_mode)
 
 
 def _require_same_dtype(a, dtype, what: str) -> None:
@@ -447,12 +480,13 @@ def _require_same_dtype(a, dtype, what: str) -> None:
 def plan(call: AttentionCall, split: SplitRule | None = None, strategy: str = "auto") -> AttentionPlan:
     """The launch plan of a validated call (launch_plan on its shapes)."""
     return launch_plan(np.diff(call.indptr), call.pos, hq=call.hq, hkv=call.hkv, head_dim=call.head_dim,
-                       dtype=call.dtype, mode=call.mode, window=call.window, split=split, strategy=strategy)
+                       dtype=call.dtype, mode=call.mode, window=call.window, split=split, strategy=strategy,
+                       window_mode=call.window_mode)
 
 
 # ---- the op -----------------------------------------------------------------------------------
 def attention(be, q, k_blk, v_blk, k_caches, v_caches, pos, row_indptr, *, mode="causal", window=0, scale=None,
-              out=None, split: SplitRule | None = None, strategy: str = "auto"):
+              out=None, split: SplitRule | None = None, strategy: str = "auto", window_mode: str = "anchor"):
     """Attention of `q` [rows, Hq, D] over each session's cache and block rows -> out [rows, Hq, D]
     (dtype of q; `out=` may be given, e.g. poisoned by a test).
 
@@ -463,7 +497,9 @@ def attention(be, q, k_blk, v_blk, k_caches, v_caches, pos, row_indptr, *, mode=
     dspark.ops.tables: the batch's tables, validated and uploaded once). pos: int32 [B], the
     committed rows per session; row_indptr: int32 [B+1]. mode "causal": row i of session b sees
     [0, pos[b] + i]; mode "block": the caches are rings of their capacity and every row sees the
-    last `window` committed rows plus the whole block. scale defaults to 1/sqrt(D). `split` (where
+    last `window` committed rows plus the whole block (window_mode "anchor"), or row i the keys
+    within `window` of its own position pos[b] + i, both ways (window_mode "row"; a ring of at least
+    window - 1 rows). scale defaults to 1/sqrt(D). `split` (where
     the key axis is cut, SplitRule) and `strategy` are test and tuning knobs: the results depend on
     `split` within rounding, never on `strategy`.
     """
@@ -483,14 +519,15 @@ def attention(be, q, k_blk, v_blk, k_caches, v_caches, pos, row_indptr, *, mode=
         k_caches, v_caches = list(k_caches.arrays), list(v_caches.arrays)
     else:
         k_caches, v_caches = adopt(be, k_caches=k_caches, v_caches=v_caches)
-    call = validate(be, q, k_blk, v_blk, k_caches, v_caches, pos, row_indptr, mode, window, scale)
+    call = validate(be, q, k_blk, v_blk, k_caches, v_caches, pos, row_indptr, mode, window, scale, window_mode)
     if out is None:
         out = be.xp.empty(q.shape, q.dtype)
     require_shape(out, q.shape, "out")
     _require_same_dtype(out, q.dtype, "out")
     if be.kernels is None:
         out[...] = attention_ref(q, k_blk, v_blk, k_caches, v_caches, call.pos, call.indptr, mode=mode,
-                                 window=call.window, scale=call.scale, split=split).astype(q.dtype)
+                                 window=call.window, scale=call.scale, split=split,
+                                 window_mode=window_mode).astype(q.dtype)
         return out
     launch = plan(call, split, strategy)
     if call.rows == 0:
@@ -511,7 +548,8 @@ def attention(be, q, k_blk, v_blk, k_caches, v_caches, pos, row_indptr, *, mode=
     parallel = launch.combine_kernel is not None
     part_acc = xp.empty((call.rows, call.hq, launch.slots, d), np.float32) if parallel else None
     part_ml = xp.empty((call.rows, call.hq, launch.slots, 2), np.float32) if parallel else None
-    common = (np.int32(call.hq), np.int32(call.hkv), np.int32(launch.rows_per_cta), np.int32(mode == "block"),
+    kind = np.int32(block_mode(mode, window_mode))
+    common = (np.int32(call.hq), np.int32(call.hkv), np.int32(launch.rows_per_cta), kind,
               np.int32(call.window), call.scale, np.int32(rule.min_keys), np.int32(rule.per_octave),
               np.int32(rule.max_keys), np.int32(launch.slots))
     be.kernels.get_function(launch.kernel)(
@@ -522,7 +560,7 @@ def attention(be, q, k_blk, v_blk, k_caches, v_caches, pos, row_indptr, *, mode=
     if parallel:
         be.kernels.get_function(launch.combine_kernel)(
             launch.combine_grid, launch.combine_block,
-            (indptr, pos_d, np.int32(B), np.int32(mode == "block"), np.int32(call.window), np.int32(rule.min_keys),
+            (indptr, pos_d, np.int32(B), kind, np.int32(call.window), np.int32(rule.min_keys),
              np.int32(rule.per_octave), np.int32(rule.max_keys), np.int32(launch.slots), np.int32(call.hq),
              np.int32(d), part_acc, part_ml, out))
     return out

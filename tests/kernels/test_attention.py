@@ -42,6 +42,7 @@ class Case:
     row_indptr: np.ndarray
     mode: str = "causal"
     window: int = 0
+    window_mode: str = "anchor"
 
     def args(self):
         return self.q, self.k_blk, self.v_blk, self.k_caches, self.v_caches, self.pos, self.row_indptr
@@ -57,21 +58,24 @@ def indptr_of(lens) -> np.ndarray:
     return np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
 
 
-def make_case(rng, dtype, d, hq, hkv, lens, ctxs, mode="causal", window=0, slack=3) -> Case:
+def make_case(rng, dtype, d, hq, hkv, lens, ctxs, mode="causal", window=0, slack=3, window_mode="anchor") -> Case:
     """Random rows. Cache slots no row may read hold NaN, so reading one shows in the output:
-    past pos in a causal cache; outside the window's slots in a ring (capacity window + block)."""
+    past pos in a causal cache; outside the window's slots in a ring (capacity window + block):
+    the last `window` committed rows, or `window - 1` for a per-row window (row 0 reaches
+    pos - window + 1)."""
     rows = int(sum(lens))
     randn = lambda *shape: rng.standard_normal(shape).astype(np.float32).astype(dtype)  # noqa: E731
     k_caches, v_caches = [], []
     for n, ctx in zip(lens, ctxs):
         cap = ctx + n + slack if mode == "causal" else window + max(n, 1)
-        live = np.arange(ctx) if mode == "causal" else np.arange(max(0, ctx - window), ctx) % cap
+        reach = window - 1 if window_mode == "row" else window
+        live = np.arange(ctx) if mode == "causal" else np.arange(max(0, ctx - reach), ctx) % cap
         for caches in (k_caches, v_caches):
             c = np.full((hkv, cap, d), np.nan, np.float32).astype(dtype)
             c[:, live] = randn(hkv, live.size, d)
             caches.append(c)
     return Case(randn(rows, hq, d), randn(rows, hkv, d), randn(rows, hkv, d), k_caches, v_caches,
-                np.array(ctxs, np.int32), indptr_of(lens), mode, window)
+                np.array(ctxs, np.int32), indptr_of(lens), mode, window, window_mode)
 
 
 def on(be, case: Case) -> Case:
@@ -99,13 +103,14 @@ def run(be, case: Case, **kw) -> np.ndarray:
     dev = on(be, case)
     out = poison(be.xp, case.q.shape, case.q.dtype)
     poisoned = replace(be, xp=PoisonedScratch(be.xp))
-    got = attention(poisoned, *dev.args(), mode=case.mode, window=case.window, out=out, **kw)
+    got = attention(poisoned, *dev.args(), mode=case.mode, window=case.window, window_mode=case.window_mode,
+                    out=out, **kw)
     assert got is out
     return be.to_host(out)
 
 
 def reference(case: Case, **kw) -> np.ndarray:
-    return attention_ref(*case.args(), mode=case.mode, window=case.window, **kw)
+    return attention_ref(*case.args(), mode=case.mode, window=case.window, window_mode=case.window_mode, **kw)
 
 
 def assert_close(got, ref, dtype) -> None:
@@ -206,6 +211,78 @@ def test_block_head_dim_256(kernel_backend, rng, dtype):
     lens, ctxs, window = BLOCK["ring3"]
     case = make_case(rng, dtype, 256, 12, 2, lens, ctxs, mode="block", window=window)
     assert_close(run(kernel_backend, case), reference(case), dtype)
+
+
+# (rows, context, window) of per-row windows (DFlash2's sliding layers) over a ring of capacity
+# window + rows. A window below the block's row count bites on both sides of a row.
+ROWS = {
+    "one": ([8], [1000], 100),
+    "short": ([8, 4, 1, 8], [63, 64, 3, 300], 3),
+    "mixed": ([8, 8, 1, 3, 8, 2, 5], [0, 1, 63, 64, 65, 300, 1000], 70),
+}
+
+
+def row_case(rng, dtype, d, hq, hkv, batch, **kw) -> Case:
+    lens, ctxs, window = ROWS[batch]
+    return make_case(rng, dtype, d, hq, hkv, lens, ctxs, mode="block", window=window, window_mode="row", **kw)
+
+
+@pytest.mark.parametrize("heads", HEADS, ids=lambda h: f"{h[0]}q{h[1]}kv")
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("batch", list(ROWS))
+def test_row_window_matches_reference(kernel_backend, rng, batch, dtype, d, heads):
+    case = row_case(rng, dtype, d, *heads, batch)
+    assert_close(run(kernel_backend, case), reference(case), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_row_window_head_dim_256(kernel_backend, rng, dtype):
+    case = row_case(rng, dtype, 256, 12, 2, "short")
+    assert_close(run(kernel_backend, case), reference(case), dtype)
+
+
+@pytest.mark.parametrize("rule", [TILES, SMALL], ids=["tiles", "octaves"])
+def test_row_windows_start_in_different_splits(kernel_backend, rng, rule):
+    """The rows of one block reach back to different splits (670 - 99 = 571 and 578 straddle the
+    tiles' 576; 863 - 99 and 870 - 99 straddle the octave splits' 768): the split-parallel
+    kernel numbers its slots from row 0's split and the combine starts each row at its own."""
+    case = make_case(rng, BF16, 64, 4, 1, [8, 8, 3, 8], [670, 863, 200, 5], mode="block", window=100,
+                     window_mode="row")
+    ref = reference(case, split=rule)
+    serial = run(kernel_backend, case, split=rule, strategy="serial")
+    parallel = run(kernel_backend, case, split=rule, strategy="parallel")
+    assert_close(parallel, ref, BF16)
+    np.testing.assert_array_equal(bits(serial), bits(parallel))
+
+
+def test_row_window_is_dflash_s_mask(numpy_backend, rng):
+    """The reference's per-row window is dflash's own mask (dflash.model._attention_mask of a
+    non-causal sliding layer: |query_position - key_position| < sliding_window), applied here to
+    float64 softmax attention over the session's committed rows and block, with a window below
+    the block's rows so that both of its sides bite."""
+    from tests.peers import peer
+    torch = peer("torch")
+    mask_of = peer("dflash.model")._attention_mask
+    for window in (3, 11):
+        case = make_case(rng, np.float32, 64, 4, 2, [8, 5], [40, 2], mode="block", window=window, window_mode="row")
+        got = run(numpy_backend, case, split=SMALL)
+        for b in range(2):
+            s = case.session(b)
+            n, ctx = len(s.q), int(s.pos[0])
+            slots = np.arange(ctx) % s.k_caches[0].shape[1]
+            k = np.concatenate([s.k_caches[0][:, slots], s.k_blk.transpose(1, 0, 2)], axis=1).astype(np.float64)
+            v = np.concatenate([s.v_caches[0][:, slots], s.v_blk.transpose(1, 0, 2)], axis=1).astype(np.float64)
+            visible = mask_of(torch.zeros(1, 1, n, 1), torch.zeros(1, 1, ctx + n, 1), is_causal=False,
+                              sliding_window=window)[0, 0].numpy()
+            for i in range(n):
+                seen = np.flatnonzero(visible[i])
+                assert seen.min() == max(0, ctx + i - window + 1) and seen.max() == min(ctx + n, ctx + i + window) - 1
+                for h in range(4):
+                    logits = k[h // 2, seen] @ s.q[i, h].astype(np.float64) / 8.0
+                    w = np.exp(logits - logits.max())
+                    want = w @ v[h // 2, seen] / w.sum()
+                    np.testing.assert_allclose(got[case.row_indptr[b] + i, h], want, rtol=1e-5, atol=1e-6)
 
 
 def test_reference_is_softmax_attention(numpy_backend, rng):
@@ -321,7 +398,7 @@ def test_verify_rows_equal_decode_steps(any_backend, rng, dtype, d, heads, rule)
 
 
 @pytest.mark.parametrize("rule", [SMALL, None], ids=["small-splits", "default"])
-@pytest.mark.parametrize("mode", ["causal", "block"])
+@pytest.mark.parametrize("mode", ["causal", "block", "row"])
 @pytest.mark.parametrize("dtype", [F32, BF16], ids=str)
 def test_session_alone_equals_batched(any_backend, rng, mode, dtype, rule):
     """Property 2: a session's rows are the same alone and batched with 1-6 others of other
@@ -332,8 +409,8 @@ def test_session_alone_equals_batched(any_backend, rng, mode, dtype, rule):
     ctxs[0] = 1000 if rng.random() < 0.5 else ctxs[0]
     ctxs[int(rng.integers(1, others + 1))] = 1500  # another session's context reaches further
     order = rng.permutation(others + 1)  # the session of interest (index 0) lands anywhere
-    case = make_case(rng, dtype, 128, 8, 2, lens[order], ctxs[order], mode=mode,
-                     window=100 if mode == "block" else 0)
+    case = make_case(rng, dtype, 128, 8, 2, lens[order], ctxs[order], mode="causal" if mode == "causal" else "block",
+                     window={"causal": 0, "block": 100, "row": 5}[mode], window_mode="row" if mode == "row" else "anchor")
     b = int(np.flatnonzero(order == 0)[0])
     r0, r1 = case.row_indptr[b], case.row_indptr[b + 1]
     batched = run(any_backend, case, split=rule)
@@ -366,8 +443,9 @@ def test_randomised_schedule(simt, rng):
     their wait: bitwise the same result, on both kernels."""
     for mode, (lens, ctxs, window), dtype in (("causal", (*CAUSAL["mixed7"], 0), F32),
                                               ("causal", ([1, 6], [200, 190], 0), BF16),
-                                              ("block", BLOCK["ring3"], F16)):
-        case = make_case(rng, dtype, 64, 8, 2, lens, ctxs, mode=mode, window=window)
+                                              ("block", BLOCK["ring3"], F16), ("row", ROWS["short"], BF16)):
+        case = make_case(rng, dtype, 64, 8, 2, lens, ctxs, mode="causal" if mode == "causal" else "block",
+                         window=window, window_mode="row" if mode == "row" else "anchor")
         for strategy in ("serial", "parallel"):
             ordered = run(simt, case, split=SMALL, strategy=strategy)
             with simt.kernels.schedule(seed=int(rng.integers(1, 2**31))):
@@ -509,9 +587,9 @@ def test_asan_clean():
         import ml_dtypes
         rng = np.random.default_rng(0)
         for dtype, d in ((np.float32, 64), (np.float16, 128), (ml_dtypes.bfloat16, 256), (np.float32, 256)):
-            for mode, window in (("causal", 0), ("block", 70)):
+            for mode, window, rows in (("causal", 0, "anchor"), ("block", 70, "anchor"), ("block", 5, "row")):
                 case = make_case(rng, dtype, d, 8, 2, [8, 1, 0, 3], [65, 0, 4, 130], mode=mode, window=window,
-                                 slack=0)
+                                 slack=0, window_mode=rows)
                 for strategy in ("serial", "parallel"):
                     assert_close(run(be, case, split=SMALL, strategy=strategy), reference(case, split=SMALL), dtype)
         print("ok")
@@ -553,6 +631,12 @@ def _bad_inputs():
         ("mode", edit(mode="sliding"), ValueError, "mode='sliding'"),
         ("window in causal", edit(window=4), ValueError, "applies only to mode='block'"),
         ("window past ring", edit(mode="block", window=9), CapacityError, "window=9 exceeds the ring capacity 8"),
+        ("row window past ring", edit(mode="block", window=10, window_mode="row"), CapacityError,
+         r"window=10 exceeds the ring capacity 8 \+ 1"),
+        ("window mode", edit(mode="block", window=4, window_mode="query"), ValueError, "window_mode='query'"),
+        ("row window 0", edit(mode="block", window=0, window_mode="row"), ValueError,
+         "a per-row window is a block-mode window of at least 1 row"),
+        ("row window causal", edit(window_mode="row"), ValueError, "window_mode='row' with mode='causal'"),
     ]
 
 
@@ -560,7 +644,8 @@ def _bad_inputs():
 def test_rejects_bad_input(kernel_backend, rng, name, mutate, error, match):
     case = mutate(make_case(rng, np.float32, 64, 8, 2, [2, 4], [3, 5], slack=3))
     with pytest.raises(error, match=match):
-        attention(kernel_backend, *on(kernel_backend, case).args(), mode=case.mode, window=case.window)
+        attention(kernel_backend, *on(kernel_backend, case).args(), mode=case.mode, window=case.window,
+                  window_mode=case.window_mode)
 
 
 @pytest.mark.parametrize("kw,error,match", [({"split": 256}, TypeError, "split=256: expected a SplitRule"),

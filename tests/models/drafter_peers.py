@@ -1,7 +1,10 @@
 """The peers' side of the drafter-format oracle tests: tiny random drafters built and saved by
 the peers' own code (dflash's DFlashDraftModel / DFlash2DraftModel, speculators' DFlash, DSpark
-and DFlash2 models), a DeepSpec-layout fixture (DeepSpecDSpark below, which mirrors DeepSpec's
-Qwen3DSparkModel), and each peer's forward for one draft round on given context taps.
+and DFlash2 models), a DeepSpec-layout fixture (Qwen3DSparkModel below, which mirrors DeepSpec's
+Qwen3DSparkModel, and its Qwen3_6 / Qwen3_8 subclasses in a copied Qwen3.5 text config), the
+DFlash2 of DeepSpec's Qwen3.8 export (dflash's own DFlash2DraftModel in the config DeepSpec
+builds, and TrimmedDFlash2 for its trimmed vocabulary), and each peer's forward for one draft
+round on given context taps.
 
 A "round" follows the peer's own inference loop: the context rows committed since the last round
 (their concatenated taps) and the anchor at position `start` = all context rows so far; the
@@ -16,6 +19,7 @@ get_input_embeddings() and lm_head, the stand-in or a transformers causal LM.
 
 from __future__ import annotations
 
+import copy
 import json
 from dataclasses import dataclass
 from types import SimpleNamespace
@@ -23,9 +27,11 @@ from types import SimpleNamespace
 import numpy as np
 import torch
 from torch import nn
-from transformers import DynamicCache, Qwen3Config
+from transformers import DynamicCache, Qwen3_5TextConfig, Qwen3Config
 from transformers.models.qwen3.modeling_qwen3 import (Qwen3MLP, Qwen3PreTrainedModel, Qwen3RMSNorm,
                                                       Qwen3RotaryEmbedding, eager_attention_forward, rotate_half)
+
+from tests.models.hf_models import QWEN3_8_SHAPE
 
 H, V, MASK = 64, 300, 299          # the stand-in target's hidden size, vocabulary, mask token
 TARGET_LAYERS = 6
@@ -257,10 +263,134 @@ def deepspec_model(seed, *, markov_rank=8, markov_head_type="vanilla", confidenc
     return m
 
 
+# ---- DeepSpec's Qwen3.6 / Qwen3.8 DSpark: the Qwen3 draft in the target's Qwen3.5 text config ----
+def qwen3_8_text_config(sizes: Sizes = TINY) -> Qwen3_5TextConfig:
+    """A Qwen3.5 text config of Qwen3.8-27B's structure scaled down (hf_models.QWEN3_8_SHAPE: the
+    3 gdn + 1 full attention pattern, heads of 256 at GQA 6, partial RoPE 0.25 with mrope sections,
+    gdn value heads three per key head) at these sizes."""
+    return Qwen3_5TextConfig(vocab_size=sizes.vocab, hidden_size=sizes.hidden, intermediate_size=96,
+                             num_hidden_layers=sizes.target_layers, max_position_embeddings=512,
+                             **copy.deepcopy(QWEN3_8_SHAPE))
+
+
+# YaRN in the drafter, as the seed's DSpark export runs it (factor 4 over 128 of qwen3_8_text_config's 512)
+YARN = {"rope_type": "yarn", "rope_theta": 1e7, "factor": 4.0, "original_max_position_embeddings": 128}
+
+
+class Qwen3_6DSparkModel(Qwen3DSparkModel):
+    """deepspec/modeling/dspark/qwen3_6/modeling.py: the Qwen3 DSpark draft, config_class
+    Qwen3_5TextConfig."""
+    config_class = Qwen3_5TextConfig
+
+
+class Qwen3_8DSparkModel(Qwen3_6DSparkModel):
+    """deepspec/modeling/dspark/qwen3_8/modeling.py."""
+
+
+def deepspec_qwen35_model(seed, target_config, *, arch="Qwen3_8DSparkModel", layers=1, taps=(-1, 1, 3), block=4,
+                          markov_rank=8, markov_head_type="gated", confidence=True, with_markov=True, rope=None,
+                          target=None, sizes: Sizes = TINY):
+    """A Qwen3.6 / Qwen3.8 DSpark draft, its config built as DeepSpec builds it: qwen3/config.py
+    build_draft_config (a deep copy of the target's text config, the draft layers all
+    full_attention, the DSpark fields), then qwen3_8/config.py's resets (default RoPE at theta
+    1e7 over the whole head, or `rope` where given: the seed's export runs YaRN; its notes). The
+    target-only keys (linear_*, the mrope sections) stay in, as DeepSpec leaves them."""
+    cfg = copy.deepcopy(target_config)
+    cfg.architectures = [arch]
+    cfg.update(dict(num_target_layers=target_config.num_hidden_layers, num_hidden_layers=layers, block_size=block,
+                    tie_word_embeddings=False, layer_types=["full_attention"] * layers, mask_token_id=sizes.mask,
+                    target_layer_ids=list(taps), num_anchors=64, enable_confidence_head=confidence,
+                    markov_rank=markov_rank, rms_norm_eps=1e-5))
+    if confidence:
+        cfg.confidence_head_with_markov = with_markov
+    if markov_rank:
+        cfg.markov_head_type = markov_head_type
+    if arch == "Qwen3_8DSparkModel":
+        cfg.rope_parameters = dict(rope or {"rope_type": "default", "rope_theta": 1e7})
+        cfg.partial_rotary_factor = 1.0
+        cfg.update(dict(deepspec_target_family="qwen3_8", deepspec_draft_architecture="qwen3_full_attention",
+                        deepspec_draft_rope="full_head", deepspec_target_model_type="qwen3_5_text",
+                        target_context_layout="native_head_tail"))
+    cfg._attn_implementation = "eager"
+    m = (Qwen3_8DSparkModel if arch == "Qwen3_8DSparkModel" else Qwen3_6DSparkModel)(cfg).eval()
+    randomize(m, seed)
+    if target is not None:   # initialize_embeddings_and_head
+        with torch.no_grad():
+            m.embed_tokens.weight.copy_(target.get_input_embeddings().weight)
+            m.lm_head.weight.copy_(target.lm_head.weight)
+    return m
+
+
+# ---- DeepSpec's DFlash2 for Qwen3.8 --------------------------------------------------------------
+class TrimmedDFlash2(nn.Module):
+    """Mixin: a DFlash2 drafter over a trimmed draft vocabulary. Its own lm_head [draft_vocab, H]
+    gives the draft logits and d2t (EAGLE-3's offsets: target id = j + d2t[j]) maps a draft row
+    to its target token; t2d marks the kept target ids. The candidate selector (dflash's
+    CandidateSelector.select, followed step by step) takes the top-k of the draft logits and
+    scores each candidate by its target id, the codebooks staying over the target vocabulary."""
+
+    def compute_logits(self, hidden, output_head):
+        return super().compute_logits(hidden, self.lm_head)
+
+    def propose(self, hidden, anchor_ids, output_head, temperature):
+        sel = self.candidate_selector
+        unary, cand = torch.topk(self.compute_logits(hidden, None), sel.top_k, dim=-1, sorted=False)
+        cand = cand + self.d2t[cand]
+        code, predecessor, path = sel.hidden_projection(hidden), anchor_ids, []
+        for position in range(hidden.shape[1]):
+            scores = unary[:, position] + torch.einsum("br,bkr->bk", sel.predecessor_codebook(predecessor)
+                                                       * code[:, position], sel.successor_codebook(cand[:, position]))
+            predecessor = cand[:, position].gather(-1, torch.argmax(scores, dim=-1)[:, None])[:, 0]
+            path.append(predecessor)
+        return torch.stack(path, dim=1), cand, None
+
+
+def dflash2_qwen3_8_model(seed, *, layers=2, window=3, taps=(1, 3), block=4, draft_vocab=None, sizes: Sizes = TINY):
+    """The DFlash2 of DeepSpec's Qwen3.8 export, its config built as deepspec/modeling/dflash2/
+    qwen3_8/config.py build_draft_config builds it (scaled down: 32:8 heads of 128 -> 4:1, five
+    layers -> `layers`, sliding_window 2048 -> `window`, verification block 8 -> `block`): Qwen3
+    layers, every one sliding_attention with is_causal false, RoPE theta 1e7, the dflash_config,
+    and DeepSpec's training-only fields at the top level (block_size there is the draft count).
+    dflash's own DFlash2DraftModel is the model; with `draft_vocab`, TrimmedDFlash2 over it."""
+    from dflash.model import DFlash2DraftModel
+    cfg = Qwen3Config(vocab_size=sizes.vocab, hidden_size=sizes.hidden, intermediate_size=96, num_hidden_layers=layers,
+                      num_attention_heads=4, num_key_value_heads=1, head_dim=128, max_position_embeddings=512,
+                      rms_norm_eps=1e-5, tie_word_embeddings=False, attention_bias=False,
+                      rope_parameters={"rope_theta": 1e7, "rope_type": "default"}, sliding_window=window,
+                      use_sliding_window=True, layer_types=["sliding_attention"] * layers, is_causal=False)
+    cfg._attn_implementation = "eager"
+    cfg.architectures = ["DFlash2DraftModel"]
+    cfg.dflash_config = {"block_size": block, "conv_group_size": 16, "conv_kernel_size": 2, "mask_token_id": sizes.mask,
+                         "selector_rank": 8, "selector_top_k": 5, "target_layer_ids": list(taps)}
+    if draft_vocab:
+        cfg.dflash_config["draft_vocab_size"] = draft_vocab
+    cfg.num_target_layers = sizes.target_layers
+    cfg.max_window_layers = layers
+    cfg.update(dict(block_size=block - 1, verification_block_size=block, proposal_hidden_offset=1,
+                    target_layer_ids=list(taps), mask_token_id=sizes.mask, num_anchors=64, conv_group_size=16,
+                    conv_kernel_size=2, selector_rank=8, selector_top_k=5, enable_confidence_head=False, markov_rank=0))
+    if not draft_vocab:
+        m = DFlash2DraftModel(cfg).eval()
+        randomize(m, seed)
+        return m
+    # named as DeepSpec's export names it (checkpoint_architecture_name), which save_pretrained writes
+    m = type("DFlash2DraftModel", (TrimmedDFlash2, DFlash2DraftModel), {})(cfg).eval()
+    m.lm_head = nn.Linear(sizes.hidden, draft_vocab, bias=False)
+    keep = torch.randperm(sizes.vocab, generator=torch.Generator().manual_seed(seed + 1))[:draft_vocab].sort().values
+    m.register_buffer("d2t", keep - torch.arange(draft_vocab))
+    t2d = torch.zeros(sizes.vocab, dtype=torch.bool)
+    t2d[keep] = True
+    m.register_buffer("t2d", t2d)
+    randomize(m, seed)
+    return m
+
+
 # ---- z-lab dflash ----------------------------------------------------------------------------
-def dflash_model(seed, *, v2=False, taps=(1, 3), block=4, extra=None, sizes: Sizes = TINY):
+def dflash_model(seed, *, v2=False, taps=(1, 3), block=4, extra=None, sizes: Sizes = TINY, **layers):
+    """z-lab's DFlashDraftModel / DFlash2DraftModel; `layers`: more Qwen3 layer config (layer_types,
+    sliding_window, is_causal)."""
     from dflash.model import DFlash2DraftModel, DFlashDraftModel
-    cfg = layer_config(sizes=sizes, num_target_layers=sizes.target_layers, block_size=block)
+    cfg = layer_config(sizes=sizes, num_target_layers=sizes.target_layers, block_size=block, **layers)
     cfg.dflash_config = {"target_layer_ids": list(taps), "mask_token_id": sizes.mask, **(extra or {})}
     if v2:
         cfg.dflash_config.update(conv_kernel_size=2, conv_group_size=16, selector_rank=8, selector_top_k=5)

@@ -9,6 +9,7 @@ forgotten zero-centring, a norm on the wrong tensor or a norm left out all chang
 
 from __future__ import annotations
 
+import copy
 import math
 from dataclasses import dataclass, field
 
@@ -79,6 +80,17 @@ QWEN35 = [
         layer_types=["linear_attention", "full_attention", "linear_attention"]), dtype="bfloat16", seed=5),
 ]
 CASES = QWEN3 + QWEN35
+# Qwen3.8-27B's structure scaled down (its text config: 64 layers, [linear_attention x 3,
+# full_attention] x 16; 24 query / 4 kv heads of 256, partial RoPE 0.25 with mrope sections
+# 11/11/10 of its 32 frequencies, theta 1e7; gdn 16 key / 48 value heads of 128): the target of the
+# seed's drafters (tests/models/test_seed_pair.py).
+QWEN3_8_SHAPE = dict(num_attention_heads=6, num_key_value_heads=1, head_dim=256, linear_num_key_heads=2,
+                     linear_num_value_heads=6, linear_key_head_dim=32, linear_value_head_dim=32,
+                     rope_parameters=dict(rope_type="default", rope_theta=1e7, partial_rotary_factor=0.25,
+                                          mrope_section=[11, 11, 10], mrope_interleaved=True))
+QWEN3_8 = Case("qwen3_8-tiny", "qwen3_5_text", dict(
+    vocab_size=320, hidden_size=64, intermediate_size=96, num_hidden_layers=4, max_position_embeddings=512,
+    layer_types=["linear_attention"] * 3 + ["full_attention"], **QWEN3_8_SHAPE), seed=6)
 
 
 def model_class(transformers, family: str):
@@ -90,7 +102,7 @@ def hf_config(transformers, case: Case):
     if case.family == "qwen3":
         return transformers.Qwen3Config(**case.config, tie_word_embeddings=case.tied)
     if case.family == "qwen3_5_text":
-        return transformers.Qwen3_5TextConfig(**case.config, tie_word_embeddings=case.tied)
+        return transformers.Qwen3_5TextConfig(**copy.deepcopy(case.config), tie_word_embeddings=case.tied)
     return transformers.Qwen3_5Config(text_config=case.config, vision_config=VISION, tie_word_embeddings=case.tied)
 
 

@@ -99,24 +99,27 @@ def world(tmp_path_factory, numpy_backend):
     made = {}
 
     def get(case):
-        if case.name in made:
-            return made[case.name]
-        d = tmp_path_factory.mktemp(case.name)
-        build(case, d)
-        model = reference(case, d)
-        trunk = load_target(d, numpy_backend)
-        prompt, want = live_prompt(trunk, case.seed)
-        sizes = peers.sizes_of(model)
-        drafters = {}
-        for i, (name, (make, taps)) in enumerate(formats(sizes.target_layers).items()):
-            peer = make(model, sizes, SEED + i).eval()
-            path = d / name
-            peer.save_pretrained(path)
-            drafters[name] = SimpleNamespace(peer=peer, path=path, taps=taps)
-        made[case.name] = SimpleNamespace(path=d, model=model, trunk=trunk, prompt=prompt, want=want,
-                                          drafters=drafters)
+        if case.name not in made:
+            made[case.name] = saved_world(tmp_path_factory.mktemp(case.name), case, numpy_backend, formats)
         return made[case.name]
     return get
+
+
+def saved_world(d, case, be, formats_of) -> SimpleNamespace:
+    """Target `case` saved by transformers into `d` (its model, dspark's trunk on `be`, a prompt
+    and its plain greedy stream) and the drafters formats_of(target layers) names (name ->
+    (builder(target model, sizes, seed), taps)), each saved by its peer's save_pretrained."""
+    build(case, d)
+    model = reference(case, d)
+    trunk = load_target(d, be)
+    prompt, want = live_prompt(trunk, case.seed)
+    sizes = peers.sizes_of(model)
+    drafters = {}
+    for i, (name, (make, taps)) in enumerate(formats_of(sizes.target_layers).items()):
+        peer = make(model, sizes, SEED + i).eval()
+        peer.save_pretrained(d / name)
+        drafters[name] = SimpleNamespace(peer=peer, path=d / name, taps=taps)
+    return SimpleNamespace(path=d, model=model, trunk=trunk, prompt=prompt, want=want, drafters=drafters)
 
 
 def live_prompt(trunk, seed):
@@ -136,14 +139,18 @@ def oracle(w, name):
     return o
 
 
-def boost(logits, stream, start, first):
+def boost(logits, stream, start, first, d2t=None):
     """The OracleDrafter's change, on a peer's block logits [1, rows, V]: slot k (row first + k)
-    gets BOOST on stream[start + k + 1] when the (SEED, start, k) draw is below HIT."""
+    gets BOOST on stream[start + k + 1] when the (SEED, start, k) draw is below HIT. Over a trimmed
+    draft vocabulary (d2t: offsets, row j is token j + d2t[j]) the token's row gets it, if it has one."""
     logits = logits.clone()
+    rows = {int(j + d2t[j]): j for j in range(len(d2t))} if d2t is not None else None
     for k in range(logits.shape[1] - first):
         t = start + k + 1
         if t < len(stream) and np.random.default_rng([SEED, start, k]).random() < HIT:
-            logits[0, first + k, stream[t]] += BOOST
+            j = stream[t] if rows is None else rows.get(stream[t])
+            if j is not None:
+                logits[0, first + k, j] += BOOST
     return logits
 
 
@@ -302,7 +309,7 @@ def run_dflash_generate(w, name, n, monkeypatch):
     monkeypatch.setattr(model, "forward", drafted)
     def logits(h, head):   # h: the draft rows 1..b-1 after the drafter's norm
         hidden.append(h[0])
-        return boost(draft_logits(h, head), stream, where["start"], 0)
+        return boost(draft_logits(h, head), stream, where["start"], 0, getattr(model, "d2t", None))
     monkeypatch.setattr(model, "compute_logits", logits)
     monkeypatch.setattr(target, "forward", verified)
     monkeypatch.setattr(dflash_model, "_cuda_time", time.perf_counter)   # return_stats times with CUDA otherwise

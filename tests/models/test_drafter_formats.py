@@ -54,6 +54,16 @@ def _deepspec(copies=True, **kw):
                                        "deepspec")
 
 
+def _deepspec_qwen35(copies=True, **kw):
+    return lambda target, seed, taps: (peers.deepspec_qwen35_model(seed, peers.qwen3_8_text_config(), taps=taps,
+                                                                   target=target if copies else None, **kw),
+                                       "deepspec")
+
+
+def _dflash2_qwen3_8(**kw):
+    return lambda target, seed, taps: (peers.dflash2_qwen3_8_model(seed, taps=taps, **kw), "dflash")
+
+
 def _dflash(**kw):
     return lambda target, seed, taps: (peers.dflash_model(seed, taps=taps, **kw), "dflash")
 
@@ -70,9 +80,21 @@ CASES = [
          (0, 4)),
     Case("deepspec-rnn-no_conf", _deepspec(markov_head_type="rnn", confidence=False, block=5), (2,)),
     Case("deepspec-no_markov", _deepspec(markov_rank=0, with_markov=False), (1, 3)),
+    # DeepSpec's Qwen3.8 / Qwen3.6 drafts: Qwen3 layers at the target's head dim 256 in its copied
+    # qwen3_5_text config (target-only keys left in); the seed's export runs YaRN
+    Case("deepspec-qwen3_8-yarn", _deepspec_qwen35(rope=peers.YARN), (-1, 1, 3)),
+    Case("deepspec-qwen3_6-two_layers-own_copies", _deepspec_qwen35(arch="Qwen3_6DSparkModel", layers=2,
+                                                                    markov_head_type="rnn", copies=False), (0, 4)),
+    # DeepSpec's DFlash2 for Qwen3.8: head dim 128, every layer a non-causal sliding window (3: below
+    # the block, so both sides of a row bite), with and without the trimmed vocabulary and its d2t
+    Case("dflash2-qwen3_8-sliding", _dflash2_qwen3_8(), (1, 3)),
+    Case("dflash2-qwen3_8-sliding-d2t", _dflash2_qwen3_8(draft_vocab=120), (0, 2)),
     Case("dflash", _dflash(extra={"input_embedding_scale": 1.5, "output_multiplier": 0.75,
                                   "final_logit_softcapping": 20.0}), (1, 3)),
     Case("dflash2", _dflash(v2=True), (0, 2)),
+    # a per-row window of 2 on one layer, all rows on the other (is_causal false, as dflash reads it)
+    Case("dflash-sliding-and-full", _dflash(layer_types=["sliding_attention", "full_attention"], sliding_window=2,
+                                            use_sliding_window=True, is_causal=False), (2, 4)),
     Case("speculators-dflash", _spec("dflash"), (2, 4)),
     Case("speculators-dspark-vanilla-draft_vocab", _spec("dspark", draft_vocab=120), (2, 4)),
     Case("speculators-dspark-rnn-mask_fill-conf_hidden", _spec("dspark", markov_rank=8, markov_head_type="rnn",
@@ -87,7 +109,8 @@ CASES = [
     Case("speculators-dflash2", _spec("dflash2", conv_kernel_size=2, conv_group_size=16, selector_rank=8,
                                       selector_top_k=5), (2, 4)),
 ]
-SIMT_CASES = {"deepspec-vanilla-conf_markov", "dflash2", "speculators-dspark-vanilla-draft_vocab"}
+SIMT_CASES = {"deepspec-vanilla-conf_markov", "dflash2", "speculators-dspark-vanilla-draft_vocab",
+              "deepspec-qwen3_8-yarn", "dflash2-qwen3_8-sliding-d2t"}
 
 
 def taps_for(case):
@@ -176,8 +199,8 @@ def run_case(case, be, saved, target):
 def test_format_matches_peer_numpy(case, numpy_backend, saved, target):
     drafter = run_case(case, numpy_backend, saved, target)
     cfg = drafter.config
-    mask_fill = ("dflash", "dflash2", "speculators-dflash", "speculators-dflash2",
-                 "speculators-dspark-rnn-mask_fill-conf_hidden")
+    mask_fill = ("dflash", "dflash2", "dflash-sliding-and-full", "speculators-dflash", "speculators-dflash2",
+                 "speculators-dspark-rnn-mask_fill-conf_hidden", "dflash2-qwen3_8-sliding", "dflash2-qwen3_8-sliding-d2t")
     assert cfg.harvest == ("mask_fill" if case.name in mask_fill else "shifted")
 
 
@@ -240,8 +263,33 @@ MALFORMED = [
     ("dflash", {"dflash_config__mask_token_id": None}, None, CheckpointError, "mask_token_id is missing"),
     ("dflash", {"layer_types": ["sliding_attention", "full_attention"], "sliding_window": 4}, None, CheckpointError,
      "layer_types[0]='sliding_attention'"),
+    ("dflash", {"rope_parameters": {"rope_type": "dynamic", "rope_theta": 5000.0, "factor": 2.0}}, None,
+     CheckpointError, "rope_type='dynamic'"),
     ("dflash", {"rope_parameters": {"rope_type": "yarn", "rope_theta": 5000.0, "factor": 2.0}}, None,
-     CheckpointError, "rope_type='yarn'"),
+     CheckpointError, "rope_type='yarn' needs original_max_position_embeddings"),
+    # DeepSpec's Qwen3.8 DSpark: a draft layer other than full attention, a missing DSpark field, a
+    # partial RoPE under YaRN (transformers' YaRN would rotate a quarter of each head), another draft
+    ("deepspec-qwen3_8-yarn", {"layer_types": ["sliding_attention"], "sliding_window": 4}, None, CheckpointError,
+     "layer_types[0]='sliding_attention'"),
+    ("deepspec-qwen3_8-yarn", {"layer_types": ["linear_attention"]}, None, CheckpointError,
+     "layer_types[0]='linear_attention'"),
+    ("deepspec-qwen3_8-yarn", {"mask_token_id": None}, None, CheckpointError, "mask_token_id is missing"),
+    ("deepspec-qwen3_8-yarn", {"markov_rank": None}, None, CheckpointError, "markov_rank is missing"),
+    ("deepspec-qwen3_8-yarn", {"block_size": None}, None, CheckpointError, "block_size is missing"),
+    ("deepspec-qwen3_8-yarn", {"rope_parameters__partial_rotary_factor": 0.25}, None, CheckpointError,
+     "partial_rotary_factor=0.25: the drafter's Qwen3 layers rotate the whole head"),
+    ("deepspec-qwen3_8-yarn", {"deepspec_draft_rope": "partial_head"}, None, CheckpointError,
+     "deepspec_draft_rope='partial_head'"),
+    ("deepspec-qwen3_8-yarn", {"model_type": "qwen3_next"}, None, CheckpointError, "model_type='qwen3_next'"),
+    ("deepspec-qwen3_8-yarn", {"num_target_layers": 64}, None, CheckpointError, "num_target_layers=64"),
+    ("deepspec-qwen3_8-yarn", {"attention_bias": True}, None, CheckpointError, "attention_bias=true"),
+    # DeepSpec's DFlash2 for Qwen3.8: a sliding layer whose causality is left to dflash's default
+    # (causal), a window of 0, a trimmed vocabulary without its map
+    ("dflash2-qwen3_8-sliding", {"is_causal": None}, None, CheckpointError,
+     "layer_types[0]='sliding_attention' (causal inside the block)"),
+    ("dflash2-qwen3_8-sliding", {"sliding_window": 0}, None, CheckpointError, "layer_types[0]='sliding_attention'"),
+    ("dflash2-qwen3_8-sliding-d2t", None, {"drop": ["d2t"]}, CheckpointError, "'d2t' is missing"),
+    ("dflash2-qwen3_8-sliding-d2t", {"dflash_config__draft_vocab_size": 121}, None, ShapeError, "lm_head.weight"),
     ("speculators-dflash", {"aux_hidden_state_layer_ids": [2, 7]}, None, CheckpointError,
      "aux_hidden_state_layer_ids[1]=7"),
     ("speculators-dflash", {"speculators_model_type": "eagle3"}, None, CheckpointError, "eagle3"),
@@ -267,12 +315,31 @@ def test_malformed_drafter_names_the_field(fixture, config, tensors, error, word
     assert numpy_backend.alloc.owners() == before, "a rejected drafter allocated on the backend"
 
 
-def test_hidden_size_unlike_the_targets(numpy_backend, saved, target, tmp_path):
+@pytest.mark.parametrize("fixture", ["deepspec-vanilla-conf_markov", "deepspec-qwen3_8-yarn"])
+def test_hidden_size_unlike_the_targets(numpy_backend, saved, target, tmp_path, fixture):
     """The drafter's hidden size against a target of another width: named before any tensor is read."""
     standin = target.standin(numpy_backend, (-1, 1, 3))
     standin.config.d_model = 96
+    before = numpy_backend.alloc.owners()
     with pytest.raises(CheckpointError, match="hidden_size=64 differs from the target's 96"):
-        load_drafter(saved["deepspec-vanilla-conf_markov"][2], standin, numpy_backend)
+        load_drafter(saved[fixture][2], standin, numpy_backend)
+    assert numpy_backend.alloc.owners() == before
+
+
+def test_qwen3_5_text_drafts_ignore_the_targets_keys_by_rule(numpy_backend, saved, target):
+    """DeepSpec's Qwen3.6 / Qwen3.8 drafts keep the target's text config: the keys only the target
+    reads (its gdn layers, mrope sections, the default RoPE's partial factor) are ignored by rule
+    and named in drafter.source; the draft's own RoPE is honoured (YaRN) over the whole head."""
+    q38 = load_drafter(saved["deepspec-qwen3_8-yarn"][2], target.standin(numpy_backend, (-1, 1, 3)))
+    q36 = load_drafter(saved["deepspec-qwen3_6-two_layers-own_copies"][2], target.standin(numpy_backend, (0, 4)))
+    linear = ["linear_conv_kernel_dim", "linear_key_head_dim", "linear_num_key_heads", "linear_num_value_heads",
+              "linear_value_head_dim"]
+    assert q38.source.endswith("ignored target-only config keys: " + ", ".join(linear))
+    assert q36.source.endswith("ignored target-only config keys: " + ", ".join(
+        linear + ["partial_rotary_factor", "rope_parameters.mrope_interleaved", "rope_parameters.mrope_section",
+                  "rope_parameters.partial_rotary_factor"]))
+    assert dict(q38.config.rope_scaling)["rope_type"] == "yarn" and q36.config.rope_scaling == ()
+    assert q38.config.rope_theta == q36.config.rope_theta == 1e7 and q38.config.head_dim == 256
 
 
 def test_unknown_tensor_is_an_error(numpy_backend, saved, target, tmp_path):

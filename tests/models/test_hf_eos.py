@@ -132,7 +132,7 @@ def test_cli_stops_on_any_eos_id(two_eos, numpy_backend, capsys, monkeypatch):
         encode = staticmethod(lambda text: p)
         decode = staticmethod(lambda out: " ".join(map(str, out)))
 
-    monkeypatch.setattr("dspark.cli.load_model", lambda be, path: (load_target(path, be), Ids))
+    monkeypatch.setattr("dspark.cli.load_model", lambda be, path, progress=None: (load_target(path, be), Ids))
     rc = main(["generate", "x", "--model", str(d), "--backend", "numpy", "--max-new-tokens", str(N)])
     out, err = capsys.readouterr()
     assert rc == 0, err

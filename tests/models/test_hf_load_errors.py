@@ -1,14 +1,18 @@
 """Checkpoints load_target cannot serve get one CheckpointError naming the config key or tensor,
-and nothing is allocated on the backend; what it skips by rule it reports."""
+and nothing is allocated on the backend; what it skips by rule it reports, and what it loads it
+shows (a progress bar on a terminal) and says in one line."""
 
+import io
 import json
 import shutil
+import sys
 
 import numpy as np
 import pytest
 
 from dspark.models.hf import CheckpointError, load_target
 from dspark.models.hf.checkpoint import Checkpoint
+from dspark.models.hf.target import size_text
 from tests.models.hf_models import CASES, build, require_transformers
 
 BASE = {"qwen3": CASES[0], "qwen3_5_text": next(c for c in CASES if c.family == "qwen3_5_text"),
@@ -190,3 +194,64 @@ def test_hub_ids_resolve_in_the_local_cache_only(numpy_backend, originals, tmp_p
     (repo / "refs" / "main").write_text(commit)
     trunk = load_target("tiny/qwen3", numpy_backend)
     assert trunk.source.path == repo / "snapshots" / commit
+
+
+class Terminal(io.StringIO):
+    """A stderr that says it is a terminal (tqdm shows its bars on one)."""
+
+    def isatty(self):
+        return True
+
+
+def test_load_shows_progress_by_shard_and_says_what_it_loaded(numpy_backend, originals, monkeypatch):
+    """A load's bar (tqdm, on stderr) advances by each tensor's checkpoint bytes to the total and
+    names each shard as it reads it; it shows on a terminal, not under DSPARK_PROGRESS=0 nor with
+    progress=False (progress=True shows it anywhere); the one-line summary gives the dtypes read,
+    the storage dtype and the bytes on the backend, as its allocator counts them."""
+    import dspark.progress
+    shards = sorted(p.name for p in originals["sharded"].glob("*.safetensors"))
+    assert len(shards) > 1
+    bars = []
+
+    class Recorded(dspark.progress.tqdm):
+        def __init__(self, *a, **kw):
+            super().__init__(*a, **kw)
+            self.shown, self.updates, self.shards = not self.disable, [], []   # close() disables it
+            bars.append(self)
+
+        def update(self, n=1):
+            self.updates.append(n)
+            return super().update(n)
+
+        def set_postfix_str(self, s="", refresh=True):
+            self.shards.append(s)
+            return super().set_postfix_str(s, refresh)
+
+    monkeypatch.setattr(dspark.progress, "tqdm", Recorded)
+
+    def load(**kw):
+        bars.clear()
+        err = Terminal()
+        monkeypatch.setattr(sys, "stderr", err)
+        before = numpy_backend.alloc.bytes("weights")
+        trunk = load_target(originals["sharded"], numpy_backend, **kw)
+        monkeypatch.setattr(sys, "stderr", sys.__stderr__)
+        (bar,) = bars
+        return trunk, bar, err.getvalue(), numpy_backend.alloc.bytes("weights") - before
+
+    trunk, bar, shown, nbytes = load()
+    assert bar.shown and "loading orig-sharded" in shown
+    read = {n: i for n, i in Checkpoint(originals["sharded"]).tensors.items() if not n.startswith("model.visual.")}
+    assert sum(bar.updates) == bar.total == sum(i.end - i.start for i in read.values()) and len(bar.updates) == len(read)
+    assert sorted(set(bar.shards)) == sorted({i.file.name for i in read.values()})
+    summary = trunk.source.summary()
+    assert f"{len(read)} tensors (F32 {len(read)}) stored as float32" in summary
+    assert trunk.source.device_bytes == nbytes > 0 and f"{size_text(nbytes)} on numpy" in summary
+    assert not load(progress=False)[1].shown
+    monkeypatch.setenv("DSPARK_PROGRESS", "0")
+    assert not load()[1].shown and load(progress=True)[1].shown
+
+
+def test_load_progress_stays_out_of_captured_output(numpy_backend, originals, capsys):
+    load_target(originals["sharded"], numpy_backend)
+    assert capsys.readouterr().err == ""

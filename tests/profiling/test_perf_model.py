@@ -42,7 +42,7 @@ def num(cell: str) -> float:
 def test_cli_table_is_consistent_and_meets_the_targets():
     out = ok(script("profiling/perf_model.py", "--batch", "1", "2", "--context", "4096", "32768", "--kernels")[0])
     summary = rows_of(out, "shape ")
-    assert len(summary) == 3 * 2 * 2
+    assert len(summary) == len(pm.shapes()) * 2 * 2
     for r in summary:
         shape, B, ctx, vt, att, ratio, plain, verify, total = r[:9]
         shares, launches = [num(x) for x in r[9:14]], int(r[14])
@@ -102,3 +102,23 @@ def test_bytes_and_launches_of_a_round_are_what_the_contract_path_counts(rollbac
     assert abs(c.array_ops - pm.array_ops(TINY, batch, vts[0], verify=True, round_glue=True)) <= 0.05 * c.array_ops
     for s in sessions:
         s.close()
+
+
+def test_the_seeds_pair_is_priced_with_each_drafter():
+    """Qwen3.8-27B with DeepSpec's DFlash2 (five layers of 8 kv heads of 128, per-row windows of
+    2048, a trimmed vocabulary under the selector) and DSpark: the DFlash2's drafter attention
+    and its draft KV stay those of window + block rows at any context, the DSpark's grow with it."""
+    table = pm.shapes()
+    dflash2, dspark = table["qwen3.8-27b-dflash2"], table["qwen3.8-27b-dspark"]
+    assert dflash2.trunk == dspark.trunk == table["qwen3.5-27b"].trunk
+    dc = dflash2.drafter
+    assert (dc.layers, dc.kv_heads, dc.head_dim, dc.window_mode, dc.windows(), dc.drafts) == \
+        (5, 8, 128, "row", (2048,) * 5, 7)
+
+    def drafter_attention(shape, context):
+        return sum(k.bytes for k in pm.drafter_pass(shape, 1, context, pm.H200) if k.kind == "kv")
+
+    assert drafter_attention(dflash2, 32768) == drafter_attention(dflash2, 131072)
+    assert drafter_attention(dspark, 131072) > 3 * drafter_attention(dspark, 32768)
+    names = [k.name for k in pm.drafter_pass(dflash2, 1, 4096, pm.H200)]
+    assert "candidate selector" in names and any(n.startswith("drafter lm head (own, draft vocabulary)") for n in names)

@@ -1,17 +1,28 @@
 """The released block-drafter formats, each a mapping of config keys and tensor names onto
 DrafterConfig and dspark's drafter weights (dspark.models.drafter says what they compute).
 
-* DeepSpec DSpark (`architectures: ["Qwen3DSparkModel"]`): the target's config plus block_size,
+* DeepSpec DSpark (`architectures: ["Qwen3DSparkModel"]`, and `Qwen3_6DSparkModel` /
+  `Qwen3_8DSparkModel` for the Qwen3.5-architecture targets): the target's config plus block_size,
   mask_token_id, target_layer_ids (tap = hidden_states[id + 1]; -1 is the embedding),
   num_target_layers, markov_rank / markov_head_type, enable_confidence_head /
   confidence_head_with_markov. Own embed_tokens, lm_head (copies of the target's) and norm. Every
-  block row is a draft (row k predicts pos+k+1).
+  block row is a draft (row k predicts pos+k+1). The Qwen3.6 / Qwen3.8 drafts are Qwen3 full-attention
+  layers (q/k norm, no output gate, RoPE over the whole head) in a `qwen3_5_text` config copied from
+  the target (deepspec/modeling/dspark/qwen3_6, qwen3_8): the keys only the target reads
+  (TARGET_ONLY: its gdn layers, mtp head, mrope sections, partial RoPE) are ignored by rule and
+  listed in `Plan.ignored_keys`; everything a Qwen3 layer reads is honoured or refused.
 * z-lab DFlash (`model_type: qwen3` with `dflash_config`): target_layer_ids (hidden_states[id + 1]),
   mask_token_id, block_size (dflash_config or top level), num_target_layers; no embedding or LM
   head (the target's), own norm; rows 1..b-1 are the drafts (mask fill); optional
   input_embedding_scale, output_multiplier, final_logit_softcapping. DFlash2 adds grouped dynamic
   convolutions (conv_kernel_size, conv_group_size) and a candidate selector (selector_rank,
-  selector_top_k).
+  selector_top_k). A sliding_attention layer with `is_causal: false` (DeepSpec's DFlash2 for
+  Qwen3.8: every layer, sliding_window 2048) sees the keys within the window of each block row's
+  own position, both ways (dflash.model._attention_mask); with is_causal unset it is causal
+  (refused). A trimmed draft vocabulary (draft_vocab_size below vocab_size, in dflash_config or
+  at the top level) brings its own lm_head rows and d2t (target id = j + d2t[j], EAGLE-3's and
+  speculators' convention; an optional t2d is checked against it); the selector's codebooks stay
+  over the target vocabulary, its candidates mapped through d2t.
 * speculators (`speculators_model_type` dflash / dspark / dflash2): transformer_layer_config holds
   the Qwen3 layer config; aux_hidden_state_layer_ids index hidden_states directly (vLLM collects
   the stream entering layer id), so tap = id - 1; sample_from_anchor picks the harvest (dspark
@@ -27,6 +38,7 @@ from dataclasses import dataclass, field
 
 from ...errors import CheckpointError
 from ..drafter_config import DrafterConfig
+from .target import rope_of
 
 QWEN3_LAYER = {   # ours (per layer "layers.{i}.") <- checkpoint, transform
     "norm1": ("layers.{i}.input_layernorm.weight", ""),
@@ -83,6 +95,8 @@ class Plan:
     from_target: tuple[str, ...] = ()    # our tensors the format takes from the target, not the file
     ignored: tuple[str, ...] = ()        # checkpoint tensors that are known and unused at inference
     aliases: dict[str, str] = field(default_factory=dict)   # stored name -> the table's name
+    ignored_keys: tuple[str, ...] = ()   # config keys only the target reads, ignored by rule (TARGET_ONLY)
+    architecture: str = ""               # the config's architectures entry, as written
 
     def source(self, ours: str) -> tuple[str, str]:
         """(checkpoint name, transform) of one of our tensors."""
@@ -97,17 +111,29 @@ class Plan:
         return next((f for p, f in ASKED_BY.items() if leaf.startswith(p)), "the layer config")
 
 
+DEEPSPEC_ARCHS = {"Qwen3DSparkModel": ("qwen3",), "Qwen3_6DSparkModel": ("qwen3_5_text",),
+                  "Qwen3_8DSparkModel": ("qwen3_5_text",)}   # architecture -> the model_type of its config
+# Keys of a Qwen3.5 text config that only the target reads (DeepSpec's Qwen3.6 / Qwen3.8 DSpark
+# configs are the target's text config, copied): its gdn layers, its multi-token-prediction head,
+# its layer pattern and output gate, its multimodal RoPE sections (top level or in
+# rope_parameters). partial_rotary_factor is the target's too where the RoPE is the default one:
+# Qwen3's default RoPE rotates the whole head whatever it says; a scaled RoPE reads it.
+TARGET_ONLY = ("linear_", "mtp_", "full_attention_interval", "attn_output_gate", "mrope_")
+# DeepSpec's own notes in those configs, checked where present: the draft it describes.
+DEEPSPEC_NOTES = {"deepspec_draft_architecture": "qwen3_full_attention", "deepspec_draft_rope": "full_head"}
+
+
 def detect(raw: dict) -> str:
     """The format of a config.json: 'deepspec', 'dflash' or 'speculators'."""
     archs = raw.get("architectures") or []
     if "speculators_model_type" in raw:
         return "speculators"
-    if "Qwen3DSparkModel" in archs:
+    if any(a in DEEPSPEC_ARCHS for a in archs):
         return "deepspec"
     if "dflash_config" in raw or any(a in ("DFlashDraftModel", "DFlash2DraftModel") for a in archs):
         return "dflash"
     if any(a.endswith("DSparkModel") for a in archs):
-        raise CheckpointError(f"architectures={archs}: dspark serves DeepSpec's Qwen3DSparkModel drafters only")
+        raise CheckpointError(f"architectures={archs}: dspark serves DeepSpec's {', '.join(DEEPSPEC_ARCHS)} drafters")
     raise CheckpointError(f"config.json: not a block drafter dspark knows (architectures={archs}; expected "
                           f"Qwen3DSparkModel, a dflash_config, or speculators_model_type)")
 
@@ -120,15 +146,50 @@ def get(raw: dict, key: str, where: str = "", default=...):
     return default
 
 
-def qwen3_layers(tl: dict, where: str, sliding: str = "refuse") -> dict:
-    """DrafterConfig fields from a Qwen3 decoder config (the layer stack of every format).
+def target_only(raw: dict) -> tuple[dict, tuple[str, ...]]:
+    """(the config without the keys only the target reads, their names): TARGET_ONLY's rule."""
+    rope = dict(raw.get("rope_parameters") or {})
+    default = (rope.get("rope_type") or rope.get("type") or "default") == "default"
+
+    def only_target(key):
+        return key.startswith(TARGET_ONLY) or (key == "partial_rotary_factor" and default)
+    kept = {k: v for k, v in raw.items() if not only_target(k)}
+    ignored = [k for k in raw if only_target(k)]
+    if rope:
+        kept["rope_parameters"] = {k: v for k, v in rope.items() if not only_target(k)}
+        ignored += [f"rope_parameters.{k}" for k in rope if only_target(k)]
+    return kept, tuple(ignored)
+
+
+def draft_rope(tl: dict, where: str) -> tuple[float, tuple]:
+    """(theta, scaling pairs) of the drafter's RoPE: default, linear or yarn, computed as
+    transformers computes them (dspark.models.hf.target.rope_of reads them the same way), over
+    the whole head of a Qwen3 layer."""
+    rope = tl.get("rope_parameters") or {}
+    if "sliding_attention" in rope or "full_attention" in rope:
+        raise CheckpointError(f"config.json: {where}rope_parameters per layer type: expected one rope for all layers")
+    try:
+        theta, fraction, scaling = rope_of("qwen3", tl)
+    except CheckpointError as e:
+        raise CheckpointError(f"config.json: {where}{str(e).removeprefix('config ')}") from None
+    if fraction != 1.0:   # transformers' scaled RoPEs rotate that share, Qwen3's layers the whole head
+        raise CheckpointError(f"config.json: {where}partial_rotary_factor={fraction}: the drafter's Qwen3 layers "
+                              f"rotate the whole head")
+    return theta, scaling
+
+
+def qwen3_layers(tl: dict, where: str, sliding: str = "refuse", model_types=("qwen3",)) -> dict:
+    """DrafterConfig fields from a Qwen3 decoder config (the layer stack of every format; a
+    DeepSpec Qwen3.6 / 3.8 draft's is a qwen3_5_text config without its TARGET_ONLY keys).
     sliding: how the format masks a sliding_attention layer. "refuse": dspark cannot serve it
-    (z-lab DFlash masks it causally per query row). "non_causal" / "causal": speculators'
-    anchor-relative window (context rows [anchor - window, anchor)) with a bidirectional /
-    causal block; without a sliding_window its mask is a full layer's."""
-    if tl.get("model_type", "qwen3") != "qwen3":
+    (z-lab DFlash masks it causally per query row unless is_causal is false). "row": z-lab DFlash
+    with is_causal false: the keys within the window of each block row, both ways.
+    "non_causal" / "causal": speculators' anchor-relative window (context rows [anchor - window,
+    anchor)) with a bidirectional / causal block; without a sliding_window its mask is a full
+    layer's."""
+    if tl.get("model_type", "qwen3") not in model_types:
         raise CheckpointError(f"config.json: {where}model_type={tl['model_type']!r}: the drafter layers must be "
-                              f"qwen3 layers")
+                              f"{' or '.join(model_types)} layers")
     if tl.get("hidden_act", "silu") != "silu":
         raise CheckpointError(f"config.json: {where}hidden_act={tl['hidden_act']!r}: expected 'silu'")
     if tl.get("attention_bias"):
@@ -138,14 +199,7 @@ def qwen3_layers(tl: dict, where: str, sliding: str = "refuse") -> dict:
     layers = int(get(tl, "num_hidden_layers", where))
     d = int(get(tl, "hidden_size", where))
     heads = int(get(tl, "num_attention_heads", where))
-    rope = tl.get("rope_parameters") or {}
-    if "sliding_attention" in rope or "full_attention" in rope:
-        raise CheckpointError(f"config.json: {where}rope_parameters per layer type: expected one rope for all layers")
-    rope_type = rope.get("rope_type") or (tl.get("rope_scaling") or {}).get("rope_type") or \
-        (tl.get("rope_scaling") or {}).get("type") or "default"
-    if rope_type != "default":
-        raise CheckpointError(f"config.json: {where}rope_type={rope_type!r}: the drafter implements the default "
-                              f"RoPE only")
+    theta, scaling = draft_rope(tl, where)
     layer_types = tl.get("layer_types") or [
         "sliding_attention" if tl.get("use_sliding_window") and i >= tl.get("max_window_layers", layers)
         else "full_attention" for i in range(layers)]
@@ -154,18 +208,18 @@ def qwen3_layers(tl: dict, where: str, sliding: str = "refuse") -> dict:
         window = tl.get("sliding_window") if kind == "sliding_attention" else None
         if kind == "full_attention" or (kind == "sliding_attention" and sliding != "refuse" and window is None):
             windows.append(0)
-        elif kind == "sliding_attention" and sliding == "non_causal":
+        elif kind == "sliding_attention" and sliding in ("non_causal", "row") and int(window) >= 1:
             windows.append(int(window))
         else:
             raise CheckpointError(f"config.json: {where}layer_types[{i}]={kind!r}"
                                   f"{' (causal inside the block)' if kind == 'sliding_attention' else ''}: dspark's "
-                                  f"drafter attends bidirectionally inside the block, to all context rows or an "
-                                  f"anchor-relative window")
+                                  f"drafter attends bidirectionally inside the block, to all context rows, an "
+                                  f"anchor-relative window or a window of at least 1 around each row")
     return dict(d_model=d, layers=layers, heads=heads, kv_heads=int(tl.get("num_key_value_heads") or heads),
                 head_dim=int(tl.get("head_dim") or d // heads), mlp_hidden=int(get(tl, "intermediate_size", where)),
-                norm_eps=float(tl.get("rms_norm_eps", 1e-6)),
-                rope_theta=float(rope.get("rope_theta") or tl.get("rope_theta") or 10000.0),
-                window=0, layer_windows=tuple(windows) if any(windows) else (), q_norm=True)
+                norm_eps=float(tl.get("rms_norm_eps", 1e-6)), rope_theta=theta, rope_scaling=scaling,
+                window=0, layer_windows=tuple(windows) if any(windows) else (), q_norm=True,
+                window_mode="row" if sliding == "row" else "anchor")
 
 
 def heads(markov_rank: int, markov_type: str, confidence: bool, with_markov: bool) -> dict:
@@ -186,8 +240,16 @@ def build(fields: dict, where: str) -> DrafterConfig:
 
 
 def deepspec(raw: dict) -> Plan:
-    """DeepSpec's Qwen3DSparkModel (deepspec/modeling/dspark/qwen3/config.py build_draft_config)."""
-    f = qwen3_layers(raw, "")
+    """DeepSpec's Qwen3DSparkModel (deepspec/modeling/dspark/qwen3/config.py build_draft_config) and
+    its Qwen3_6DSparkModel / Qwen3_8DSparkModel (dspark/qwen3_6, qwen3_8: that draft in a copy of
+    the Qwen3.5 target's text config; Qwen3.8's resets the RoPE to the default, theta 1e7, over
+    the whole head)."""
+    arch = next(a for a in raw.get("architectures") or [] if a in DEEPSPEC_ARCHS)
+    raw, ignored = target_only(raw) if "qwen3_5_text" in DEEPSPEC_ARCHS[arch] else (raw, ())
+    for key, want in DEEPSPEC_NOTES.items():
+        if raw.get(key, want) != want:
+            raise CheckpointError(f"config.json: {key}={raw[key]!r}: dspark serves the {want} draft")
+    f = qwen3_layers(raw, "", model_types=DEEPSPEC_ARCHS[arch])
     rank = int(get(raw, "markov_rank"))
     conf = bool(get(raw, "enable_confidence_head"))
     f.update(heads(rank, str(get(raw, "markov_head_type")).lower() if rank else "none", conf,
@@ -195,8 +257,8 @@ def deepspec(raw: dict) -> Plan:
     taps = tuple(int(t) for t in get(raw, "target_layer_ids"))
     f.update(block=int(get(raw, "block_size")), mask_id=int(get(raw, "mask_token_id")), taps=taps,
              harvest="shifted", own_embed=True, own_head=True, own_norm=True)
-    return Plan("DeepSpec DSpark", build(f, ""), int(get(raw, "vocab_size")), int(get(raw, "num_target_layers")),
-                "target_layer_ids", taps)
+    return Plan("DeepSpec DSpark", build(f, ""), int(get(raw, "vocab_size")),
+                int(get(raw, "num_target_layers")), "target_layer_ids", taps, ignored_keys=ignored)
 
 
 def dflash(raw: dict) -> Plan:
@@ -207,7 +269,8 @@ def dflash(raw: dict) -> Plan:
     def value(name, default=...):
         return dc[name] if dc.get(name) is not None else get(raw, name, "dflash_config.", default)
 
-    f = qwen3_layers(raw, "")
+    # dflash.model.Qwen3DFlashAttention: is_causal unset makes a sliding layer causal.
+    f = qwen3_layers(raw, "", "row" if raw.get("is_causal") is False else "refuse")
     layers = f["layers"]
     num_target = int(get(raw, "num_target_layers"))
     taps = value("target_layer_ids", None)
@@ -222,6 +285,10 @@ def dflash(raw: dict) -> Plan:
              logit_softcap=float(softcap) if softcap is not None and float(softcap) > 0 else 0.0)
     name = "z-lab DFlash"
     aliases = {}
+    vocab = int(get(raw, "vocab_size"))
+    draft_vocab = int(value("draft_vocab_size", vocab))
+    if draft_vocab != vocab:   # a trimmed draft vocabulary: its own LM head rows and d2t
+        f.update(draft_vocab=draft_vocab, own_head=True)
     if "DFlash2DraftModel" in (raw.get("architectures") or []) or value("conv_kernel_size", None) is not None:
         name = "z-lab DFlash2"
         f.update(conv_kernel=int(value("conv_kernel_size")), conv_group=int(value("conv_group_size")),
@@ -231,8 +298,9 @@ def dflash(raw: dict) -> Plan:
         # omit the suffix (its from_pretrained key_mapping): either is accepted
         aliases = {f"candidate_selector.{n}.weight": f"candidate_selector.{n}"
                    for n in ("predecessor_codebook", "successor_codebook")}
-    return Plan(name, build(f, ""), int(get(raw, "vocab_size")), num_target, "target_layer_ids", taps,
-                from_target=("embed", "lm_head"), aliases=aliases)
+    return Plan(name, build(f, ""), vocab, num_target, "target_layer_ids", taps,
+                from_target=("embed",) if draft_vocab != vocab else ("embed", "lm_head"), aliases=aliases,
+                ignored=("t2d",) if draft_vocab != vocab else ())
 
 
 SPECULATORS_DEFAULTS = {   # pydantic defaults of speculators' DFlash / DSpark / DFlash2 configs
@@ -288,4 +356,6 @@ READERS = {"deepspec": deepspec, "dflash": dflash, "speculators": speculators}
 
 def plan(raw: dict) -> Plan:
     """The Plan of a drafter's config.json (a dict)."""
-    return READERS[detect(raw)](raw)
+    p = READERS[detect(raw)](raw)
+    p.architecture = ",".join(raw.get("architectures") or [])
+    return p

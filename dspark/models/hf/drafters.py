@@ -9,6 +9,7 @@ shape. Embedding, LM head and final norm copies equal to the target's are shared
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import replace
 
 import numpy as np
@@ -16,10 +17,12 @@ import numpy as np
 from ...dtypes import to_f32
 from ...errors import CheckpointError, ShapeError
 from ...ops.attention import HEAD_DIMS
+from ...progress import TensorProgress
 from ..drafter import DsparkDrafter
 from ..drafter_config import drafter_spec
 from .checkpoint import Checkpoint
 from .drafter_formats import Plan, plan
+from .target import size_text
 
 
 def check_plan(p: Plan, tc) -> None:
@@ -46,9 +49,6 @@ def check_plan(p: Plan, tc) -> None:
     if c.draft_vocab and c.draft_vocab > tc.vocab:
         raise CheckpointError(f"{p.format}: draft_vocab_size={c.draft_vocab} exceeds the target's vocabulary "
                               f"{tc.vocab}")
-    if c.markov == "selector" and c.draft_vocab:
-        raise CheckpointError(f"{p.format}: draft_vocab_size={c.draft_vocab}: the DFlash2 selector needs the full "
-                              f"vocabulary")
 
 
 def _transform(a: np.ndarray, how: str) -> np.ndarray:
@@ -67,8 +67,9 @@ def _shape_after(shape: tuple[int, ...], how: str) -> tuple[int, ...]:
     return shape
 
 
-def read_weights(p: Plan, ckpt: Checkpoint, tc) -> dict[str, np.ndarray]:
-    """Our tensors from the checkpoint's: every name matched, every shape checked, then read."""
+def read_weights(p: Plan, ckpt: Checkpoint, tc, progress: bool | None = None) -> dict[str, np.ndarray]:
+    """Our tensors from the checkpoint's: every name matched, every shape checked, then read
+    (`progress`: dspark.progress's bar over them)."""
     entries = ckpt.tensors
     spec = drafter_spec(p.config, tc)
     wanted = {ours: p.source(ours) for ours in spec if ours not in p.from_target}
@@ -89,12 +90,15 @@ def read_weights(p: Plan, ckpt: Checkpoint, tc) -> dict[str, np.ndarray]:
             raise ShapeError(f"{p.format}: tensor {src!r} has shape {tuple(entry.shape)}, expected "
                              f"{_shape_after(want, how)}")
     weights = {}
-    for ours, (src, how) in wanted.items():
-        raw = ckpt.array(names[src])
-        if how == "offsets":   # speculators d2t: target id = j + d2t[j]
-            weights[ours] = (raw.astype(np.int64) + np.arange(raw.shape[0])).astype(np.int32)
-        else:
-            weights[ours] = _transform(to_f32(raw), how)
+    with TensorProgress(entries, [names[src] for src, _ in wanted.values()], f"loading {ckpt.path.name}",
+                        progress) as bar:
+        for ours, (src, how) in wanted.items():
+            raw = ckpt.array(names[src])
+            if how == "offsets":   # d2t: target id = j + d2t[j]
+                weights[ours] = (raw.astype(np.int64) + np.arange(raw.shape[0])).astype(np.int32)
+            else:
+                weights[ours] = _transform(to_f32(raw), how)
+            bar.done(names[src])
     if p.config.draft_vocab and "t2d" in names:
         t2d = ckpt.array(names["t2d"]).astype(bool)
         d2t = weights["draft_to_target"]
@@ -119,19 +123,31 @@ def _share_target_copies(p: Plan, weights: dict, trunk):
     return c
 
 
-def load_drafter(path, target, backend=None) -> DsparkDrafter:
+def load_drafter(path, target, backend=None, *, progress: bool | None = None) -> DsparkDrafter:
     """The drafter in HF directory `path` (config.json + safetensors, or a hub id in the local
     cache) for trunk `target`, on the target's backend. Raises CheckpointError (or ShapeError)
     naming the field or tensor when the checkpoint does not fit the target; nothing is allocated
-    then. `drafter.source` says what was loaded."""
+    then. `drafter.source` says in one line what was loaded (the format and its layout, the
+    tensors' dtypes, the bytes on the backend, target-only config keys ignored). `progress`: as
+    load_target's."""
     if backend is not None and backend is not target.be:
         raise ValueError(f"backend={getattr(backend, 'name', backend)!r}: the target lives on {target.be.name!r}")
     ckpt = Checkpoint(path)
     p = plan(ckpt.config)
     check_plan(p, target.config)
-    weights = read_weights(p, ckpt, target.config)
+    weights = read_weights(p, ckpt, target.config, progress)
     config = _share_target_copies(p, weights, target)
+    before = target.be.alloc.bytes("weights")
     drafter = DsparkDrafter(config, weights, target)
-    drafter.source = (f"{p.format} drafter from {ckpt.path} (block {config.block}, {config.drafts} drafts, taps "
-                      f"{drafter.taps}, Markov head {config.markov}, confidence head {config.confidence})")
+    dtypes = Counter(ckpt.tensors[n].dtype for n in ckpt.tensors if n not in p.ignored)
+    windows = sorted({w for w in config.windows() if w})
+    drafter.source = (f"{p.format} drafter from {ckpt.path} ({p.architecture + ', ' if p.architecture else ''}"
+                      f"block {config.block}, {config.drafts} drafts, taps "
+                      f"{drafter.taps}, Markov head {config.markov}, confidence head {config.confidence}"
+                      + (f", draft vocabulary {config.draft_vocab}" if config.draft_vocab else "")
+                      + (f", {config.window_mode} window {'/'.join(map(str, windows))}" if windows else "")
+                      + (f", RoPE {dict(config.rope_scaling)['rope_type']}" if config.rope_scaling else "")
+                      + f"; {sum(dtypes.values())} tensors ({', '.join(f'{d} {n}' for d, n in dtypes.items())}), "
+                      f"{size_text(target.be.alloc.bytes('weights') - before)} on {target.be.name})"
+                      + (f"; ignored target-only config keys: {', '.join(p.ignored_keys)}" if p.ignored_keys else ""))
     return drafter

@@ -41,6 +41,7 @@ import numpy as np
 
 from ...dtypes import BF16
 from ...ops.attention import HEAD_DIMS
+from ...progress import TensorProgress
 from ...ops.gdn import scan_plan
 from ..config import TrunkConfig
 from ..weights import STORAGE, trunk_spec
@@ -82,17 +83,30 @@ GDN = {
 TOP = {"embed_tokens.weight": ("embed", ""), "norm.weight": ("final_norm", "")}
 
 
+def size_text(nbytes: int) -> str:
+    """Bytes for a person: 53.81 GB, 170.4 MB, 12.0 kB."""
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:.{2 if unit == 'GB' else 1}f} {unit}"
+    return f"{nbytes} B"
+
+
 @dataclass
 class LoadReport:
-    """What load_target read: kept on the trunk as `trunk.source`."""
+    """What load_target read: kept on the trunk as `trunk.source`; `summary()` says it in one line."""
     path: Path
     model_type: str
     dtypes: dict[str, int]                             # checkpoint dtype -> tensors read
     skipped: dict[str, int] = field(default_factory=dict)  # rule (name prefix) -> tensors skipped
     notes: list[str] = field(default_factory=list)
+    stored: str = ""                                   # the matrices' dtype on the backend
+    device_bytes: int = 0                              # the weights' bytes on the backend (its allocator's count)
+    backend: str = ""
 
     def summary(self) -> str:
-        parts = [f"{self.model_type} from {self.path}", ", ".join(f"{n} {d}" for d, n in self.dtypes.items())]
+        read = ", ".join(f"{d} {n}" for d, n in self.dtypes.items())
+        parts = [f"{self.model_type} from {self.path}: {sum(self.dtypes.values())} tensors ({read})"
+                 + (f" stored as {self.stored}, {size_text(self.device_bytes)} on {self.backend}" if self.backend else "")]
         parts += [f"skipped {n} {rule}* tensors" for rule, n in self.skipped.items()]
         return "; ".join(parts + self.notes)
 
@@ -365,7 +379,7 @@ def default_dtype(backend, checkpoint_dtype) -> np.dtype:
 
 
 def load_target(path, backend=None, dtype=None, *, max_ctx: int | None = None, tap_layers=None,
-                kv_dtype: str = "float32"):
+                kv_dtype: str = "float32", progress: bool | None = None):
     """A HybridTrunk from a Hugging Face model directory (or a hub id in the local cache).
 
     backend: a Backend, a backend name, or None for dspark.get_backend's default. dtype: storage
@@ -374,8 +388,10 @@ def load_target(path, backend=None, dtype=None, *, max_ctx: int | None = None, t
     session (default min(max_position_embeddings, 4096)). tap_layers: the default taps (layer
     outputs, hidden_states[i + 1]); a drafter can ask for others per call. kv_dtype: the K/V
     cache's storage (float32, as transformers computes; float16 or bfloat16 halve it). The trunk's `source`
-    is a LoadReport: dtypes read, tensors skipped by rule. Raises CheckpointError before
-    allocating anything when the checkpoint cannot be served.
+    is a LoadReport: dtypes read, tensors skipped by rule, the bytes on the backend. Raises
+    CheckpointError before allocating anything when the checkpoint cannot be served. `progress`:
+    a bar of the tensors reaching the backend, shard by shard (dspark.progress: None shows it
+    while stderr is a terminal unless DSPARK_PROGRESS=0; True / False force it on / off).
     """
     from ...backends import Backend, get_backend
     from ..trunk import HybridTrunk
@@ -394,6 +410,11 @@ def load_target(path, backend=None, dtype=None, *, max_ctx: int | None = None, t
     storage = default_dtype(be, embed_dtype) if dtype is None else dtype
     if not holds(be, storage):
         raise ValueError(f"dtype={storage}: backend {be.name!r} has no {storage} arrays (this CuPy lacks them)")
-    trunk = HybridTrunk(config, LazyWeights(ckpt, where), be, dtype=storage)
+    before = be.alloc.bytes("weights")
+    with TensorProgress(ckpt.tensors, [name for name, _ in where.values()], f"loading {ckpt.path.name}",
+                        progress) as bar:
+        trunk = HybridTrunk(config, LazyWeights(ckpt, where), be, dtype=storage,
+                            progress=lambda ours: bar.done(where[ours][0]))
+    report.stored, report.device_bytes, report.backend = storage.name, be.alloc.bytes("weights") - before, be.name
     trunk.source = report
     return trunk
