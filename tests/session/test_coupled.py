@@ -71,6 +71,37 @@ def test_demotion_at_every_burst_boundary(model_backend, pairs):
     assert check_demotion_at_every_boundary(trunk, TrunkDrafter(base, tilt=0.6, seed=7), (p, sp), others, N) >= 4
 
 
+@pytest.fixture(scope="module")
+def shipped():
+    made = {}
+
+    def get(be):
+        if be.name not in made:
+            from dspark.models import load_default
+            made[be.name] = load_default(be)
+        return made[be.name]
+    return get
+
+
+def test_embedded_pair_coupled_stream_is_plain_sampled_decode(model_backend, shipped):
+    """The shipped pair, its trained drafter unsteered, on held-out code: three requests alone (bursts
+    of 1, 4 and 7 tokens) and batched, and one with a demotion at every burst boundary, emit plain
+    sampled decode's stream; the drafts are really accepted."""
+    import json
+    from pathlib import Path
+    trunk, drafter = shipped(model_backend)
+    held = json.loads(Path(__file__).with_name("heldout_prompts.json").read_text())["prompts"]
+    samplings = [SamplingParams(temperature=0.3, seed=5), SamplingParams(temperature=0.8, top_k=20, seed=6),
+                 SamplingParams(temperature=1.0, top_p=0.95, seed=7)]
+    reqs = [(np.frombuffer(bytes.fromhex(h), np.uint8).astype(np.int32)[-n:], sp)
+            for h, n, sp in zip(held[:3], (24, 40, 56), samplings)]
+    n = 16
+    total = check_alone_and_batched(trunk, drafter, reqs, n, bursts=(1, 4, 7))
+    print(total.summary())
+    assert total.mean_accepted_length >= 2.0 and sum(total.histogram[1:]) > 0, total.summary()
+    assert check_demotion_at_every_boundary(trunk, drafter, reqs[0], [reqs[1]], n) >= 2
+
+
 def test_prime_restore_and_plain_take_the_same_first_token(numpy_backend, pairs):
     """The first anchor is the pick at the first position after the prompt, under either sampler,
     primed or restored, and plain decode's first token."""
