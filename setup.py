@@ -1,4 +1,5 @@
-"""Build dspark: the Python package plus dspark._simt, the csrc/ kernels compiled for the host."""
+"""Build dspark: the Python package plus dspark._simt, the csrc/ kernels compiled for the host, and
+dspark._cpu, the numpy backend's native code (csrc/cpu)."""
 
 import importlib.util
 import shutil
@@ -51,7 +52,7 @@ setup(
         # needed). torch, transformers, dflash and speculators are the oracles of the real-model paths. speculators is installed apart with --no-deps (see .ci/run): its
         # own requirements pull a torchvision that breaks the import of transformers beside a CPU torch, so its
         # import-time needs are listed here instead.
-        "test": ["pytest>=7.4", "hypothesis>=6.90", "nvidia-cuda-nvrtc-cu12>=12.0", "scipy>=1.10",
+        "test": ["pytest>=7.4", "hypothesis>=6.90", "nvidia-cuda-nvrtc-cu12>=12.0", "nvidia-cuda-nvrtc>=13.0", "scipy>=1.10",
                  "pybind11>=2.12", "cupy-cuda12x>=13.6", "torch>=2.9", "transformers>=5.15,<=5.19",
                  "tokenizers>=0.21", "dflash>=0.1.0", "pydantic>=2.0", "pydantic-settings>=2.0",
                  "loguru>=0.7.2", "openai>=2.0", "hs-connectors>=0.9.0"],
@@ -65,7 +66,15 @@ setup(
             # -Wno-unknown-pragmas: `#pragma unroll` is for nvcc; the host compiler rightly ignores it.
             extra_compile_args=["-O2", "-DDSPARK_SIMT", "-ffp-contract=off", "-Wno-unknown-pragmas"],
             cxx_std=17,
-        )
+        ),
+        # The numpy backend's native code (csrc/cpu): plain C++, an AVX2 build of the product picked at
+        # run time beside the baseline one; sources and flags in dspark/kernel_sources.py.
+        Pybind11Extension(
+            "dspark._cpu",
+            sources=[f"csrc/{f}" for f in _kernel_sources().CPU_SOURCES],
+            extra_compile_args=_kernel_sources().CPU_CXXFLAGS,
+            cxx_std=17,
+        ),
     ],
     cmdclass={"build_ext": BuildSimt},
     entry_points={"console_scripts": ["dspark=dspark.cli:main"]},

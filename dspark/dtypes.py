@@ -22,3 +22,19 @@ def suffix(dtype, what: str) -> str:
 def to_f32(a) -> np.ndarray:
     """Exact widening to f32 (every f16 and bf16 value is representable)."""
     return np.asarray(a).astype(np.float32)
+
+
+def dtype_supported(cupy, dtype) -> bool:
+    """Whether this CuPy can hold arrays of `dtype` (bfloat16 needs CuPy >= 14 with ml_dtypes):
+    asked of CuPy's own type table, so no device is needed."""
+    try:
+        cupy._core._scalar.get_typename(np.dtype(dtype))
+        return True
+    except (KeyError, ValueError, TypeError):
+        return False
+    except AttributeError:  # a CuPy without that table: try an allocation
+        try:
+            cupy.empty(1, dtype)
+            return True
+        except Exception:  # TypeError or ValueError, depending on the version
+            return False

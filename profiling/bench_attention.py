@@ -33,7 +33,7 @@ import dspark
 from dspark.backends import cuda_available
 from dspark.ops.attention import attention, launch_plan
 import perf_model as pm
-from timing import clock_for, copy_bandwidth, record, replay, seconds, supports, table
+from timing import clock_for, copy_bandwidth, device_rng, record, replay, seconds, supports, table
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 GPU_MODELS = {"Qwen3.5-27B": dict(hkv=4, gqa=6, head_dim=256), "Qwen3-8B": dict(hkv=8, gqa=4, head_dim=128)}
@@ -55,13 +55,13 @@ class Inputs:
 
 
 def make_inputs(be, batch, context, vt, hkv, gqa, head_dim, dtype, seed=0) -> Inputs:
-    xp, rng = be.xp, np.random.default_rng(seed)
+    xp, rng, device = be.xp, np.random.default_rng(seed), device_rng(be)
     rows, hq = batch * vt, hkv * gqa
 
     def randn(*shape):  # generated on the device when there is one: 4 GB of caches at B=32, 32k
-        if xp is np:
-            return rng.standard_normal(shape, np.float32).astype(dtype)
-        return xp.random.standard_normal(shape, dtype=np.float32).astype(dtype)
+        if device is None:
+            return be.asarray(rng.standard_normal(shape, np.float32).astype(dtype))
+        return device.standard_normal(shape, dtype=np.float32).astype(dtype)
 
     caches = [[randn(hkv, context + vt, head_dim) for _ in range(batch)] for _ in range(2)]
     q, k_blk, v_blk = randn(rows, hq, head_dim), randn(rows, hkv, head_dim), randn(rows, hkv, head_dim)

@@ -56,7 +56,7 @@ from dspark.ops.snapshot import checkpoint_select, snapshot_save
 from dspark.philox import Tag
 from dspark.ops.attention import launch_plan
 import perf_model as pm
-from timing import clock_for, gpu_module, measure_ceilings, record, replay, seconds, table
+from timing import clock_for, device_rng, gpu_module, measure_ceilings, record, replay, seconds, table
 
 F32 = 4  # bytes of a float32 / int32
 
@@ -121,15 +121,18 @@ _RNG = np.random.default_rng(0)
 
 
 def randn(be, shape, dtype=np.float32, scale=1.0):
-    """Standard normal * scale, generated where the arrays live (gigabytes of caches on a GPU)."""
-    xp = be.xp
-    x = _RNG.standard_normal(shape, np.float32) if xp is np else xp.random.standard_normal(shape, dtype=np.float32)
+    """Standard normal * scale, generated where the arrays live."""
+    rng = device_rng(be)
+    x = _RNG.standard_normal(shape, np.float32) if rng is None else rng.standard_normal(shape, dtype=np.float32)
+    x = x if rng is not None or be.xp is np else be.asarray(x)
     return (x * np.float32(scale)).astype(dtype)
 
 
 def uniform(be, shape):
-    xp = be.xp
-    return _RNG.random(shape, np.float32) if xp is np else xp.random.random(shape, dtype=np.float32)
+    rng = device_rng(be)
+    if rng is not None:
+        return rng.random(shape, dtype=np.float32)
+    return be.asarray(_RNG.random(shape, np.float32))
 
 
 def indptr(counts) -> np.ndarray:

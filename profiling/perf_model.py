@@ -26,37 +26,53 @@ heads of 256, MLP 17408, full attention over every committed row) with the same 
 taps and block, a vanilla rank-256 Markov head and the confidence head on [h ; W1[x]]; the
 layer count and head sizes of its export are not published either.
 
-Device (issue 16): copy bandwidth 4.3 TB/s, bf16 MMA 790 TFLOP/s, 4 us per launch, 132 SMs; and,
-beyond those, from NVIDIA's H200 data sheet: f32 CUDA-core math 67 TFLOP/s (the gdn scan, the
-reductions, and the GEMM kernel's f32 multiply-adds), 228 KiB shared memory, 2048
-threads and 32 CTAs per SM, 50 MB L2.
+How a kernel is priced (extend it here: new kernels go through `planned`, new costs into Device):
 
-Kernel time. dspark's kernels are priced from their own launch plans (dspark.ops.attention.
-launch_plan, the row-split plans of dspark.ops.argmax / sampling, dspark.ops.linear.linear_plan,
-dspark.ops.gdn.scan_plan and scan_bytes, the norm, commit and select grids): each CTA moves its
-bytes at its SM's share of the copy bandwidth (BW / 132 / CTAs resident per SM, from threads and
-shared memory; fewer CTAs than SMs get an SM each), CTAs go longest first to the slot that
-frees first (the attention kernel dispatches each row's splits last-first), and the memory time is
-the last slot's finish, so waves and imbalance both show; the math time is flops / (rate x the
-share of SMs busy); the kernel's time is the larger. CuPy's elementwise ops
-have no plan of ours: they are priced at the roofline (bytes / BW, flops / rate). The GEMMs are
-dspark.ops.linear's kernel: one launch per projection, the weights at their stored width (bf16: 2
-bytes) once per 16 rows, x once per column tile and the K splits' partials written and read back
-(all priced at the copy bandwidth, though x and the partials mostly come from L2), f32 math on the
-CUDA cores; its residency counts threads and shared memory, not its ~186 registers.
+* Plan: every dspark kernel from its op's own launch plan (dspark.ops.attention.launch_plan, the
+  row-split plans of dspark.ops.argmax / sampling, dspark.ops.linear.linear_plan, dspark.ops.gdn.
+  scan_plan and scan_bytes, the norm, commit and select grids): CTAs, threads, dynamic shared
+  memory, the bytes each CTA moves, the flops, and the entry point it launches (`Kernel.entry`).
+* Code as compiled (`compiled(entry)`): registers per thread, static shared memory, and the f32
+  instruction mix, read from the sm_90 cubin and the PTX it was assembled from, built by the device
+  image's NVRTC (13; another major where 13 is absent, named in the header) with dspark's options
+  (dspark.toolchain.family_cubin, cached). Under -fmad=false a multiply-add the source writes as
+  a * b + c is two instructions (mul.rn, add.rn) and only fmaf() is one (fma.rn): the PTX says
+  how many flops each f32 instruction carries (`Compiled.flops_per_instruction`, 1 to 2).
+* Residency (`resident`): CTAs per SM = the least of 32, 2048 threads / threads, 64 K registers
+  / the CTA's registers (allocated per warp in units of 256) and 228 KiB / (shared memory + 1 KiB
+  reserved per CTA). linear_bf16's 186 registers hold it to 2 CTAs per SM.
+* Memory time (`priced`): each CTA moves its bytes at its SM's share of the copy bandwidth (BW /
+  132 / CTAs resident per SM; fewer CTAs than SMs get an SM each), CTAs go longest first to the
+  slot that frees first (the attention kernel dispatches each row's splits last-first), and the
+  memory time is the last slot's finish, so waves and imbalance both show. Never below bytes / BW.
+* Issue time: f32 instructions (flops / flops per instruction as compiled) at the f32 issue rate
+  (132 SMs x 128 lanes x 1.98 GHz = 33.5 T lane-instructions/s; the data sheet's 67 TFLOP/s is that
+  rate with every instruction an FMA) over the busy share of the SMs; tensor-core flops at the
+  bf16 MMA rate. Only the f32 arithmetic is counted (loads, integer and conversion instructions
+  share the same issue slots), so it is a lower bound. The kernel's time is the larger of memory
+  and issue time: `Kernel.bandwidth_bound` and `Kernel.issue_bound` are what it may never beat
+  (tests/profiling/test_perf_model.py checks every kernel of every round).
+* Host: each launch costs `Device.launch` of host time, the ops' host path measured by
+  profiling/launch_cost.py (the stand-in with execution off; --launch-us overrides it), dspark
+  kernels from the plans and CuPy array ops from per-layer counts made on the CuPy contract path
+  (LAUNCH_GLUE), listed with the round's two synchronisations as "overhead". Predicted round time
+  = GPU time + overhead (no overlap assumed). Speedup = mean accepted length x plain step time /
+  round time.
 
-Launches are not in a kernel's time: each costs 4 us of host time (dspark kernels from the plans,
-CuPy array ops from per-layer counts made on the CuPy contract path, LAUNCH_GLUE), listed with the
-round's two synchronisations as "overhead". Predicted round time = GPU time + overhead (no
-overlap assumed). Speedup = mean accepted length x plain step time / round time.
+Device: copy bandwidth 4.3 TB/s and bf16 MMA 790 TFLOP/s (measured on the lent H200), 132 SMs;
+from NVIDIA's H200/H100 data sheets: the f32 rate (67 TFLOP/s with FMA), 228 KiB shared memory,
+64 K registers, 2048 threads and 32 CTAs per SM, 50 MB L2. CuPy's elementwise ops have no plan of
+ours: their launches are priced, their bytes are in no kernel.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import heapq
 import math
+import re
 import sys
 from pathlib import Path
 
@@ -64,6 +80,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # sibling scripts, also when run by `dspark bench`
 from dspark.dtypes import BF16
+from dspark.kernel_sources import kernel_files
 from dspark.models.config import TrunkConfig, from_json
 from dspark.models.drafter_config import DrafterConfig
 from dspark.ops import argmax as argmax_ops
@@ -74,9 +91,12 @@ from dspark.ops import snapshot as snapshot_ops
 from dspark.ops.attention import launch_plan
 from dspark.ops.kv_commit import THREADS as COMMIT_THREADS
 from dspark.ops.kv_commit import commit_bytes
+from dspark.toolchain import default_nvrtc, family_cubin, find_nvrtc
 from timing import table
 
 F32 = 4
+STORAGE_SUFFIX = {4: "f32", 2: "bf16"}  # the models' weights: f32 (embedded pair) or bf16 as stored
+LAUNCH_MEASURED = 114e-6  # s: `python profiling/launch_cost.py`, 111-117 us in three runs on the 2-core CI machine
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,14 +104,27 @@ class Device:
     name: str = "H200"
     bw: float = 4.3e12             # copy bandwidth, bytes/s (read + write)
     mma: float = 790e12            # bf16 tensor-core FLOP/s
-    f32: float = 67e12             # f32 CUDA-core FLOP/s
-    launch: float = 4e-6           # host cost of one launch, s
+    f32_issue: float = 33.5e12     # f32 lane-instructions/s: 132 SMs x 128 lanes x 1.98 GHz (FMA: 2 flops each)
+    # Host time of one launch, s: the ops' host path measured by `python profiling/launch_cost.py`
+    # (CuPy contract stand-in, execution off, weighted by a Qwen3.5-27B round's launches; 2 shared
+    # CPU cores). A measured default: a GPU machine's benchmark of the whole round replaces it.
+    launch: float = LAUNCH_MEASURED
     sync: float = 10e-6            # one device->host wait (a copy of a few bytes), s
     sms: int = 132
-    smem: int = 228 * 1024
+    smem: int = 228 * 1024         # shared memory per SM, bytes
+    smem_reserved: int = 1024      # shared memory the runtime keeps per CTA (sm_80 and later)
+    regs: int = 65536              # registers per SM
+    reg_unit: int = 256            # registers are allocated per warp in units of this many
     threads: int = 2048
     ctas: int = 32
     l2: int = 50 * 10**6
+    arch: str = "sm_90"
+    nvrtc: int = 13                # the NVRTC major of the device image (CUDA 13.0)
+
+    @property
+    def f32(self) -> float:
+        """f32 FLOP/s when every instruction is an FMA (the data sheet's figure)."""
+        return 2 * self.f32_issue
 
 
 H200 = Device()
@@ -169,22 +202,96 @@ class Kernel:
     kind: str               # weights | kv | state | other: the round composition it counts towards
     bytes: int
     flops: int
-    ctas: int               # 0: not ours (cuBLAS, CuPy), priced at the roofline
+    ctas: int
     waves: int
     time: float
     launches: int
     min_bytes: int = 0      # what any implementation must move (attention: K/V, q, out once)
+    entry: str = ""         # the entry point launched ("" for CuPy's own kernels)
+    f32_instr: float = 0.0  # f32 lane-instructions issued: flops / flops per instruction as compiled
+    mma_flops: float = 0.0  # flops on the tensor cores
+    per_sm: int = 0         # CTAs resident per SM
+
+    def bandwidth_bound(self, dev: "Device") -> float:
+        return self.bytes / dev.bw
+
+    def issue_bound(self, dev: "Device") -> float:
+        return max(self.f32_instr / dev.f32_issue, self.mma_flops / dev.mma)
 
 
-def resident(threads: int, smem: int, dev: Device) -> int:
-    """CTAs of a kernel resident on one SM."""
+# ---- the code as compiled ------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class Compiled:
+    """One entry point as ptxas built it: registers, static shared memory, f32 instruction mix."""
+    entry: str
+    registers: int
+    static_smem: int
+    fma: int                # fma.rn.f32 in its PTX: 2 flops each
+    mul_add: int            # mul / add / sub .f32: 1 flop each
+
+    @property
+    def flops_per_instruction(self) -> float:
+        n = self.fma + self.mul_add
+        return (2 * self.fma + self.mul_add) / n if n else 1.0
+
+
+_F32_OP = re.compile(r"^\s*(fma|mul|add|sub)(?:\.r[nzmp])?(?:\.ftz)?(?:\.sat)?\.f32\s", re.M)
+
+
+def f32_mix(ptx: str, entry: str) -> tuple[int, int]:
+    """(fma, mul + add + sub) f32 instructions in the body of `entry` in PTX text (device
+    functions are inlined into it)."""
+    bodies = re.split(r"^\.(?:visible|weak)\s+\.entry\s+", ptx, flags=re.M)
+    body = next((b for b in bodies[1:] if b.startswith(entry + "(")), None)
+    if body is None:
+        raise LookupError(f"no entry {entry} in the PTX")
+    ops = _F32_OP.findall(body)
+    return ops.count("fma"), len(ops) - ops.count("fma")
+
+
+@functools.lru_cache(maxsize=None)
+def compiled_kernels(arch: str, nvrtc_major: int) -> tuple[str, dict[str, Compiled]]:
+    """(NVRTC used, entry -> Compiled) over every kernel family, from dspark's own cubins."""
+    try:
+        nv = find_nvrtc(nvrtc_major)
+    except OSError:
+        nv = default_nvrtc()  # the header says which NVRTC's code was priced
+    out = {}
+    for source in kernel_files():
+        cubin = family_cubin(source, arch, nv)
+        ptx = cubin.ptx()
+        for name, r in cubin.resources().items():
+            out[name] = Compiled(name, r.registers, r.smem, *f32_mix(ptx, name))
+    return f"NVRTC {nv.version[0]}.{nv.version[1]}", out
+
+
+def compiled(entry: str, dev: "Device") -> Compiled:
+    table = compiled_kernels(dev.arch, dev.nvrtc)[1]
+    if entry not in table:
+        raise LookupError(f"no kernel entry {entry!r} in csrc/ (the model names what the ops launch)")
+    return table[entry]
+
+
+def resident(threads: int, smem: int, regs: int, dev: Device) -> int:
+    """CTAs of a kernel resident on one SM: threads, registers (per warp, in units of
+    dev.reg_unit) and shared memory (plus what the runtime reserves per CTA) each cap it."""
+    warps = -(-max(threads, 1) // 32)
     n = min(dev.ctas, dev.threads // max(threads, 1))
-    return max(1, min(n, dev.smem // smem) if smem else n)
+    if regs:
+        per_warp = -(-regs * 32 // dev.reg_unit) * dev.reg_unit
+        n = min(n, (dev.regs // per_warp) // warps)
+    if smem:
+        n = min(n, dev.smem // (smem + dev.smem_reserved))
+    if n < 1:
+        raise ValueError(f"a CTA of {threads} threads, {regs} registers and {smem} bytes of shared memory "
+                         f"does not fit on an SM")
+    return n
 
 
-def priced(cta_bytes, flops: float, per_sm: int, dev: Device, rate: float) -> tuple[float, int]:
+def priced(cta_bytes, f32_instr: float, mma_flops: float, per_sm: int, dev: Device) -> tuple[float, int]:
     """(time, waves) of a kernel whose CTAs move cta_bytes each: longest first onto SMs x per_sm
-    slots, each slot streaming at BW / slots; math at `rate` over the busy share of the SMs."""
+    slots, each slot streaming at BW / slots; f32 instructions at the issue rate and tensor-core
+    flops at the MMA rate, over the busy share of the SMs."""
     loads = np.sort(np.asarray(cta_bytes, np.float64))[::-1]
     n = loads.size
     if n == 0:
@@ -200,19 +307,28 @@ def priced(cta_bytes, flops: float, per_sm: int, dev: Device, rate: float) -> tu
             heapq.heappush(heap, heapq.heappop(heap) + float(b))
         finish = max(heap)
     busy = min(1.0, n / dev.sms)
-    return max(finish / (dev.bw / slots), flops / (rate * busy)), waves
+    return max(finish / (dev.bw / slots), f32_instr / (dev.f32_issue * busy), mma_flops / (dev.mma * busy)), waves
 
 
-def planned(phase, name, kind, cta_bytes, flops, threads, smem, dev, rate=None, launches=1, min_bytes=0) -> Kernel:
-    per_sm = resident(threads, smem, dev)
-    t, waves = priced(cta_bytes, flops, per_sm, dev, dev.f32 if rate is None else rate)
+def planned(phase, name, kind, cta_bytes, flops, threads, smem, dev, entry: str, *, mma=False, launches=1,
+            min_bytes=0) -> Kernel:
+    """A dspark kernel from its plan (CTAs' bytes, flops, threads, dynamic shared memory) and its
+    entry point as compiled (registers, static shared memory, flops per f32 instruction); `mma`:
+    its flops run on the tensor cores."""
+    code = compiled(entry, dev)
+    per_sm = resident(threads, smem + code.static_smem, code.registers, dev)
+    f32_instr = 0.0 if mma else flops / code.flops_per_instruction
+    mma_flops = float(flops) if mma else 0.0
+    t, waves = priced(cta_bytes, f32_instr, mma_flops, per_sm, dev)
     return Kernel(phase, name, kind, int(np.sum(cta_bytes)), int(flops), int(np.size(cta_bytes)), waves, t, launches,
-                  min_bytes)
+                  min_bytes, entry, f32_instr, mma_flops, per_sm)
 
 
-def roofline(phase, name, kind, nbytes, flops, dev, rate=None, launches=1) -> Kernel:
-    t = max(nbytes / dev.bw, flops / (dev.f32 if rate is None else rate))
-    return Kernel(phase, name, kind, int(nbytes), int(flops), 0, 0, t, launches)
+def roofline(phase, name, kind, nbytes, flops, dev, launches=1) -> Kernel:
+    """A CuPy array op (no plan of ours): its bytes at the copy bandwidth and its flops at one per
+    f32 instruction (CuPy's elementwise code contracts nothing we can see), whichever is longer."""
+    t = max(nbytes / dev.bw, flops / dev.f32_issue)
+    return Kernel(phase, name, kind, int(nbytes), int(flops), 0, 0, t, launches, f32_instr=float(flops))
 
 
 def even(total: float, ctas: int) -> np.ndarray:
@@ -226,8 +342,9 @@ def linear(phase, name, rows, k, n, wb, dev, kind="weights") -> list[Kernel]:
     16-row tile, and the K-split partials written and read back by the last CTA of each column tile."""
     p = linear_ops.linear_plan(rows, k, n, wb)
     (run,) = p.launches
-    return [planned(phase, name, kind, even(p.bytes, run.ctas), p.notes["flops"], run.threads, run.shared_mem, dev,
-                    min_bytes=p.min_bytes)]
+    # the plan's shared memory is the kernel's static array (launched with none dynamic): compiled() has it
+    return [planned(phase, name, kind, even(p.bytes, run.ctas), p.notes["flops"], run.threads, 0, dev,
+                    f"linear_{STORAGE_SUFFIX[wb]}", min_bytes=p.min_bytes)]
 
 
 # ---- the trunk pass ---------------------------------------------------------------------------------------
@@ -286,7 +403,7 @@ def rmsnorm_kernel(phase, name, rows, n, dev: Device, launches=1) -> Kernel:
     """rmsnorm_f32 over `rows` rows of n (in `launches` calls): a warp per row, 8 rows per CTA."""
     ctas = -(-rows // norm_ops.WARPS)
     k = planned(phase, name, "other", even(2 * F32 * rows * n + launches * F32 * n, ctas), 3 * rows * n,
-                32 * norm_ops.WARPS, 0, dev)
+                32 * norm_ops.WARPS, 0, dev, "rmsnorm_f32")
     k.launches = launches
     return k
 
@@ -294,7 +411,8 @@ def rmsnorm_kernel(phase, name, rows, n, dev: Device, launches=1) -> Kernel:
 def scaled(kernels: list[Kernel], n: int, suffix: str) -> list[Kernel]:
     """The kernels of one layer, for n layers alike: bytes, flops, time and launches times n."""
     return [dataclasses.replace(k, name=f"{k.name} ({suffix})", bytes=k.bytes * n, flops=k.flops * n, time=k.time * n,
-                                launches=k.launches * n, min_bytes=k.min_bytes * n) for k in kernels]
+                                launches=k.launches * n, min_bytes=k.min_bytes * n, f32_instr=k.f32_instr * n,
+                                mma_flops=k.mma_flops * n) for k in kernels]
 
 
 def attention_kernels(phase, plan, dev: Device) -> list[Kernel]:
@@ -305,17 +423,16 @@ def attention_kernels(phase, plan, dev: Device) -> list[Kernel]:
     kv = plan.cta_keys * 2 * plan.head_dim * isz
     rest = plan.bytes["q"] + (plan.bytes["partials_written"] if plan.combine_kernel else plan.bytes["out"])
     cta = kv + rest / max(plan.ctas, 1)
-    rate = dev.mma if isz == 2 else dev.f32
     min_bytes = plan.bytes["kv"] + plan.bytes["q"] + plan.bytes["out"]
-    main = planned(phase, plan.kernel, "kv", cta, plan.flops, plan.block[0], plan.shared_mem, dev, rate=rate,
-                   min_bytes=min_bytes)
+    main = planned(phase, plan.kernel, "kv", cta, plan.flops, plan.block[0], plan.shared_mem, dev, plan.kernel,
+                   mma=isz == 2, min_bytes=min_bytes)
     if not plan.combine_kernel:
         return [main]
     partials = plan.bytes["partials_read"]
     from_memory = partials if partials > dev.l2 else 0
     ctas = plan.combine_grid[0] * plan.combine_grid[1]
     combine = planned(phase, plan.combine_kernel, "kv", even(from_memory + plan.bytes["out"], ctas), 0,
-                      plan.combine_block[0], 0, dev)
+                      plan.combine_block[0], 0, dev, plan.combine_kernel)
     return [main, combine]
 
 
@@ -332,33 +449,35 @@ def gdn_kernels(phase, H: int, dk: int, dv: int, k_heads, B: int, rows: int, dev
     per (value head, session)."""
     C = gdn_ops.channels(H, dk, dv, k_heads)
     by = gdn_ops.scan_bytes(B, rows, H, dk, dv, k_heads, checkpoints=checkpoints, commit=commit)
-    _, threads, smem = gdn_ops.scan_plan(H, dk, dv, k_heads)
+    entry, threads, smem = gdn_ops.scan_plan(H, dk, dv, k_heads)
     conv_ctas = -(-C // gdn_ops.CONV_THREADS) * B
     conv_bytes = F32 * rows * 2 * C
     conv = planned(phase, f"{name}: conv", "state", even(conv_bytes, conv_ctas), 8 * rows * C, gdn_ops.CONV_THREADS,
-                   0, dev)
+                   0, dev, "gdn_conv_f32")
     scan_state = by["state"] + by["checkpoints"]
     scan = planned(phase, name, "state", even(by["columns"] - conv_bytes + scan_state, H * B),
-                   rows * H * 7 * dv * dk, threads, smem, dev)
+                   rows * H * 7 * dv * dk, threads, smem, dev, entry)
     return [conv, scan]
 
 
 def rowsplit_kernel(phase, plan, dev: Device) -> Kernel:
     """A vocabulary reduction from its row-split plan (dspark.ops.rowsplit.Plan)."""
     kernels = []
-    for launch in plan.launches:
+    flops = plan.notes.get("flops", 0)
+    for launch in plan.launches:  # f32 logits: the LM head's output
         share = plan.bytes * launch.ctas / max(plan.ctas, 1)
-        kernels.append(planned(phase, plan.op, "other", even(share, launch.ctas), plan.notes.get("flops", 0),
-                               launch.threads, launch.shared_mem, dev))
+        kernels.append(planned(phase, plan.op, "other", even(share, launch.ctas), flops * launch.ctas / plan.ctas,
+                               launch.threads, launch.shared_mem, dev, f"{launch.kernel}_f32"))
     t = sum(k.time for k in kernels)
-    return Kernel(phase, plan.op, "other", int(plan.bytes), int(plan.notes.get("flops", 0)), plan.ctas,
-                  max(k.waves for k in kernels), t, len(plan.launches), plan.min_bytes)
+    return Kernel(phase, plan.op, "other", int(plan.bytes), int(flops), plan.ctas, max(k.waves for k in kernels), t,
+                  len(plan.launches), plan.min_bytes, kernels[0].entry, sum(k.f32_instr for k in kernels), 0.0,
+                  min(k.per_sm for k in kernels))
 
 
 def commit_kernel(phase, name, B, layers, keep, row_bytes, dev: Device, kind="kv") -> Kernel:
     """kv_commit_rows: grid (B, layers, 2), each CTA copies one session's kept rows of K or V."""
     return planned(phase, name, kind, even(commit_bytes(layers, B * keep, 1, row_bytes, 1), B * layers * 2), 0,
-                   COMMIT_THREADS, 0, dev)
+                   COMMIT_THREADS, 0, dev, "kv_commit_rows")
 
 
 # ---- a round ----------------------------------------------------------------------------------------------
@@ -427,14 +546,15 @@ def select_kernel(phase, B: int, state: int, window: int, dev: Device) -> Kernel
     its live state and window written."""
     tensors, chunks = snapshot_ops.copy_grid(B, state)
     return planned(phase, "checkpoint_select", "state", even(snapshot_ops.select_bytes(B, state, window),
-                                                             tensors * chunks), 0, snapshot_ops.COPY_THREADS, 0, dev)
+                                                             tensors * chunks), 0, snapshot_ops.COPY_THREADS, 0, dev,
+                   "checkpoint_select_f32")
 
 
 def copy_kernel(phase, sizes, dev: Device) -> Kernel:
     """snapshot_copy_f32 over tensors of `sizes` floats: grid copy_grid(n, largest), read and write."""
     tensors, chunks = snapshot_ops.copy_grid(len(sizes), max(sizes))
     per = np.concatenate([even(2 * F32 * n, chunks) for n in sizes])
-    return planned(phase, "snapshot_copy", "state", per, 0, snapshot_ops.COPY_THREADS, 0, dev)
+    return planned(phase, "snapshot_copy", "state", per, 0, snapshot_ops.COPY_THREADS, 0, dev, "snapshot_copy_f32")
 
 
 def round_moves(shape: Shape, vts, keeps, rollback: str = "checkpoint", ingest=None) -> dict[str, int]:
@@ -496,19 +616,20 @@ class Round:
     plain: list[Kernel]        # every kernel of a plain decode step
     launches: int
     plain_launches: int
+    dev: Device = H200
     syncs: int = 2
 
     def gpu(self, kernels=None) -> float:
         return sum(k.time for k in (self.kernels if kernels is None else kernels))
 
     def overhead(self) -> float:
-        return self.launches * H200.launch + self.syncs * H200.sync
+        return self.launches * self.dev.launch + self.syncs * self.dev.sync
 
     def time(self) -> float:
         return self.gpu() + self.overhead()
 
     def plain_time(self) -> float:
-        return self.gpu(self.plain) + self.plain_launches * H200.launch + H200.sync
+        return self.gpu(self.plain) + self.plain_launches * self.dev.launch + self.dev.sync
 
     def composition(self) -> dict[str, float]:
         """Seconds of the round by what its kernels move; overhead = launches and syncs."""
@@ -536,7 +657,7 @@ def spec_round(shape: Shape, B: int, context: int, vt: int, dev: Device = H200,
     ours = sum(k.launches for k in kernels if k.ctas)
     launches = ours + array_ops(shape, B, vt, verify=True, round_glue=True)
     plain_launches = sum(k.launches for k in plain if k.ctas) + array_ops(shape, B, 1, verify=False, round_glue=False)
-    return Round(shape, B, context, vt, kernels, plain, launches, plain_launches)
+    return Round(shape, B, context, vt, kernels, plain, launches, plain_launches, dev)
 
 
 # ---- printing ---------------------------------------------------------------------------------------------
@@ -577,17 +698,25 @@ SUMMARY_HEADERS = ["shape", "B", "context", "vt", "attn of copy", "verify/plain"
                    "round us", "weights", "kv", "state", "other", "overhead", "launches", "speedup"]
 
 
-def kernel_rows(r: Round, dev: Device = H200) -> list[list[str]]:
-    out = []
+def kernel_rows(r: Round) -> list[list[str]]:
+    out, dev = [], r.dev
     for k in r.kernels:
         frac = f"{(k.min_bytes or k.bytes) / k.time / dev.bw:.0%}" if k.time else "-"
+        bound = "issue" if k.issue_bound(dev) >= k.bandwidth_bound(dev) else "memory"
+        if k.entry:
+            code = compiled(k.entry, dev)
+            regs, per_sm = str(code.registers), str(k.per_sm)
+            mix = "mma" if k.mma_flops else f"{code.flops_per_instruction:.2f}"
+        else:  # a CuPy array op (roofline): no code of ours to read
+            regs = per_sm = mix = "-"
         out.append([k.phase, k.name, k.kind, f"{k.bytes / 1e6:,.2f}", f"{k.flops / 1e9:,.2f}",
                     str(k.ctas) if k.ctas else "-", str(k.waves) if k.ctas else "-", str(k.launches), us(k.time),
-                    frac])
+                    frac, regs, per_sm, mix, bound])
     return out
 
 
-KERNEL_HEADERS = ["phase", "kernel", "kind", "MB", "GFLOP", "CTAs", "waves", "launches", "us", "of copy"]
+KERNEL_HEADERS = ["phase", "kernel", "kind", "MB", "GFLOP", "CTAs", "waves", "launches", "us", "of copy", "regs",
+                  "CTAs/SM", "flop/instr", "bound"]
 
 
 def main(argv=None) -> int:
@@ -600,26 +729,31 @@ def main(argv=None) -> int:
     ap.add_argument("--rollback", choices=("checkpoint", "replay"), default="checkpoint")
     ap.add_argument("--drafter-window", type=int, default=4096)
     ap.add_argument("--kernels", action="store_true", help="also every kernel of each round")
+    ap.add_argument("--launch-us", type=float, default=None,
+                    help=f"host cost of one launch, us (default {H200.launch * 1e6:.1f}: profiling/launch_cost.py)")
     a = ap.parse_args(argv)
     if a.width < 1 or any(b < 1 for b in a.batch) or any(c < 1 for c in a.context):
         ap.error("--width, --batch and --context must be >= 1")
+    if a.launch_us is not None and a.launch_us < 0:
+        ap.error("--launch-us must be >= 0")
+    d = H200 if a.launch_us is None else dataclasses.replace(H200, launch=a.launch_us * 1e-6)
     table_of = shapes(a.drafter_window)
-    rounds = [spec_round(table_of[m], b, ctx, a.width, rollback=a.rollback)
+    rounds = [spec_round(table_of[m], b, ctx, a.width, d, rollback=a.rollback)
               for m in a.model for b in a.batch for ctx in a.context]
-    d = H200
-    print(f"{d.name}: copy {d.bw / 1e12:.1f} TB/s, bf16 MMA {d.mma / 1e12:.0f} TFLOP/s, f32 {d.f32 / 1e12:.0f} TFLOP/s, "
-          f"launch {d.launch * 1e6:.0f} us, sync {d.sync * 1e6:.0f} us, {d.sms} SMs; GEMMs "
-          f"linear_<dt> (weights read as stored); "
+    print(f"{d.name}: copy {d.bw / 1e12:.1f} TB/s, bf16 MMA {d.mma / 1e12:.0f} TFLOP/s, f32 issue "
+          f"{d.f32_issue / 1e12:.1f} T instr/s ({d.f32 / 1e12:.0f} TFLOP/s as FMAs), launch {d.launch * 1e6:.1f} us "
+          f"host, sync {d.sync * 1e6:.0f} us, {d.sms} SMs; code as compiled for {d.arch} by "
+          f"{compiled_kernels(d.arch, d.nvrtc)[0]}; GEMMs linear_<dt> (weights read as stored); "
           f"rollback {a.rollback}; speedup at mean accepted length {a.accepted}")
     for m in a.model:
         dc = table_of[m].drafter
         ring = max(w or table_of[m].trunk.max_ctx for w in dc.windows()) + dc.block
         print(f"  {table_of[m].label}: {table_of[m].source}; draft KV {ring} rows, "
               f"{2 * dc.layers * dc.kv_heads * ring * dc.head_dim * F32 / 1e6:,.1f} MB per session (f32)")
-    print(table(SUMMARY_HEADERS, summary_rows(rounds, a.accepted)))
+    print(table(SUMMARY_HEADERS, summary_rows(rounds, a.accepted, d)))
     print("attn of copy: the verify attention kernel's K/V + q + out bytes over its predicted time, as a share of "
           "the copy bandwidth; verify/plain: the trunk verify pass over a plain decode step (GPU time); "
-          "weights .. overhead: shares of the round (overhead = launches x 4 us + 2 syncs)")
+          f"weights .. overhead: shares of the round (overhead = launches x {d.launch * 1e6:.1f} us + 2 syncs)")
     print("\nrecurrent state and K/V moved per round (a full accept; the kinds dspark.profile counts):")
     moves = []
     for r in rounds:

@@ -128,6 +128,18 @@ def gpu_module(be):
     return cupy
 
 
+def device_rng(be):
+    """cupy.random where the arrays live on a GPU (gigabytes of inputs are generated there), None
+    on the host backends and on the CuPy contract stand-in, which models no RNG (inputs come from
+    the host there)."""
+    if be.xp is np:
+        return None
+    try:
+        return be.xp.random
+    except NotImplementedError:  # the stand-in: CuPy has it, the stand-in does not model it
+        return None
+
+
 def clock_for(be, reps: int | None = None):
     cp = gpu_module(be)
     if cp is not None:

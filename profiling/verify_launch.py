@@ -21,7 +21,7 @@ from dspark.ops.attention import attention
 def kv_dtype(be):
     if be.name != "cuda":
         return BF16
-    from dspark.backends.cuda import dtype_supported
+    from dspark.dtypes import dtype_supported
     return BF16 if dtype_supported(be.xp, BF16) else np.dtype(np.float16)
 
 

@@ -15,12 +15,12 @@ NO_GPU = "no CUDA device (CuPy with a working GPU) on this machine"
 
 def pytest_collection_modifyitems(config, items):
     """bf16 cases on cuda skip, with the reason, where this CuPy has no bfloat16 arrays (CuPy 13):
-    the capability is asked of CuPy itself (dspark.backends.cuda.dtype_supported)."""
+    the capability is asked of CuPy itself (dspark.dtypes.dtype_supported)."""
     if not cuda_available():
         return  # every cuda case skips (or fails under DSPARK_REQUIRE_CUDA) at its fixture anyway
     import cupy
 
-    from dspark.backends.cuda import dtype_supported
+    from dspark.dtypes import dtype_supported
     from dspark.dtypes import BF16
     if dtype_supported(cupy, BF16):
         return

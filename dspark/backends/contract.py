@@ -27,11 +27,13 @@ Device memory is host memory here, so a device pointer is a host address the sim
 follow: pointer tables work as on a GPU. Arithmetic is NumPy's (CuPy follows NumPy's promotion
 rules); the stand-in checks the contract, not CuPy's numerics.
 
-`python -m dspark.backends.contract` prints the per-round counts of a greedy and a sampled session.
+A test double of the backends layer: it imports nothing above it (no session, model or worker).
+`python profiling/round_counts.py` prints the per-round counts of greedy and sampled sessions.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import operator
 import os
@@ -238,7 +240,7 @@ def _from_cai(x) -> np.ndarray:
 
 def _check_dtype(dtype) -> np.dtype:
     dt = np.dtype(dtype) if dtype is not None else np.dtype(np.float64)
-    from .cuda import dtype_supported
+    from ..dtypes import dtype_supported
     if dt.kind == "V" and not dtype_supported(_cupy, dt):
         raise ValueError(f"Unsupported dtype {dt}")
     return dt
@@ -542,16 +544,32 @@ def surface_excess() -> list[str]:
 
 
 # ---- kernels ---------------------------------------------------------------------------------------------
+_EXECUTING = [True]
+
+
+@contextlib.contextmanager
+def executing(on: bool):
+    """Launches inside run their kernels (on simt) or, with on=False, stop after the host path:
+    arguments checked and packed as CuPy would, nothing executed, outputs left as they were. What
+    the host pays per launch is timed so (profiling/launch_cost.py)."""
+    before = _EXECUTING[0]
+    _EXECUTING[0] = bool(on)
+    try:
+        yield
+    finally:
+        _EXECUTING[0] = before
+
+
 class RawKernel(_Checked):
     """One entry point of a loaded cubin, executed by simt on the stand-in's buffers."""
     _where = "cupy.RawKernel"
-    __slots__ = ("name", "file_path", "max_dynamic_shared_size_bytes", "_simt")
+    __slots__ = ("name", "file_path", "max_dynamic_shared_size_bytes")
 
     MAX_THREADS_PER_BLOCK = 1024
     STATIC_SMEM_LIMIT = 48 * 1024
 
-    def __init__(self, name: str, path: str, simt):
-        self.name, self.file_path, self._simt = name, path, simt
+    def __init__(self, name: str, path: str):
+        self.name, self.file_path = name, path
         self.max_dynamic_shared_size_bytes = 0
 
     def __call__(self, grid, block, args, *, shared_mem=0, stream=None, enable_cooperative_groups=False):
@@ -578,15 +596,16 @@ class RawKernel(_Checked):
                 slots.append(np.asarray(a).tobytes().ljust(8, b"\0"))
             else:
                 raise TypeError(f"{self.name}: argument {i}: Unsupported type {type(a)}")
-        if not all(g):
-            return  # an empty grid launches nothing
-        self._simt.launch(self.name, g, b, b"".join(slots), int(shared_mem))
+        if not all(g) or not _EXECUTING[0]:
+            return  # an empty grid launches nothing; with execution off only the host path ran
+        from .simt import load_module  # only to execute: loading cubins needs no simt build
+        load_module().launch(self.name, g, b, b"".join(slots), int(shared_mem))
 
 
 class RawModule(_Checked):
     """cupy.RawModule(path=...): a cubin dspark compiled; its kernels run on simt."""
     _where = "cupy.RawModule"
-    __slots__ = ("file_path", "code", "options", "backend", "_bytes", "_simt", "_owner")
+    __slots__ = ("file_path", "code", "options", "backend", "_bytes", "_owner")
 
     def __init__(self, code=None, *, path=None, options=(), backend="nvrtc", translate_cucomplex=False,
                  enable_cooperative_groups=False, name_expressions=None, jitify=None):
@@ -602,13 +621,11 @@ class RawModule(_Checked):
         self._bytes = data
         self._owner = _OWNER[0]
         self._owner.loaded[path] = data
-        from .simt import load_module
-        self._simt = load_module()
 
     def get_function(self, name: str) -> RawKernel:
         if name.encode() + b"\0" not in self._bytes:
             raise RuntimeError(f"{name}: CUDA_ERROR_NOT_FOUND in {self.file_path}")
-        return RawKernel(name, self.file_path, self._simt)
+        return RawKernel(name, self.file_path)
 
 
 # ---- devices and streams -------------------------------------------------------------------------------
@@ -799,20 +816,19 @@ def _get_array_module(*args):
 
 
 def _from_dlpack(x, *, device=None, copy=None):
+    """cupy.from_dlpack: DLPack only (CuPy does not fall back on __cuda_array_interface__); the
+    capsule is read by dspark.arrays.dlpack_view, as the stand-in's device memory is host memory.
+    bfloat16 comes through where the installed CuPy holds it."""
     if isinstance(x, ndarray):
         return x
-    if _cai(x) is not None:
-        return ndarray._of(_from_cai(x))
+    if not hasattr(x, "__dlpack__"):
+        raise TypeError(f"from_dlpack: {type(x)} does not implement __dlpack__")
     if int(x.__dlpack_device__()[0]) not in (2, 13):
         raise BufferError(f"from_dlpack: {type(x)} is not in device memory")
-
-    class _AsHost:  # the stand-in's device memory is host memory: let NumPy read the capsule
-        def __dlpack_device__(self):
-            return (1, 0)
-
-        def __dlpack__(self, **kw):
-            return x.__dlpack__(**kw)
-    return ndarray._of(np.from_dlpack(_AsHost()))
+    from ..arrays import dlpack_view
+    h = dlpack_view(x)
+    _check_dtype(h.dtype)
+    return ndarray._of(h)
 
 
 _EXPLICIT = {
@@ -864,71 +880,15 @@ def cupy_module() -> _CupyModule:
     return m
 
 
-def backend(arch: str = "sm_90"):
-    """dspark's `cuda` Backend on the stand-in, for device `arch` (the cubins are built for it)."""
+def backend(arch: str = "sm_90", nvrtc=None):
+    """dspark's `cuda` Backend on the stand-in, for device `arch` (the cubins are built for it,
+    by `nvrtc`, a dspark.toolchain.Nvrtc: default the toolchain's choice)."""
     from . import Backend
     from .cuda import CudaExecutor
     xp = cupy_module()
     Device.ARCH[0] = arch.removeprefix("sm_")
-    return Backend("cuda", xp, CudaExecutor(cupy=xp, arch=arch))
+    return Backend("cuda", xp, CudaExecutor(cupy=xp, arch=arch, nvrtc=nvrtc))
 
 
 def pool() -> MemoryPool:
     return _POOL
-
-
-# ---- per-round counts ----------------------------------------------------------------------------------
-RULES = ("greedy", "coupled", "rejection")  # a round's accept: SpecParams.accept
-
-
-def round_counts(rule: str, rounds: int = 4, batch: int = 1, seed: int = 7, pair=None, prompt_len: int = 24):
-    """(Counts, rounds run, batch) of `rounds` spec rounds of `batch` sessions on the stand-in,
-    after one warm-up round (module loads and the batch's pointer tables are not per-round
-    costs). `rule`: "greedy", or a sampled session's sampler ("coupled", "rejection"). `pair`: a
-    (trunk, drafter) on this stand-in's backend; default the tiny random pair."""
-    from ..models.presets import tiny_pair
-    from ..params import SamplingParams, SpecParams
-    from ..session import DsparkSpecSession, spec_round
-    trunk, drafter = pair if pair is not None else tiny_pair(backend(), seed)
-    rng = np.random.default_rng(seed)
-    sampling = SamplingParams(temperature=0.8, top_p=0.95, seed=seed) if rule != "greedy" else SamplingParams()
-    params = SpecParams(max_new_tokens=10_000, sampling=sampling, capture=False,
-                        sampler=rule if rule != "greedy" else "coupled")
-    vocab = min(trunk.config.vocab, 256)
-    sessions = [DsparkSpecSession.prime(trunk, drafter, rng.integers(0, vocab, prompt_len).astype(np.int32), params)
-                for _ in range(batch)]
-    spec_round(sessions)
-    with profile.counting() as c:
-        for _ in range(rounds):
-            spec_round(sessions)
-    for s in sessions:
-        s.close()
-    return c, rounds, batch
-
-
-def embedded_pair():
-    """The embedded default pair (dspark.models.load_default) on the stand-in."""
-    from ..models import load_default
-    return load_default(backend())
-
-
-def main() -> None:
-    pairs = {"tiny pair (drafter block 4)": None, "embedded pair (drafter block 8)": embedded_pair()}
-    for label, pair in pairs.items():
-        print(f"per round on the cuda backend (CuPy {CUPY_VERSION} contract stand-in), {label}:")
-        for rule in RULES:
-            for batch in (1, 2):
-                c, n, b = round_counts(rule, batch=batch, pair=pair)
-                print(f"  {rule:9s} B={b}: {c.line(n)}")
-                print(f"           bytes moved: {c.bytes_line(n)}")
-    c, n, _ = round_counts("greedy")
-    print("device->host copies and syncs of one greedy round (B=1, tiny pair), by dspark line:")
-    for site, k in sorted(c.sites.items()):
-        print(f"  {k / n:.0f}  {site}")
-    print("dspark kernel launches of one greedy round (B=1, tiny pair), by kernel:")
-    for name, k in sorted(c.by_name.items()):
-        print(f"  {k / n:.0f}  {name}")
-
-
-if __name__ == "__main__":
-    main()

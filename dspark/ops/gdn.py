@@ -31,6 +31,7 @@ import numpy as np
 from .. import profile
 from ..errors import CapacityError, ShapeError
 from ..arrays import adopt
+from . import host
 from .checks import host_and_device, require_dtype, require_indptr, require_ndim, require_shape
 from .snapshot import require_tensor
 from .tables import PointerTable, as_table
@@ -156,10 +157,24 @@ def conv_windows_of(windows, mixed, col_indptr) -> np.ndarray:
     return hist[start[sess][:, None] + j[:, None] + np.arange(3)].transpose(0, 2, 1)
 
 
+def delta_walk_ref(S, q, k, v, alpha, beta, col_indptr, out, state_ckpt=None) -> None:
+    """Each session's columns in order through delta_rule_ref, all sessions with a column left
+    advancing together: S [B, H, dv, dk] in place -> out [cols, H, dv] (and the state after each
+    column in state_ckpt). dspark.ops.host.delta_walk is its native twin, bit for bit."""
+    t = np.diff(col_indptr)
+    for j in range(int(t.max())):
+        sel = np.flatnonzero(t > j)
+        cols = col_indptr[sel] + j
+        S[sel], out[cols] = delta_rule_ref(S[sel], q[cols], k[cols], v[cols], alpha[cols], beta[cols])
+        if state_ckpt is not None:
+            state_ckpt[cols] = S[sel]
+
+
 def gdn_scan_ref(mixed, a, b, conv_weight, A_log, dt_bias, states, conv_windows, col_indptr, heads, dk, dv,
-                 out, state_ckpt=None, conv_ckpt=None, k_heads=None, commit=True) -> None:
+                 out, state_ckpt=None, conv_ckpt=None, k_heads=None, commit=True, walk=None) -> None:
     """The scan on host arrays, in place (the live states and windows only with commit); each
-    column computed exactly as one decode step.
+    column computed exactly as one decode step. `walk`: delta_walk_ref's twin to run instead (the
+    numpy backend passes dspark.ops.host.delta_walk).
 
     Everything before the state update (conv, SiLU, norms, gates) depends only on the inputs,
     so it runs for all columns at once, elementwise, with the same per-column arithmetic; only
@@ -180,12 +195,7 @@ def gdn_scan_ref(mixed, a, b, conv_weight, A_log, dt_bias, states, conv_windows,
     v = x[:, 2 * hk:].reshape(-1, heads, dv)
     alpha, beta = gdn_gates_ref(a[:total], b[:total], A_log, dt_bias)
     S = np.stack(states)  # [B, H, dv, dk]
-    for j in range(int(t.max())):
-        sel = np.flatnonzero(t > j)
-        cols = col_indptr[sel] + j
-        S[sel], out[cols] = delta_rule_ref(S[sel], q[cols], k[cols], v[cols], alpha[cols], beta[cols])
-        if state_ckpt is not None:
-            state_ckpt[cols] = S[sel]
+    (walk or delta_walk_ref)(S, q, k, v, alpha, beta, col_indptr, out, state_ckpt)
     for s in np.flatnonzero(t) if commit else ():
         states[s][...] = S[s]
         conv_windows[s][...] = windows[col_indptr[s + 1] - 1]
@@ -243,7 +253,7 @@ def gdn_scan(be, mixed, a, b, conv_weight, A_log, dt_bias, states, conv_windows,
         require_tensor(be, arg, what, shape, align=align)
     if be.kernels is None:
         gdn_scan_ref(mixed, a, b, conv_weight, A_log, dt_bias, list(states.arrays), list(conv_windows.arrays),
-                     host_indptr, heads, dk, dv, out, state_ckpt, conv_ckpt, k_heads, commit)
+                     host_indptr, heads, dk, dv, out, state_ckpt, conv_ckpt, k_heads, commit, walk=host.delta_walk if host.NATIVE else None)
     elif cols:
         x = be.xp.empty((cols, C), be.xp.float32)  # the conv's SiLU outputs, read by the scan
         be.kernels.get_function("gdn_conv_f32")(

@@ -4,7 +4,8 @@
 
 Row invariance (DESIGN section 3) needs each row's sum of squares taken in an order that depends
 on n alone. NumPy's reduction over a contiguous last axis is pairwise per row, so the numpy
-backend keeps its one-line formula (`rmsnorm_numpy`). CuPy's reductions choose their block layout
+backend keeps its one-line formula (`rmsnorm_numpy`), run natively by dspark.ops.host.rmsnorm
+with the same bits. CuPy's reductions choose their block layout
 from the array's shape, so on a GPU a row's order could change with the number of rows: the simt
 and cuda backends run `rmsnorm_f32`, one warp per row, lane l summing x[l]^2, x[l+32]^2, ... and an
 xor butterfly. `rmsnorm_ref` is its NumPy twin, bit for bit (the kernel tests compare them with
@@ -16,6 +17,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..arrays import adopt
+from . import host
 from .checks import require_dtype, require_shape
 
 F32 = np.float32
@@ -60,7 +62,7 @@ def rmsnorm(be, x, weight, eps: float, out=None):
     require_shape(weight, (n,), "weight")
     require_dtype(weight, F32, "weight")
     if be.kernels is None:
-        y = rmsnorm_numpy(x, weight, eps)
+        y = host.rmsnorm(x, weight, eps) if host.NATIVE else rmsnorm_numpy(x, weight, eps)  # the same bits
         if out is None:
             return y
         out[...] = y

@@ -53,7 +53,7 @@ ATTN_LAYERS, GDN_LAYERS = 9, 27
 def storage_dtypes(be) -> list:
     """f32 and the trunk's 16-bit KV dtype: bf16, or f16 on a CuPy without bfloat16 arrays (asked
     of CuPy itself; the per-family tests cover all three at small sizes)."""
-    from dspark.backends.cuda import dtype_supported
+    from dspark.dtypes import dtype_supported
     return [F32, BF16] if dtype_supported(be.xp, BF16) else [F32, F16]
 
 

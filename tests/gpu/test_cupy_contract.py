@@ -7,7 +7,7 @@ Every op, the trunk and drafter, a greedy and a sampled session, demotion into P
 worker with its prefix store run through the `cuda` Backend built on the stand-in, and must give
 bit for bit what the simt backend gives. The same run counts device->host copies, syncs and
 launches per greedy and per sampled round and prints them (`pytest -s`; recorded in
-profiling/RESULTS.md, printed alone by `python -m dspark.backends.contract`).
+profiling/RESULTS.md, printed alone by `python profiling/round_counts.py`).
 
 cupy-cuda12x is in the test extra (it imports without a GPU): nothing here skips.
 """
@@ -26,6 +26,7 @@ from dspark.prefix_store import PrefixStore
 from dspark.session import DsparkSpecSession, SamplingParams, SpecParams, spec_burst
 from dspark.worker import GateConfig, Worker
 from tests.gpu.op_cases import CASES, run_case
+from tests.scripts import load_script
 
 import cupy  # noqa: E402  (in the test extra: a missing CuPy is an error here, never a skip)
 
@@ -147,7 +148,7 @@ def test_models_sessions_demotion_and_worker_on_cuda_equal_simt(dev, simt):
 
 def test_trunk_and_drafter_on_cuda_equal_simt_with_bf16_kv(dev, simt, rng):
     """A bf16 KV cache where this CuPy has bfloat16 (the capability is asked of CuPy itself)."""
-    from dspark.backends.cuda import dtype_supported
+    from dspark.dtypes import dtype_supported
     from dspark.dtypes import BF16
     if not dtype_supported(cupy, BF16):
         pytest.skip(f"CuPy {cupy.__version__} has no bfloat16 arrays")
@@ -194,13 +195,14 @@ def test_round_counts_meet_the_targets(capsys, tmp_path):
     embedded pair and released layouts whose Markov head runs slot by slot (gated, rnn): the
     drafts, confidences and NaN flags come back in one copy, (m, next) and the verify's flags in
     another; nothing per layer, nothing per slot. Launches and bytes are printed."""
-    pairs = {"tiny": None, "embedded": contract.embedded_pair()}
+    counting = load_script("round_counts")
+    pairs = {"tiny": None, "embedded": counting.embedded_pair()}
     for head in ("gated", "rnn"):
         pairs[f"deepspec-{head} on qwen3_5"] = released_pair(tmp_path / head, head)
     lines = []
     for name, pair in pairs.items():
-        for rule in contract.RULES:
-            c, rounds, batch = contract.round_counts(rule, rounds=2, pair=pair)
+        for rule in counting.RULES:
+            c, rounds, batch = counting.round_counts(rule, rounds=2, pair=pair)
             lines.append(f"{name} {rule} round (B={batch}): {c.line(rounds)}; {c.bytes_line(rounds)}")
             assert c.syncs <= MAX_SYNCS * rounds, (name, rule, dict(c.sites))
             assert c.d2h <= MAX_SYNCS * rounds and c.launches and c.sites

@@ -15,6 +15,7 @@ import torch
 
 import dspark
 from dspark import arrays, profile
+from dspark.dtypes import BF16
 from dspark.errors import DTypeError, KernelArgumentError
 from dspark.ops.argmax import argmax_rows
 from tests.gpu.op_cases import CASES, OPS, run_case
@@ -164,3 +165,75 @@ def test_cuda_session_takes_a_device_prompt(dev, rng):
         while not s.finished():
             s.burst()
     assert a.emitted == b.emitted
+
+
+# ---- dtypes that an array interface cannot name: bfloat16 through DLPack, "<V2" by producer --------------
+def bf16_logits(rng, rows=4, vocab=300) -> torch.Tensor:
+    return torch.from_numpy(rng.standard_normal((rows, vocab)).astype(np.float32)).to(torch.bfloat16)
+
+
+def widened(t: torch.Tensor) -> np.ndarray:
+    return t.float().numpy()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("backend", ["numpy", "simt"])
+def test_torch_16_bit_tensors_keep_their_dtype_on_the_host(backend, dtype, simt, rng):
+    """A torch bf16 CPU tensor comes through DLPack (NumPy alone cannot import it) as bfloat16,
+    sharing its memory; f16 as float16. The op then reads what the tensor holds."""
+    be = dspark.get_backend(backend)
+    t = bf16_logits(rng).to(dtype)
+    a = arrays.as_array(be, t, "logits")
+    assert a.dtype == {torch.bfloat16: BF16, torch.float16: np.float16}[dtype]
+    assert a.__array_interface__["data"][0] == t.data_ptr(), "a copy was made"
+    np.testing.assert_array_equal(a.astype(np.float32), widened(t))
+    np.testing.assert_array_equal(argmax_rows(be, t), widened(t).argmax(axis=1))
+    strided = t[:, ::3]  # DLPack strides are in elements: read as bytes here
+    np.testing.assert_array_equal(arrays.as_array(be, strided, "x").astype(np.float32), widened(strided))
+
+
+class TorchOnDevice:
+    """A torch tensor as a CUDA build exports it: DLPack on a CUDA device and a
+    __cuda_array_interface__ whose typestr for bfloat16 is "<V2" (torch/_tensor.py). The stand-in's
+    device memory is host memory, so a CPU tensor stands for it."""
+
+    def __init__(self, t: torch.Tensor, dlpack: bool = True):
+        self._t = t
+        if dlpack:
+            self.__dlpack__ = t.__dlpack__
+            self.__dlpack_device__ = lambda: (2, 0)
+        self.__cuda_array_interface__ = {
+            "shape": tuple(t.shape), "typestr": "<V2" if t.dtype == torch.bfloat16 else "<f4",
+            "strides": None, "data": (t.data_ptr(), False), "version": 2}
+
+
+TorchOnDevice.__module__ = "torch"  # what type(tensor).__module__ says for a real tensor
+
+
+class ForeignV2(TorchOnDevice):
+    """The same interface from a library not known to mean bfloat16 by "<V2"."""
+
+
+ForeignV2.__module__ = "somelib.arrays"
+
+
+def test_cuda_takes_bf16_by_dlpack_and_v2_only_from_known_producers(dev, rng):
+    t = bf16_logits(rng)
+    want = widened(t).argmax(axis=1)
+    for obj in (TorchOnDevice(t), TorchOnDevice(t, dlpack=False)):  # DLPack first; else "<V2" from torch
+        a = arrays.as_array(dev, obj, "logits")
+        assert a.dtype == BF16 and a.data.ptr == t.data_ptr()
+        np.testing.assert_array_equal(dev.to_host(argmax_rows(dev, obj)), want)
+    with pytest.raises(DTypeError, match=r"logits is a somelib\.arrays\.ForeignV2 whose array interface says "
+                                         r"typestr '<V2'.*DLPack"):
+        argmax_rows(dev, ForeignV2(t, dlpack=False))
+    assert arrays.as_array(dev, ForeignV2(t), "logits").dtype == BF16  # its DLPack names the type
+
+
+def test_host_v2_interface_from_an_unknown_producer_is_refused(rng):
+    x = bf16_logits(rng).view(torch.int16).numpy()
+
+    class Foreign:
+        __array_interface__ = dict(x.__array_interface__, typestr="<V2", descr=[("", "<V2")])
+    with pytest.raises(DTypeError, match="logits is a .*Foreign whose array interface says typestr '<V2'"):
+        argmax_rows(dspark.get_backend("numpy"), Foreign())

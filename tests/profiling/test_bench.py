@@ -1,5 +1,5 @@
 """The profiling scripts: bench_kernels (--dry-run and a CPU run through simt), the session
-workload on numpy, gpu_check.sh --dry-run, and the timing helpers they share."""
+workload on numpy, and the timing helpers they share (gpu_check: tests/profiling/test_gpu_check.py)."""
 
 from __future__ import annotations
 
@@ -117,23 +117,6 @@ def test_session_workload_refuses_a_context_overflow():
     assert r.returncode != 0 and "more than the tiny trunk's context of 256" in r.stderr
 
 
-# ---- gpu_check.sh ---------------------------------------------------------------------------------------
-def test_gpu_check_dry_run(tmp_path):
-    """Every step that can run without a GPU passes, and the report names every step with its
-    status, the ones that need a GPU included."""
-    out = ok(script("bash", "profiling/gpu_check.sh", "--dry-run", str(tmp_path), timeout=400)[0])
-    assert "dry run OK" in out
-    report = (tmp_path / "gpu_report.md").read_text()
-    statuses = dict(re.findall(r"^## (\w+): (.*)$", report, re.M))
-    for name in ("build", "info", "cubins", "cuda_tests", "sanitizer_targets", "nsys_workload", "verify_launch", "gate",
-                 "perf_model", "bench"):
-        assert statuses.get(name, "").startswith("ok"), f"{name}: {statuses.get(name)}\n{report}"
-    for name in ("wheels", "sanitizer_memcheck", "sanitizer_racecheck", "sanitizer_synccheck", "nsys", "ncu"):
-        assert name in statuses, f"no status for {name}\n{report}"
-    assert "entry points scanned from the sources" in report and "SOME STEPS FAILED" not in report
-    assert re.search(r"Qwen3.5-27B\s+32\s+32768", report) and "H200 model" in report  # predictions recorded
-
-
 # ---- timing helpers ---------------------------------------------------------------------------------------
 def test_recorded_launch_replays_the_kernel_alone(simt, rng):
     """record() keeps the launch the op made; replaying it rewrites the output without the op."""
@@ -173,3 +156,27 @@ def test_bench_coupled_prints_both_samplers_and_checks_equality(capsys):
     print(out)
     assert rc == 0 and "coupled == plain sampled decode in every run" in out
     assert re.search(r"T=0.8 +coupled +\| mean accepted length", out) and re.search(r"T=0.8 +rejection", out)
+
+
+def test_bench_cpu_runs_beside_transformers():
+    """profiling/bench_cpu.py on its tiny size: both architectures, the ratio table, and greedy
+    tokens identical (its exit code)."""
+    from tests.peers import peer
+    peer("torch"), peer("transformers")
+    r, _ = script("profiling/bench_cpu.py", "--size", "tiny", "--threads", "1", "--repeats", "1", "--steps", "2",
+                  timeout=300)
+    out = ok(r)
+    for arch in ("qwen3_5", "qwen3"):
+        assert re.search(rf"^\| {arch} \| 1 \| plain decode, per token \|", out, re.M), out
+        assert f"{arch}, 1 thread(s): greedy tokens identical: yes" in out
+
+
+def test_bench_embedded_runs_beside_an_earlier_tree():
+    """profiling/bench_embedded.py against this commit itself: two child interpreters, the table,
+    and the same tokens from both."""
+    if subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True).returncode:
+        pytest.skip("not a git checkout")
+    r, _ = script("profiling/bench_embedded.py", "--base", "HEAD", "--repeats", "1", "--max-new-tokens", "12",
+                  timeout=300)
+    out = ok(r)
+    assert "this tree / before" in out and "all streams the same tokens: yes" in out

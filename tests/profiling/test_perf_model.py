@@ -1,9 +1,12 @@
 """profiling/perf_model.py: its CLI's table is internally consistent and meets issue 16's targets
-for Qwen3.5-27B; it prices the ops' own launch plans; and the bytes of state and K/V it predicts
-for a round, and the launches, are what the CuPy contract path counts for the same round."""
+for Qwen3.5-27B; it prices the ops' own launch plans and their code as compiled (registers in
+residency, f32 instructions at the issue rate), so no kernel beats its issue or bandwidth bound;
+the launch cost is a parameter; and the bytes of state and K/V it predicts for a round, and the
+launches, are what the CuPy contract path counts for the same round."""
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import sys
 
@@ -122,3 +125,92 @@ def test_the_seeds_pair_is_priced_with_each_drafter():
     assert drafter_attention(dspark, 131072) > 3 * drafter_attention(dspark, 32768)
     names = [k.name for k in pm.drafter_pass(dflash2, 1, 4096, pm.H200)]
     assert "candidate selector" in names and any(n.startswith("drafter lm head (own, draft vocabulary)") for n in names)
+
+# ---- the code as compiled: issue rate, registers, bounds --------------------------------------------------
+MODEL_ROUNDS = [(m, b, ctx) for m in ("embedded", "qwen3-8b", "qwen3.5-27b") for b in (1, 2) for ctx in (4096, 32768)]
+
+
+@pytest.mark.parametrize("model, batch, context", MODEL_ROUNDS)
+def test_no_kernel_beats_its_issue_or_bandwidth_bound(model, batch, context):
+    """Every kernel of a spec round and of a plain step takes at least its bytes at the copy
+    bandwidth and its f32 instructions at the issue rate, the instructions counted as compiled:
+    flops / flops per f32 instruction of its PTX (1 where -fmad=false keeps a * b + c as mul and
+    add, 2 for fmaf); tensor-core flops at the MMA rate."""
+    dev = pm.H200
+    r = pm.spec_round(pm.shapes()[model], batch, context, 8)
+    for k in r.kernels + r.plain:
+        code = pm.compiled(k.entry, dev)
+        instructions = 0.0 if k.mma_flops else k.flops / code.flops_per_instruction
+        assert k.f32_instr == pytest.approx(instructions, rel=1e-9), k.name
+        assert k.mma_flops == (k.flops if k.mma_flops else 0), k.name
+        issue = max(instructions / dev.f32_issue, k.mma_flops / dev.mma)
+        assert k.time >= issue * (1 - 1e-9), f"{k.name}: {k.time * 1e6:.1f} us beats its issue bound {issue * 1e6:.1f}"
+        assert k.time >= k.bytes / dev.bw * (1 - 1e-9), f"{k.name}: beats the copy bandwidth"
+        assert (k.issue_bound(dev), k.bandwidth_bound(dev)) == pytest.approx((issue, k.bytes / dev.bw))
+
+
+def test_the_skinny_gemm_is_priced_at_two_instructions_per_multiply_add():
+    """linear_bf16 writes acc + x * w: under -fmad=false a mul and an add. At 16 rows (two sessions'
+    verify) Qwen3.5-27B's MLP up-projection issues 2 * 16 * K * N f32 instructions: its time may not
+    be what the FMA rate (67 TFLOP/s) would give."""
+    dev, rows, k, n = pm.H200, 16, 5120, 2 * 17408
+    code = pm.compiled("linear_bf16", dev)
+    assert code.fma == 0 and code.mul_add > 0 and code.flops_per_instruction == 1.0
+    (gemm,) = pm.linear("verify", "mlp gate|up", rows, k, n, 2, dev)
+    assert gemm.time >= 2 * rows * k * n / dev.f32_issue > 2 * rows * k * n / dev.f32
+
+
+def test_f32_mix_reads_fma_from_the_ptx(tmp_path):
+    from dspark.toolchain import NVRTC_OPTIONS, default_nvrtc
+    src = tmp_path / "mix.cu"
+    src.write_text('extern "C" __global__ void k(const float* a, float* o) { o[0] = a[0] * a[1] + a[2]; }\n'
+                   'extern "C" __global__ void f(const float* a, float* o) { o[0] = fmaf(a[0], a[1], a[2]); }\n')
+    ptx = default_nvrtc().compile(src, "compute_90", NVRTC_OPTIONS, ptx=True)[0].decode()
+    assert pm.f32_mix(ptx, "k") == (0, 2) and pm.f32_mix(ptx, "f") == (1, 0)
+    assert pm.Compiled("k", 8, 0, 0, 2).flops_per_instruction == 1.0
+    assert pm.Compiled("f", 8, 0, 1, 0).flops_per_instruction == 2.0
+    with pytest.raises(LookupError, match="no entry g"):
+        pm.f32_mix(ptx, "g")
+
+
+def test_residency_counts_registers_threads_and_shared_memory():
+    dev = pm.H200
+    code = pm.compiled("linear_bf16", dev)
+    assert code.registers > 128 and code.static_smem > 16 * 1024
+    # 186 registers x 128 threads: 6 warps' worth of 6,144 registers in 65,536 leaves 2 CTAs of 4 warps
+    assert pm.resident(128, code.static_smem, code.registers, dev) == 2
+    assert pm.resident(128, code.static_smem, 0, dev) == 6        # shared memory alone would allow 6
+    assert pm.resident(256, 0, 32, dev) == 8 and pm.resident(32, 0, 32, dev) == 32
+    with pytest.raises(ValueError, match="does not fit on an SM"):
+        pm.resident(1024, 0, 255, dev)
+    (gemm,) = pm.linear("verify", "mlp down", 8, 17408, 5120, 2, dev)
+    assert gemm.per_sm == 2
+
+
+def test_the_launch_cost_is_a_parameter_of_the_round():
+    shape = pm.shapes()["qwen3.5-27b"]
+    base = pm.spec_round(shape, 1, 4096, 8)
+    cheap = pm.spec_round(shape, 1, 4096, 8, dataclasses.replace(pm.H200, launch=1e-6))
+    assert base.gpu() == cheap.gpu()
+    assert base.overhead() - cheap.overhead() == pytest.approx(base.launches * (pm.H200.launch - 1e-6))
+    out = ok(script("profiling/perf_model.py", "--model", "qwen3.5-27b", "--launch-us", "2.5")[0])
+    assert "launch 2.5 us host" in out and "launches x 2.5 us" in out
+
+
+def test_launch_cost_times_every_family_with_execution_off():
+    """profiling/launch_cost.py (the source of Device.launch's default) times a call of every
+    kernel family the round launches; with execution off the stand-in runs no kernel."""
+    from dspark.ops.norm import rmsnorm
+    be = contract.backend()
+    x, w = be.asarray(np.ones((2, 64), np.float32)), be.asarray(np.ones(64, np.float32))
+    out = be.xp.full((2, 64), -7, np.float32)
+    with contract.executing(False), profile.counting() as c:
+        rmsnorm(be, x, w, 0.0, out=out)
+    assert c.launches == 1 and (be.to_host(out) == -7).all()  # launched, nothing executed
+    rmsnorm(be, x, w, 0.0, out=out)
+    assert (be.to_host(out) == 1).all()
+    text = ok(script("profiling/launch_cost.py", "--reps", "2", timeout=300)[0])
+    m = re.search(r"per launch, weighted by the round's launches: ([\d.]+) us", text)
+    assert m and float(m.group(1)) > 0, text
+    for family in ("linear", "norm", "attention", "gdn_scan", "snapshot", "argmax", "kv_commit"):
+        assert re.search(rf"^{family}\s+\d+\s+[\d.]+\s+[1-9]\d*$", text, re.M), f"{family}\n{text}"
