@@ -36,6 +36,7 @@ class SamplingParams:
 VERIFY_POLICIES = ("auto", "confidence", "ladder", "full")
 PROMPT_CHUNK = 8192  # tokens per prompt pass by default (HybridTrunk.prompt_passes): activations scale with it
 ROLLBACKS = ("checkpoint", "replay")
+SAMPLERS = ("coupled", "rejection")
 
 
 @dataclass(frozen=True)
@@ -49,6 +50,8 @@ class SpecParams:
     rollback: str = "checkpoint"  # per-column checkpoint select, or snapshot restore + replay
     capture: bool = True
     sampling: SamplingParams = field(default_factory=SamplingParams)
+    sampler: str = "coupled"     # sampled sessions: "coupled" (plain sampled decode's stream, demotable) or
+                                 # "rejection" (lossless rejection sampling); dspark.spec_sampling
 
     def __post_init__(self):
         if not isinstance(self.max_new_tokens, (int, np.integer)) or self.max_new_tokens < 1:
@@ -63,5 +66,22 @@ class SpecParams:
             raise ValueError(f"SpecParams.max_verify={self.max_verify!r}: expected 0 (no cap) or an int >= 2")
         if not 0.0 <= self.tau <= 1.0:
             raise ValueError(f"SpecParams.tau={self.tau!r}: expected a value in [0, 1]")
+        if self.sampler not in SAMPLERS:
+            raise ValueError(f"SpecParams.sampler={self.sampler!r}: expected one of {SAMPLERS}")
         if not isinstance(self.sampling, SamplingParams):
             raise TypeError(f"SpecParams.sampling: expected SamplingParams, got {type(self.sampling).__name__}")
+
+    @property
+    def accept(self) -> str:
+        """The round's accept rule: "greedy", "coupled" or "rejection" (sessions of one round share it)."""
+        return "greedy" if self.sampling.greedy else self.sampler
+
+    @property
+    def coupled(self) -> bool:
+        return self.accept == "coupled"
+
+    @property
+    def demotable(self) -> bool:
+        """Whether the session's stream equals plain decode's (with its sampling) at every burst
+        boundary, so it may be demoted there without changing a byte: greedy, or coupled sampled."""
+        return self.accept != "rejection"

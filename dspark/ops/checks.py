@@ -52,9 +52,9 @@ class Staged:
     several ops of one pass that read it."""
     __slots__ = ("host", "device")
 
-    def __init__(self, be, host):
+    def __init__(self, be, host, device=None):
         self.host = np.asarray(host)
-        self.device = be.asarray(self.host)
+        self.device = be.asarray(self.host) if device is None else device  # `device`: already uploaded
 
     def __array__(self, dtype=None, copy=None):  # numpy.asarray(staged): the host values
         return self.host if dtype is None else self.host.astype(dtype)
