@@ -28,6 +28,7 @@ class Case:
     build: Callable          # rng -> {argument name: NumPy array, list of arrays, or dataclass of arrays}
     run: Callable            # (be, args) -> what the op returned
     writes: tuple = ()       # arguments the op writes, compared after the call
+    bound: Callable | None = None  # inputs -> |got - reference| allowed per element, where 1e-4 relative is not it
 
 
 def indptr(lengths) -> np.ndarray:
@@ -60,6 +61,13 @@ def _markov(rng):
 def _linear(rng):  # f16 weights (torch has no ml_dtypes bf16), ragged N, two K splits
     return {"x": rng.standard_normal((3, 600)).astype(F32),
             "w": (0.05 * rng.standard_normal((600, 130))).astype(np.float16), "out": np.full((3, 130), -7, F32)}
+
+
+def _linear_bound(a):
+    """The kernels round x to the weight's 16-bit type (the tensor-core GEMM), the numpy backend
+    keeps it f32: they differ by that rounding, relative to |x| @ |w| (linear.MMA_TOLERANCE)."""
+    w = a["w"].astype(np.float64)
+    return linear.MMA_TOLERANCE[a["w"].dtype] * (np.abs(a["x"]).astype(np.float64) @ np.abs(w))
 
 
 def _attention(mode):
@@ -184,7 +192,8 @@ CASES = [
         be, a["logits"], a["cand"], a["col_indptr"], m_out=a["m_out"], next_out=a["next_out"]), ("m_out", "next_out")),
     Case("markov_chain", _markov, lambda be, a: argmax.markov_chain(
         be, a["logits"], a["w1"], a["w2"], a["anchors"], 3, out=a["out"]), ("out",)),
-    Case("linear", _linear, lambda be, a: linear.linear(be, a["x"], a["w"], out=a["out"]), ("out",)),
+    Case("linear", _linear, lambda be, a: linear.linear(be, a["x"], a["w"], out=a["out"]), ("out",),
+         _linear_bound),
     Case("attention_causal", _attention("causal"), lambda be, a: attention.attention(
         be, a["q"], a["k_blk"], a["v_blk"], a["k_caches"], a["v_caches"], a["pos"], a["row_indptr"], out=a["out"]),
          ("out",)),
