@@ -86,13 +86,44 @@ def nvtx_status() -> str:
 
 
 def phase(name: str):
-    """A context manager marking one round phase."""
+    """A context manager marking one round phase (and timing it inside `phase_times()`)."""
+    if _clocks:
+        return _Timed(name)
     if not enabled():
         return _NULL
     kind, mod = _emitter()
     if kind == "nvtx":
         return mod.annotate(name, domain=DOMAIN)
     return _CupyRange(mod, name)
+
+
+class _Timed:
+    """A phase timed by every open phase_times() on its own clock."""
+
+    def __init__(self, name: str):
+        self._name = name
+
+    def __enter__(self):
+        self._start = [clock() for clock, _ in _clocks]
+
+    def __exit__(self, *exc):
+        for (clock, times), t in zip(_clocks, self._start):
+            times[self._name] += clock() - t
+
+
+_clocks: list = []  # (clock, Counter of name -> time) of each open phase_times()
+
+
+@contextlib.contextmanager
+def phase_times(clock):
+    """Time every phase() entered while the block runs on `clock()` (any monotonic count: the host
+    benchmark passes one that leaves out the CuPy stand-in's own time); yields name -> total."""
+    entry = (clock, Counter())
+    _clocks.append(entry)
+    try:
+        yield entry[1]
+    finally:
+        _clocks.remove(entry)
 
 
 # ---- counters --------------------------------------------------------------------------------------

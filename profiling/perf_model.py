@@ -110,6 +110,14 @@ class Device:
     # CPU cores). A measured default: a GPU machine's benchmark of the whole round replaces it.
     launch: float = LAUNCH_MEASURED
     sync: float = 10e-6            # one device->host wait (a copy of a few bytes), s
+    # CuPy's own host cost per call (its Cython and the driver), s: documented estimates until the
+    # GPU check measures them (profiling/gpu_check.py). A RawKernel call with its cuLaunchKernel;
+    # an elementwise op with its output from the pool (CuPy's own benchmark, cupy/cupy#3298: 11 us
+    # of CPU per call on small arrays); a small host<->device copy; a Graph.launch (cudaGraphLaunch).
+    cupy_launch: float = 5e-6
+    cupy_array_op: float = 10e-6
+    cupy_copy: float = 8e-6
+    graph_launch: float = 4e-6
     sms: int = 132
     smem: int = 228 * 1024         # shared memory per SM, bytes
     smem_reserved: int = 1024      # shared memory the runtime keeps per CTA (sm_80 and later)

@@ -45,10 +45,24 @@ from ..ops.tables import PointerTable
 from .batch_tables import TableStore, VersionedBuffers
 from .drafter_config import INT_TENSORS, DrafterConfig, drafter_spec
 from .drafter_heads import Chain
-from .weights import check_weights, load_model, random_weights, save_model, to_backend
+from .weights import check_weights, load_model, random_weights, save_model
 
 
 FUSED_PARTS = ("attn.wq", "attn.wk", "attn.wv", "mlp.w_gate", "mlp.w_up")  # kept fused on the backend
+# One GEMM per layer input (weights.FUSED); the ingest projects K|V only.
+DEVICE_FUSED = (("attn.wqkv", ("attn.wq", "attn.wk", "attn.wv")), ("attn.wkv", ("attn.wk", "attn.wv")),
+                ("mlp.w_gate_up", ("mlp.w_gate", "mlp.w_up")))
+
+
+def drafter_layout(be, c: DrafterConfig, spec: dict, make) -> dict:
+    """name -> backend array (f32, owned by 'weights'): every tensor of `spec` but the int maps
+    and the parts of DEVICE_FUSED, which are there fused, side by side; `make(names)` gives one."""
+    w = {k: be.alloc.adopt(make((k,)), "weights") for k in spec if k not in INT_TENSORS and not k.endswith(FUSED_PARTS)}
+    for i in range(c.layers):
+        p = f"layers.{i}."
+        for fused, parts in DEVICE_FUSED:
+            w[p + fused] = be.alloc.adopt(make(tuple(p + q for q in parts)), "weights")
+    return w
 
 
 class DraftTables:
@@ -92,6 +106,35 @@ class DraftKV(VersionedBuffers):
 class DsparkDrafter:
     def __init__(self, config: DrafterConfig, weights: dict[str, np.ndarray], trunk):
         c, tc = config, trunk.config
+        check_weights(weights, drafter_spec(c, tc), "drafter", dtype_of={n: (np.int32,) for n in INT_TENSORS})
+        if c.draft_vocab:
+            d2t = weights["draft_to_target"]
+            if np.any((d2t < 0) | (d2t >= tc.vocab)):
+                raise TokenRangeError(f"drafter draft_to_target has ids outside the vocabulary [0, {tc.vocab})")
+
+        def upload(names):
+            host = weights[names[0]] if len(names) == 1 else np.concatenate([weights[q] for q in names], axis=1)
+            return trunk.be.xp.array(host, dtype=np.float32)
+        self._setup(c, trunk, weights, drafter_layout(trunk.be, c, drafter_spec(c, tc), upload),
+                    weights["draft_to_target"] if c.draft_vocab else None)
+
+    @classmethod
+    def placeholder(cls, config: DrafterConfig, trunk) -> "DsparkDrafter":
+        """A drafter whose weights have the right shapes and layout but no values (as
+        HybridTrunk.placeholder: for host-cost benchmarks on the CuPy stand-in's null memory)."""
+        d = object.__new__(cls)
+        spec = drafter_spec(config, trunk.config)
+
+        def empty(names):
+            first = spec[names[0]]
+            shape = first if len(names) == 1 else (first[0], sum(spec[q][1] for q in names))
+            return trunk.be.xp.empty(shape, np.float32)
+        d2t = np.arange(config.draft_vocab, dtype=np.int32) if config.draft_vocab else None
+        d._setup(config, trunk, None, drafter_layout(trunk.be, config, spec, empty), d2t)
+        return d
+
+    def _setup(self, c: DrafterConfig, trunk, host_weights, w: dict, d2t) -> None:
+        tc = trunk.config
         if c.d_model != tc.d_model:
             raise ValueError(f"drafter d_model={c.d_model} must equal the trunk's {tc.d_model}")
         # The session asks the trunk for these layers on every pass, whatever its default taps.
@@ -102,11 +145,6 @@ class DsparkDrafter:
         self.mask_id = c.mask_id if c.mask_id >= 0 else tc.mask_id
         if not 0 <= self.mask_id < tc.vocab:
             raise TokenRangeError(f"drafter mask_id={self.mask_id} is outside the vocabulary [0, {tc.vocab})")
-        check_weights(weights, drafter_spec(c, tc), "drafter", dtype_of={n: (np.int32,) for n in INT_TENSORS})
-        if c.draft_vocab:
-            d2t = weights["draft_to_target"]
-            if np.any((d2t < 0) | (d2t >= tc.vocab)):
-                raise TokenRangeError(f"drafter draft_to_target has ids outside the vocabulary [0, {tc.vocab})")
         self.config, self.trunk, self.be = c, trunk, trunk.be
         self.taps = taps
         self.source = None  # a description when loaded from a released checkpoint (dspark.models.hf)
@@ -116,17 +154,10 @@ class DsparkDrafter:
         self.windows = tuple(w or tc.max_ctx for w in c.windows())
         self.window_modes = tuple(c.window_mode if w else "anchor" for w in c.windows())
         self.ring = max(self.windows) + c.block
-        self.host_weights = weights
-        self.w = to_backend(self.be, {k: v for k, v in weights.items()
-                                      if k not in INT_TENSORS and not k.endswith(FUSED_PARTS)})
-        for i in range(c.layers):  # one GEMM per layer input (weights.FUSED); ingest projects K|V only
-            p = f"layers.{i}."
-            for fused, parts in (("attn.wqkv", ("attn.wq", "attn.wk", "attn.wv")), ("attn.wkv", ("attn.wk", "attn.wv")),
-                                 ("mlp.w_gate_up", ("mlp.w_gate", "mlp.w_up"))):
-                self.w[p + fused] = self.be.alloc.adopt(
-                    self.be.xp.asarray(np.concatenate([weights[p + q] for q in parts], axis=1)), "weights")
-        self.d2t = weights["draft_to_target"] if c.draft_vocab else None  # host: draft row -> target id
-        self.d2t_dev = self.be.asarray(self.d2t) if c.draft_vocab else None
+        self.host_weights = host_weights
+        self.w = w
+        self.d2t = d2t  # host: draft row -> target id
+        self.d2t_dev = self.be.asarray(d2t) if c.draft_vocab else None
         self._tables = TableStore()
         self.embed = self.w["embed"] if c.own_embed else trunk.w["embed"]
         self.final_norm = self.w["final_norm"] if c.own_norm else trunk.w["final_norm"]
@@ -208,7 +239,7 @@ class DsparkDrafter:
         pos = np.array([kv.pos for kv in kvs], np.int32)
         positions = (pos[:, None] + np.arange(b)[None, :]).reshape(-1)
         indptr = (np.arange(B + 1) * b).astype(np.int32)
-        x = self.embed[xp.asarray(ids.reshape(-1))]
+        x = dense.widen(self.embed[xp.asarray(ids.reshape(-1))])  # a 16-bit trunk embedding: exactly
         if c.embed_scale != 1.0:
             x = x * np.float32(c.embed_scale)
         rows = B * b

@@ -32,8 +32,8 @@ from ..ops.tables import PointerTable
 from .batch_tables import TableStore
 from .cache import Cache
 from .config import TrunkConfig
-from .weights import OFFSET_NORMS, STORAGE, check_weights, load_model, random_weights, save_model, trunk_spec, \
-    trunk_to_backend
+from .weights import OFFSET_NORMS, STORAGE, check_weights, load_model, random_weights, save_model, trunk_placeholders, \
+    trunk_spec, trunk_to_backend
 
 
 @dataclass
@@ -76,21 +76,30 @@ class TrunkTables:
                                    + [c.v[i] for i in range(n_attn) for c in caches], "kv caches", writable=True)
 
 
+def storage(dtype) -> np.dtype:
+    """The matrices' storage dtype on the backend (default float32)."""
+    dtype = np.dtype(np.float32 if dtype is None else dtype)
+    if dtype not in STORAGE:
+        raise ValueError(f"dtype={dtype}: expected float32, float16 or bfloat16")
+    return dtype
+
+
 class HybridTrunk:
     def __init__(self, config: TrunkConfig, weights: dict[str, np.ndarray], backend, dtype=None, progress=None):
         """`weights` by our names (weights.trunk_spec), f32 / f16 / bf16 host arrays. `dtype` is
         the storage dtype of the matrices on the backend (default float32); vectors stay f32 and
         all math is f32 (dspark.ops.linear). `progress(name)` hears of each tensor on the backend."""
         check_weights(weights, trunk_spec(config), "trunk", dtypes=STORAGE)
-        dtype = np.dtype(np.float32 if dtype is None else dtype)
-        if dtype not in STORAGE:
-            raise ValueError(f"dtype={dtype}: expected float32, float16 or bfloat16")
+        dtype = storage(dtype)
+        self._setup(config, backend, dtype, weights, trunk_to_backend(backend, config, weights, dtype, progress))
+
+    def _setup(self, config: TrunkConfig, backend, dtype, host_weights, w: dict) -> None:
         self.config = config
         self.be = backend
         self.weight_dtype = dtype
-        self.host_weights = weights
+        self.host_weights = host_weights
         self.source = None  # a hf.LoadReport when loaded from a Hugging Face checkpoint
-        self.w = trunk_to_backend(backend, config, weights, dtype, progress)
+        self.w = w
         self._tables = TableStore()
 
     # ---- construction and files ---------------------------------------------------------------
@@ -105,6 +114,16 @@ class HybridTrunk:
             if config.norm_offset and name.rsplit(".", 1)[-1] in OFFSET_NORMS:
                 weights[name] -= np.float32(config.norm_offset)  # stored zero-centred, same effective norms
         return cls(config, weights, backend)
+
+    @classmethod
+    def placeholder(cls, config: TrunkConfig, backend, dtype=None) -> "HybridTrunk":
+        """A trunk whose weights have the right shapes, dtypes and layout but no values (no host
+        copy, nothing read): what profiling/host_round.py times the host path of a round with, at
+        Qwen3.5-27B's real shapes on the CuPy stand-in's null memory."""
+        t = object.__new__(cls)
+        dtype = storage(dtype)
+        t._setup(config, backend, dtype, None, trunk_placeholders(backend, config, dtype))
+        return t
 
     @classmethod
     def load(cls, directory, backend, name: str = "trunk") -> "HybridTrunk":
