@@ -35,10 +35,16 @@ class PlainSequence:
 
 
 class PlainBatch:
-    """Greedy batched decode of many sequences on one trunk."""
+    """Batched decode of many sequences on one trunk. `launches`: on cuda a greedy step is a pass
+    recorded once per batch and replayed as a CUDA graph ("graph") or launch by launch by the host
+    ("eager"), or run op by op ("plain"); dspark.graphs."""
 
-    def __init__(self, trunk: HybridTrunk):
+    def __init__(self, trunk: HybridTrunk, launches: str = "graph"):
+        from .params import LAUNCHES
+        if launches not in LAUNCHES:
+            raise ValueError(f"launches={launches!r}: expected one of {LAUNCHES}")
         self.trunk = trunk
+        self.launches = launches
         self.sequences: dict[int, PlainSequence] = {}
 
     def join(self, cache: Cache, last: int, max_new_tokens: int, emitted: list[int] | None = None,
@@ -75,7 +81,13 @@ class PlainBatch:
             s.emitted.append(s.last)
             out[s.id] = s.last
         todo = [s for s in live if not self._check_done(s)]
-        if todo:
+        from . import graphs
+        if todo and self.launches != "plain" and self.trunk.be.name == "cuda" and not graphs.patched(self.trunk) \
+                and all(s.sampling is None for s in todo):
+            with graphs.decode_graphs(self.trunk, self.launches) as runner:
+                for s, t in zip(todo, runner.step([s.cache for s in todo], [s.last for s in todo])):
+                    s.last = int(t)
+        elif todo:
             tp = self.trunk.decode([s.cache for s in todo], [s.last for s in todo])
             for s, t in zip(todo, pick_tokens(self.trunk.be, tp.logits, todo)):
                 s.last = int(t)

@@ -35,6 +35,7 @@ class SamplingParams:
 
 VERIFY_POLICIES = ("auto", "confidence", "ladder", "full")
 ROLLBACKS = ("checkpoint", "replay")
+LAUNCHES = ("graph", "eager", "plain")   # dspark.graphs: how a round's passes reach the device
 
 
 @dataclass(frozen=True)
@@ -48,6 +49,9 @@ class SpecParams:
     rollback: str = "checkpoint"  # per-column checkpoint select, or snapshot restore + replay
     capture: bool = True
     sampling: SamplingParams = field(default_factory=SamplingParams)
+    launches: str = "graph"      # on cuda: each pass recorded once per batch and replayed as a CUDA graph
+                                 # ("graph") or by the host launch by launch ("eager"), or run op by op
+                                 # ("plain"); dspark.graphs
 
     def __post_init__(self):
         if not isinstance(self.max_new_tokens, (int, np.integer)) or self.max_new_tokens < 1:
@@ -62,5 +66,7 @@ class SpecParams:
             raise ValueError(f"SpecParams.max_verify={self.max_verify!r}: expected 0 (no cap) or an int >= 2")
         if not 0.0 <= self.tau <= 1.0:
             raise ValueError(f"SpecParams.tau={self.tau!r}: expected a value in [0, 1]")
+        if self.launches not in LAUNCHES:
+            raise ValueError(f"SpecParams.launches={self.launches!r}: expected one of {LAUNCHES}")
         if not isinstance(self.sampling, SamplingParams):
             raise TypeError(f"SpecParams.sampling: expected SamplingParams, got {type(self.sampling).__name__}")

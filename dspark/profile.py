@@ -138,7 +138,8 @@ class Counts:
     launches: dspark kernel launches (RawKernel calls); array_ops: CuPy array operations (each
     launches at least one kernel or cuBLAS call on a GPU); d2h / h2d: copies between device and
     host; syncs: host waits on the device (every blocking device->host copy and every explicit
-    synchronize); graphs: CUDA graph launches (each replays a captured pass). by_name: launches
+    synchronize); graphs: CUDA graph launches (each replays a captured pass), whose kernels count
+    as launches too (graph_nodes of them: the host issued launches - graph_nodes). by_name: launches
     per kernel name. sites: for d2h and sync events, the dspark
     source line (file:line function) that caused them, with counts. bytes: bytes moved by kind
     (BYTE_KINDS)."""
@@ -148,6 +149,7 @@ class Counts:
     h2d: int = 0
     syncs: int = 0
     graphs: int = 0
+    graph_nodes: int = 0
     by_name: Counter = field(default_factory=Counter)
     sites: Counter = field(default_factory=Counter)
     bytes: Counter = field(default_factory=Counter)
@@ -164,6 +166,7 @@ class Counts:
             self.h2d += 1
         elif kind == "graph":
             self.graphs += 1
+            self.graph_nodes += amount
         elif kind in ("d2h", "sync"):
             if kind == "d2h":
                 self.d2h += 1
@@ -181,7 +184,7 @@ class Counts:
         p = self.per(n)
         return (f"syncs {p['syncs']:.2f}, device->host copies {p['d2h']:.2f}, host->device copies {p['h2d']:.2f}, "
                 f"dspark kernel launches {p['launches']:.2f}, CuPy array ops {p['array_ops']:.2f}"
-                + (f", graph launches {p['graphs']:.2f}" if self.graphs else ""))
+                + (f" ({self.graph_nodes / n:.2f} of them in {p['graphs']:.2f} graph launches)" if self.graphs else ""))
 
     def bytes_line(self, n: int = 1) -> str:
         """Bytes moved per round by kind (the state and K/V traffic the ops report)."""

@@ -81,6 +81,7 @@ SURFACE = {
     "cupy.cuda.Device": _names(_cupy.cuda.Device),
     "cupy.cuda.Stream": _names(_cupy.cuda.Stream),
     "cupy.cuda.Graph": _names(_cupy.cuda.Graph),
+    "cupy.cuda.Event": _names(_cupy.cuda.Event),
     "cupy.RawModule": _names(_cupy.RawModule),
     "cupy.RawKernel": _names(_cupy.RawKernel),
 }
@@ -114,12 +115,12 @@ class _Checked:
 
 
 # ---- events -------------------------------------------------------------------------------------------
-def _record(kind: str) -> None:
+def _record(kind: str, amount: int = 1) -> None:
     if _CAPTURE[0] is not None and kind in _UNCAPTURABLE:
         _refuse_in_capture(_UNCAPTURABLE[kind])
     if profile.counting_now():
         site = profile.caller_site((_THIS, _BACKENDS_INIT, _ARRAY_INTERFACE)) if kind in ("d2h", "sync") else None
-        profile.record(kind, site=site)
+        profile.record(kind, site=site, amount=amount)
 
 
 # ---- stream capture --------------------------------------------------------------------------------------
@@ -132,10 +133,10 @@ class _Capture:
     """The capture in progress: its stream, the work recorded so far (callables, in stream
     order), weak references to the buffers its kernels were given (a replay refuses freed ones),
     and why it was invalidated, if it was."""
-    __slots__ = ("stream", "nodes", "buffers", "invalid")
+    __slots__ = ("stream", "nodes", "buffers", "invalid", "kernels")
 
     def __init__(self, stream):
-        self.stream, self.nodes, self.buffers, self.invalid = stream, [], [], None
+        self.stream, self.nodes, self.buffers, self.invalid, self.kernels = stream, [], [], None, []
 
 
 _CAPTURE: list = [None]  # the capture in progress (CUDA's relaxed mode: one at a time here)
@@ -150,9 +151,10 @@ def _refuse_in_capture(what: str) -> None:
                        "and invalidates the capture)")
 
 
-def _device_work(run, buffers=()) -> None:
+def _device_work(run, buffers=(), kernels=()) -> None:
     """Work on the device: done now, or recorded into the capture in progress (not done: captured
-    work runs when the graph is launched, on whatever the buffers hold then)."""
+    work runs when the graph is launched, on whatever the buffers hold then). `kernels`: the names
+    of the kernels it launches (a graph's launches are counted when it is launched)."""
     cap = _CAPTURE[0]
     if cap is None:
         run()
@@ -161,6 +163,7 @@ def _device_work(run, buffers=()) -> None:
         _refuse_in_capture("work on another stream (the legacy default stream) than the capturing one")
     cap.nodes.append(run)
     cap.buffers.extend(weakref.ref(h) for h in buffers)
+    cap.kernels.extend(kernels)
 
 
 # ---- null memory and the stand-in's own time ---------------------------------------------------------------
@@ -432,7 +435,7 @@ class ndarray(_Checked):  # noqa: N801  (CuPy's name)
     mT = property(lambda self: ndarray._of(np.swapaxes(self._h, -1, -2)))
     real = property(lambda self: ndarray._of(self._h.real))
     imag = property(lambda self: ndarray._of(self._h.imag))
-    base = property(lambda self: None if self._h.base is None else ndarray._of(self._h.base))
+    base = property(lambda self: ndarray._of(self._h.base) if isinstance(self._h.base, np.ndarray) else None)
     device = property(lambda self: Device(0))
 
     @property
@@ -767,7 +770,7 @@ class RawKernel(_Checked):
             return  # an empty grid launches nothing
         run = functools.partial(_execute, self.name, g, b, b"".join(slots), int(shared_mem))
         # A capture keeps the argument bytes as they are now: a host value baked in replays stale.
-        _device_work(run, [_root(a._h) for a in args if isinstance(a, ndarray)])
+        _device_work(run, [_root(a._h) for a in args if isinstance(a, ndarray)], (self.name,))
 
 
 def _root(h: np.ndarray) -> np.ndarray:
@@ -885,10 +888,38 @@ class Stream(_Checked):
         _CAPTURE[0] = None
         if cap.invalid:
             raise CaptureError(f"cudaErrorStreamCaptureInvalidated: the capture was invalidated by {cap.invalid}")
-        return Graph(cap.nodes, cap.buffers)
+        return Graph(cap.nodes, cap.buffers, cap.kernels)
 
     def is_capturing(self) -> bool:
         return _CAPTURE[0] is not None and _CAPTURE[0].stream is self
+
+    def record(self, event=None) -> "Event":
+        """An event after the work issued so far (everything here has run: it is complete)."""
+        return event if event is not None else Event()
+
+    def wait_event(self, event) -> None:
+        """Later work waits for the event (work here runs in issue order: nothing to wait for)."""
+        if not isinstance(event, Event):
+            raise TypeError(f"wait_event: expected a cupy.cuda.Event, got {type(event)}")
+
+
+class Event(_Checked):
+    _where = "cupy.cuda.Event"
+    __slots__ = ("ptr",)
+
+    def __init__(self, block=False, disable_timing=False, interprocess=False):
+        self.ptr = next(_STREAM_HANDLES)
+
+    def record(self, stream=None) -> None:
+        pass
+
+    @_own
+    def synchronize(self) -> None:
+        _record("sync")
+
+    @property
+    def done(self) -> bool:
+        return True
 
 
 Stream.null = Stream(null=True)
@@ -907,16 +938,19 @@ class Graph(_Checked):
     kernel was given that has been freed since makes launch() raise (CUDA would read or write
     memory the pool has handed out again)."""
     _where = "cupy.cuda.Graph"
-    __slots__ = ("graph", "graphExec", "_nodes", "_buffers")
+    __slots__ = ("graph", "graphExec", "_nodes", "_buffers", "_kernels")
 
-    def __init__(self, nodes, buffers):
+    def __init__(self, nodes, buffers, kernels):
         self.graph = self.graphExec = id(self)
-        self._nodes, self._buffers = tuple(nodes), tuple(buffers)
+        self._nodes, self._buffers, self._kernels = tuple(nodes), tuple(buffers), tuple(kernels)
 
     @_own
     def launch(self, stream=None) -> None:
-        _record("graph")
-        _device_work(self._run)  # into a capture in progress: a child graph
+        _record("graph", len(self._kernels))
+        if profile.counting_now():
+            for name in self._kernels:
+                profile.record("launch", name)
+        _device_work(self._run, kernels=self._kernels)  # into a capture in progress: a child graph
 
     def _run(self) -> None:
         if not _EXECUTING[0]:
@@ -954,7 +988,7 @@ def _device_synchronize() -> None:
 
 
 _RUNTIME = _Namespace("cupy.cuda.runtime", getDeviceCount=lambda: 1, deviceSynchronize=_device_synchronize)
-_CUDA = _Namespace("cupy.cuda", Device=Device, Stream=Stream, Graph=Graph, MemoryPool=MemoryPool,
+_CUDA = _Namespace("cupy.cuda", Device=Device, Stream=Stream, Graph=Graph, Event=Event, MemoryPool=MemoryPool,
                    MemoryPointer=MemoryPointer, runtime=_RUNTIME, get_current_stream=lambda device=None: _current_stream(),
                    is_available=lambda: True)
 

@@ -58,6 +58,8 @@ class OracleDrafter(DsparkDrafter):
         self.next_stop: int | None = None
         self._trusted = None
 
+    recordable = False  # it steers the logits on the host: a round of it cannot be recorded
+
     def new_kv(self, owner: str):
         """Draft KVs made from here on follow `next_stream` (the request's prompt, then the
         trunk's greedy continuation; None: no help) and end at `next_stop`."""
@@ -122,6 +124,8 @@ class TrunkDrafter(DsparkDrafter):
         vocab = self.trunk.config.vocab
         self.pattern = np.random.default_rng(seed).choice([-1.0, 1.0], vocab).astype(np.float32)
         self._round = None
+
+    recordable = False  # its q comes from a shadow trunk pass on the host
 
     def follow(self, session) -> None:
         session.kv.trunk_cache = session.cache

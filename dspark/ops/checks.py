@@ -49,12 +49,19 @@ def require_dense(be, a, what: str, *, writable: bool = False, align: int = 16) 
 
 class Staged:
     """A small host index array (a row pointer) and its copy on the backend, uploaded once for the
-    several ops of one pass that read it."""
+    several ops of one pass that read it (or views of a pass's inputs block: Staged.of)."""
     __slots__ = ("host", "device")
 
     def __init__(self, be, host):
         self.host = np.asarray(host)
         self.device = be.asarray(self.host)
+
+    @classmethod
+    def of(cls, host, device) -> "Staged":
+        """Host and device views of memory that is uploaded elsewhere (dspark.ops.workspace.Inputs)."""
+        s = object.__new__(cls)
+        s.host, s.device = host, device
+        return s
 
     def __array__(self, dtype=None, copy=None):  # numpy.asarray(staged): the host values
         return self.host if dtype is None else self.host.astype(dtype)

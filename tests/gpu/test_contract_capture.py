@@ -104,7 +104,7 @@ def test_launches_are_recorded_not_run_and_replayed_on_the_buffers_contents(dev,
     assert np.isnan(out.get()).all(), "a captured launch must not run"
     with profile.counting() as c:
         graph.launch()
-    assert (c.graphs, c.launches) == (1, 0)
+    assert (c.graphs, c.graph_nodes, c.launches, dict(c.by_name)) == (1, 1, 1, {"rmsnorm_f32": 1})
     assert np.array_equal(out.get(), rmsnorm_ref(x.get(), w.get(), 1e-6))
     x[...] = 2 * x  # a device-side update: the replay reads what the buffer holds now
     graph.launch()
