@@ -1,4 +1,5 @@
-"""Build dspark: the Python package plus dspark._simt, the csrc/ kernels compiled for the host."""
+"""Build dspark: the Python package plus dspark._simt, the csrc/ kernels compiled for the host, and
+dspark._cpu, the numpy backend's native code (csrc/cpu)."""
 
 import importlib.util
 import shutil
@@ -65,7 +66,15 @@ setup(
             # -Wno-unknown-pragmas: `#pragma unroll` is for nvcc; the host compiler rightly ignores it.
             extra_compile_args=["-O2", "-DDSPARK_SIMT", "-ffp-contract=off", "-Wno-unknown-pragmas"],
             cxx_std=17,
-        )
+        ),
+        # The numpy backend's native code (csrc/cpu): plain C++, an AVX2 build of the product picked at
+        # run time beside the baseline one; sources and flags in dspark/kernel_sources.py.
+        Pybind11Extension(
+            "dspark._cpu",
+            sources=[f"csrc/{f}" for f in _kernel_sources().CPU_SOURCES],
+            extra_compile_args=_kernel_sources().CPU_CXXFLAGS,
+            cxx_std=17,
+        ),
     ],
     cmdclass={"build_ext": BuildSimt},
     entry_points={"console_scripts": ["dspark=dspark.cli:main"]},

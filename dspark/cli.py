@@ -23,7 +23,6 @@ from . import __version__, progress
 from .backends import NAMES, backends, cuda_available, get_backend
 from .byte_vocab import decode, encode
 from .errors import DsparkError
-from .ops.linear import ROW_CHUNK
 from .params import VERIFY_POLICIES
 from .stats import REPEAT_SPAN, RepetitionSplit
 
@@ -37,11 +36,10 @@ def walk_python_files(root):
 
 # Verifying a column costs little next to a round's fixed work (one drafter pass, the chain, the
 # bookkeeping), so the command line verifies more of the draft than the library default tau 0.5,
-# up to one GEMM row chunk: a ninth column would double every projection of the verify pass
-# (dspark.ops.linear.ROW_CHUNK, the numpy backend's BLAS chunks). `profiling/bench_tau.py` measures
-# tokens/s over both knobs.
+# up to 8 columns (the embedded drafter's whole block: 7 drafts and the anchor).
+# `profiling/bench_tau.py` measures tokens/s over both knobs.
 DEMO_TAU = 0.35
-DEMO_MAX_VERIFY = ROW_CHUNK
+DEMO_MAX_VERIFY = 8
 
 
 class CliError(Exception):
@@ -93,6 +91,8 @@ def cmd_info(args) -> int:
               f"{props['totalGlobalMem'] / 2**30:.0f} GiB)")
     else:
         print("device: no CUDA GPU; kernels run on the CPU through the simt backend")
+    from .ops.product import native_status
+    print(native_status())
     if "simt" in avail:
         be = get_backend("simt")
         sigs = be.kernels.signatures
@@ -333,6 +333,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help=f"confidence threshold for the verify width (default {DEMO_TAU})")
         p.add_argument("--max-verify", type=int, default=DEMO_MAX_VERIFY,
                        help=f"most columns per verify (default {DEMO_MAX_VERIFY}; 0: block + 1)")
+        p.add_argument("--threads", type=positive_int, default=None,
+                       help="threads of the numpy backend's native code (default: DSPARK_NUM_THREADS, else the "
+                            "cores this process may use); results do not depend on it")
         p.add_argument("--no-progress", action="store_true",
                        help="no progress bars (loads, the demo's streams); they show only on a terminal anyway, "
                             "and DSPARK_PROGRESS=0 turns them off too")
@@ -361,8 +364,11 @@ def main(argv=None) -> int:
     from threadpoolctl import threadpool_limits
     try:
         args = build_parser().parse_args(argv)
-        # The models' GEMMs are a few rows by a few hundred columns: one BLAS thread is fastest,
-        # and measured rates do not swing with whatever else the machine runs.
+        if getattr(args, "threads", None):
+            from .ops.product import set_num_threads
+            set_num_threads(args.threads)
+        # What BLAS still multiplies is small: one BLAS thread is fastest, and measured rates do
+        # not swing with whatever else the machine runs (the numpy backend's products are native).
         with threadpool_limits(limits=1, user_api="blas"):
             return args.run(args)
     except (CliError, DsparkError) as e:

@@ -456,6 +456,31 @@ def load_json(path: Path = SIGNATURES_JSON) -> dict[str, Signature]:
 
 
 SIMT_CXXFLAGS = ["-std=c++17", "-O2", "-DDSPARK_SIMT", "-ffp-contract=off", "-fvisibility=hidden"]
+# dspark._cpu, the numpy backend's native code (csrc/cpu): its translation units and flags (no
+# contracted multiply-add: the NumPy references reproduce every bit).
+CPU_SOURCES = ["cpu/module.cpp", "cpu/product_avx2.cpp", "cpu/product_base.cpp", "cpu/host_ops.cpp"]
+CPU_CXXFLAGS = ["-O2", "-ffp-contract=off", "-Wno-psabi"]
+
+
+def build_cpu(root: Path | None = None) -> Path:
+    """Compile dspark._cpu in place under `root` (default: this tree) with setup.py's sources and
+    flags, without setuptools (which would rebuild dspark._simt too): for a copy of the tree whose
+    native code changed (the mutation runner, profiling/bench_embedded.py). Returns its path."""
+    import importlib.machinery
+    import os
+    import subprocess
+    import sysconfig
+
+    import pybind11
+    root = Path(root) if root else PACKAGE_DIR.parent
+    target = root / "dspark" / f"_cpu{importlib.machinery.EXTENSION_SUFFIXES[0]}"
+    cmd = [os.environ.get("CXX", "g++"), "-std=c++17", "-shared", "-fPIC", "-fvisibility=hidden", *CPU_CXXFLAGS,
+           "-I", pybind11.get_include(), "-I", sysconfig.get_paths()["include"],
+           *(str(root / "csrc" / f) for f in CPU_SOURCES), "-o", str(target)]
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    if r.returncode:
+        raise RuntimeError(f"build of dspark._cpu failed:\n{(r.stdout + r.stderr)[-3000:]}")
+    return target
 
 
 def write_registration_units(gen_dir: Path, files: list[Path]) -> list[Path]:

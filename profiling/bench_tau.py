@@ -3,9 +3,9 @@ decode measured in the same run, on the embedded pair.
 
     python profiling/bench_tau.py [--backend numpy] [--tokens 256] [--prompts demo|heldout]
 
-A lower tau verifies more of each draft: more tokens per round, a wider verify pass; a cap of
-8 columns keeps the verify pass to one 8-row GEMM chunk. Where a verify column is cheap next to
-a round's fixed work, the best tau is below the library's 0.5.
+A lower tau verifies more of each draft: more tokens per round, a wider verify pass (capped at 8
+columns, the drafter's whole block). Where a verify column is cheap next to a round's fixed work,
+the best tau is below the library's 0.5.
 
 Every speculative run sits between two plain runs of the same prompts, and its ratio is taken
 against their mean: spec and plain always come from this run, minutes apart at most, so a load

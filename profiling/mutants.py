@@ -12,7 +12,8 @@ For each mutant the runner
 * applies it to a private copy of the tree (never in place) and runs its `kill` tests there with
   `pytest -x`, PYTHONPATH pointing at the copy. A kernel mutant is rebuilt for simt as a private
   build of its family alone (dspark.backends.simt_build, DSPARK_SIMT_MODULE); the same tests
-  first pass on an unmutated build of that family, so a kill is the mutant's doing;
+  first pass on an unmutated build of that family, so a kill is the mutant's doing. A native
+  mutant (class "native", csrc/cpu) rebuilds the copy's dspark._cpu, restored afterwards;
 * counts it killed when a kill test fails, survived when they all pass, and an error otherwise
   (a collection error, no test selected, a build failure, a timeout).
 
@@ -37,7 +38,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 TABLE = Path(__file__).with_name("mutants.toml")
 FIELDS = {"id", "class", "file", "original", "replacement", "breaks", "kill"}
-CLASSES = {"session", "sampling", "kernel", "tooling"}  # tooling: the model, the GPU check, interop
+CLASSES = {"session", "sampling", "kernel", "native", "op", "tooling"}  # tooling: the model, the GPU check, interop
 SKIP = shutil.ignore_patterns(".git", ".venv", "venv", "build", "dist", "__pycache__", ".pytest_cache",
                               ".hypothesis", "*.egg-info")
 
@@ -106,26 +107,29 @@ def kill_test_reason(m: Mutant, root: Path = ROOT) -> str | None:
 
 
 # ---- the copy -----------------------------------------------------------------------------------
-def installed_simt() -> Path | None:
-    """The compiled dspark._simt this interpreter imports (an editable or in-place build)."""
+def installed(module: str = "_simt") -> Path | None:
+    """The compiled dspark.<module> this interpreter imports (an editable or in-place build)."""
     import importlib.util
     try:
-        spec = importlib.util.find_spec("dspark._simt")
+        spec = importlib.util.find_spec(f"dspark.{module}")
     except ModuleNotFoundError:  # dspark itself is not installed: an in-place build is in the tree
         return None
     return Path(spec.origin) if spec and spec.origin else None
 
 
 def make_copy(dest: Path) -> Path:
-    """The source tree (no VCS, venv or caches) with the compiled simt module and its signature
-    table, which an editable install may keep outside the tree."""
+    """The source tree (no VCS, venv or caches) with the compiled modules (dspark._simt and its
+    signature table, dspark._cpu), which an editable install may keep outside the tree."""
     tree = dest / "tree"
     shutil.copytree(ROOT, tree, ignore=SKIP)
-    simt = installed_simt()
+    simt = installed("_simt")
     if simt and not any((tree / "dspark").glob("_simt*")):
         shutil.copy2(simt, tree / "dspark" / simt.name)
         if (simt.parent / "_kernels.json").exists() and not (tree / "dspark" / "_kernels.json").exists():
             shutil.copy2(simt.parent / "_kernels.json", tree / "dspark" / "_kernels.json")
+    native = installed("_cpu")
+    if native and not any((tree / "dspark").glob("_cpu*")):
+        shutil.copy2(native, tree / "dspark" / native.name)
     return tree
 
 
@@ -192,8 +196,19 @@ class Workspace:
         path = self.tree / m.file
         text = path.read_text()
         path.write_text(text.replace(m.original, m.replacement))
+        native = next((self.tree / "dspark").glob("_cpu.*"), None) if m.cls == "native" else None
+        saved = native.read_bytes() if native else None
         try:
             module = None
+            if m.cls == "native":
+                try:  # the copy's own build helper, compiling the copy's csrc/cpu
+                    r = subprocess.run([sys.executable, "-c", "from dspark.kernel_sources import build_cpu; build_cpu()"],
+                                       cwd=self.tree, env=child_env(self.tree, self.cache), capture_output=True,
+                                       text=True)
+                    if r.returncode:
+                        raise RuntimeError((r.stdout + r.stderr)[-3000:])
+                except RuntimeError as e:
+                    return Outcome("ERROR", f"the mutant does not compile (not a realistic mutant): {e}")
             if m.cls == "kernel":
                 try:
                     module = build_family(self.tree, self.cache, m.family)
@@ -204,6 +219,8 @@ class Workspace:
             rc, out = pytest_run(self.tree, child_env(self.tree, self.cache, module), m.kill, timeout)
         finally:
             path.write_text(text)
+            if saved is not None:
+                native.write_bytes(saved)
         dt = time.perf_counter() - t0
         if rc == 1:
             return Outcome("KILLED", f"by {first_failure(out)}", dt)

@@ -13,7 +13,8 @@ IN_CI = os.environ.get("CI") == "true"
 
 
 def peer(name: str):
-    """The imported module `name`, or a module-level skip (a failure under CI=true)."""
+    """The imported module `name` (a peer, or a part of dspark built apart), or a module-level skip
+    (a failure under CI=true)."""
     try:
         return importlib.import_module(name)
     except ImportError as e:

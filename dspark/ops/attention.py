@@ -44,6 +44,7 @@ import numpy as np
 from ..arrays import adopt
 from ..dtypes import BF16, suffix, to_f32
 from ..errors import CapacityError, DTypeError, ShapeError
+from . import host
 from .checks import Staged, require_dtype, require_indptr, require_ndim, require_shape
 from .kv_commit import require_kernel_buffers
 from .tables import PointerTable
@@ -178,7 +179,21 @@ def _merge(run, split, fa, fb):
     return run * fa + split * fb
 
 
-def _attend(q, k, v, key0, row_lo, row_hi, scale, split: SplitRule, p_dtype):
+class NumpyProducts:
+    """A tile's two products, each elementwise and then a halving sum: q [n, Hkv, G, D] .
+    kt [Hkv, L, D] over D, and p [n, Hkv, G, L] . vt [Hkv, L, D] over L. The numpy backend runs
+    dspark.ops.host's native twin, bit for bit."""
+
+    @staticmethod
+    def scores(q, kt):
+        return _halving_sum(q[:, :, :, None, :] * kt[None, :, None, :, :], axis=-1)
+
+    @staticmethod
+    def weighted(p, vt):
+        return _halving_sum(p[..., None] * vt[None, :, None, :, :], axis=-2)
+
+
+def _attend(q, k, v, key0, row_lo, row_hi, scale, split: SplitRule, p_dtype, products=NumpyProducts):
     """q [n, Hkv, G, D] f32; k, v [Hkv, L, D] from position key0; row r sees [row_lo[r], row_hi[r]).
     Per split: online softmax over its tiles; splits merged in increasing order. -> [n, Hkv, G, D]"""
     n, hkv, g, d = q.shape
@@ -197,14 +212,14 @@ def _attend(q, k, v, key0, row_lo, row_hi, scale, split: SplitRule, p_dtype):
             visible = (keypos >= row_lo[:, None]) & (keypos < row_hi[:, None])     # [n, TILE]
             seen = visible.any(axis=1)[:, None, None]
             if seen.any():
-                s = _halving_sum(q[:, :, :, None, :] * kt[None, :, None, :, :], axis=-1) * scale
+                s = products.scores(q, kt) * scale
                 s = np.where(visible[:, None, None, :], s, ninf)
                 m_new = np.where(seen, np.maximum(m, s.max(axis=-1)), m)
                 p = np.where(visible[:, None, None, :], np.exp(s - m_new[..., None]), f32(0))
                 p = p.astype(p_dtype).astype(f32)  # the MMA's operand: p in the storage dtype
                 alpha = np.where(seen, np.exp(m - m_new), f32(1))
                 l = np.where(seen, l * alpha + _halving_sum(p, axis=-1), l)
-                pv = _halving_sum(p[..., None] * vt[None, :, None, :, :], axis=-2)
+                pv = products.weighted(p, vt)
                 acc = np.where(seen[..., None], acc * alpha[..., None] + pv, acc)
                 m = m_new
                 split_seen |= seen
@@ -220,8 +235,10 @@ def _attend(q, k, v, key0, row_lo, row_hi, scale, split: SplitRule, p_dtype):
 
 
 def attention_ref(q, k_blk, v_blk, k_caches, v_caches, pos, row_indptr, *, mode="causal", window=0,
-                  scale=None, split: SplitRule | None = None, window_mode: str = "anchor") -> np.ndarray:
-    """The NumPy twin of the kernels: f32 output [rows, Hq, D] (the op rounds to q's dtype)."""
+                  scale=None, split: SplitRule | None = None, window_mode: str = "anchor",
+                  products=NumpyProducts) -> np.ndarray:
+    """The NumPy twin of the kernels: f32 output [rows, Hq, D] (the op rounds to q's dtype).
+    `products`: NumpyProducts' twin to run instead (the numpy backend passes dspark.ops.host's)."""
     rows, hq, d = q.shape
     hkv = k_blk.shape[1]
     g = hq // hkv
@@ -244,7 +261,7 @@ def attention_ref(q, k_blk, v_blk, k_caches, v_caches, pos, row_indptr, *, mode=
             span = -(-int(chunk_hi.max()) // TILE) * TILE - key0  # the tiles these rows reach
             qf = to_f32(q[c0:c1]).reshape(c1 - c0, hkv, g, d)
             out[c0:c1] = _attend(qf, k[:, :span], v[:, :span], key0, chunk_lo, chunk_hi, scale, split,
-                                 p_dtype).reshape(c1 - c0, hq, d)
+                                 p_dtype, products).reshape(c1 - c0, hq, d)
     return out
 
 
@@ -566,7 +583,7 @@ def attention(be, q, k_blk, v_blk, k_caches, v_caches, pos, row_indptr, *, mode=
     if be.kernels is None:
         out[...] = attention_ref(q, k_blk, v_blk, k_caches, v_caches, call.pos, call.indptr, mode=mode,
                                  window=call.window, scale=call.scale, split=split,
-                                 window_mode=window_mode).astype(q.dtype)
+                                 window_mode=window_mode, products=host.attention_products if host.NATIVE else NumpyProducts).astype(q.dtype)
         return out
     launch = plan(call, split, strategy, reach)
     if call.rows == 0:

@@ -33,7 +33,7 @@ import numpy as np
 from .. import profile
 from ..errors import CapacityError, ShapeError
 from ..arrays import adopt
-from . import dense, rowsplit
+from . import dense, host, rowsplit
 from .checks import host_and_device, require_dtype, require_indptr, require_ndim, require_shape
 from .snapshot import require_tensor
 from .tables import PointerTable, as_table
@@ -157,10 +157,24 @@ def conv_windows_of(windows, mixed, col_indptr) -> np.ndarray:
     return hist[start[sess][:, None] + j[:, None] + np.arange(3)].transpose(0, 2, 1)
 
 
+def delta_walk_ref(S, q, k, v, alpha, beta, col_indptr, out, state_ckpt=None) -> None:
+    """Each session's columns in order through delta_rule_ref, all sessions with a column left
+    advancing together: S [B, H, dv, dk] in place -> out [cols, H, dv] (and the state after each
+    column in state_ckpt). dspark.ops.host.delta_walk is its native twin, bit for bit."""
+    t = np.diff(col_indptr)
+    for j in range(int(t.max())):
+        sel = np.flatnonzero(t > j)
+        cols = col_indptr[sel] + j
+        S[sel], out[cols] = delta_rule_ref(S[sel], q[cols], k[cols], v[cols], alpha[cols], beta[cols])
+        if state_ckpt is not None:
+            state_ckpt[cols] = S[sel]
+
+
 def gdn_scan_ref(mixed, a, b, conv_weight, A_log, dt_bias, states, conv_windows, col_indptr, heads, dk, dv,
-                 out, state_ckpt=None, conv_ckpt=None, k_heads=None, commit=True) -> None:
+                 out, state_ckpt=None, conv_ckpt=None, k_heads=None, commit=True, walk=None) -> None:
     """The scan on host arrays, in place (the live states and windows only with commit); each
-    column computed exactly as one decode step.
+    column computed exactly as one decode step. `walk`: delta_walk_ref's twin to run instead (the
+    numpy backend passes dspark.ops.host.delta_walk).
 
     Everything before the state update (conv, SiLU, norms, gates) depends only on the inputs,
     so it runs for all columns at once, elementwise, with the same per-column arithmetic; only
@@ -181,12 +195,7 @@ def gdn_scan_ref(mixed, a, b, conv_weight, A_log, dt_bias, states, conv_windows,
     v = x[:, 2 * hk:].reshape(-1, heads, dv)
     alpha, beta = gdn_gates_ref(a[:total], b[:total], A_log, dt_bias)
     S = np.stack(states)  # [B, H, dv, dk]
-    for j in range(int(t.max())):
-        sel = np.flatnonzero(t > j)
-        cols = col_indptr[sel] + j
-        S[sel], out[cols] = delta_rule_ref(S[sel], q[cols], k[cols], v[cols], alpha[cols], beta[cols])
-        if state_ckpt is not None:
-            state_ckpt[cols] = S[sel]
+    (walk or delta_walk_ref)(S, q, k, v, alpha, beta, col_indptr, out, state_ckpt)
     for s in np.flatnonzero(t) if commit else ():
         states[s][...] = S[s]
         conv_windows[s][...] = windows[col_indptr[s + 1] - 1]
@@ -223,9 +232,9 @@ def gdn_layer_ref(proj, layout: ProjLayout, conv_weight, A_log, dt_bias, states,
                   o_norm=None, eps: float = 1e-6, norm=None) -> None:
     """The fused kernel's work on host arrays, in place: the scan of each session's columns (its
     first col_count[b] when given) over the inputs `layout` reads from proj, then, with o_norm,
-    out = norm(o) * silu(z) (`norm`: dspark.ops.norm.rmsnorm_numpy by default; rmsnorm_ref sums as
-    the kernel does)."""
-    from .norm import rmsnorm_numpy
+    out = norm(o) * silu(z) (`norm`: the numpy backend's by default; dspark.ops.norm.rmsnorm_ref sums
+    as the kernel does)."""
+    from .norm import numpy_rmsnorm
     C = channels(heads, dk, dv, k_heads)
     indptr = np.asarray(col_indptr, np.int64)
     if col_count is None:
@@ -242,7 +251,8 @@ def gdn_layer_ref(proj, layout: ProjLayout, conv_weight, A_log, dt_bias, states,
     sck = np.zeros((rows.size, H, dv, dk), F32) if state_ckpt is not None else None
     cck = np.zeros((rows.size, C, WINDOW), F32) if conv_ckpt is not None else None
     gdn_scan_ref(p[:, layout.mixed : layout.mixed + C], p[:, layout.a : layout.a + H], p[:, layout.b : layout.b + H],
-                 conv_weight, A_log, dt_bias, states, conv_windows, sub, heads, dk, dv, o, sck, cck, k_heads, commit)
+                 conv_weight, A_log, dt_bias, states, conv_windows, sub, heads, dk, dv, o, sck, cck, k_heads, commit,
+                 walk=host.delta_walk if host.NATIVE else None)
     if sck is not None:
         state_ckpt[rows] = sck
     if cck is not None:
@@ -250,7 +260,7 @@ def gdn_layer_ref(proj, layout: ProjLayout, conv_weight, A_log, dt_bias, states,
     if out is not None:
         if o_norm is not None:
             z = p[:, layout.z : layout.z + H * dv].reshape(-1, H, dv)
-            o = (norm or rmsnorm_numpy)(o, o_norm, eps) * dense.silu(z)
+            o = (norm or numpy_rmsnorm)(o, o_norm, eps) * dense.silu(z)
         out[rows] = o.reshape(out[rows].shape)
 
 

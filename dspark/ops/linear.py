@@ -8,12 +8,13 @@ needs each output's summation order to be a function of the shapes alone, never 
   H200 at one row), 4 warps per chunk; the last CTA of a tile adds the chunks'
   partials in index order. It reads each weight once per 16 rows (ROW_TILE), at its stored width.
   `linear_ref` is its NumPy twin, bit for bit (the kernel tests compare them with array_equal).
-* numpy (the reference backend) multiplies with BLAS in fixed-shape chunks of ROW_CHUNK rows,
-  zero-padded (`linear_numpy`): BLAS picks its algorithm, and so its order, by shape (a 1-row
-  product is a GEMV), so a plain `x @ w` over a batch is not row-invariant; a fixed [ROW_CHUNK, K]
-  x [K, N] product is. 16-bit weights are widened exactly for each call there (BLAS multiplies
-  f32). It and the kernel agree within f32 rounding: |a - b| <= 1e-5 * (|x| @ |w|) for K up to a
-  few thousand (TOLERANCE).
+* numpy runs dspark.ops.product: native code (dspark._cpu) summing each output in k order, its
+  NumPy twin `product_ref` bit for bit, no padding, the weights read as stored.
+* `linear_numpy` is the product in fixed-shape BLAS chunks of ROW_CHUNK rows, zero-padded (BLAS
+  picks its algorithm, and so its order, by shape: a plain `x @ w` over a batch is not
+  row-invariant, a fixed [ROW_CHUNK, K] x [K, N] product is): the yardstick the tests hold both
+  orders to. Any two of them agree within f32 rounding: |a - b| <= 1e-5 * (|x| @ |w|) for K up to
+  a few thousand (TOLERANCE).
 
 `linear_plan` gives the kernel's launch and bytes for given shapes without running anything.
 """
@@ -25,7 +26,7 @@ import numpy as np
 from ..arrays import adopt
 from ..dtypes import suffix
 from ..errors import ShapeError
-from . import rowsplit
+from . import product, rowsplit
 from .checks import require_dtype, require_ndim, require_shape
 from .dense import widen
 from .rowsplit import Launch, Plan
@@ -125,11 +126,7 @@ def linear(be, x, w, out=None, *, splits: int | None = None, ws=None):
         require_shape(out, (rows, n), "out")
         require_dtype(out, F32, "out")
     if be.kernels is None:
-        y = linear_numpy(x, w)
-        if out is None:
-            return y
-        out[...] = y
-        return out
+        return product.host_linear(x, w, out)
     xp = be.xp
     x, w = xp.ascontiguousarray(x), xp.ascontiguousarray(w)
     if out is None:

@@ -5,7 +5,8 @@ add (`add_rmsnorm`) and after the embedding gather (`embed_rmsnorm`).
 
 Row invariance (DESIGN section 3) needs each row's sum of squares taken in an order that depends
 on n alone. NumPy's reduction over a contiguous last axis is pairwise per row, so the numpy
-backend keeps its one-line formula (`rmsnorm_numpy`). CuPy's reductions choose their block layout
+backend keeps its one-line formula (`rmsnorm_numpy`), run natively by dspark.ops.host.rmsnorm
+with the same bits. CuPy's reductions choose their block layout
 from the array's shape, so on a GPU a row's order could change with the number of rows: the simt
 and cuda backends run `rmsnorm_f32`, one warp per row, lane l summing x[l]^2, x[l+32]^2, ... and an
 xor butterfly. `rmsnorm_ref` is its NumPy twin, bit for bit (the kernel tests compare them with
@@ -24,6 +25,7 @@ import numpy as np
 from ..arrays import adopt
 from ..dtypes import suffix, to_f32
 from ..errors import ShapeError
+from . import host
 from .checks import host_and_device, require_dtype, require_ndim, require_shape
 
 F32 = np.float32
@@ -60,6 +62,11 @@ def rmsnorm_numpy(x, weight, eps: float):
     return (x / np.sqrt(ms + F32(eps))) * weight
 
 
+def numpy_rmsnorm(x, weight, eps: float):
+    """The numpy backend's RMSNorm: rmsnorm_numpy, natively where dspark._cpu is built (the same bits)."""
+    return host.rmsnorm(x, weight, eps) if host.NATIVE else rmsnorm_numpy(x, weight, eps)
+
+
 def rmsnorm(be, x, weight, eps: float, out=None):
     """RMSNorm of x [..., n] (f32) with weight [n] (f32) over the last axis -> f32 like x."""
     x, weight, out = adopt(be, x=x, weight=weight, out=out, writes=("out",))
@@ -68,7 +75,7 @@ def rmsnorm(be, x, weight, eps: float, out=None):
     require_shape(weight, (n,), "weight")
     require_dtype(weight, F32, "weight")
     if be.kernels is None:
-        y = rmsnorm_numpy(x, weight, eps)
+        y = numpy_rmsnorm(x, weight, eps)
         if out is None:
             return y
         out[...] = y
@@ -132,7 +139,7 @@ def add_rmsnorm(be, x, y, weight, eps: float, out=None, tap=None):
     if be.kernels is None:
         if y is not None:
             x += y
-        out[...] = rmsnorm_numpy(x, weight, eps)
+        out[...] = numpy_rmsnorm(x, weight, eps)
         if tap is not None:
             tap[0][:, tap[1] : tap[1] + n] = x
         return out
@@ -168,7 +175,7 @@ def embed_rmsnorm(be, table, ids, weight, eps: float, x=None, out=None, scale: f
     tap_ptr, stride = _tap(tap, rows, n)
     if be.kernels is None:
         x[...] = to_f32(table[host_ids]) * F32(scale)
-        out[...] = rmsnorm_numpy(x, weight, eps)
+        out[...] = numpy_rmsnorm(x, weight, eps)
         if tap is not None:
             tap[0][:, tap[1] : tap[1] + n] = x
         return x, out

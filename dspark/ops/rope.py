@@ -10,7 +10,7 @@ cos and sin rounded once to f32 and scaled by the attention factor (YaRN), as
 dspark.ops.dense.rope_table computes its table; the norm sums in rmsnorm_f32's lane order.
 
 `qk_prepare_ref` is the NumPy twin (the numpy backend's implementation): the norm is
-dspark.ops.norm's (`norm=rmsnorm_numpy` on the numpy backend, `rmsnorm_ref` for the kernel's bits),
+dspark.ops.norm's (`norm=numpy_rmsnorm` on the numpy backend, `rmsnorm_ref` for the kernel's bits),
 the rotation dspark.ops.dense.rope's; cos and sin of f64 angles agree with the device's to the
 last bit of f64 before the f32 rounding (the tests allow an f32 ulp).
 """
@@ -26,7 +26,7 @@ from ..dtypes import suffix
 from ..errors import ShapeError
 from . import dense
 from .checks import host_and_device, require_dtype, require_indptr, require_ndim, require_shape
-from .norm import rmsnorm_numpy, rmsnorm_ref
+from .norm import numpy_rmsnorm, rmsnorm_ref
 
 F32 = np.float32
 WARPS = 8           # kRopeWarps: head slots per CTA
@@ -136,7 +136,7 @@ def qk_prepare(be, src, heads: Heads, rotary: Rotary, pos, row_indptr, *, q_norm
     q, k, v = outs
     if be.kernels is None:
         rq, rk, rv = qk_prepare_ref(src, heads, rotary, row_positions(host_pos, host_indptr), q_norm, k_norm, eps, dtype,
-                                    norm=rmsnorm_numpy)
+                                    norm=numpy_rmsnorm)
         for arr, ref in ((q, rq), (k, rk), (v, rv)):
             if arr is not None:
                 arr[...] = ref

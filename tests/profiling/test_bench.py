@@ -144,3 +144,27 @@ def test_bench_worker_prints_every_gate():
     for gate in ("0/1", "2/4", "64/65"):
         assert re.search(rf"\s{gate.split('/')[0]}/{gate.split('/')[1]}\s", out), out
     assert "tok/s" in out and "latency" in out
+
+
+def test_bench_cpu_runs_beside_transformers():
+    """profiling/bench_cpu.py on its tiny size: both architectures, the ratio table, and greedy
+    tokens identical (its exit code)."""
+    from tests.peers import peer
+    peer("torch"), peer("transformers")
+    r, _ = script("profiling/bench_cpu.py", "--size", "tiny", "--threads", "1", "--repeats", "1", "--steps", "2",
+                  timeout=300)
+    out = ok(r)
+    for arch in ("qwen3_5", "qwen3"):
+        assert re.search(rf"^\| {arch} \| 1 \| plain decode, per token \|", out, re.M), out
+        assert f"{arch}, 1 thread(s): greedy tokens identical: yes" in out
+
+
+def test_bench_embedded_runs_beside_an_earlier_tree():
+    """profiling/bench_embedded.py against this commit itself: two child interpreters, the table,
+    and the same tokens from both."""
+    if subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True).returncode:
+        pytest.skip("not a git checkout")
+    r, _ = script("profiling/bench_embedded.py", "--base", "HEAD", "--repeats", "1", "--max-new-tokens", "12",
+                  timeout=300)
+    out = ok(r)
+    assert "this tree / before" in out and "all streams the same tokens: yes" in out

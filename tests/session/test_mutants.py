@@ -20,8 +20,9 @@ def test_the_table_covers_the_bug_classes(mutants):
     assert {"drafter-context-frozen", "eos-ignored-in-block", "verify-width-fixed-at-2", "accept-any-draft-with-mass",
             "all-zero-drafter-distribution", "residual-drawn-from-p", "argmax-tie-to-the-higher-index",
             "markov-chain-missing-barrier", "kv-commit-ring-off-by-one", "accept-test-on-the-draft-stream",
-            "model-every-flop-an-fma", "gpu-check-skipped-counts-as-ran", "interop-interface-before-dlpack"} <= ids
-    assert {m.cls for m in table} == {"session", "sampling", "kernel", "tooling"}
+            "model-every-flop-an-fma", "gpu-check-skipped-counts-as-ran", "interop-interface-before-dlpack",
+            "cpu-tiles-add-each-block-at-the-end", "cpu-avx2-build-contracts-multiply-adds"} <= ids
+    assert {m.cls for m in table} == {"session", "sampling", "kernel", "native", "op", "tooling"}
     for m in table:  # the snippets are checked by every run of the runner; the kill tests here
         assert mutants.kill_test_reason(m) is None, f"{m.id}: {mutants.kill_test_reason(m)}"
         assert (mutants.ROOT / m.file).is_file(), m.id

@@ -1,0 +1,240 @@
+// dspark._cpu: native code of the numpy backend. Python (dspark.ops.product) validates the arrays
+// and passes their addresses; this module picks the instruction set once, splits the columns
+// across a pool of threads and runs product.h there with the GIL released.
+#include <pybind11/numpy.h>
+#include <pybind11/pybind11.h>
+
+#include <algorithm>
+#include <atomic>
+#include <condition_variable>
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <mutex>
+#include <pthread.h>
+#include <string>
+#include <thread>
+#include <vector>
+
+namespace py = pybind11;
+
+namespace dspark_cpu {
+void product_avx2(int, const float*, const void*, bool, float*, ptrdiff_t, ptrdiff_t, ptrdiff_t, ptrdiff_t, ptrdiff_t,
+                  ptrdiff_t, ptrdiff_t, float*, float*);
+void product_base(int, const float*, const void*, bool, float*, ptrdiff_t, ptrdiff_t, ptrdiff_t, ptrdiff_t, ptrdiff_t,
+                  ptrdiff_t, ptrdiff_t, float*, float*);
+void delta_columns(float* S, const float* q, const float* k, const float* v, const float* alpha, const float* beta,
+                   const int* indptr, int sessions, int heads, int dv, int dk, float* out, float* ckpt);
+void rmsnorm(const float* x, const float* weight, float eps, ptrdiff_t rows, ptrdiff_t n, float* y);
+void attention_scores(const float* q, const float* k, int n, int hkv, int g, int L, int D, float* s);
+void attention_weighted(const float* p, const float* v, int n, int hkv, int g, int L, int D, float* o);
+}  // namespace dspark_cpu
+
+namespace {
+
+using Product = void (*)(int, const float*, const void*, bool, float*, ptrdiff_t, ptrdiff_t, ptrdiff_t, ptrdiff_t,
+                         ptrdiff_t, ptrdiff_t, ptrdiff_t, float*, float*);
+
+// Each thread's accumulators (product.h: rows x (strip + 16) floats), kept between calls.
+float* scratch(size_t floats) {
+  thread_local std::vector<float> buf;
+  if (buf.size() < floats) buf.resize(floats);
+  return buf.data();
+}
+
+bool has_avx2() {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c");
+#else
+  return false;
+#endif
+}
+
+// "avx2" or "base"; DSPARK_CPU_ISA=base forces the baseline (tests compare the two bitwise).
+std::string& isa() {
+  static std::string name = [] {
+    const char* forced = std::getenv("DSPARK_CPU_ISA");
+    if (forced && std::string(forced) == "base") return std::string("base");
+    return std::string(has_avx2() ? "avx2" : "base");
+  }();
+  return name;
+}
+
+Product product_of(const std::string& name) {
+  return name == "avx2" ? dspark_cpu::product_avx2 : dspark_cpu::product_base;
+}
+
+// A fixed pool: worker i runs part i + 1 of each job, the caller part 0. Workers sleep on a
+// condition variable between jobs after a short spin (back-to-back GEMMs of one step).
+class Pool {
+ public:
+  ~Pool() {
+    {
+      std::lock_guard<std::mutex> lk(mu_);
+      stop_ = true;
+      ++generation_;
+    }
+    cv_.notify_all();
+    for (auto& t : workers_) t.join();
+  }
+
+  void run(int parts, const std::function<void(int)>& fn) {
+    if (parts <= 1) {
+      fn(0);
+      return;
+    }
+    grow(parts - 1);
+    {
+      std::lock_guard<std::mutex> lk(mu_);
+      job_ = &fn;
+      parts_ = parts;
+      pending_.store(parts - 1, std::memory_order_relaxed);
+      ++generation_;
+      gen_atomic_.store(generation_, std::memory_order_release);
+    }
+    cv_.notify_all();
+    fn(0);
+    while (pending_.load(std::memory_order_acquire) != 0) std::this_thread::yield();
+  }
+
+ private:
+  void grow(int n) {
+    while (int(workers_.size()) < n) {
+      int index = int(workers_.size()) + 1;
+      workers_.emplace_back([this, index] { loop(index); });
+    }
+  }
+
+  void loop(int index) {
+    uint64_t seen = 0;
+    for (;;) {
+      // spin a little before sleeping: the next GEMM of a step usually follows within microseconds
+      for (int i = 0; i < 20000 && gen_atomic_.load(std::memory_order_acquire) == seen; ++i) {
+#if defined(__x86_64__) || defined(__i386__)
+        __builtin_ia32_pause();
+#endif
+      }
+      const std::function<void(int)>* job;
+      int parts;
+      {
+        std::unique_lock<std::mutex> lk(mu_);
+        cv_.wait(lk, [&] { return generation_ != seen; });
+        if (stop_) return;
+        seen = generation_;
+        job = job_;
+        parts = parts_;
+      }
+      if (index < parts) (*job)(index);
+      if (index < parts) pending_.fetch_sub(1, std::memory_order_acq_rel);
+    }
+  }
+
+  std::vector<std::thread> workers_;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  const std::function<void(int)>* job_ = nullptr;
+  int parts_ = 0;
+  uint64_t generation_ = 0;
+  std::atomic<uint64_t> gen_atomic_{0};
+  std::atomic<int> pending_{0};
+  bool stop_ = false;
+};
+
+Pool* the_pool = nullptr;  // never destroyed: workers must not be joined at interpreter exit
+
+// A forked child has none of the parent's workers: it starts a pool of its own (the parent's
+// is left as it was, its memory unreachable in the child).
+void forget_pool_in_child() { the_pool = nullptr; }
+
+Pool& pool() {
+  static const bool registered = pthread_atfork(nullptr, nullptr, forget_pool_in_child) == 0;
+  (void)registered;
+  if (!the_pool) the_pool = new Pool();
+  return *the_pool;
+}
+
+// out [rows, N] = x [rows, K] @ w [K, N] over `threads` column parts. Part boundaries are whole
+// `align`-column vectors; any split gives the same bits (each output's order is fixed by K).
+// The arrays are C-contiguous host arrays that Python checked.
+void product(int dtype, const py::array& x, const py::array& w, bool transposed, py::array& out, ptrdiff_t rows,
+             ptrdiff_t K, ptrdiff_t N, int threads, ptrdiff_t strip, ptrdiff_t kblock, const std::string& which) {
+  Product fn = product_of(which.empty() ? isa() : which);
+  const float* xp = static_cast<const float*>(x.data());
+  const void* wp = w.data();
+  float* op = static_cast<float*>(out.mutable_data());
+  const ptrdiff_t align = 32;
+  const ptrdiff_t units = (N + align - 1) / align;
+  const int parts = int(std::max<ptrdiff_t>(1, std::min<ptrdiff_t>(threads, units)));
+  const size_t acc_floats = size_t(rows) * size_t(strip + 64),
+               pack_floats = size_t(kblock + 1) * size_t(strip + 128) + size_t(rows) * size_t(kblock + 16);
+  auto part = [&](int i) {
+    const ptrdiff_t c0 = std::min(N, units * i / parts * align), c1 = std::min(N, units * (i + 1) / parts * align);
+    if (c0 < c1) {
+      float* acc = scratch(acc_floats + pack_floats);
+      fn(dtype, xp, wp, transposed, op, rows, K, N, c0, c1, strip, kblock, acc, acc + acc_floats);
+    }
+  };
+  py::gil_scoped_release release;
+  pool().run(parts, part);
+}
+
+template <typename T>
+T* ptr(py::array& a) {
+  return static_cast<T*>(a.mutable_data());
+}
+
+template <typename T>
+const T* cptr(const py::array& a) {
+  return static_cast<const T*>(a.data());
+}
+
+// host_ops.cpp's walk of the gated delta rule (arrays checked by dspark.ops.host).
+void delta_columns(py::array& S, const py::array& q, const py::array& k, const py::array& v, const py::array& alpha,
+                   const py::array& beta, const py::array& indptr, int sessions, int heads, int dv, int dk,
+                   py::array& out, py::object ckpt) {
+  py::array ck_array = ckpt.is_none() ? py::array() : ckpt.cast<py::array>();
+  float* ck = ckpt.is_none() ? nullptr : ptr<float>(ck_array);
+  float* s = ptr<float>(S);
+  float* o = ptr<float>(out);
+  py::gil_scoped_release release;
+  dspark_cpu::delta_columns(s, cptr<float>(q), cptr<float>(k), cptr<float>(v), cptr<float>(alpha),
+                            cptr<float>(beta), cptr<int>(indptr), sessions, heads, dv, dk, o, ck);
+}
+
+void rmsnorm(const py::array& x, const py::array& weight, float eps, ptrdiff_t rows, ptrdiff_t n, py::array& y) {
+  float* out = ptr<float>(y);
+  py::gil_scoped_release release;
+  dspark_cpu::rmsnorm(cptr<float>(x), cptr<float>(weight), eps, rows, n, out);
+}
+
+void attention_scores(const py::array& q, const py::array& k, int n, int hkv, int g, int L, int D, py::array& s) {
+  float* out = ptr<float>(s);
+  py::gil_scoped_release release;
+  dspark_cpu::attention_scores(cptr<float>(q), cptr<float>(k), n, hkv, g, L, D, out);
+}
+
+void attention_weighted(const py::array& p, const py::array& v, int n, int hkv, int g, int L, int D, py::array& o) {
+  float* out = ptr<float>(o);
+  py::gil_scoped_release release;
+  dspark_cpu::attention_weighted(cptr<float>(p), cptr<float>(v), n, hkv, g, L, D, out);
+}
+
+}  // namespace
+
+PYBIND11_MODULE(_cpu, m) {
+  m.doc() = "dspark's native CPU code for the numpy backend (csrc/cpu)";
+  m.def("product", &product, py::arg("dtype"), py::arg("x"), py::arg("w"), py::arg("transposed"), py::arg("out"),
+        py::arg("rows"),
+        py::arg("k"), py::arg("n"), py::arg("threads"), py::arg("strip"), py::arg("kblock"), py::arg("isa") = "",
+        "out f32 [rows, N] = x f32 [rows, K] @ w [K, N] (dtype 0 f32, 1 f16, 2 bf16; w given as w^T [N, K] when transposed)");
+  m.def("isa", [] { return isa(); }, "the instruction set in use: avx2 or base");
+  m.def("delta_columns", &delta_columns, "the gated delta rule over each session's columns (dspark.ops.host)");
+  m.def("rmsnorm", &rmsnorm, "RMSNorm of rows, NumPy's summation order (dspark.ops.host)");
+  m.def("attention_scores", &attention_scores, "q.k halving sums over D (dspark.ops.host)");
+  m.def("attention_weighted", &attention_weighted, "p.v halving sums over the keys (dspark.ops.host)");
+  py::list isas;  // what this CPU runs, best first
+  if (has_avx2()) isas.append("avx2");
+  isas.append("base");
+  m.attr("isas") = py::tuple(isas);
+}

@@ -1,0 +1,142 @@
+"""The numpy backend's product, out f32 [rows, N] = x f32 [rows, K] @ w [K, N], in native code
+(dspark._cpu, csrc/cpu/product.h), with `product_ref` its NumPy twin bit for bit.
+
+Row invariance (DESIGN section 3) without padding: every output is summed in one order fixed by K
+alone, acc = 0, then acc = acc + x[r, k] * w[k, n] for k = 0 .. K - 1, each multiply and each add
+rounded to f32 (no contracted multiply-add). No number of rows, no column split and no vector
+width changes that order, so a row alone, the same row among 300, a prefill row and the decode
+step at its position are bitwise equal, with any thread count and on either instruction set the
+module was built for (AVX2, or the baseline). w is read as stored (f32, f16, bf16), widened
+exactly, once per group of 8 rows; the columns are split across `get_num_threads()` threads.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+
+from ..dtypes import BF16
+from ..errors import BackendUnavailable
+from .dense import widen
+
+F32 = np.float32
+DTYPE_CODES = {np.dtype(np.float32): 0, np.dtype(np.float16): 1, BF16: 2}
+WORK_PER_THREAD = 1 << 21   # K N (rows + 4) (reading a weight costs about four rows): less runs on one thread
+
+_threads: int | None = None
+
+
+def default_threads() -> int:
+    """DSPARK_NUM_THREADS, else the cores this process may run on."""
+    env = os.environ.get("DSPARK_NUM_THREADS")
+    if env:
+        return _check_threads(int(env) if env.strip().isdigit() else env, "DSPARK_NUM_THREADS")
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+def _check_threads(n, what: str) -> int:
+    if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 1:
+        raise ValueError(f"{what}={n!r}: expected an int >= 1")
+    return int(n)
+
+
+def set_num_threads(n: int) -> None:
+    """Threads for the numpy backend's native code (its product splits N across them). Results do
+    not depend on it."""
+    global _threads
+    _threads = _check_threads(n, "threads")
+
+
+def get_num_threads() -> int:
+    global _threads
+    if _threads is None:
+        _threads = default_threads()
+    return _threads
+
+
+try:
+    from .. import _cpu
+except ImportError:  # a tree without the build (a GPU machine with no host compiler): the NumPy twins run
+    _cpu = None
+
+NATIVE = _cpu is not None
+
+
+def _module():
+    if _cpu is None:
+        raise BackendUnavailable("dspark._cpu is not built (pip install -e . builds it): the numpy backend runs its "
+                                 "NumPy twins instead")
+    return _cpu
+
+
+def native_status() -> str:
+    """What the numpy backend runs: the native module's instruction set and threads, or the twins."""
+    if not NATIVE:
+        return "numpy backend: NumPy twins of the native code (dspark._cpu is not built), the same bits"
+    return f"numpy backend: native code {_cpu.isa()} (of {', '.join(_cpu.isas)}), {get_num_threads()} thread(s)"
+
+
+# ---- NumPy ------------------------------------------------------------------------------------------
+def product_ref(x, w) -> np.ndarray:
+    """The native product's arithmetic in NumPy, bitwise: one elementwise multiply and add per k."""
+    x = np.asarray(x, F32)
+    wf = np.asarray(widen(np.asarray(w)), F32)
+    acc = np.zeros((x.shape[0], wf.shape[1]), F32)
+    for k in range(x.shape[1]):
+        acc = acc + x[:, k : k + 1] * wf[k]
+    return acc
+
+
+# ---- native -----------------------------------------------------------------------------------------
+def blocking(rows: int, transposed: bool = False) -> tuple[int, int]:
+    """(strip, kblock) for a product of `rows` rows (csrc/cpu/product.h): the columns a thread
+    walks at once, sized so that their accumulators and the rows of w in use stay in cache, and the
+    rows of w per block of the tiles. Neither changes a single bit of the result."""
+    if transposed or rows > 8:  # packed: a block of w (128 KB in f32) in L2, a panel (8 KB) in L1
+        return 256, 128
+    if rows > 2:  # tiles on w in place: rows of 4 KB, blocks of 128 KB
+        return 1024, 32
+    return (8192 if rows == 1 else 2048), 1  # streamed: long runs of each row of w, accumulators in L1 / L2
+
+
+def product(x: np.ndarray, w: np.ndarray, out: np.ndarray | None = None, *, threads: int | None = None,
+            isa: str = "") -> np.ndarray:
+    """x f32 [rows, K] @ w [K, N] (f32, f16 or bf16) -> out f32 [rows, N]: x and out C-contiguous
+    host arrays, w C-contiguous or the transpose of a C-contiguous [N, K] (a tied LM head, read in
+    place). The op validates; this only computes. `threads` (default: get_num_threads(), fewer for
+    a small product) and `isa` ("avx2", "base"; default: the best this CPU runs) are for tests."""
+    rows, k = x.shape
+    n = w.shape[1]
+    if out is None:
+        out = np.empty((rows, n), F32)
+    if rows == 0 or n == 0:
+        return out
+    if k == 0:
+        out[...] = 0
+        return out
+    transposed = not w.flags.c_contiguous
+    if transposed and not w.T.flags.c_contiguous:
+        w, transposed = np.ascontiguousarray(w), False
+    if not NATIVE:  # its twin: the same bits, slower
+        out[...] = product_ref(x, w)
+        return out
+    if threads is None:  # a small product is not worth waking a thread for
+        threads = max(1, min(get_num_threads(), k * n * (rows + 4) // WORK_PER_THREAD))
+    strip, kblock = blocking(rows, transposed)
+    _module().product(DTYPE_CODES[w.dtype], x, w.T if transposed else w, transposed, out, rows, k, n, threads,
+                      strip, kblock, isa)
+    return out
+
+
+def host_linear(x, w, out=None) -> np.ndarray:
+    """The numpy backend's `linear` (validated there): x of any strides, w as product() takes it
+    (else copied), written into `out` if given."""
+    x = np.ascontiguousarray(x)
+    if out is not None and out.flags.c_contiguous:
+        return product(x, w, out)
+    y = product(x, w)
+    if out is None:
+        return y
+    out[...] = y
+    return out
