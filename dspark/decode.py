@@ -147,8 +147,9 @@ def check_prompt(trunk: HybridTrunk, prompt_ids, capacity: int) -> np.ndarray:
     return p
 
 
-def plain_generate(trunk: HybridTrunk, prompt_ids, max_new_tokens: int, backend=None) -> list[int]:
-    """Greedy decode of one request: the oracle the speculative path must match byte for byte."""
+def plain_generate(trunk: HybridTrunk, prompt_ids, max_new_tokens: int, backend=None, launches: str = "graph") -> list[int]:
+    """Greedy decode of one request: the oracle the speculative path must match byte for byte.
+    `launches`: PlainBatch's (how each step reaches the device on cuda)."""
     if backend is not None and backend is not trunk.be:
         raise ValueError("backend must be the trunk's backend (load the trunk on it)")
     cache = trunk.new_cache()
@@ -157,7 +158,7 @@ def plain_generate(trunk: HybridTrunk, prompt_ids, max_new_tokens: int, backend=
         if max_new_tokens <= 0:
             return []
         last, _ = prefill_anchor(trunk, cache, p)
-        batch = PlainBatch(trunk)
+        batch = PlainBatch(trunk, launches)
         sid = batch.join(cache, last, max_new_tokens)
         batch.run()
         return batch.leave(sid).emitted

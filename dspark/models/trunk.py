@@ -103,6 +103,10 @@ class HybridTrunk:
         self.rotary = Rotary.of(c.rope_dim, c.rope_theta, c.rope_scaling)
         self.inv_freq = backend.asarray(self.rotary.inv_freq)  # uploaded once: every pass's RoPE reads it
         self.gdn_layout = ProjLayout.packed(c.gdn_heads, c.gdn_dk, c.gdn_dv, c.gdn_key_heads)
+        # Where the attention cuts each session's keys (dspark.ops.attention.SplitRule; None: the default).
+        # A tuning knob, fixed for the trunk's life: the bits depend on it (within rounding). Tests
+        # take short splits so that a context crosses several in a few rounds.
+        self.attention_split = None
 
     # ---- construction and files ---------------------------------------------------------------
     @classmethod
@@ -272,7 +276,8 @@ class HybridTrunk:
         out.k_blk.append(k)
         out.v_blk.append(v)
         o = attention(be, q, k, v, tables.k[ia], tables.v[ia], inp["pos"], inp["indptr"], mode="causal",
-                      out=ws.take("attn.o", rows, (H, D), kv_dtype), capacity=inp["capacity"], reach=reach, ws=ws)
+                      out=ws.take("attn.o", rows, (H, D), kv_dtype), capacity=inp["capacity"], reach=reach, ws=ws,
+                      split=self.attention_split)
         if c.attn_gate or kv_dtype != np.float32:  # per head [q (D) | gate (D)], as Qwen3.5's q_proj writes them
             gate = qkv[:, : 2 * H * D].reshape(rows, H, 2 * D)[..., D:] if c.attn_gate else None
             o = attn_gate(be, o, gate, out=ws.take("attn.o32", rows, (H * D,)))
