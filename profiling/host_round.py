@@ -19,7 +19,13 @@ constants of profiling/perf_model.py (Device.cupy_*; the GPU check measures them
 the last columns. Figures are medians over `--rounds` rounds after two warm-up rounds, on the CPU
 this runs on (two shared cores in CI).
 
-Modes (`--mode`): eager, the round as the session runs it by default today.
+Modes (`--mode`, SpecParams.launches; dspark.graphs):
+* plain: the round op by op, every op validating its inputs and building its launch plan;
+* eager: each pass recorded once per batch, then issued by the host launch by launch from the
+  recording (plans and checked arguments reused);
+* graph: the recordings captured as CUDA graphs and replayed, three graph launches a round.
+Before item 2 of issue 22 (the fused kernels, the recordings) the round was the plain one of
+that time: its row in profiling/RESULTS.md was measured at that commit.
 """
 
 from __future__ import annotations
@@ -35,7 +41,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # sibling scripts
 import perf_model as pm
-from dspark import profile
+from dspark import graphs, profile
 from dspark.backends import contract
 from dspark.dtypes import BF16
 from dspark.models.drafter import DsparkDrafter
@@ -57,9 +63,9 @@ def null_pair(shape: pm.Shape):
     return trunk, drafter
 
 
-def sessions_at(trunk, drafter, batch: int, context: int, width: int) -> list:
+def sessions_at(trunk, drafter, batch: int, context: int, width: int, mode: str = "graph") -> list:
     """`batch` greedy sessions primed on 8 tokens and moved to `context` committed rows."""
-    params = SpecParams(max_new_tokens=1 << 30, verify="full", max_verify=width, capture=False)
+    params = SpecParams(max_new_tokens=1 << 30, verify="full", max_verify=width, capture=False, launches=mode)
     with contract.null_memory(), contract.executing(False):
         sessions = [DsparkSpecSession.prime(trunk, drafter, np.arange(8, dtype=np.int32) + b, params)
                     for b in range(batch)]
@@ -70,7 +76,8 @@ def sessions_at(trunk, drafter, batch: int, context: int, width: int) -> list:
 
 def cupy_us(c: profile.Counts, dev: pm.Device) -> float:
     """CuPy's own host time of the calls counted in `c`, at the model's documented constants."""
-    return 1e6 * (c.launches * dev.cupy_launch + c.array_ops * dev.cupy_array_op + (c.h2d + c.d2h) * dev.cupy_copy
+    issued = c.launches - c.graph_nodes  # a graph's kernels cost the host nothing of their own
+    return 1e6 * (issued * dev.cupy_launch + c.array_ops * dev.cupy_array_op + (c.h2d + c.d2h) * dev.cupy_copy
                   + c.graphs * dev.graph_launch)
 
 
@@ -100,21 +107,25 @@ def main(argv=None) -> int:
     ap.add_argument("--context", type=int, default=32768)
     ap.add_argument("--width", type=int, default=8)
     ap.add_argument("--rounds", type=int, default=8)
-    ap.add_argument("--mode", nargs="+", default=["eager"], choices=["eager"])
+    ap.add_argument("--mode", nargs="+", default=["plain", "eager", "graph"], choices=["plain", "eager", "graph"])
     a = ap.parse_args(argv)
     dev = pm.H200
     shapes = pm.shapes()
-    rows, where = [], []
+    rows, where, held = [], [], []
     for name in a.model:
         trunk, drafter = null_pair(shapes[name])
         for b in a.batch:
             for mode in a.mode:
-                sessions = sessions_at(trunk, drafter, b, a.context, a.width)
+                sessions = sessions_at(trunk, drafter, b, a.context, a.width, mode)
                 per_round, c, phases = time_rounds(sessions, a.rounds)
+                if mode != "plain":
+                    runner = graphs.round_graphs(drafter, mode)
+                    held.append([shapes[name].label, str(b), mode, str(len(runner.store)),
+                                 f"{runner.workspace_bytes() / 2**20:,.1f}"])
                 for s in sessions:
                     s.close()
                 own = statistics.median(per_round)
-                calls = c.launches + c.array_ops
+                calls = c.launches - c.graph_nodes + c.array_ops + c.graphs  # the calls the host made
                 cupy = cupy_us(c, dev) / a.rounds
                 rows.append([shapes[name].label, str(b), mode, f"{c.launches / a.rounds:,.0f}",
                              f"{c.array_ops / a.rounds:,.0f}", f"{(c.h2d + c.d2h) / a.rounds:,.0f}",
@@ -129,8 +140,13 @@ def main(argv=None) -> int:
           f"copy {dev.cupy_copy * 1e6:.0f} us, graph launch {dev.graph_launch * 1e6:.0f} us (perf_model.Device)")
     print(table(["shape", "B", "mode", "launches", "array ops", "copies", "graphs", "dspark us", "us per call",
                  "CuPy us", "host us"], rows))
-    print("\nwhere dspark's own time goes, by round phase (the rest: the session's host logic between phases):")
+    print("\nwhere dspark's own time goes, by round phase (the rest: the session's host logic between phases; a "
+          "recorded round's draft phase holds its proposal, its verify its accept, its commit its rollback and ingest):")
     print(table(["shape", "B", "mode", *PHASES], where))
+    if held:
+        print("\nrecorded passes kept after the run and their workspaces (every output and temporary of a pass, the "
+              "verify's per-layer K/V scratch and per-column checkpoints included; one per pass kind and batch size):")
+        print(table(["shape", "B", "mode", "recordings", "workspace MiB"], held))
     return 0
 
 
