@@ -3,7 +3,8 @@
 // layer boundaries: one launch where the glue took three).
 //
 // rmsnorm_f32(x [rows, n], weight [n], rows, n, eps, out [rows, n])
-//   grid.x = ceil(rows / 8), block 256: warp w of block i normalises row 8 i + w. Lane l sums
+//   grid.x = rows, block 32: block i normalises row i (a row per CTA: the few rows of a decode step or
+//   a verify spread over as many SMs as they can). Lane l sums
 //   x[l]^2, x[l + 32]^2, ... in that order, then warp_sum's xor butterfly (offsets 16 .. 1) gives
 //   every lane the row's total s; r = sqrt(s / n + eps) and out[j] = (x[j] / r) * weight[j].
 //
@@ -25,7 +26,7 @@
 #include "common.cuh"
 #include "reduce.cuh"
 
-constexpr int kNormWarps = 8;
+constexpr int kNormWarps = 1;  // rows (warps) per CTA
 
 // out[0..n) = (x / sqrt(sum x^2 / n + eps)) * weight by one whole warp, lanes in order.
 DSPARK_DEVICE void norm_row(const float* __restrict__ xr, const float* __restrict__ weight, int n, float eps,

@@ -131,7 +131,7 @@ class DsparkDrafter:
         def empty(names):
             first = spec[names[0]]
             shape = first if len(names) == 1 else (first[0], sum(spec[q][1] for q in names))
-            return trunk.be.xp.empty(shape, np.float32)
+            return trunk.be.xp.zeros(shape, np.float32)
         d2t = np.arange(config.draft_vocab, dtype=np.int32) if config.draft_vocab else None
         d._setup(config, trunk, None, drafter_layout(trunk.be, config, spec, empty), d2t)
         return d

@@ -279,8 +279,7 @@ class HybridTrunk:
                       out=ws.take("attn.o", rows, (H, D), kv_dtype), capacity=inp["capacity"], reach=reach, ws=ws,
                       split=self.attention_split)
         if c.attn_gate or kv_dtype != np.float32:  # per head [q (D) | gate (D)], as Qwen3.5's q_proj writes them
-            gate = qkv[:, : 2 * H * D].reshape(rows, H, 2 * D)[..., D:] if c.attn_gate else None
-            o = attn_gate(be, o, gate, out=ws.take("attn.o32", rows, (H * D,)))
+            o = attn_gate(be, o, (qkv, D, 2 * D) if c.attn_gate else None, out=ws.take("attn.o32", rows, (H * D,)))
         return linear(be, o.reshape(rows, H * D), w[p + "attn.wo"], out=ws.take("sublayer", rows, (c.d_model,)), ws=ws)
 
     def _gdn(self, h, p, tables, ig, inp, out, commit, record, checkpoints, ws):

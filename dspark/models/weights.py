@@ -194,7 +194,7 @@ def trunk_placeholders(be, c: TrunkConfig, dtype) -> dict:
     def empty(names):
         first = spec[names[0]]
         shape = first if len(names) == 1 else (first[0], sum(spec[q][1] for q in names))
-        return be.xp.empty(shape, storage_dtype(names[0], first, dtype))
+        return be.xp.zeros(shape, storage_dtype(names[0], first, dtype))  # null memory: free; a GPU: no NaN
     return _trunk_layout(be, c, spec, empty)
 
 

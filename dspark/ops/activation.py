@@ -57,50 +57,44 @@ def attn_gate_ref(o, gate):
     return o if gate is None else o * dense.sigmoid(np.asarray(gate, F32))
 
 
-def attn_gate(be, o, gate=None, out=None):
+def gates_of(src, first: int, head_stride: int, heads: int, D: int):
+    """The gate [rows, heads, D] that attn_gate reads from src [rows, width]: head h at columns
+    first + h * head_stride .. + D (NumPy, for the reference)."""
+    return np.stack([np.asarray(src)[:, first + h * head_stride : first + h * head_stride + D] for h in range(heads)],
+                    axis=1)
+
+
+def attn_gate(be, o, gates=None, out=None):
     """o [rows, heads, D] (f32/f16/bf16) widened to f32, times sigmoid(gate) where the model gates
-    its attention output: gate [rows, heads, D] f32, any row and head strides with unit stride in D
-    (a view of the q projection: Qwen3.5's gate follows each head's query) -> out [rows, heads * D] f32."""
-    o, gate, out = adopt(be, o=o, gate=gate, out=out, writes=("out",))
+    its attention output -> out [rows, heads * D] f32. gates = (src [rows, width] f32, first
+    column, head stride): head h's gate is src[:, first + h * head_stride :][:, :D] (Qwen3.5's gate
+    follows each head's query in the q projection: first D, stride 2 D); None: no gate."""
+    o, out = adopt(be, o=o, out=out, writes=("out",))
     require_ndim(o, 3, "o", "[rows, heads, D]")
     suf = suffix(o.dtype, "o")
     rows, heads, D = o.shape
     out = be.xp.empty((rows, heads * D), F32) if out is None else out
     require_shape(out, (rows, heads * D), "out")
     require_dtype(out, F32, "out")
-    if gate is not None:
-        require_shape(gate, (rows, heads, D), "gate")
-        require_dtype(gate, F32, "gate")
-        if gate.strides[2] != 4:
-            raise ShapeError("gate: expected unit stride along D")
+    src, first, stride = (None, 0, 0) if gates is None else gates
+    if src is not None:
+        src = adopt(be, gates=src)
+        require_ndim(src, 2, "gates", "[rows, width]")
+        require_dtype(src, F32, "gates")
+        if src.shape[0] != rows or first < 0 or stride < D or first + (heads - 1) * stride + D > src.shape[1]:
+            raise ShapeError(f"gates has shape {tuple(src.shape)}: expected {rows} rows holding {heads} heads of {D} "
+                             f"from column {first}, every {stride}")
     if be.kernels is None:
+        gate = None if src is None else gates_of(src, first, stride, heads, D)
         out[...] = attn_gate_ref(o, gate).reshape(rows, heads * D)
         return out
-    if not rows * heads * D:
-        return out
-    g_ptr, g_row, g_head = None, np.int64(0), np.int32(0)
-    if gate is not None:  # the kernel walks it from its first element by its strides
-        g_row, g_head = np.int64(gate.strides[0] // 4), np.int32(gate.strides[1] // 4)
-        g_ptr = _from_first(be, gate, (rows - 1) * int(g_row) + (heads - 1) * int(g_head) + D)
-    be.kernels.get_function(f"attn_gate_{suf}")(_grid(rows * heads * D), (THREADS,),
-                                                (be.xp.ascontiguousarray(o), g_ptr, np.int32(rows), np.int32(heads),
-                                                 np.int32(D), g_row, g_head, out))
+    if rows * heads * D:
+        be.kernels.get_function(f"attn_gate_{suf}")(
+            _grid(rows * heads * D), (THREADS,),
+            (be.xp.ascontiguousarray(o), None if src is None else be.xp.ascontiguousarray(src).reshape(-1)[first:],
+             np.int32(rows), np.int32(heads), np.int32(D), np.int64(0 if src is None else src.shape[1]),
+             np.int32(stride), out))
     return out
-
-
-def _from_first(be, view, span: int):
-    """A 1-D C-contiguous array over the `span` elements from `view`'s first element (a strided
-    view's memory, as a kernel that walks it by its strides reads it)."""
-    base = view
-    while base.base is not None:
-        base = base.base
-    if not base.flags.c_contiguous:
-        raise ShapeError("gate: expected a view of a C-contiguous array")
-    start = (be.address(view) - be.address(base)) // base.dtype.itemsize
-    flat = base.reshape(-1)
-    if start + span > flat.shape[0]:
-        raise ShapeError("gate: its strides reach past the array it views")
-    return flat[start : start + span]
 
 
 def sigmoid_bias(be, x, bias, out=None):

@@ -173,11 +173,11 @@ def greedy_accept(be, logits, cand, col_indptr, m_out=None, next_out=None, nan_f
     require_ndim(logits, 2, "logits", "[cols, V]")
     suf = suffix(logits.dtype, "logits")
     cols, vocab = logits.shape
-    host_cand, cand = host_and_device(be, staged_cand) if staged_cand else (cand, cand)
+    host_cand, cand = host_and_device(be, staged_cand, "cand") if staged_cand else (cand, cand)
     require_ndim(host_cand, 1, "cand", "[cols]")
     require_dtype(host_cand, np.int32, "cand")
     require_shape(host_cand, (cols,), "cand")
-    host_indptr, col_indptr = host_and_device(be, col_indptr)
+    host_indptr, col_indptr = host_and_device(be, col_indptr, "col_indptr")
     require_indptr(host_indptr, "col_indptr", cols)
     B = host_indptr.shape[0] - 1
     xp = be.xp
@@ -238,7 +238,8 @@ def markov_chain(be, logits, w1, w2, anchors, nd: int, out=None, nan_flag=None, 
                                                    nan_flag=nan_flag, writes=("out", "nan_flag"), host=("anchors",))
     require_ndim(logits, 2, "logits", "[B*nd, V]")
     suf = suffix(logits.dtype, "logits")
-    anchors, dev_anchors = host_and_device(be, staged_anchors) if staged_anchors else (np.asarray(anchors, np.int32), None)
+    anchors, dev_anchors = (host_and_device(be, staged_anchors, "anchors") if staged_anchors
+                            else (np.asarray(anchors, np.int32), None))
     anchors = np.asarray(anchors, np.int32)
     B, vocab = anchors.shape[0], logits.shape[1]
     require_shape(logits, (B * nd, vocab), "logits")

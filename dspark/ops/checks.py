@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..arrays import readonly
+from ..arrays import as_array, readonly
 from ..errors import DTypeError, KernelArgumentError, ShapeError
 
 
@@ -67,13 +67,14 @@ class Staged:
         return self.host if dtype is None else self.host.astype(dtype)
 
 
-def host_and_device(be, a) -> tuple[np.ndarray, object]:
+def host_and_device(be, a, what: str = "an index array") -> tuple[np.ndarray, object]:
     """(host copy, backend array) of a small index array the op validates on the host and a kernel
     reads: a Staged array costs nothing, a host array one upload and no wait on the device, a
     device array one device->host copy (a sync on a GPU). The round's hot path passes host or
-    Staged arrays."""
+    Staged arrays; a foreign array (DLPack, an array interface) is adopted without a copy first."""
     if isinstance(a, Staged):
         return a.host, a.device
+    a = as_array(be, a, what)
     if be.xp is np or not isinstance(a, be.xp.ndarray):
         host = np.asarray(a)
         return host, be.asarray(host)

@@ -219,8 +219,8 @@ class ProjLayout:
 
 
 def gdn_proj(mixed, a, b, z=None) -> np.ndarray:
-    """A projection row block [mixed | z | a | b] (ProjLayout.packed) of separate host arrays
-    (tests and benchmarks; z zeros when not given)."""
+    """A projection row block [mixed | z | a | b] of separate host arrays (ProjLayout.packed's layout
+    when z [cols, H dv] is given; without z, [mixed | a | b]: tests and benchmarks)."""
     cols, H = a.shape
     if z is None:
         z = np.zeros((cols, 0), F32)
@@ -333,12 +333,12 @@ def gdn_layer(be, proj, conv_weight, A_log, dt_bias, states, conv_windows, col_i
                              (dt_bias, "dt_bias", (heads,))) + (((o_norm, "o_norm", (dv,)),) if o_norm is not None else ()):
         require_shape(arg, shape, what)
         require_dtype(arg, np.float32, what)
-    host_indptr, dev_indptr = host_and_device(be, col_indptr)
+    host_indptr, dev_indptr = host_and_device(be, col_indptr, "col_indptr")
     require_indptr(host_indptr, "col_indptr", cols)
     B = host_indptr.shape[0] - 1
     host_count = dev_count = None
     if col_count is not None:
-        host_count, dev_count = host_and_device(be, col_count)
+        host_count, dev_count = host_and_device(be, col_count, "col_count")
         require_shape(host_count, (B,), "col_count")
         require_dtype(host_count, np.int32, "col_count")
         bad = np.flatnonzero((host_count < 0) | (host_count > np.diff(host_indptr)))
@@ -393,13 +393,13 @@ def scan_smem(dk: int, dv: int) -> int:
 
 
 def scan_bytes(sessions: int, cols: int, heads: int, dk: int, dv: int, k_heads: int | None = None, *,
-               checkpoints: bool = False, commit: bool = True) -> dict:
-    """Bytes one gdn_scan call moves, by kind: the inputs and outputs of its columns ("columns"),
-    the recurrent state and conv window read and (with commit) written ("state"), and the
-    per-column checkpoints ("checkpoints"). The op reports the same through
-    dspark.profile.record_bytes; profiling/perf_model.py prices them."""
+               checkpoints: bool = False, commit: bool = True, gated: bool = False) -> dict:
+    """Bytes one gdn_layer call moves, by kind: the inputs and outputs of its columns ("columns":
+    mixed, a, b, z when `gated`, out), the recurrent state and conv window read and (with commit)
+    written ("state"), and the per-column checkpoints ("checkpoints"). The op reports the state and
+    checkpoints through dspark.profile.moved; profiling/perf_model.py prices them all."""
     C = channels(heads, dk, dv, k_heads)
     state = heads * dv * dk + C * WINDOW  # floats per session
-    return {"columns": 4 * cols * (C + 2 * heads + 2 * C + heads * dv),
+    return {"columns": 4 * cols * (C + 2 * heads + heads * dv * (2 if gated else 1)),
             "state": 4 * sessions * state * (2 if commit else 1),
             "checkpoints": 4 * cols * state if checkpoints else 0}

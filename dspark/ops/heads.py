@@ -22,7 +22,7 @@ def gather_rows(be, src, rows, out=None):
     src, out = adopt(be, src=src, out=out, writes=("out",))
     require_ndim(src, 2, "src", "[n, width]")
     require_dtype(src, F32, "src")
-    host_rows, dev_rows = host_and_device(be, rows)
+    host_rows, dev_rows = host_and_device(be, rows, "rows")
     require_ndim(host_rows, 1, "rows", "[m]")
     require_dtype(host_rows, np.int32, "rows")
     n, width = src.shape
@@ -77,7 +77,7 @@ def confidence_features(be, hidden, w1, anchors, drafts, out=None):
     hidden, w1, drafts, out = adopt(be, hidden=hidden, w1=w1, drafts=drafts, out=out, writes=("out",))
     require_ndim(hidden, 2, "hidden", "[B * nd, d]")
     require_dtype(hidden, F32, "hidden")
-    host_anchors, dev_anchors = host_and_device(be, anchors)
+    host_anchors, dev_anchors = host_and_device(be, anchors, "anchors")
     require_ndim(drafts, 2, "drafts", "[B, nd]")
     require_dtype(drafts, np.int32, "drafts")
     B, nd = drafts.shape

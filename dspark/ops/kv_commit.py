@@ -135,6 +135,8 @@ def kv_commit(be, k_blk, v_blk, k_caches, v_caches, pos, keep, row_indptr, *, ri
     staged = all(isinstance(a, Staged) for a in (pos, keep, row_indptr, capacity))
     k_blk, v_blk, k_caches, v_caches = adopt(be, k_blk=k_blk, v_blk=v_blk, k_caches=k_caches, v_caches=v_caches,
                                              writes=("k_caches", "v_caches"))
+    if not staged:
+        pos, keep, row_indptr = adopt(be, pos=pos, keep=keep, row_indptr=row_indptr)
     pos_arg, keep_arg, capacity_arg = pos, keep, capacity
     indptr, pos, keep, capacity = _validate(be, k_blk, v_blk, k_caches, v_caches, pos, keep, row_indptr, ring)
     _, hkv, d = k_blk[0].shape

@@ -29,7 +29,7 @@ from . import host
 from .checks import host_and_device, require_dtype, require_ndim, require_shape
 
 F32 = np.float32
-WARPS = 8   # rows per CTA (kNormWarps)
+WARPS = 1   # rows per CTA (kNormWarps): a verify's few rows on as many SMs
 
 
 def _butterfly(p: np.ndarray) -> np.ndarray:
@@ -98,7 +98,7 @@ def _tap(tap, rows: int, n: int):
     goes to taps[:, column : column + n]."""
     if tap is None:
         return None, np.int64(0)
-    taps, col = tap
+    taps, col = tap  # (adopted by the caller)
     require_ndim(taps, 2, "taps", "[rows, width]")
     require_dtype(taps, F32, "taps")
     if taps.shape[0] != rows or not 0 <= col <= taps.shape[1] - n or not taps.flags.c_contiguous:
@@ -123,6 +123,7 @@ def add_rmsnorm(be, x, y, weight, eps: float, out=None, tap=None):
     (taps, column) the new x is also copied to taps[:, column : column + n]. x, y [rows, n] f32 (x
     C-contiguous: it is written), weight [n] f32."""
     x, y, weight, out = adopt(be, x=x, y=y, weight=weight, out=out, writes=("x", "out"))
+    tap = None if tap is None else (adopt(be, taps=tap[0], writes=("taps",)), tap[1])
     require_ndim(x, 2, "x", "[rows, n]")
     require_dtype(x, F32, "x")
     rows, n = x.shape
@@ -155,10 +156,11 @@ def embed_rmsnorm(be, table, ids, weight, eps: float, x=None, out=None, scale: f
     add_rmsnorm. table [V, n] f32/f16/bf16; ids int32 [rows], host or Staged (validated on the host,
     read by the kernel from the device). Returns (x, out)."""
     table, weight, x, out = adopt(be, table=table, weight=weight, x=x, out=out, writes=("x", "out"))
+    tap = None if tap is None else (adopt(be, taps=tap[0], writes=("taps",)), tap[1])
     require_ndim(table, 2, "table", "[V, n]")
     suf = suffix(table.dtype, "table")
     n = table.shape[1]
-    host_ids, dev_ids = host_and_device(be, ids)
+    host_ids, dev_ids = host_and_device(be, ids, "ids")
     require_ndim(host_ids, 1, "ids", "[rows]")
     require_dtype(host_ids, np.int32, "ids")
     rows = host_ids.shape[0]

@@ -113,10 +113,10 @@ def qk_prepare(be, src, heads: Heads, rotary: Rotary, pos, row_indptr, *, q_norm
         raise ShapeError(f"src has {width} columns and heads {heads}, rot {rotary.rot}: expected the heads inside a "
                          f"row, D even and at most {MAX_DIM}, rot even in (0, D]")
     suf = suffix(np.dtype(dtype), "dtype")
-    host_indptr, dev_indptr = host_and_device(be, row_indptr)
+    host_indptr, dev_indptr = host_and_device(be, row_indptr, "row_indptr")
     require_indptr(host_indptr, "row_indptr", rows)
     B = host_indptr.shape[0] - 1
-    host_pos, dev_pos = host_and_device(be, pos)
+    host_pos, dev_pos = host_and_device(be, pos, "pos")
     require_shape(host_pos, (B,), "pos")
     require_dtype(host_pos, np.int32, "pos")
     for w, what in ((q_norm, "q_norm"), (k_norm, "k_norm")):

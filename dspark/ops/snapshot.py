@@ -143,10 +143,10 @@ def checkpoint_select(be, state_ckpt, conv_ckpt, states, conv_windows, col_indpt
     require_dtype(conv_ckpt, np.float32, "conv_ckpt")
     cols = state_ckpt.shape[0]
     require_shape(conv_ckpt, (cols, conv_ckpt.shape[1], 3), "conv_ckpt")
-    host_indptr, dev_indptr = host_and_device(be, col_indptr)
+    host_indptr, dev_indptr = host_and_device(be, col_indptr, "col_indptr")
     require_indptr(host_indptr, "col_indptr", cols)
     B = host_indptr.shape[0] - 1
-    host_keep, dev_keep = host_and_device(be, keep)
+    host_keep, dev_keep = host_and_device(be, keep, "keep")
     require_ndim(host_keep, 1, "keep", "[B]")
     require_dtype(host_keep, np.int32, "keep")
     require_shape(host_keep, (B,), "keep")
@@ -205,10 +205,10 @@ def checkpoint_select_layers(be, state_ckpts, conv_ckpts, states, conv_windows, 
         for i, s in enumerate(table.shapes):
             if s != (cols, *shape):
                 raise ShapeError(f"{name}[{i}] has shape {s}: expected {(cols, *shape)} as {name}[0]")
-    host_indptr, dev_indptr = host_and_device(be, col_indptr)
+    host_indptr, dev_indptr = host_and_device(be, col_indptr, "col_indptr")
     require_indptr(host_indptr, "col_indptr", cols)
     B = host_indptr.shape[0] - 1
-    host_keep, dev_keep = host_and_device(be, keep)
+    host_keep, dev_keep = host_and_device(be, keep, "keep")
     require_ndim(host_keep, 1, "keep", "[B]")
     require_dtype(host_keep, np.int32, "keep")
     require_shape(host_keep, (B,), "keep")
