@@ -5,11 +5,14 @@
 // Stream layout. A draw is a pure function of (session seed, tag, counter, slot, index):
 //   key     = (seed lo, seed hi)
 //   counter = (n lo, n hi, tag << 24 | slot, index >> 2),  output word = index & 3
-// n is the session's 64-bit counter (one value per round / step, continued across bursts), tag
-// names the purpose (PhiloxTag), slot the position inside the round (draft slot, accept test),
-// index the vocabulary entry for per-token noise (0 for a scalar draw). Philox is a bijection of
-// the counter for a fixed key, so distinct (tag, n, slot, index >> 2) never share a block and no
-// two draws ever reuse a word. Nothing depends on where a row sits in a batch.
+// n is the absolute position of the token drawn (kTagPick) or the session's 64-bit round counter
+// (the rejection sampler's tags, continued across bursts), tag names the purpose (PhiloxTag), slot
+// the position inside the round (draft slot, accept test), index the vocabulary entry for
+// per-token noise (0 for a scalar draw). Philox is a bijection of the counter for a fixed key, so
+// distinct (tag, n, slot, index >> 2) never share a block. Rejection sampling never reuses a word;
+// the coupled sampler reuses a position's noise on purpose (the drafter's proposal and the
+// target's pick there share it, and a position drafted again next round sees it again), which is
+// what makes its stream plain decode's. Nothing depends on where a row sits in a batch.
 //
 // Why our own log and exp: the host's logf/expf and NumPy's can differ in the last bit, and the
 // device ones differ again. These are fixed sequences of IEEE float32 operations (musl/FreeBSD
@@ -47,12 +50,12 @@ DSPARK_DEVICE uint32_t philox_word(const Philox4& b, int i) {
 // ---- streams ----------------------------------------------------------------------------------
 // Purposes of a draw; mirrored by dspark.philox.Tag. 0 is unused so a forgotten tag shows.
 enum PhiloxTag : uint32_t {
-  kTagBoundary = 1,  // the first anchor, from the prompt's boundary logits
-  kTagDraft = 2,     // drafter slots (slot = draft slot)
-  kTagAccept = 3,    // the accept test of draft j (slot = j)
-  kTagResidual = 4,  // the residual draw after a reject
-  kTagBonus = 5,     // the bonus draw after a full accept
-  kTagDecode = 6,    // plain sampled decode
+  kTagPick = 1,      // the Gumbel-max pick of the token at absolute position n: plain sampled
+                     // decode, every first anchor, the coupled drafter and verify (slot 0)
+  kTagDraft = 2,     // rejection sampling: drafter slots (slot = draft slot)
+  kTagAccept = 3,    // rejection sampling: the accept test of draft j (slot = j)
+  kTagResidual = 4,  // rejection sampling: the residual draw after a reject
+  kTagBonus = 5,     // rejection sampling: the bonus draw after a full accept
 };
 constexpr uint32_t kPhiloxSlotBits = 24;
 

@@ -55,6 +55,16 @@
 //   residual (RESIDUAL, source 1), or from p_m when that has no mass (source 2); after a full
 //   accept from p_nd (BONUS, source 0). status 1: a value outside [0, 1] (or NaN) among the
 //   q_j(d_j), p_j(d_j) or in the rows the draw reads, or a p row without mass (next = -1).
+//
+// pick_accept(picks [cols], cand [cols], col_indptr [B+1], B, m [B], next [B])
+//   The coupled accept's walk (dspark/ops/coupled.py). Session b owns the verify columns
+//   col_indptr[b] .. [b+1]: cand = [anchor, d_1 .. d_{vt-1}], and picks[j] is the target's
+//   Gumbel-max pick after cand[j] (sample_filtered with the noise of that token's position, the
+//   noise the drafter proposed d_{j+1} with). Draft d_{j+1} is accepted while it equals picks[j]:
+//   m = the first column j < vt - 1 whose pick differs from cand[j+1] (or vt - 1), next =
+//   picks[m]. A warp per session, lane l on columns l, l + 32, ..., the first difference from a
+//   ballot; block.x = a multiple of 32, grid.x = ceil(B / warps per CTA). A session without
+//   columns gets m = next = -1.
 #include "common.cuh"
 #include "philox.cuh"
 #include "reduce.cuh"
@@ -611,6 +621,28 @@ extern "C" __global__ void __launch_bounds__(256)
       if (uniform_open) uniform_open[4 * i + e] = philox_uniform_open(w);
       if (gumbel) gumbel[4 * i + e] = philox_gumbel(w);
     }
+  }
+}
+
+extern "C" __global__ void __launch_bounds__(kSplitThreads)
+    pick_accept(const int* __restrict__ picks, const int* __restrict__ cand, const int* __restrict__ col_indptr, int B,
+                int* __restrict__ m_out, int* __restrict__ next_out) {
+  const int lane = threadIdx.x & 31;
+  const int b = blockIdx.x * (int)(blockDim.x >> 5) + (int)(threadIdx.x >> 5);
+  if (b >= B) return;  // a whole warp: its lanes share b
+  const int c0 = col_indptr[b], vt = col_indptr[b + 1] - c0;
+  int m = vt - 1;
+  for (int j0 = 0; j0 < vt - 1; j0 += 32) {
+    const int j = j0 + lane;
+    const unsigned differs = __ballot_sync(kFullMask, j < vt - 1 && picks[c0 + j] != cand[c0 + j + 1]);
+    if (differs) {  // the same in every lane
+      m = j0 + __ffs((int)differs) - 1;
+      break;
+    }
+  }
+  if (lane == 0) {
+    m_out[b] = vt > 0 ? m : -1;
+    next_out[b] = vt > 0 ? picks[c0 + m] : -1;
   }
 }
 

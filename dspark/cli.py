@@ -23,7 +23,7 @@ from . import __version__, progress
 from .backends import NAMES, backends, cuda_available, get_backend
 from .byte_vocab import decode, encode
 from .errors import DsparkError
-from .params import VERIFY_POLICIES
+from .params import SAMPLERS, VERIFY_POLICIES
 from .stats import REPEAT_SPAN, RepetitionSplit
 
 DEMO_PROMPT = '''import os
@@ -288,7 +288,7 @@ def cmd_generate(args) -> int:
     else:
         out, dt, stats, _ = run_spec(trunk, drafter, prompt, SpecParams(
             max_new_tokens=args.max_new_tokens, verify=args.verify, tau=args.tau, max_verify=args.max_verify,
-            capture=False, sampling=sampling))
+            capture=False, sampling=sampling, sampler=args.sampler))
         note = f"spec, mean accepted length {stats.mean_accepted_length:.2f}"
     print(args.prompt + text(body(trunk, out)))
     print(f"[{len(out)} tokens in {dt:.2f}s, {len(out) / dt:.1f} tokens/s, {note}; stopped: "
@@ -351,6 +351,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-p", type=float, default=1.0)
     gen.add_argument("--min-p", type=float, default=0.0)
     gen.add_argument("--seed", type=int, default=0)
+    gen.add_argument("--sampler", choices=SAMPLERS, default="coupled",
+                     help="sampled speculation: coupled (the text of plain sampled decode with the seed, token for "
+                          "token) or rejection (lossless rejection sampling)")
     gen.add_argument("--no-spec", action="store_true", help="plain decode, no speculation")
     gen.set_defaults(run=cmd_generate)
     bench = sub.add_parser("bench", help="run a profiling benchmark")

@@ -29,15 +29,14 @@ class PlainSequence:
     max_new_tokens: int
     emitted: list[int] = field(default_factory=list)
     sampling: SamplingParams | None = None  # None or temperature 0: greedy
-    draws: int = 1                          # sampled: draws so far (the boundary token was draw 0)
     finished: bool = False
     id: int = field(default_factory=lambda: next(_ids))
 
 
 class PlainBatch:
-    """Batched decode of many sequences on one trunk. `launches`: on cuda a greedy step is a pass
-    recorded once per batch and replayed as a CUDA graph ("graph") or launch by launch by the host
-    ("eager"), or run op by op ("plain"); dspark.graphs."""
+    """Batched decode of many sequences on one trunk, each greedy or sampled. `launches`: on cuda a
+    greedy step is a pass recorded once per batch and replayed as a CUDA graph ("graph") or launch
+    by launch by the host ("eager"), or run op by op ("plain"); dspark.graphs."""
 
     def __init__(self, trunk: HybridTrunk, launches: str = "graph"):
         from .params import LAUNCHES
@@ -50,7 +49,9 @@ class PlainBatch:
     def join(self, cache: Cache, last: int, max_new_tokens: int, emitted: list[int] | None = None,
              sampling: SamplingParams | None = None) -> int:
         """Add a sequence; `emitted` is what it already produced (counted against the budget).
-        With a non-greedy `sampling`, it samples from its own Philox stream (seed, counter)."""
+        With a non-greedy `sampling`, the token at each position is the pick keyed by (seed, that
+        position): the stream a coupled speculative session emits, so one may join at any burst
+        boundary (dspark.spec_sampling)."""
         if cache.config is not self.trunk.config:
             raise ShapeError("cache was made for another trunk config")
         self.trunk.check_tokens(np.array([last]), "last")
@@ -107,8 +108,8 @@ class PlainBatch:
 
 
 def pick_tokens(be, logits, seqs: list[PlainSequence]) -> np.ndarray:
-    """The next token of each sequence from its logits row: argmax, or a sampled draw from the
-    sequence's own stream (which then advances)."""
+    """The next token of each sequence from its logits row: argmax, or the sampled pick keyed by
+    the sequence's seed and the position the token will fill (its cache position)."""
     greedy = [i for i, s in enumerate(seqs) if s.sampling is None]
     out = np.zeros(len(seqs), np.int64)
     if greedy:
@@ -122,19 +123,19 @@ def pick_tokens(be, logits, seqs: list[PlainSequence]) -> np.ndarray:
 
 
 def prefill_anchor(trunk: HybridTrunk, cache: Cache, prompt_ids, sampling: SamplingParams | None = None):
-    """Prefill the prompt; return the first pending token (argmax of the boundary logits, or
-    draw 0 of the sampling stream) and the trunk pass."""
+    """Prefill the prompt; return the first pending token (argmax of the boundary logits, or the
+    sampled pick at the first position after the prompt) and the trunk pass."""
     tp = trunk.prefill(cache, prompt_ids)
-    return first_token(trunk.be, tp.logits[-1:], sampling), tp
+    return first_token(trunk.be, tp.logits[-1:], cache.pos, sampling), tp
 
 
-def first_token(be, boundary_logits, sampling: SamplingParams | None = None) -> int:
-    """The token after the prompt from the boundary logits [1, V]."""
+def first_token(be, boundary_logits, pos: int, sampling: SamplingParams | None = None) -> int:
+    """The token after a prompt of `pos` tokens from its boundary logits [1, V]: the argmax, or
+    the sampled pick at position `pos`, as plain decode, prime and restore all take it."""
     if sampling is None or sampling.greedy:
         return int(be.to_host(argmax_rows(be, boundary_logits))[0])
-    from .spec_sampling import sample_plain
-    seq = PlainSequence(None, -1, 1, sampling=sampling, draws=0)
-    return int(sample_plain(be, boundary_logits, [seq])[0])
+    from .spec_sampling import pick_at
+    return int(pick_at(be, boundary_logits, [sampling], [pos])[0])
 
 
 def check_prompt(trunk: HybridTrunk, prompt_ids, capacity: int) -> np.ndarray:
@@ -147,9 +148,11 @@ def check_prompt(trunk: HybridTrunk, prompt_ids, capacity: int) -> np.ndarray:
     return p
 
 
-def plain_generate(trunk: HybridTrunk, prompt_ids, max_new_tokens: int, backend=None, launches: str = "graph") -> list[int]:
-    """Greedy decode of one request: the oracle the speculative path must match byte for byte.
-    `launches`: PlainBatch's (how each step reaches the device on cuda)."""
+def plain_generate(trunk: HybridTrunk, prompt_ids, max_new_tokens: int, backend=None,
+                   sampling: SamplingParams | None = None, launches: str = "graph") -> list[int]:
+    """Plain decode of one request, greedy (the oracle the speculative path must match byte for
+    byte) or with `sampling` (the stream a coupled speculative session must match). `launches`:
+    PlainBatch's (how each step reaches the device on cuda)."""
     if backend is not None and backend is not trunk.be:
         raise ValueError("backend must be the trunk's backend (load the trunk on it)")
     cache = trunk.new_cache()
@@ -157,9 +160,9 @@ def plain_generate(trunk: HybridTrunk, prompt_ids, max_new_tokens: int, backend=
         p = check_prompt(trunk, prompt_ids, cache.capacity)
         if max_new_tokens <= 0:
             return []
-        last, _ = prefill_anchor(trunk, cache, p)
+        last, _ = prefill_anchor(trunk, cache, p, sampling)
         batch = PlainBatch(trunk, launches)
-        sid = batch.join(cache, last, max_new_tokens)
+        sid = batch.join(cache, last, max_new_tokens, sampling=sampling)
         batch.run()
         return batch.leave(sid).emitted
     finally:

@@ -36,6 +36,7 @@ class SamplingParams:
 VERIFY_POLICIES = ("auto", "confidence", "ladder", "full")
 ROLLBACKS = ("checkpoint", "replay")
 LAUNCHES = ("graph", "eager", "plain")   # dspark.graphs: how a round's passes reach the device
+SAMPLERS = ("coupled", "rejection")
 
 
 @dataclass(frozen=True)
@@ -52,6 +53,8 @@ class SpecParams:
     launches: str = "graph"      # on cuda: each pass recorded once per batch and replayed as a CUDA graph
                                  # ("graph") or by the host launch by launch ("eager"), or run op by op
                                  # ("plain"); dspark.graphs
+    sampler: str = "coupled"     # sampled sessions: "coupled" (plain sampled decode's stream, demotable) or
+                                 # "rejection" (lossless rejection sampling); dspark.spec_sampling
 
     def __post_init__(self):
         if not isinstance(self.max_new_tokens, (int, np.integer)) or self.max_new_tokens < 1:
@@ -68,5 +71,22 @@ class SpecParams:
             raise ValueError(f"SpecParams.tau={self.tau!r}: expected a value in [0, 1]")
         if self.launches not in LAUNCHES:
             raise ValueError(f"SpecParams.launches={self.launches!r}: expected one of {LAUNCHES}")
+        if self.sampler not in SAMPLERS:
+            raise ValueError(f"SpecParams.sampler={self.sampler!r}: expected one of {SAMPLERS}")
         if not isinstance(self.sampling, SamplingParams):
             raise TypeError(f"SpecParams.sampling: expected SamplingParams, got {type(self.sampling).__name__}")
+
+    @property
+    def accept(self) -> str:
+        """The round's accept rule: "greedy", "coupled" or "rejection" (sessions of one round share it)."""
+        return "greedy" if self.sampling.greedy else self.sampler
+
+    @property
+    def coupled(self) -> bool:
+        return self.accept == "coupled"
+
+    @property
+    def demotable(self) -> bool:
+        """Whether the session's stream equals plain decode's (with its sampling) at every burst
+        boundary, so it may be demoted there without changing a byte: greedy, or coupled sampled."""
+        return self.accept != "rejection"

@@ -9,11 +9,13 @@ Stream layout (also documented in csrc/philox.cuh). A draw is a pure function of
     key     = (seed lo, seed hi)
     counter = (n lo, n hi, tag << 24 | slot, index >> 2)        output word = index & 3
 
-`n` is the session's own 64-bit counter (one value per round or decode step, continued across
-bursts), `tag` the purpose (`Tag`), `slot` the position inside the round (draft slot, accept
-test), `index` the vocabulary entry for per-token noise and 0 for a scalar draw. For a fixed key
-Philox is a bijection of the counter, so draws that differ in (tag, n, slot, index >> 2) never
-share a block, and no word is ever used twice.
+`n` is the absolute position of the token drawn (PICK) or the session's own 64-bit round counter
+(the rejection sampler's tags, continued across bursts), `tag` the purpose (`Tag`), `slot` the
+position inside the round (draft slot, accept test), `index` the vocabulary entry for per-token
+noise and 0 for a scalar draw. For a fixed key Philox is a bijection of the counter, so draws that
+differ in (tag, n, slot, index >> 2) never share a block. Rejection sampling never uses a word
+twice; the coupled sampler shares a position's PICK noise between the drafter's proposal and the
+target's pick on purpose (dspark.spec_sampling).
 """
 
 from __future__ import annotations
@@ -32,12 +34,12 @@ MAX_SLOT = (1 << SLOT_BITS) - 1
 
 class Tag(enum.IntEnum):
     """Purpose of a draw (csrc/philox.cuh PhiloxTag). 0 is unused so a forgotten tag shows."""
-    BOUNDARY = 1   # the first anchor, from the prompt's boundary logits
-    DRAFT = 2      # drafter slots (slot = draft slot)
-    ACCEPT = 3     # accept test of draft j (slot = j)
-    RESIDUAL = 4   # residual draw after a reject
-    BONUS = 5      # bonus draw after a full accept
-    DECODE = 6     # plain sampled decode
+    PICK = 1       # the Gumbel-max pick of the token at absolute position n (slot 0): plain sampled
+                   # decode, every first anchor, the coupled drafter's proposal and verify pick
+    DRAFT = 2      # rejection sampling: drafter slots (slot = draft slot)
+    ACCEPT = 3     # rejection sampling: accept test of draft j (slot = j)
+    RESIDUAL = 4   # rejection sampling: residual draw after a reject
+    BONUS = 5      # rejection sampling: bonus draw after a full accept
 
 
 def philox4x32(ctr, key, rounds: int = 10) -> np.ndarray:

@@ -29,13 +29,13 @@ from dataclasses import dataclass
 import numpy as np
 
 from . import graphs
-from .decode import check_prompt
+from .decode import check_prompt, first_token
 from .params import SamplingParams, SpecParams
 from .errors import StateError
 from .models.cache import Cache
 from .models.drafter import DraftKV, DsparkDrafter
 from .models.trunk import HybridTrunk
-from .ops.argmax import argmax_rows, greedy_accept, raise_on_nan
+from .ops.argmax import greedy_accept, raise_on_nan
 from .profile import phase
 from .stats import SpecStats
 
@@ -89,7 +89,7 @@ class DsparkSpecSession:
         s.last = -1
         s.prompt_len = 0
         s.m_prev = 1
-        s.counter = 0            # sampled: the round counter n of dspark.spec_sampling, across bursts
+        s.counter = 0            # rejection-sampled: the round counter n of dspark.spec_sampling, across bursts
         s._finished = None       # reason string once finished
         s._demoted = False
         s._in_round = False
@@ -115,7 +115,7 @@ class DsparkSpecSession:
                 tp = trunk.prefill(s.cache, p, taps=drafter.taps)
                 drafter.ingest([s.kv], tp.taps, tp.row_indptr)
             boundary = tp.logits[-1:]
-            s.last = s._first_anchor(boundary)
+            s.last = first_token(s.be, boundary, s.cache.pos, params.sampling)
             s.prompt_len = int(p.size)
             if params.capture:
                 s._capture = SpecBoundaryCapture(tuple(int(t) for t in p), s.cache.pos,
@@ -144,18 +144,12 @@ class DsparkSpecSession:
         try:
             s.cache = capture.cache.copy(f"cache/{s.id}")
             s.kv = capture.draft_kv.copy(f"{s.owner}/draft_kv")
-            s.last = s._first_anchor(s.be.asarray(capture.boundary_logits[None, :]))
+            s.last = first_token(s.be, s.be.asarray(capture.boundary_logits[None, :]), capture.pos, params.sampling)
             s.prompt_len = len(capture.prompt)
         except BaseException:
             s._release_all()
             raise
         return s
-
-    def _first_anchor(self, boundary_logits) -> int:
-        if self.params.sampling.greedy:
-            return int(self.be.to_host(argmax_rows(self.be, boundary_logits))[0])
-        from .spec_sampling import sample_boundary
-        return sample_boundary(self, boundary_logits)
 
     # ---- the seed's surface -------------------------------------------------------------------
     def cache_max_ctx(self) -> int:
@@ -179,13 +173,14 @@ class DsparkSpecSession:
         return cap
 
     def into_demoted(self) -> tuple[Cache, int]:
-        """Hand the trunk cache and the pending anchor to plain batched decode. Frees the draft KV
-        (and an untaken capture). Refuses sampled, finished, demoted and mid-round sessions and
-        leaves them intact."""
+        """Hand the trunk cache and the pending anchor to plain batched decode (greedy, or with the
+        session's sampling: PlainBatch.join(..., sampling=params.sampling)). Frees the draft KV (and
+        an untaken capture). Refuses rejection-sampled, finished, demoted and mid-round sessions
+        and leaves them intact."""
         self._require_live("into_demoted")
-        if not self.params.sampling.greedy:
-            raise StateError("into_demoted: a sampled session cannot be demoted (its stream depends on its own "
-                             "RNG counters)")
+        if not self.params.demotable:
+            raise StateError("into_demoted: a session sampled by rejection cannot be demoted (its stream depends on "
+                             "its own round counter); SpecParams(sampler='coupled') sessions can")
         if self._finished is not None:
             raise StateError(f"into_demoted: the session is finished ({self._finished})")
         expected = self.prompt_len + len(self.emitted)
@@ -308,22 +303,24 @@ def spec_round(sessions: list[DsparkSpecSession]) -> list[list[int]]:
 
 
 def _round(trunk: HybridTrunk, drafter: DsparkDrafter, live: list[DsparkSpecSession]) -> list[list[int]]:
-    greedy = live[0].params.sampling.greedy
-    if any(s.params.sampling.greedy != greedy for s in live):
-        raise ValueError("a batch mixes greedy and sampled sessions: run them in separate rounds")
+    rule = live[0].params.accept
+    if any(s.params.accept != rule for s in live):
+        raise ValueError(f"a batch mixes accept rules {sorted({s.params.accept for s in live})} (greedy, coupled and "
+                         "rejection-sampled sessions): run them in separate rounds")
     launches = live[0].params.launches
     if any(s.params.launches != launches for s in live):
         raise ValueError(f"a batch mixes launch modes {sorted({s.params.launches for s in live})}: run them in "
                          "separate rounds")
-    if launches != "plain" and graphs.supported(trunk, drafter, greedy):
+    if launches != "plain" and graphs.supported(trunk, drafter, rule == "greedy"):
         with graphs.round_graphs(drafter, launches) as runner:
             return _recorded_round(runner, live)
-    return _plain_round(trunk, drafter, live, greedy)
+    return _plain_round(trunk, drafter, live, rule)
 
 
-def _plain_round(trunk: HybridTrunk, drafter: DsparkDrafter, live: list[DsparkSpecSession], greedy: bool):
+def _plain_round(trunk: HybridTrunk, drafter: DsparkDrafter, live: list[DsparkSpecSession], rule: str):
     """A round op by op: every launch planned and checked as it is issued."""
     nd = drafter.config.drafts
+    greedy = rule == "greedy"
     with phase("draft"):
         dh, dl = drafter.draft([s.kv for s in live], [s.last for s in live])
     with phase("propose"):  # the first wait on the device: drafts, confidences, NaN flags
@@ -334,7 +331,7 @@ def _plain_round(trunk: HybridTrunk, drafter: DsparkDrafter, live: list[DsparkSp
             from .spec_sampling import propose_sampled
             drafts, conf, q = propose_sampled(live, drafter, dl, dh, nd)
     vts, cands = _candidates(live, drafts, conf, nd)
-    return _finish_plain(trunk, drafter, live, vts, cands, greedy, q)
+    return _finish_plain(trunk, drafter, live, vts, cands, rule, q)
 
 
 def _recorded_round(runner, live: list[DsparkSpecSession]) -> list[list[int]]:
@@ -363,8 +360,9 @@ def _recorded_round(runner, live: list[DsparkSpecSession]) -> list[list[int]]:
     return emitted
 
 
-def _finish_plain(trunk, drafter, live, vts, cands, greedy: bool = True, q=None) -> list[list[int]]:
-    """Verify, accept, commit, roll back and ingest op by op, from the candidates."""
+def _finish_plain(trunk, drafter, live, vts, cands, rule: str = "greedy", q=None) -> list[list[int]]:
+    """Verify, accept, commit, roll back and ingest op by op, from the candidates (accept `rule`:
+    SpecParams.accept)."""
     be = trunk.be
     # No snapshot: the verify leaves the recurrent state as it is (module doc), so anything that
     # fails before the commit leaves every session exactly as it was.
@@ -372,14 +370,17 @@ def _finish_plain(trunk, drafter, live, vts, cands, greedy: bool = True, q=None)
         tp = trunk.verify([s.cache for s in live], cands, checkpoints=live[0].params.rollback == "checkpoint",
                           taps=drafter.taps)
     with phase("accept"):  # the second wait: (m, next) and the verify's NaN flags
-        if greedy:
+        if rule == "greedy":
             flag = be.xp.empty(len(live), be.xp.int32)
             m, nxt = greedy_accept(be, tp.logits, be.asarray(np.concatenate(cands)), tp.row_indptr, nan_flag=flag)
             m, nxt, flag = be.fetch(m, nxt, flag)
             raise_on_nan(flag, "verify logits", "session")
+        elif rule == "coupled":
+            from .spec_sampling import accept_coupled
+            m, nxt = accept_coupled(live, tp, cands, vts)
         else:
-            from .spec_sampling import accept_sampled
-            m, nxt = accept_sampled(live, tp, cands, q, vts)
+            from .spec_sampling import accept_rejection
+            m, nxt = accept_rejection(live, tp, cands, q, vts)
     keep = np.array([_cut(s, cands[i][: int(m[i]) + 1]) for i, s in enumerate(live)], np.int32)
     with phase("commit"):
         trunk.commit_rows([s.cache for s in live], tp, keep)

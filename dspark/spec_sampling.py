@@ -1,16 +1,27 @@
-"""Sampled mode: the session-side use of dspark.ops.sampling.
+"""Sampled mode: the session-side use of dspark.ops.sampling and dspark.ops.coupled.
 
-Each sampled session owns its seed and one round counter n (`session.counter`, a host integer:
-the kernels take it as a stream word, so it never has to be read from the device), continued
-across bursts. Draws are pure functions of (seed, tag, n, slot): the first anchor (BOUNDARY,
-n = 0), draft slot k (DRAFT, slot k), and inside the accept kernel the accept tests, residual and
-bonus. Plain sampled decode uses DECODE with n = the sequence's draw count. Every op is per row,
-so a session's stream does not depend on its batch.
+Every pick of the token at absolute position t, in plain sampled decode, as a session's first
+anchor (prime or restore) and in a coupled round, is the Gumbel-max of the filtered row with the
+noise of (seed, PICK, n = t): `pick_streams`. Plain decode and every first anchor are therefore
+the same function of (seed, prefix), whatever path the request took.
 
-A sampled round waits on the device twice, as a greedy one: the drafts, confidences and the
-drafter rows' statuses come back in one copy after the chain, (m, next) and the statuses of the
-target rows and the accept in one copy after it. Filters and stream words are built on the host
-and uploaded once per round (Staged), never read back.
+Two speculative samplers (SpecParams.sampler):
+
+* coupled (demotable): the drafter proposes slot k with the noise of its position pos + k + 1, the
+  verify picks every column with its position's noise, and drafts are accepted while they equal
+  the target's picks (dspark.ops.coupled). The stream is plain sampled decode's, token for token,
+  so a session may move to plain decode at any burst boundary.
+* rejection: lossless rejection sampling. Each session owns one round counter n
+  (`session.counter`, a host integer: the kernels take it as a stream word, so it is never read
+  from the device), continued across bursts: draft slot k draws from (DRAFT, n, slot k), the
+  accept kernel its tests, residual and bonus from (ACCEPT / RESIDUAL / BONUS, n). The stream
+  follows the target's distribution but is not plain decode's, so such a session is never demoted.
+
+Every op is per row, so a session's stream does not depend on its batch. A sampled round waits on
+the device twice, as a greedy one: the drafts, confidences and the drafter rows' statuses come
+back in one copy after the chain, (m, next) and the statuses of the target rows (and of the
+rejection accept) in one copy after it. Filters and stream words are built on the host and
+uploaded (Staged), never read back.
 """
 
 from __future__ import annotations
@@ -18,6 +29,7 @@ from __future__ import annotations
 import numpy as np
 
 from .ops.checks import Staged
+from .ops.coupled import coupled_accept
 from .ops.sampling import (Filters, Streams, filtered_probs, raise_accept, raise_rows, sample_filtered,
                            speculative_accept)
 from .philox import Tag
@@ -30,11 +42,17 @@ def filters_for(samplings, rows_each=1) -> Filters:
     return Filters.full(len(cols[0]), *cols)
 
 
-def sample_boundary(session, boundary_logits) -> int:
-    """The first anchor: draw 0 of the session's BOUNDARY stream."""
-    sp = session.params.sampling
-    tok, _ = sample_filtered(session.be, boundary_logits, filters_for([sp]), Streams.full(1, sp.seed, 0, Tag.BOUNDARY))
-    return int(session.be.to_host(tok)[0])
+def pick_streams(samplings, positions, rows_each=1) -> Streams:
+    """Per-row PICK streams: SamplingParams i's seed for rows_each (or rows_each[i]) rows, row r
+    drawing the token at absolute position positions[r]."""
+    return Streams.full(len(positions), np.repeat([sp.seed for sp in samplings], rows_each), positions, Tag.PICK)
+
+
+def pick_at(be, logits, samplings, positions) -> np.ndarray:
+    """Plain sampled picks: row i of logits [rows, V] is the filtered Gumbel-max with the noise
+    of (samplings[i].seed, position positions[i]). Host tokens [rows]."""
+    tok, _ = sample_filtered(be, logits, filters_for(samplings), pick_streams(samplings, positions))
+    return be.to_host(tok)
 
 
 def staged(be, f: Filters) -> Filters:
@@ -43,25 +61,38 @@ def staged(be, f: Filters) -> Filters:
 
 
 def propose_sampled(live, drafter, dl, dh, nd: int):
-    """Draft slot by slot from the drafter's Markov-chain distributions q (over the target
-    vocabulary, filtered with each session's own settings). Returns (drafts [B, nd], confidence
-    [B, nd]) on the host, read back in one copy with every slot's row statuses (a bad drafter row
-    raises NonFiniteError there), and q [B, nd, V] on the device."""
+    """Draft slot by slot from the drafter's Markov chain, each slot a filtered draw from the
+    chain's logits mapped to the target vocabulary, filtered with each session's own settings:
+    coupled, slot k is the Gumbel-max pick with the noise of position pos + k + 1 (the target's
+    noise there); rejection, a draw from (DRAFT, n, slot k) whose distribution q the accept needs.
+    Returns (drafts [B, nd], confidence [B, nd]) on the host, read back in one copy with every
+    slot's row statuses (a bad drafter row raises NonFiniteError there), and q [B, nd, V] on the
+    device (None when coupled)."""
     be, xp = drafter.be, drafter.be.xp
     B, V = len(live), drafter.trunk.config.vocab
+    coupled = live[0].params.coupled
     samplings = [s.params.sampling for s in live]
     filters = staged(be, filters_for(samplings))
-    base = Streams.full(B, [sp.seed for sp in samplings], [s.counter for s in live], Tag.DRAFT)
-    seeds, counters = Staged(be, base.seed), Staged(be, base.counter)
-    q = xp.empty((B, nd, V), np.float32)
+    if coupled:
+        pos = np.array([s.cache.pos for s in live], np.int64)
+        seeds, q = Staged(be, np.array([sp.seed for sp in samplings], np.uint64)), None
+        pick = Staged(be, pick_streams(samplings, pos).stream)
+    else:
+        base = Streams.full(B, [sp.seed for sp in samplings], [s.counter for s in live], Tag.DRAFT)
+        seeds, counters = Staged(be, base.seed), Staged(be, base.counter)
+        q = xp.empty((B, nd, V), np.float32)
     status = xp.empty((nd, B), np.int32)
     chain = drafter.chain(dh, dl, [s.last for s in live])
     for k in range(nd):
-        dist = xp.empty((B, V), np.float32)
-        streams = Streams(seeds, counters, Streams.full(B, 0, 0, Tag.DRAFT, k).stream)
-        tok, _ = sample_filtered(be, drafter.to_target_vocab(chain.step(k)), filters, streams, dist_out=dist,
-                                 status_out=status[k])
-        q[:, k] = dist
+        logits = drafter.to_target_vocab(chain.step(k))
+        if coupled:
+            streams = Streams(seeds, (pos + k + 1).astype(np.uint64), pick)
+            tok, _ = sample_filtered(be, logits, filters, streams, status_out=status[k])
+        else:
+            dist = xp.empty((B, V), np.float32)
+            streams = Streams(seeds, counters, Streams.full(B, 0, 0, Tag.DRAFT, k).stream)
+            tok, _ = sample_filtered(be, logits, filters, streams, dist_out=dist, status_out=status[k])
+            q[:, k] = dist
         chain.choose(k, tok)
     drafts, conf, status = be.fetch(chain.drafts, chain.conf, status)
     for k in range(nd):
@@ -69,7 +100,22 @@ def propose_sampled(live, drafter, dl, dh, nd: int):
     return drafts, conf, q
 
 
-def accept_sampled(live, tp, cands, q, vts):
+def accept_coupled(live, tp, cands, vts):
+    """The coupled accept: each verify column's target pick with the noise of the position it
+    predicts, drafts accepted while they equal them. Returns host (m, next), read back in one copy
+    with the target rows' statuses."""
+    be, xp = live[0].be, live[0].be.xp
+    samplings = [s.params.sampling for s in live]
+    positions = np.concatenate([s.cache.pos + 1 + np.arange(vt) for s, vt in zip(live, vts)])
+    status = xp.empty(tp.logits.shape[0], xp.int32)
+    m, nxt = coupled_accept(be, tp.logits, np.concatenate(cands).astype(np.int32), tp.row_indptr,
+                            filters_for(samplings, vts), pick_streams(samplings, positions, vts), status_out=status)
+    m, nxt, status = be.fetch(m, nxt, status)
+    raise_rows(status, "verify logits")
+    return m, nxt
+
+
+def accept_rejection(live, tp, cands, q, vts):
     """Lossless rejection sampling of each session's verified drafts against the trunk's
     filtered distributions p. Returns host (m, next), read back in one copy with the statuses
     of the target rows and of the accept, and advances each session's counter."""
@@ -95,11 +141,6 @@ def accept_sampled(live, tp, cands, q, vts):
 
 
 def sample_plain(be, logits, seqs) -> np.ndarray:
-    """Plain sampled decode: one draw per row from each sequence's DECODE stream (n = its draw
-    count, which advances)."""
-    samplings = [s.sampling for s in seqs]
-    streams = Streams.full(len(seqs), [sp.seed for sp in samplings], [s.draws for s in seqs], Tag.DECODE)
-    tok, _ = sample_filtered(be, logits, filters_for(samplings), streams)
-    for s in seqs:
-        s.draws += 1
-    return be.to_host(tok)
+    """Plain sampled decode: each sequence's pick of the token at its cache position (the row its
+    next token will fill), the same pick a coupled session makes there."""
+    return pick_at(be, logits, [s.sampling for s in seqs], [s.cache.pos for s in seqs])

@@ -1,15 +1,18 @@
 """Worker: serves many requests on one backend, speculative while the load is light.
 
 The gate (`GateConfig`): a new request gets a spec session while `active + 1 <= low`, else it
-goes to the plain batch. At a burst boundary, once `active >= high`, every live greedy spec
-session is demoted into the plain batch (one-way). Sampled sessions are never demoted;
-finished ones simply finish. The worker also owns prefix publication: after each burst it
-drains every session's prompt-end capture into the `PrefixStore`, and a new request whose prompt
-equals a published entry in its namespace restores from it instead of priming.
+goes to the plain batch. At a burst boundary, once `active >= high`, every live demotable spec
+session (greedy, or sampled with the coupled sampler: SpecParams.demotable) is demoted into the
+plain batch (one-way), where it goes on with its own sampling. A demotable request's text is
+therefore the same whatever load it met: that of plain decode with its seed. Sessions sampled by
+rejection are never demoted; finished ones simply finish. The worker also owns prefix
+publication: after each burst it drains every session's prompt-end capture into the
+`PrefixStore`, and a new request whose prompt equals a published entry in its namespace restores
+from it instead of priming.
 
-One `step()`: admit arrivals, one burst for every spec session (greedy and sampled batched
-separately), publish captures, apply the demotion gate, then as many plain steps as a burst
-target, and report tokens. A request that fails is retired with its error; the others go on.
+One `step()`: admit arrivals, one burst for every spec session (batched by accept rule: greedy,
+coupled, rejection), publish captures, apply the demotion gate, then as many plain steps as a
+burst target, and report tokens. A request that fails is retired with its error; the others go on.
 """
 
 from __future__ import annotations
@@ -155,7 +158,7 @@ class Worker:
     def _admit_plain(self, r: Request, cap) -> None:
         if cap is not None:
             cache = cap.cache.copy(f"cache/plain{r.id}")
-            last = first_token(self.trunk.be, self.trunk.be.asarray(cap.boundary_logits[None, :]), r.sampling)
+            last = first_token(self.trunk.be, self.trunk.be.asarray(cap.boundary_logits[None, :]), cap.pos, r.sampling)
         else:
             cache = self.trunk.new_cache(owner=f"cache/plain{r.id}")
             try:
@@ -168,8 +171,8 @@ class Worker:
     # ---- speculative bursts -------------------------------------------------------------------
     def _spec_bursts(self) -> None:
         spec = [r for r in self.requests.values() if r.mode == "spec"]
-        for greedy in (True, False):
-            group = [r for r in spec if r.sampling.greedy == greedy]
+        groups = [[r for r in spec if r.session.params.accept == rule] for rule in ("greedy", "coupled", "rejection")]
+        for group in groups:
             if not group:
                 continue
             before = {r.id: len(r.session.emitted) for r in group}
@@ -211,11 +214,11 @@ class Worker:
             return
         for r in self.requests.values():
             s = r.session
-            if r.mode != "spec" or not r.sampling.greedy or s.finished():
+            if r.mode != "spec" or not s.params.demotable or s.finished():
                 continue
             self.stats = self.stats.merge(s.stats)
             cache, last = s.into_demoted()
-            r.plain_id = self.plain.join(cache, last, r.max_new_tokens, list(s.emitted))
+            r.plain_id = self.plain.join(cache, last, r.max_new_tokens, list(s.emitted), r.sampling)
             r.session = None
             r.mode, r.demoted = "plain", True
             self._log(r, "demote")

@@ -50,7 +50,9 @@ from dspark.ops.gdn import channels, gdn_layer
 from dspark.ops.heads import confidence_features, gather_rows, logit_scale
 from dspark.ops.kv_commit import kv_commit
 from dspark.ops.linear import linear, linear_plan
-from dspark.ops.sampling import Filters, Streams, accept_plan, sample_filtered, sample_plan, speculative_accept
+from dspark.ops.coupled import coupled_accept, coupled_accept_plan
+from dspark.ops.sampling import (Filters, Streams, accept_plan, filtered_probs, sample_filtered, sample_plan,
+                                 speculative_accept)
 from dspark.ops.norm import add_rmsnorm, embed_rmsnorm, rmsnorm
 from dspark.ops.rope import Heads, Rotary, qk_prepare
 from dspark.ops.snapshot import checkpoint_select_layers, snapshot_save
@@ -297,7 +299,7 @@ def sampling_benches(be, s: Sizes) -> Iterator[Bench]:
     V, nd = s.vocab, s.drafts
     for B in s.reduce_batches:
         logits = randn(be, (B, V), scale=3.0)
-        streams = Streams.full(B, seed=_RNG.integers(0, 2**63, B, dtype=np.uint64), counter=7, tag=Tag.DECODE)
+        streams = Streams.full(B, seed=_RNG.integers(0, 2**63, B, dtype=np.uint64), counter=7, tag=Tag.PICK)
         streams = Streams(*(be.asarray(a) for a in (streams.seed, streams.counter, streams.stream)))
         token, prob = be.xp.empty(B, np.int32), be.xp.empty(B, np.float32)
         for case, settings in SAMPLE_FILTERS:
@@ -323,6 +325,30 @@ def sampling_benches(be, s: Sizes) -> Iterator[Bench]:
                     ("spec_accept_f32",),
                     lambda b, d=drafts, i=dptr, q=q, p=p, s=seed, c=counter, o=outs:
                     speculative_accept(b, d, i, q, p, s, c, *o), predict(plan))
+
+        # A round's accept of one verify block from its logits (T = 1), by either sampler. Rejection:
+        # the target's filtered rows p (written), then spec_accept; coupled: every column's
+        # Gumbel-max pick with its position's noise, then the walk against the candidates.
+        cols, vt = B * (nd + 1), nd + 1
+        x = randn(be, (cols, V), scale=3.0)
+        cand = _RNG.integers(0, V, cols).astype(np.int32)
+        cptr = indptr([vt] * B)
+        f = Filters.full(cols, temperature=1.0)
+        f_dev = Filters(*(be.asarray(a) for a in (f.temperature, f.top_k, f.top_p, f.min_p)))
+        p_rows = be.xp.empty((cols, V), np.float32)
+        probs, acc = sample_plan(cols, V, F32, method=None, dist=True), accept_plan(B, nd, V)
+        yield Bench("sampling", "rejection accept", {"B": B, "vt": vt, "V": V, "launches": len(probs.launches) + 1},
+                    probs.min_bytes + acc.min_bytes, 0, ("sample_filtered_f32", "spec_accept_f32"),
+                    lambda b, x=x, f=f_dev, pr=p_rows, d=drafts, i=dptr, q=q, s=seed, c=counter, o=outs: (
+                        filtered_probs(b, x, f, out=pr), speculative_accept(b, d, i, q, pr, s, c, *o)),
+                    predict(probs) + predict(acc))
+        picks = Streams.full(cols, np.repeat(np.arange(B, dtype=np.uint64), vt), np.tile(np.arange(vt) + 100, B),
+                             Tag.PICK)
+        plan = coupled_accept_plan(B, cols, V, F32)
+        yield Bench("sampling", "coupled accept", plan_shape(plan, B=B, vt=vt, V=V), plan.min_bytes, 0,
+                    ("sample_filtered_f32", "pick_accept"),
+                    lambda b, x=x, c=cand, i=cptr, f=f, s=picks, o=outs: coupled_accept(b, x, c, i, f, s, *o[:2]),
+                    predict(plan))
 
 
 # ---- norm: the verify's RMSNorms over d_model -----------------------------------------------------------
@@ -455,7 +481,8 @@ def reduction_plans(s: Sizes) -> list[tuple]:
                            ("markov_chain", markov_chain_plan(B, nd, V, r, F32)),
                            ("sample T=1", sample_plan(B, V, F32)),
                            ("sample top-k/p", sample_plan(B, V, F32, top_k=True, top_p=True)),
-                           ("spec_accept", accept_plan(B, nd, V))):
+                           ("spec_accept", accept_plan(B, nd, V)),
+                           ("coupled accept", coupled_accept_plan(B, B * (nd + 1), V, F32))):
             rows.append((case, f"B={B}", f"{V}", str(plan.splits), amount(plan.min_bytes / 1e6),
                          amount(plan.bytes / 1e6), str(plan.ctas), str(len(plan.launches)), f"{plan.passes:.2f}"))
     return rows
@@ -485,6 +512,7 @@ RATIOS = (
     ("markov_chain / argmax_rows", ("argmax", "markov_chain"), ("argmax", "argmax_rows"), ("B",)),
     ("sample top-k/p / argmax_rows", ("sampling", "sample top-k/p"), ("argmax", "argmax_rows"), ("B",)),
     ("spec_accept / greedy_accept", ("sampling", "spec_accept"), ("argmax", "greedy_accept"), ("B",)),
+    ("coupled / rejection accept", ("sampling", "coupled accept"), ("sampling", "rejection accept"), ("B",)),
     ("snapshot_save / checkpoint_select", ("snapshot", "snapshot_save"), ("snapshot", "checkpoint_select"), ("B",)),
 )
 

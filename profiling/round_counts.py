@@ -3,7 +3,7 @@ stand-in (dspark.backends.contract): device->host copies, synchronisations (each
 line that made it), host->device copies, kernel launches by name, CuPy array operations, graph
 launches, and the recurrent-state and K/V bytes the round moves.
 
-    python profiling/round_counts.py        # tiny and embedded pairs, greedy and sampled, B = 1 and 2;
+    python profiling/round_counts.py        # tiny and embedded pairs, greedy and both samplers, B = 1 and 2;
                                             # then Qwen3.5-27B's round on the null executor, per layer
 
 Rounds run as the session runs them by default (SpecParams.launches = "graph": each pass a
@@ -32,14 +32,19 @@ from dspark.params import SamplingParams, SpecParams
 from dspark.session import DsparkSpecSession, spec_round
 
 
-def round_counts(sampled: bool, rounds: int = 4, batch: int = 1, seed: int = 7, pair=None, prompt_len: int = 24):
+RULES = ("greedy", "coupled", "rejection")  # a round's accept: SpecParams.accept
+
+
+def round_counts(rule: str, rounds: int = 4, batch: int = 1, seed: int = 7, pair=None, prompt_len: int = 24):
     """(Counts, rounds run, batch) of `rounds` spec rounds of `batch` sessions on the stand-in,
     after one warm-up round (module loads and the batch's pointer tables are not per-round
-    costs). `pair`: a (trunk, drafter) on the stand-in's backend; default the tiny random pair."""
+    costs). `rule`: "greedy", or a sampled session's sampler ("coupled", "rejection"). `pair`: a
+    (trunk, drafter) on the stand-in's backend; default the tiny random pair."""
     trunk, drafter = pair if pair is not None else tiny_pair(contract.backend(), seed)
     rng = np.random.default_rng(seed)
-    sampling = SamplingParams(temperature=0.8, top_p=0.95, seed=seed) if sampled else SamplingParams()
-    params = SpecParams(max_new_tokens=10_000, sampling=sampling, capture=False)
+    sampling = SamplingParams(temperature=0.8, top_p=0.95, seed=seed) if rule != "greedy" else SamplingParams()
+    params = SpecParams(max_new_tokens=10_000, sampling=sampling, capture=False,
+                        sampler=rule if rule != "greedy" else "coupled")
     vocab = min(trunk.config.vocab, 256)
     sessions = [DsparkSpecSession.prime(trunk, drafter, rng.integers(0, vocab, prompt_len).astype(np.int32), params)
                 for _ in range(batch)]
@@ -99,12 +104,12 @@ def main() -> None:
     pairs = {"tiny pair (drafter block 4)": None, "embedded pair (drafter block 8)": embedded_pair()}
     for label, pair in pairs.items():
         print(f"per round on the cuda backend (CuPy {contract.CUPY_VERSION} contract stand-in), {label}:")
-        for sampled in (False, True):
+        for rule in RULES:
             for batch in (1, 2):
-                c, n, b = round_counts(sampled, batch=batch, pair=pair)
-                print(f"  {'sampled' if sampled else 'greedy '} B={b}: {c.line(n)}")
+                c, n, b = round_counts(rule, batch=batch, pair=pair)
+                print(f"  {rule:9s} B={b}: {c.line(n)}")
                 print(f"           bytes moved: {c.bytes_line(n)}")
-    c, n, _ = round_counts(False)
+    c, n, _ = round_counts("greedy")
     print("device->host copies and syncs of one greedy round (B=1, tiny pair), by dspark line:")
     for site, k in sorted(c.sites.items()):
         print(f"  {k / n:.0f}  {site}")

@@ -39,10 +39,14 @@ def test_generate_greedy_spec_equals_no_spec(capsys):
 
 
 def test_generate_sampled_is_seeded(capsys):
+    """The same seed, the same text: twice, and (the coupled sampler, the default) with and
+    without speculation; the rejection sampler's text is its own, but seeded too."""
     args = ("generate", "import ", "--max-new-tokens", "16", "--temperature", "0.8", "--top-k", "20")
     a = run(capsys, *args, "--seed", "1")[1]
     b = run(capsys, *args, "--seed", "1")[1]
-    assert a == b
+    assert a == b == run(capsys, *args, "--seed", "1", "--no-spec")[1]
+    c = run(capsys, *args, "--seed", "1", "--sampler", "rejection")[1]
+    assert c == run(capsys, *args, "--seed", "1", "--sampler", "rejection")[1]
 
 
 def test_info(capsys):
@@ -57,6 +61,7 @@ def test_info(capsys):
     (("generate", "x", "--top-p", "0"), "--top-p=0.0: expected in (0, 1]"),
     (("generate", "x", "--temperature", "-1"), "--temperature=-1.0"),
     (("frobnicate",), "invalid choice"),
+    (("generate", "x", "--sampler", "gumbel"), "invalid choice: 'gumbel'"),
 ])
 def test_errors_are_one_line_with_exit_code_2(capsys, argv, match):
     rc, out, err = run(capsys, *argv)

@@ -52,9 +52,9 @@ class Staged:
     several ops of one pass that read it (or views of a pass's inputs block: Staged.of)."""
     __slots__ = ("host", "device")
 
-    def __init__(self, be, host):
+    def __init__(self, be, host, device=None):
         self.host = np.asarray(host)
-        self.device = be.asarray(self.host)
+        self.device = be.asarray(self.host) if device is None else device  # `device`: already uploaded
 
     @classmethod
     def of(cls, host, device) -> "Staged":

@@ -408,7 +408,8 @@ def _check_filters(be, filters: Filters, rows: int) -> tuple[Filters, tuple]:
     return f, (t, k, p, mp)
 
 
-def _check_streams(be, streams: Streams, rows: int) -> Streams:
+def check_streams(be, streams: Streams, rows: int) -> Streams:
+    """The streams on the backend, each checked on the host (a bad tag or shape raises)."""
     (_, seed), (_, counter), (stream, dstream) = (_vector(be, streams.seed, rows, u64, "seed"),
                                                   _vector(be, streams.counter, rows, u64, "counter"),
                                                   _vector(be, streams.stream, rows, u32, "stream"))
@@ -475,7 +476,8 @@ def _plan_flags(filters_host, vocab: int, method: str | None, dist: bool) -> dic
                 sampled=bool((t > 0).any()))
 
 
-def _prepare(be, logits, filters):
+def prepare_rows(be, logits, filters):
+    """Checks logit rows and their filters -> (rows, vocab, filters on the backend, host copies)."""
     require_ndim(logits, 2, "logits", "[rows, V]")
     suffix(logits.dtype, "logits")
     rows, vocab = logits.shape
@@ -494,8 +496,8 @@ def sample_filtered(be, logits, filters: Filters, streams: Streams, method: str 
     logits, filters, streams, token_out, prob_out, dist_out, status_out = adopt(
         be, logits=logits, filters=filters, streams=streams, token_out=token_out, prob_out=prob_out,
         dist_out=dist_out, status_out=status_out, writes=("token_out", "prob_out", "dist_out", "status_out"))
-    rows, vocab, filters, host = _prepare(be, logits, filters)
-    streams = _check_streams(be, streams, rows)
+    rows, vocab, filters, host = prepare_rows(be, logits, filters)
+    streams = check_streams(be, streams, rows)
     if method not in METHODS:
         raise SamplingParamError(f"method={method!r}: expected one of {', '.join(METHODS)}")
     token = _out(be, token_out, (rows,), np.int32, "token_out")
@@ -523,7 +525,7 @@ def filtered_probs(be, logits, filters: Filters, out=None, status_out=None):
     `status_out`: as in sample_filtered."""
     logits, filters, out, status_out = adopt(be, logits=logits, filters=filters, out=out, status_out=status_out,
                                              writes=("out", "status_out"))
-    rows, vocab, filters, host = _prepare(be, logits, filters)
+    rows, vocab, filters, host = prepare_rows(be, logits, filters)
     dist = _out(be, out, (rows, vocab), f32, "out")
     status = _status_out(be, status_out, rows)
     if be.kernels is None:

@@ -16,7 +16,8 @@ from typing import Callable
 
 import numpy as np
 
-from dspark.ops import activation, argmax, attention, gdn, heads, kv_commit, linear, norm, rope, sampling, snapshot
+from dspark.ops import (activation, argmax, attention, coupled, gdn, heads, kv_commit, linear, norm, rope, sampling,
+                        snapshot)
 from dspark.philox import Tag
 
 F32, I32 = np.float32, np.int32
@@ -209,6 +210,27 @@ def _accept(rng):
             "m_out": np.full(3, -7, I32), "next_out": np.full(3, -7, I32), "source_out": np.full(3, -7, I32)}
 
 
+def _coupled(rng):
+    vts, V = [3, 1, 4], 50
+    cols = sum(vts)
+    logits = _logits(rng, cols, V)
+    f = sampling.Filters.full(cols, temperature=np.repeat([0.9, 0.0, 1.2], vts), top_k=np.repeat([0, 0, 6], vts))
+    s = sampling.Streams.full(cols, np.repeat([5, 6, 7], vts), [10, 11, 12, 4, 30, 31, 32, 33], Tag.PICK)
+    picks = coupled.coupled_accept_ref(logits, np.zeros(cols, I32), indptr(vts), f, s)["picks"]
+    cand = np.array([1, picks[0], 2, 3, 4, picks[4], picks[5], 9], I32)  # partial, none, partial accepts
+    return {"logits": logits, "cand": cand, "col_indptr": indptr(vts), "filters": f, "streams": s,
+            "m_out": np.full(3, -7, I32), "next_out": np.full(3, -7, I32), "picks_out": np.full(cols, -7, I32)}
+
+
+def _walk(rng):
+    vts = [2, 40, 1]
+    picks = rng.integers(0, 9, sum(vts)).astype(I32)
+    cand = np.concatenate([[0], picks[:-1]]).astype(I32)
+    cand[20] = 99  # session 1 accepts 17 drafts (its columns start at 2)
+    return {"picks": picks, "cand": cand, "col_indptr": indptr(vts), "m_out": np.full(3, -7, I32),
+            "next_out": np.full(3, -7, I32)}
+
+
 def _philox(rng):
     n = 37
     return {"ctr": rng.integers(0, 2**32, (n, 4), dtype=np.uint32),
@@ -253,6 +275,11 @@ CASES = [
     Case("speculative_accept", _accept, lambda be, a: sampling.speculative_accept(
         be, a["drafts"], a["draft_indptr"], a["q"], a["p"], a["seed"], a["counter"], m_out=a["m_out"],
         next_out=a["next_out"], source_out=a["source_out"]), ("m_out", "next_out", "source_out")),
+    Case("coupled_accept", _coupled, lambda be, a: coupled.coupled_accept(
+        be, a["logits"], a["cand"], a["col_indptr"], a["filters"], a["streams"], m_out=a["m_out"],
+        next_out=a["next_out"], picks_out=a["picks_out"]), ("m_out", "next_out", "picks_out")),
+    Case("pick_accept", _walk, lambda be, a: coupled.pick_accept(
+        be, a["picks"], a["cand"], a["col_indptr"], m_out=a["m_out"], next_out=a["next_out"]), ("m_out", "next_out")),
     Case("philox_random", _philox, lambda be, a: sampling.philox_random(be, a["ctr"], a["key"]), ()),
     Case("gdn_layer", _gdn_layer, lambda be, a: gdn.gdn_layer(
         be, a["proj"], a["conv_weight"], a["A_log"], a["dt_bias"], a["states"], a["conv_windows"], a["col_indptr"],
@@ -279,8 +306,9 @@ CASES = [
 ]
 OPS = {"argmax_rows", "greedy_accept", "markov_chain", "linear", "attention", "kv_commit", "gdn_scan", "snapshot_save",
        "snapshot_restore", "checkpoint_select", "sample_filtered", "filtered_probs", "speculative_accept",
-       "philox_random", "gdn_layer", "checkpoint_select_layers", "add_rmsnorm", "embed_rmsnorm", "swiglu",
-       "attn_gate", "sigmoid_bias", "qk_prepare", "confidence_features", "gather_rows", "logit_scale", "rmsnorm"}
+       "coupled_accept", "pick_accept", "philox_random", "gdn_layer", "checkpoint_select_layers", "add_rmsnorm",
+       "embed_rmsnorm", "swiglu", "attn_gate", "sigmoid_bias", "qk_prepare", "confidence_features", "gather_rows",
+       "logit_scale", "rmsnorm"}
 # every public op of dspark.ops, covered by CASES
 
 

@@ -102,12 +102,13 @@ def workload(be) -> dict:
         while not s.finished():
             s.burst()
         out[f"greedy/{rollback}"] = s.emitted
-    sampled = SpecParams(max_new_tokens=16, burst_target=8, sampling=SamplingParams(temperature=0.9, top_p=0.95,
-                                                                                    seed=11))
-    pair = [DsparkSpecSession.prime(trunk, drafter, q, sampled) for q in p[:2]]
-    while not all(s.finished() for s in pair):
-        spec_burst([s for s in pair if not s.finished()])
-    out["sampled"] = [s.emitted for s in pair]
+    for sampler in ("coupled", "rejection"):
+        sampled = SpecParams(max_new_tokens=16, burst_target=8, sampler=sampler,
+                             sampling=SamplingParams(temperature=0.9, top_p=0.95, seed=11))
+        pair = [DsparkSpecSession.prime(trunk, drafter, q, sampled) for q in p[:2]]
+        while not all(s.finished() for s in pair):
+            spec_burst([s for s in pair if not s.finished()])
+        out[f"sampled/{sampler}"] = [s.emitted for s in pair]
     s = DsparkSpecSession.prime(trunk, drafter, p[1], SpecParams(max_new_tokens=18, burst_target=6))
     s.burst()
     cache, last = s.into_demoted()
@@ -116,6 +117,14 @@ def workload(be) -> dict:
     batch.run()
     out["demoted"] = batch.leave(sid).emitted
     out["demoted_plain"] = plain_generate(trunk, p[1], 18)
+    coupled = SamplingParams(temperature=0.9, top_k=40, seed=4)
+    s = DsparkSpecSession.prime(trunk, drafter, p[1], SpecParams(max_new_tokens=18, burst_target=6, sampling=coupled))
+    s.burst()
+    cache, last = s.into_demoted()
+    sid = batch.join(cache, last, 18, list(s.emitted), coupled)
+    batch.run()
+    out["demoted_coupled"] = batch.leave(sid).emitted
+    assert out["demoted_coupled"] == plain_generate(trunk, p[1], 18, sampling=coupled)
     w = Worker(trunk, drafter, GateConfig(low=2, high=3), store=PrefixStore(8 << 20), spec=SpecParams(burst_target=4))
     a = w.submit(p[2], 14)
     w.step()                                   # spec; its prompt-end capture is published
@@ -182,7 +191,7 @@ def released_pair(tmp_path, head: str):
 
 
 def test_round_counts_meet_the_targets(capsys, tmp_path):
-    """At most two device->host waits per round, greedy and sampled, for the tiny pair, the
+    """At most two device->host waits per round, greedy and sampled (either sampler), for the tiny pair, the
     embedded pair and released layouts whose Markov head runs slot by slot (gated, rnn): the
     drafts, confidences and NaN flags come back in one copy, (m, next) and the verify's flags in
     another; nothing per layer, nothing per slot. Launches and bytes are printed."""
@@ -192,11 +201,10 @@ def test_round_counts_meet_the_targets(capsys, tmp_path):
         pairs[f"deepspec-{head} on qwen3_5"] = released_pair(tmp_path / head, head)
     lines = []
     for name, pair in pairs.items():
-        for sampled in (False, True):
-            c, rounds, batch = counting.round_counts(sampled, rounds=2, pair=pair)
-            lines.append(f"{name} {'sampled' if sampled else 'greedy'} round (B={batch}): {c.line(rounds)}; "
-                         f"{c.bytes_line(rounds)}")
-            assert c.syncs <= MAX_SYNCS * rounds, (name, sampled, dict(c.sites))
+        for rule in counting.RULES:
+            c, rounds, batch = counting.round_counts(rule, rounds=2, pair=pair)
+            lines.append(f"{name} {rule} round (B={batch}): {c.line(rounds)}; {c.bytes_line(rounds)}")
+            assert c.syncs <= MAX_SYNCS * rounds, (name, rule, dict(c.sites))
             assert c.d2h <= MAX_SYNCS * rounds and c.launches and c.sites
             assert sum(c.by_name.values()) == c.launches
             assert all(site.split()[1].startswith("dspark/") for site in c.sites), c.sites

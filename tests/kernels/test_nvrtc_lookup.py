@@ -20,13 +20,13 @@ HIDDEN = ("DSPARK_NVRTC", "CUDA_HOME", "CUDA_PATH", "CONDA_PREFIX", "LD_LIBRARY_
 
 def bare_python(tmp_path: Path, program: str, **env) -> subprocess.CompletedProcess:
     """`program` in a Python without its site directory (so no nvidia-* wheel and no
-    cuda-pathfinder on sys.path): the repository and NumPy only."""
+    cuda-pathfinder on sys.path): the repository, NumPy and ml_dtypes (which `import dspark` needs) only."""
     site = tmp_path / "site"
     site.mkdir(exist_ok=True)
-    numpy_dir = Path(np.__file__).parent
-    for name in ("numpy", "numpy.libs"):
-        if (numpy_dir.parent / name).exists() and not (site / name).exists():
-            (site / name).symlink_to(numpy_dir.parent / name)
+    packages = Path(np.__file__).parent.parent
+    for name in ("numpy", "numpy.libs", "ml_dtypes"):
+        if (packages / name).exists() and not (site / name).exists():
+            (site / name).symlink_to(packages / name)
     clean = {k: v for k, v in os.environ.items() if k not in HIDDEN}
     clean.update(PYTHONPATH=f"{ROOT}{os.pathsep}{site}", **env)
     return subprocess.run([sys.executable, "-S", "-c", program], cwd=tmp_path, env=clean, capture_output=True,

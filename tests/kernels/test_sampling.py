@@ -191,6 +191,15 @@ def test_asan_clean():
     want = speculative_accept(nb, drafts, indptr, q, p, np.arange(2, dtype=np.uint64), np.ones(2, np.uint64))
     assert all(np.array_equal(a, b) for a, b in zip(got, want))
     philox_random(be, np.zeros((300, 4), np.uint32), np.ones((300, 2), np.uint32))
+    from dspark.ops.coupled import coupled_accept
+    vts, V = [33, 1, 0, 5], 8192 + 9   # a warp's worth of columns and more; an empty session
+    cols = sum(vts)
+    x = rng.standard_normal((cols, V)).astype(np.float32)
+    f, s = Filters.full(cols, temperature=0.9, top_k=40), Streams.full(cols, 3, np.arange(cols) + 10, Tag.PICK)
+    cand, indptr = rng.integers(0, V, cols).astype(np.int32), np.array([0, 33, 34, 34, 39], np.int32)
+    got = coupled_accept(be, x, cand, indptr, f, s)
+    want = coupled_accept(nb, x, cand, indptr, f, s)
+    assert all(np.array_equal(a, b) for a, b in zip(got, want))
     print("ok")
     """
     r = run_asan(script, families=ASAN_FAMILIES)
@@ -265,7 +274,7 @@ def stats_case(rng, vocab, temperature, top_k, top_p, min_p, draws=DRAWS):
         if margin > 1e-3 and (prob > 0).sum() >= 3:
             break
     f = Filters.full(draws, temperature, top_k, top_p, min_p)
-    s = Streams.full(draws, rng.integers(0, 2**64, dtype=np.uint64), np.arange(draws) * 7919, Tag.DECODE)
+    s = Streams.full(draws, rng.integers(0, 2**64, dtype=np.uint64), np.arange(draws) * 7919, Tag.PICK)
     return np.broadcast_to(x, (draws, vocab)), f, s, prob
 
 

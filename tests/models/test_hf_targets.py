@@ -1,7 +1,7 @@
 """Hugging Face targets against transformers itself (tiny random Qwen3 and Qwen3.5 models that
 transformers built and saved): the logits of a prefill and 16 decode steps on numpy and simt,
 greedy generation, taps, the storage dtype; and speculative decoding on them stays exact (solo,
-batched, demoted at a burst boundary, both rollback methods)."""
+batched, demoted at a burst boundary, both rollback methods), greedy and coupled sampled."""
 
 import json
 import re
@@ -13,10 +13,11 @@ from dspark.decode import PlainBatch, plain_generate
 from dspark.dtypes import BF16
 from dspark.errors import ShapeError
 from dspark.models.hf import load_target
-from dspark.models.oracle import OracleDrafter
+from dspark.models.oracle import OracleDrafter, TrunkDrafter
 from dspark.models.presets import random_drafter
-from dspark.session import DsparkSpecSession, SpecParams, spec_burst
-from tests.models.hf_models import CASES, QWEN35, assert_logits_close, build, hf_greedy, hf_logits, reference
+from dspark.session import DsparkSpecSession, SamplingParams, SpecParams, spec_burst
+from tests.models.hf_models import CASES, QWEN3, QWEN35, assert_logits_close, build, hf_greedy, hf_logits, reference
+from tests.session.coupled_runs import check_alone_and_batched, check_demotion_at_every_boundary
 
 STEPS = 16
 GREEDY = 48
@@ -213,6 +214,28 @@ def test_batched_sessions_and_demotion_stay_exact(saved, numpy_backend, case):
     assert batch.leave(sid).emitted == live[0][1]
     assert [s.emitted for s in rest] == [want for _, want in live[1:]]
     cache.free()
+
+
+@pytest.mark.parametrize("case,backend", [(QWEN3[0], "numpy"), (QWEN35[0], "numpy"), (QWEN35[0], "simt")],
+                         ids=["qwen3-numpy", "qwen3_5-numpy", "qwen3_5-simt"])
+def test_coupled_sampled_equals_plain_sampled(saved, request, case, backend):
+    """Coupled sampled speculation on transformers-built targets: three requests with their own
+    filters and seeds emit plain sampled decode's stream alone (bursts of 1, 5 and 9 tokens) and
+    batched, and one of them with a demotion at every burst boundary of its run. The drafter is
+    the target's own distribution, tilted (TrunkDrafter around a random drafter sized to it): some
+    drafts accepted, others not."""
+    d, _ = saved(case)
+    trunk = load_target(d, request.getfixturevalue("numpy_backend" if backend == "numpy" else "simt"))
+    drafter = TrunkDrafter(random_drafter(trunk, case.seed, block=4), tilt=0.5, seed=case.seed)
+    rng = np.random.default_rng(case.seed + 3)
+    samplings = [SamplingParams(temperature=0.8, top_k=40, seed=1), SamplingParams(temperature=0.5, top_p=0.9, seed=2),
+                 SamplingParams(temperature=1.0, min_p=0.02, seed=3)]
+    reqs = [(rng.integers(0, trunk.config.vocab, int(n)).astype(np.int32), sp) for n, sp in zip((5, 13, 21), samplings)]
+    n = 20
+    total = check_alone_and_batched(trunk, drafter, reqs, n, bursts=(1, 5, 9))
+    print(total.summary())
+    assert sum(total.histogram[1:]) > 0 and total.histogram[0] > 0, total.summary()  # accepts and rejections
+    assert check_demotion_at_every_boundary(trunk, drafter, reqs[0], [reqs[1]], n) >= 2
 
 
 def test_cuda_code_path_stores_bf16_and_equals_simt(saved, simt):

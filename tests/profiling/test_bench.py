@@ -146,6 +146,18 @@ def test_bench_worker_prints_every_gate():
     assert "tok/s" in out and "latency" in out
 
 
+def test_bench_coupled_prints_both_samplers_and_checks_equality(capsys):
+    """One prompt, one seed, a few tokens: each row has both samplers and the coupled text equals
+    plain sampled decode's."""
+    from tests.scripts import load_script
+    bench = load_script("bench_coupled")
+    rc = bench.main(["--pairs", "embedded", "--prompts", "1", "--seeds", "1", "--tokens", "12", "--temperatures", "0.8"])
+    out = capsys.readouterr().out
+    print(out)
+    assert rc == 0 and "coupled == plain sampled decode in every run" in out
+    assert re.search(r"T=0.8 +coupled +\| mean accepted length", out) and re.search(r"T=0.8 +rejection", out)
+
+
 def test_bench_cpu_runs_beside_transformers():
     """profiling/bench_cpu.py on its tiny size: both architectures, the ratio table, and greedy
     tokens identical (its exit code)."""

@@ -1,11 +1,18 @@
 """Sampled speculation is lossless, checked at the session level with drafters that accept.
 
 The drafter is the trunk's own filtered distribution, perturbed (dspark.models.oracle.TrunkDrafter),
-so most rounds accept several drafts and the accept's every path matters: accepted drafts,
-rejections, the residual norm(max(0, p - q)) and the bonus. Every check runs over many rounds
-and bursts, on pinned seeds: the p-values are fixed numbers, far above P_FLOOR with the correct
-code (0.92, 0.78, 0.44 when written) and far below it under the mutants that profiling/mutants.toml
-pairs with each check (named in its docstring; the mutation run in CI shows they fail).
+so most rounds accept several drafts and the accept's every path matters: for the rejection
+sampler accepted drafts, rejections, the residual norm(max(0, p - q)) and the bonus; for the
+coupled sampler drafts that equal the target's pick and drafts that do not. Every check runs over
+many rounds and bursts, on pinned seeds: the p-values are fixed numbers, far above P_FLOOR with the
+correct code (rejection 0.17, 0.21, 0.38; coupled 0.27, when written) and far below it under the
+mutants that profiling/mutants.toml pairs with each check (named in its docstring; the mutation run
+in CI shows they fail).
+
+The coupled sampler's stream equals plain sampled decode's by construction (test_coupled.py), so
+its chi-square check is what shows that the shared stream is the trunk's law and not merely
+self-consistent: noise shared across positions, say, would keep the coupled stream and plain
+decode equal and both wrong.
 """
 
 import numpy as np
@@ -106,18 +113,22 @@ def merged(runs) -> SpecStats:
     return total
 
 
-def test_first_three_tokens_follow_the_trunk(setup):
+@pytest.mark.parametrize("sampler", ["rejection", "coupled"])
+def test_first_three_tokens_follow_the_trunk(setup, sampler):
     """1500 sessions, one round per burst, until each emitted three tokens: the joint law of
-    (t1, t2, t3) against exact enumeration. t2 and t3 come from accepted drafts, residuals and
-    bonuses of the first rounds, and from a second round when the first accepted little.
-    Mutants that fail it: all-zero-drafter-distribution, round-counter-never-advances."""
+    (t1, t2, t3) against exact enumeration. t2 and t3 come from accepted drafts and from the
+    token after them (a residual or bonus, or the target's pick) of the first rounds, and from a
+    second round when the first accepted little. Mutants that fail it: rejection,
+    all-zero-drafter-distribution and round-counter-never-advances; coupled,
+    pick-noise-keyed-by-the-seed-alone and coupled-accept-any-draft-with-mass."""
     be, trunk, base, prompt = setup
     drafter = TrunkDrafter(base, tilt=TILT, seed=3)
     law = first_three_law(be, trunk, prompt, SAMPLING)
     assert 256 not in {t for key in law for t in key}, "EOS would end some streams early"
-    runs = sample(trunk, drafter, prompt, 1500, SpecParams(sampling=SAMPLING, tau=0.0, burst_target=1), tokens=3)
+    runs = sample(trunk, drafter, prompt, 1500, SpecParams(sampling=SAMPLING, tau=0.0, burst_target=1,
+                                                           sampler=sampler), tokens=3)
     stats = merged(runs)
-    assert stats.mean_accepted_length >= 3.0, stats.summary()  # the drafts really are accepted
+    assert stats.mean_accepted_length >= (3.0 if sampler == "rejection" else 2.5), stats.summary()  # drafts accepted
     assert stats.rounds > len(runs)  # some sessions needed a second round (and burst)
     keys = list(law)
     index = {k: i for i, k in enumerate(keys)}
@@ -132,7 +143,7 @@ def test_first_three_tokens_follow_the_trunk(setup):
 
 
 def test_every_token_follows_the_trunk_across_bursts(setup):
-    """160 sessions of 40 tokens in bursts of 5 (several rounds each). Each emitted token's law
+    """Rejection: 160 sessions of 40 tokens in bursts of 5 (several rounds each). Each emitted token's law
     given its prefix is the trunk's filtered p (one prefill over the stream gives them all): the
     count of tokens that the tilt favours is a sum of independent Bernoullis with those
     probabilities, so (observed - expected)^2 / variance is chi-square with one degree of freedom.
@@ -140,7 +151,7 @@ def test_every_token_follows_the_trunk_across_bursts(setup):
     be, trunk, base, prompt = setup
     drafter = TrunkDrafter(base, tilt=TILT, seed=4)
     runs = sample(trunk, drafter, prompt, 160, SpecParams(sampling=SAMPLING, tau=0.0, max_new_tokens=40,
-                                                          burst_target=5), tokens=40)
+                                                          burst_target=5, sampler="rejection"), tokens=40)
     stats = merged(runs)
     assert stats.mean_accepted_length >= 3.0, stats.summary()
     favoured = drafter.pattern > 0
@@ -161,7 +172,7 @@ def test_every_token_follows_the_trunk_across_bursts(setup):
 
 
 def test_accepted_counts_follow_their_law(setup):
-    """With q = (1 - e) p + e on the trunk's least likely token z, a draft d != z always passes
+    """Rejection: with q = (1 - e) p + e on the trunk's least likely token z, a draft d != z always passes
     u q(d) < p(d), and z almost never does: slot k is accepted with probability
     alpha_k = sum(min(p_k, q_k)) ~ 1 - e, logged by the drafter from the very rows the accept
     sees. m then follows P(m = j) = alpha_0 .. alpha_{j-1} (1 - alpha_j), capped at the drafts
@@ -172,7 +183,7 @@ def test_accepted_counts_follow_their_law(setup):
     sampling = SamplingParams(temperature=1.0)
     drafter = TrunkDrafter(base, escape=ESCAPE, seed=5)
     runs = sample(trunk, drafter, prompt, 100, SpecParams(sampling=sampling, tau=0.0, max_new_tokens=40,
-                                                          burst_target=6), tokens=40)
+                                                          burst_target=6, sampler="rejection"), tokens=40)
     nd = drafter.config.drafts
     stats = merged(runs)
     assert stats.drafted == nd * stats.rounds, "every round verifies all nd drafts (tau 0)"

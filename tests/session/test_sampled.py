@@ -1,5 +1,7 @@
-"""Sampled speculative sessions: seeded streams that do not depend on the batch, with a drafter
-that accepts; temperature 0 is plain greedy. Losslessness itself: test_lossless.py."""
+"""Sampled speculative sessions under the rejection sampler: seeded streams that do not depend
+on the batch, with a drafter that accepts; no draw is ever reused; temperature 0 is plain greedy.
+Losslessness itself: test_lossless.py; the coupled sampler (whose streams are plain sampled
+decode's, alone and batched): test_coupled.py."""
 
 import numpy as np
 
@@ -13,7 +15,7 @@ SAMPLING = SamplingParams(temperature=0.6, top_p=0.9, seed=1234)
 
 def run_alone(trunk, drafter, prompt, sampling, max_new):
     s = DsparkSpecSession.prime(trunk, drafter, prompt, SpecParams(max_new_tokens=max_new, sampling=sampling,
-                                                                   burst_target=6, tau=0.0))
+                                                                   burst_target=6, tau=0.0, sampler="rejection"))
     drafter.follow(s)
     while not s.finished():
         spec_burst([s])
@@ -42,7 +44,7 @@ def test_same_seed_same_stream_alone_and_batched(model_backend):
     batch = []
     for p, sp in requests:
         s = DsparkSpecSession.prime(trunk, drafter, p, SpecParams(max_new_tokens=30, sampling=sp, burst_target=6,
-                                                                    tau=0.0))
+                                                                    tau=0.0, sampler="rejection"))
         drafter.follow(s)
         batch.append(s)
     joined = []
@@ -57,9 +59,10 @@ def test_same_seed_same_stream_alone_and_batched(model_backend):
 
 
 def test_no_draw_is_ever_reused(monkeypatch):
-    """Every Philox draw of a sampled session, over several bursts, comes from its own (seed,
-    counter, stream): the first anchor (BOUNDARY), each draft slot (DRAFT, slot k) and each round's
-    accept (which derives its ACCEPT, RESIDUAL and BONUS words from (seed, counter) inside)."""
+    """Every Philox draw of a session sampled by rejection, over several bursts, comes from its own
+    (seed, counter, stream): the first anchor (PICK at its position), each draft slot (DRAFT, slot
+    k) and each round's accept (which derives its ACCEPT, RESIDUAL and BONUS words from (seed,
+    counter) inside). (The coupled sampler shares a position's noise on purpose.)"""
     import dspark
     import dspark.spec_sampling as ss
     trunk, base = tiny_pair(dspark.get_backend("numpy"), 31, max_ctx=96)
@@ -81,7 +84,8 @@ def test_no_draw_is_ever_reused(monkeypatch):
     for seed, n in ((5, 12), (6, 30)):
         p = np.random.default_rng(seed).integers(0, 256, n).astype(np.int32)
         s = DsparkSpecSession.prime(trunk, drafter, p, SpecParams(max_new_tokens=40, burst_target=4, tau=0.0,
-                                                                  sampling=SamplingParams(temperature=0.8, seed=seed)))
+                                                                  sampling=SamplingParams(temperature=0.8, seed=seed),
+                                                                  sampler="rejection"))
         drafter.follow(s)
         sessions.append(s)
     while not all(s.finished() for s in sessions):

@@ -150,9 +150,10 @@ def test_demotion_frees_the_speculative_state(numpy_backend):
 def test_demotion_refusals_leave_the_session_intact(numpy_backend, rng):
     trunk, drafter = tiny_pair(numpy_backend, 6)
     p = prompt(rng, 10)
-    sampled = DsparkSpecSession.prime(trunk, drafter, p, SpecParams(sampling=SamplingParams(temperature=0.8, seed=1)))
+    sampled = DsparkSpecSession.prime(trunk, drafter, p, SpecParams(sampling=SamplingParams(temperature=0.8, seed=1),
+                                                                    sampler="rejection"))
     snap = numpy_backend.alloc.owners()
-    with pytest.raises(StateError, match="sampled session cannot be demoted"):
+    with pytest.raises(StateError, match="sampled by rejection cannot be demoted"):
         sampled.into_demoted()
     assert numpy_backend.alloc.owners() == snap and sampled.cache is not None
     sampled.close()

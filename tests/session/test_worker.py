@@ -1,5 +1,6 @@
 """Worker: the gate's transitions, prefix publication and restore, failure isolation, and a
-seeded simulated load whose greedy outputs must equal solo plain decode byte for byte.
+seeded simulated load whose outputs, greedy and sampled, must equal solo plain decode byte for
+byte.
 
 The gate and load tests run the shipped pair on held-out code, so speculative sessions accept
 several drafts per round (mean accepted length >= 3) before they are demoted or finish: a random
@@ -58,43 +59,54 @@ def test_gate_config():
             GateConfig(**bad)
 
 
-def test_scripted_arrivals_pin_the_gate_transitions(shipped):
+@pytest.mark.parametrize("sampler", ["coupled", "rejection"])
+def test_scripted_arrivals_pin_the_gate_transitions(shipped, sampler):
     """low=2, high=3: two requests get spec; the third goes plain, and once three are active at
-    a burst boundary the live greedy spec sessions are demoted. A sampled one is never demoted."""
+    a burst boundary the live demotable spec sessions are demoted: the greedy one, and the sampled
+    one under the coupled sampler (never under rejection sampling). A demoted coupled request
+    ends with plain sampled decode's text for its seed."""
     trunk, drafter = shipped
     rng = np.random.default_rng(0)
-    w = Worker(trunk, drafter, GateConfig(low=2, high=3), spec=SpecParams(burst_target=16))
+    sampling = SamplingParams(temperature=0.7, top_k=20, seed=3)
+    w = Worker(trunk, drafter, GateConfig(low=2, high=3), spec=SpecParams(burst_target=16, sampler=sampler))
     a = w.submit(code_prompt(trunk, rng, 90), 60)
-    b = w.submit(code_prompt(trunk, rng, 100), 40, SamplingParams(temperature=0.7, top_k=20, seed=3))
+    b = w.submit(code_prompt(trunk, rng, 100), 40, sampling)
     w.step()  # both admitted to spec (active 1 <= 2, then 2 <= 2)
     c = w.submit(code_prompt(trunk, rng, 70), 40)
-    w.step()  # c: active 3 > 2 -> plain; now active 3 >= 3: a is demoted, b (sampled) is not
-    at_demotion = w.stats  # a's rounds alone (b is still running)
+    w.step()  # c: active 3 > 2 -> plain; now active 3 >= 3: a is demoted, b too when coupled
+    at_demotion = w.stats  # the demoted sessions' rounds
     w.run()
     got = [(e.step, e.request, e.what) for e in w.events if e.what != "finish"]
-    assert got == [(1, a, "admit_spec"), (1, b, "admit_spec"), (2, c, "admit_plain"), (2, a, "demote")]
-    assert w.requests[a].demoted and not w.requests[b].demoted
-    print(f"a before its demotion: {at_demotion.summary()}")
+    demoted_b = [(2, b, "demote")] if sampler == "coupled" else []
+    assert got == [(1, a, "admit_spec"), (1, b, "admit_spec"), (2, c, "admit_plain"), (2, a, "demote")] + demoted_b
+    assert w.requests[a].demoted and w.requests[b].demoted == (sampler == "coupled")
+    print(f"before the demotion: {at_demotion.summary()}")
     assert at_demotion.mean_accepted_length >= 3.0, at_demotion.summary()  # a accepted drafts, then demoted
     assert w.result(a) == plain_generate(trunk, w.requests[a].prompt, 60)
     assert w.result(c) == plain_generate(trunk, w.requests[c].prompt, 40)
+    if sampler == "coupled":
+        assert w.result(b) == plain_generate(trunk, w.requests[b].prompt, 40, sampling=sampling)
 
 
+@pytest.mark.parametrize("sampling", [SamplingParams(), SamplingParams(temperature=0.9, top_k=30, seed=5)],
+                         ids=["greedy", "coupled"])
 @pytest.mark.parametrize("gate", [GateConfig(0, 1), GateConfig(2, 4), GateConfig(64, 65)])
-def test_restore_from_a_published_prefix_is_exact(pair, gate):
+def test_restore_from_a_published_prefix_is_exact(pair, gate, sampling):
+    """A request restored from a published capture emits what a primed one and plain decode emit
+    (a coupled sampled one too: its first anchor is the pick at the capture's position)."""
     trunk, drafter = pair
     rng = np.random.default_rng(1)
     p = prompt(rng, 30)
     store = PrefixStore(10 * 2**20)
     w = Worker(trunk, drafter, gate, store=store, spec=SpecParams(burst_target=8))
-    first = w.submit(p, 25, namespace="tenant-a")
+    first = w.submit(p, 25, sampling, namespace="tenant-a")
     w.run()
     if gate.low:  # published only by spec sessions
         assert len(store) == 1
-    second = w.submit(p, 25, namespace="tenant-a")
-    other = w.submit(p, 25, namespace="tenant-b")
+    second = w.submit(p, 25, sampling, namespace="tenant-a")
+    other = w.submit(p, 25, sampling, namespace="tenant-b")
     w.run()
-    want = plain_generate(trunk, p, 25)
+    want = plain_generate(trunk, p, 25, sampling=sampling)
     assert w.result(first) == w.result(second) == w.result(other) == want
     assert w.requests[second].restored == (gate.low > 0)
     assert not w.requests[other].restored  # never across namespaces
@@ -175,14 +187,41 @@ def test_tokens_stream_through_the_callback(pair):
     assert got[rid] == w.result(rid)
 
 
+def alone(trunk, drafter, p, n, sampling):
+    """The request sent alone to a fresh worker: speculative from its prime to its end."""
+    w = Worker(trunk, drafter, spec=SpecParams(burst_target=6, tau=0.35, max_verify=8))
+    rid = w.submit(p, n, sampling)
+    w.run()
+    assert not w.requests[rid].demoted
+    return w.result(rid)
+
+
+def plain_streams(trunk, requests) -> list[list[int]]:
+    """Plain decode of every (prompt, max_new, sampling) in one PlainBatch: what plain_generate
+    gives each alone (plain decode is row-invariant), in one pass over the steps."""
+    from dspark.decode import PlainBatch, prefill_anchor
+    batch, sids, caches = PlainBatch(trunk), [], []
+    for p, n, sampling in requests:
+        caches.append(trunk.new_cache())
+        last, _ = prefill_anchor(trunk, caches[-1], p, sampling)
+        sids.append(batch.join(caches[-1], last, n, sampling=sampling))
+    batch.run()
+    for c in caches:
+        c.free()
+    return [batch.sequences[sid].emitted for sid in sids]
+
+
 def test_seeded_simulated_load(shipped, monkeypatch):
-    """32 requests arriving over time, greedy and sampled, 3 namespaces, repeated prompts."""
+    """32 requests arriving over time, greedy and sampled (coupled, the default sampler), four
+    namespaces, repeated prompts, a small prefix store. Every request's text is that of plain
+    decode with its sampling, and each sampled request's text equals the same request sent alone,
+    whether the load sent it to plain decode, demoted it or left it speculative to its end."""
     trunk, drafter = shipped
-    greedy_stats = {}  # session id -> its SpecStats after its latest burst (greedy sessions)
+    spec_stats = {}  # session id -> (greedy, its SpecStats after its latest burst)
 
     def spy_burst(sessions, target=None):
         out = real_burst(sessions, target)
-        greedy_stats.update({s.id: s.stats for s in sessions if s.params.sampling.greedy})
+        spec_stats.update({s.id: (s.params.sampling.greedy, s.stats) for s in sessions})
         return out
 
     real_burst = worker_mod.spec_burst
@@ -190,13 +229,15 @@ def test_seeded_simulated_load(shipped, monkeypatch):
     be = trunk.be
     rng = np.random.default_rng(77)
     base_prompts = [code_prompt(trunk, rng, int(n)) for n in rng.integers(64, 129, 6)]
+    settings = [dict(temperature=0.8, top_k=20), dict(temperature=0.5, top_p=0.9), dict(temperature=1.0, min_p=0.05),
+                dict(temperature=0.3)]
     arrivals = []  # (step, prompt, max_new, sampling, namespace)
     for i in range(32):
         p = base_prompts[int(rng.integers(len(base_prompts)))]
-        sampled = rng.random() < 0.3
-        sampling = SamplingParams(temperature=0.8, top_k=20, seed=i) if sampled else SamplingParams()
-        arrivals.append((int(rng.integers(0, 40)), p, int(rng.integers(16, 64)), sampling,
-                         ("alpha", "beta", "gamma")[int(rng.integers(3))]))
+        sampled = rng.random() < 0.4
+        sampling = SamplingParams(**settings[i % 4], seed=i % 7) if sampled else SamplingParams()
+        arrivals.append((int(rng.integers(0, 60)), p, int(rng.integers(16, 64)), sampling,
+                         ("alpha", "beta", "gamma", "delta")[int(rng.integers(4))]))
     arrivals.sort(key=lambda a: a[0])
     before = be.alloc.owners()
     store = PrefixStore(8 * 2**20)  # three or so captures of the shipped pair: entries get evicted
@@ -227,21 +268,25 @@ def test_seeded_simulated_load(shipped, monkeypatch):
         step += 1
     demoted = {e.request for e in w.events if e.what == "demote"}
     restored = {e.request for e in w.events if e.what == "restore"}
-    for rid, (p, n, sampling, ns) in ids.items():
+    plain_admitted = {e.request for e in w.events if e.what == "admit_plain"}
+    sampled = {rid for rid, (_, _, sampling, _) in ids.items() if not sampling.greedy}
+    plain = plain_streams(trunk, [(p, n, sampling) for p, n, sampling, _ in ids.values()])
+    for (rid, (p, n, sampling, ns)), want in zip(ids.items(), plain):
         r = w.requests[rid]
         assert r.mode == "done", r.error
-        if sampling.greedy:
-            assert w.result(rid) == plain_generate(trunk, p, n), rid
-        else:
-            assert rid not in demoted
-    assert demoted and restored, "the load must exercise demotion and restore"
-    greedy = SpecStats()
-    for st in greedy_stats.values():
-        greedy = greedy.merge(st)
-    # the greedy sessions (the ones that get demoted) accepted several drafts per round
-    print(f"greedy spec rounds: {greedy.summary()}")
-    assert greedy.rounds >= 12 and greedy.mean_accepted_length >= 3.0, greedy.summary()
-    assert any(w.requests[r].sampling.greedy for r in restored)
+        assert w.result(rid) == want, rid
+        if rid in sampled:
+            assert w.result(rid) == alone(trunk, drafter, p, n, sampling), rid
+    # the load sent sampled requests down every path: plain from the start, demoted, spec to the end
+    assert sampled & demoted and sampled & plain_admitted and sampled - demoted - plain_admitted
+    assert demoted - sampled and restored, "the load must exercise demotion and restore"
+    for greedy in (True, False):
+        st = SpecStats()
+        for g, s in spec_stats.values():
+            st = st.merge(s) if g == greedy else st
+        # the spec sessions (among them the ones that get demoted) accepted drafts
+        print(f"{'greedy' if greedy else 'sampled'} spec rounds: {st.summary()}")
+        assert st.rounds >= 12 and st.mean_accepted_length >= (3.0 if greedy else 2.0), st.summary()
     assert max(budget_seen) <= store.budget and store.peak_bytes <= store.budget
     hits = [(ns, key, hit) for ns, key, hit in lookups if hit is not None]
     assert hits
