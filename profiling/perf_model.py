@@ -97,8 +97,8 @@ from timing import table
 F32 = 4
 STORAGE_SUFFIX = {4: "f32", 2: "bf16"}  # the models' weights: f32 (embedded pair) or bf16 as stored
 LAUNCH_MEASURED = 114e-6  # s: `python profiling/launch_cost.py`, 111-117 us in three runs on the 2-core CI machine
-HOST_EAGER = 4.1e-6       # s per launch: `python profiling/host_round.py`, Qwen3.5-27B B = 1, mode eager
-HOST_GRAPH = 300e-6       # s per round: `python profiling/host_round.py`, Qwen3.5-27B B = 1, mode graph
+HOST_EAGER = 2.6e-6       # s per launch: `python profiling/host_round.py`, Qwen3.5-27B B = 1, mode eager
+HOST_GRAPH = 346e-6       # s per round: `python profiling/host_round.py`, Qwen3.5-27B B = 1, mode graph
 MODES = ("plain", "eager", "graph")  # dspark.graphs: op by op, recorded passes issued by the host, CUDA graphs
 
 
