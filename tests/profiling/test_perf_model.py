@@ -217,6 +217,22 @@ def test_the_round_with_graphs_meets_its_targets():
         assert num(r[8]) == pytest.approx(100 * rounds[r[4]].overhead() / rounds[r[4]].time(), abs=0.06), r
 
 
+def test_a_qwen35_27b_round_as_recorded_is_the_round_the_model_prices():
+    """Issue 22: the Qwen3.5-27B round at B = 1, 32k, recorded on the null executor (the real
+    shapes, no memory, nothing run): at most 600 launches, and kernel for kernel the launches
+    perf_model prices for it (a fused kernel split again, or one the model forgets, fails here)."""
+    from collections import Counter
+    import round_counts
+    passes, _ = round_counts.pass_launches()
+    recorded = Counter(name for names in passes.values() for name in names)
+    assert sum(recorded.values()) <= 600, {k: len(v) for k, v in passes.items()}
+    priced = Counter()
+    for k in pm.spec_round(pm.shapes()["qwen3.5-27b"], 1, 32768, 8, mode="graph").kernels:
+        if k.ctas:
+            priced[k.entry] += k.launches
+    assert recorded == priced
+
+
 def test_launch_cost_times_every_family_with_execution_off():
     """profiling/launch_cost.py (the source of Device.launch's default) times a call of every
     kernel family the round launches; with execution off the stand-in runs no kernel."""
