@@ -34,10 +34,16 @@ class PlainSequence:
 
 
 class PlainBatch:
-    """Batched decode of many sequences on one trunk, each greedy or sampled."""
+    """Batched decode of many sequences on one trunk, each greedy or sampled. `launches`: on cuda a
+    greedy step is a pass recorded once per batch and replayed as a CUDA graph ("graph") or launch
+    by launch by the host ("eager"), or run op by op ("plain"); dspark.graphs."""
 
-    def __init__(self, trunk: HybridTrunk):
+    def __init__(self, trunk: HybridTrunk, launches: str = "graph"):
+        from .params import LAUNCHES
+        if launches not in LAUNCHES:
+            raise ValueError(f"launches={launches!r}: expected one of {LAUNCHES}")
         self.trunk = trunk
+        self.launches = launches
         self.sequences: dict[int, PlainSequence] = {}
 
     def join(self, cache: Cache, last: int, max_new_tokens: int, emitted: list[int] | None = None,
@@ -76,7 +82,13 @@ class PlainBatch:
             s.emitted.append(s.last)
             out[s.id] = s.last
         todo = [s for s in live if not self._check_done(s)]
-        if todo:
+        from . import graphs
+        if todo and self.launches != "plain" and self.trunk.be.name == "cuda" and not graphs.patched(self.trunk) \
+                and all(s.sampling is None for s in todo):
+            with graphs.decode_graphs(self.trunk, self.launches) as runner:
+                for s, t in zip(todo, runner.step([s.cache for s in todo], [s.last for s in todo])):
+                    s.last = int(t)
+        elif todo:
             tp = self.trunk.decode([s.cache for s in todo], [s.last for s in todo])
             for s, t in zip(todo, pick_tokens(self.trunk.be, tp.logits, todo)):
                 s.last = int(t)
@@ -140,9 +152,10 @@ def check_prompt(trunk: HybridTrunk, prompt_ids, capacity: int) -> np.ndarray:
 
 
 def plain_generate(trunk: HybridTrunk, prompt_ids, max_new_tokens: int, backend=None,
-                   sampling: SamplingParams | None = None) -> list[int]:
+                   sampling: SamplingParams | None = None, launches: str = "graph") -> list[int]:
     """Plain decode of one request, greedy (the oracle the speculative path must match byte for
-    byte) or with `sampling` (the stream a coupled speculative session must match)."""
+    byte) or with `sampling` (the stream a coupled speculative session must match). `launches`:
+    PlainBatch's (how each step reaches the device on cuda)."""
     if backend is not None and backend is not trunk.be:
         raise ValueError("backend must be the trunk's backend (load the trunk on it)")
     cache = trunk.new_cache()
@@ -151,7 +164,7 @@ def plain_generate(trunk: HybridTrunk, prompt_ids, max_new_tokens: int, backend=
         if max_new_tokens <= 0:
             return []
         last, _ = prefill_anchor(trunk, cache, p, sampling)
-        batch = PlainBatch(trunk)
+        batch = PlainBatch(trunk, launches)
         sid = batch.join(cache, last, max_new_tokens, sampling=sampling)
         batch.run()
         return batch.leave(sid).emitted

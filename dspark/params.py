@@ -36,6 +36,7 @@ class SamplingParams:
 VERIFY_POLICIES = ("auto", "confidence", "ladder", "full")
 PROMPT_CHUNK = 8192  # tokens per prompt pass by default (HybridTrunk.prompt_passes): activations scale with it
 ROLLBACKS = ("checkpoint", "replay")
+LAUNCHES = ("graph", "eager", "plain")   # dspark.graphs: how a round's passes reach the device
 SAMPLERS = ("coupled", "rejection")
 
 
@@ -50,6 +51,9 @@ class SpecParams:
     rollback: str = "checkpoint"  # per-column checkpoint select, or snapshot restore + replay
     capture: bool = True
     sampling: SamplingParams = field(default_factory=SamplingParams)
+    launches: str = "graph"      # on cuda: each pass recorded once per batch and replayed as a CUDA graph
+                                 # ("graph") or by the host launch by launch ("eager"), or run op by op
+                                 # ("plain"); dspark.graphs
     sampler: str = "coupled"     # sampled sessions: "coupled" (plain sampled decode's stream, demotable) or
                                  # "rejection" (lossless rejection sampling); dspark.spec_sampling
 
@@ -66,6 +70,8 @@ class SpecParams:
             raise ValueError(f"SpecParams.max_verify={self.max_verify!r}: expected 0 (no cap) or an int >= 2")
         if not 0.0 <= self.tau <= 1.0:
             raise ValueError(f"SpecParams.tau={self.tau!r}: expected a value in [0, 1]")
+        if self.launches not in LAUNCHES:
+            raise ValueError(f"SpecParams.launches={self.launches!r}: expected one of {LAUNCHES}")
         if self.sampler not in SAMPLERS:
             raise ValueError(f"SpecParams.sampler={self.sampler!r}: expected one of {SAMPLERS}")
         if not isinstance(self.sampling, SamplingParams):

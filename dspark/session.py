@@ -28,6 +28,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from . import graphs
 from .decode import check_prompt, first_token
 from .params import SamplingParams, SpecParams
 from .errors import StateError
@@ -303,13 +304,24 @@ def spec_round(sessions: list[DsparkSpecSession]) -> list[list[int]]:
 
 
 def _round(trunk: HybridTrunk, drafter: DsparkDrafter, live: list[DsparkSpecSession]) -> list[list[int]]:
-    be = trunk.be
-    nd = drafter.config.drafts
     rule = live[0].params.accept
-    greedy = rule == "greedy"
     if any(s.params.accept != rule for s in live):
         raise ValueError(f"a batch mixes accept rules {sorted({s.params.accept for s in live})} (greedy, coupled and "
                          "rejection-sampled sessions): run them in separate rounds")
+    launches = live[0].params.launches
+    if any(s.params.launches != launches for s in live):
+        raise ValueError(f"a batch mixes launch modes {sorted({s.params.launches for s in live})}: run them in "
+                         "separate rounds")
+    if launches != "plain" and graphs.supported(trunk, drafter, rule == "greedy"):
+        with graphs.round_graphs(drafter, launches) as runner:
+            return _recorded_round(runner, live)
+    return _plain_round(trunk, drafter, live, rule)
+
+
+def _plain_round(trunk: HybridTrunk, drafter: DsparkDrafter, live: list[DsparkSpecSession], rule: str):
+    """A round op by op: every launch planned and checked as it is issued."""
+    nd = drafter.config.drafts
+    greedy = rule == "greedy"
     with phase("draft"):
         dh, dl = drafter.draft([s.kv for s in live], [s.last for s in live])
     with phase("propose"):  # the first wait on the device: drafts, confidences, NaN flags
@@ -319,17 +331,48 @@ def _round(trunk: HybridTrunk, drafter: DsparkDrafter, live: list[DsparkSpecSess
         else:
             from .spec_sampling import propose_sampled
             drafts, conf, q = propose_sampled(live, drafter, dl, dh, nd)
-    vts = [min(verify_width(s, conf[i], nd), s.cache.capacity - s.cache.pos) for i, s in enumerate(live)]
-    cands = [np.concatenate([[s.last], drafts[i, : vts[i] - 1]]).astype(np.int32) for i, s in enumerate(live)]
+    vts, cands = _candidates(live, drafts, conf, nd)
+    return _finish_plain(trunk, drafter, live, vts, cands, rule, q)
+
+
+def _recorded_round(runner, live: list[DsparkSpecSession]) -> list[list[int]]:
+    """A round of recorded passes (dspark.graphs): the draft, the verify at the batch's widest
+    width and the commit, each one recording replayed; the host only decides the verify width and
+    the cut between the two copies back. Bitwise the plain round."""
+    nd = runner.drafter.config.drafts
+    with phase("draft"):  # the draft pass ends with the first wait: drafts, confidences, NaN flags
+        drafts, conf = runner.propose(live)
+    vts, cands = _candidates(live, drafts, conf, nd)
+    W = max(vts)
+    if any(s.cache.pos + W > s.cache.capacity for s in live):  # a padded column past a cache's end
+        return _finish_plain(runner.trunk, runner.drafter, live, vts, cands)
+    with phase("verify"):  # and the accept: the second wait, (m, next) and NaN flags
+        tp, m, nxt = runner.verify(live, cands, vts)
+    keep = np.array([_cut(s, cands[i][: int(m[i]) + 1]) for i, s in enumerate(live)], np.int32)
+    ends = np.array([_ends(s, cands[i][: keep[i]]) is not None for i, s in enumerate(live)], bool)
+    with phase("commit"):  # commit, rollback and ingest (none for a session this round finishes)
+        runner.commit(live, tp, W, keep, np.where(ends, 0, keep).astype(np.int32))
+    emitted = []
+    for i, s in enumerate(live):
+        s.cache.pos += int(keep[i])
+        emitted.append(_settle(s, cands[i], vts[i], int(m[i]), int(keep[i]), int(nxt[i])))
+        if s._finished is None:
+            s.kv.pos += int(keep[i])
+    return emitted
+
+
+def _finish_plain(trunk, drafter, live, vts, cands, rule: str = "greedy", q=None) -> list[list[int]]:
+    """Verify, accept, commit, roll back and ingest op by op, from the candidates (accept `rule`:
+    SpecParams.accept)."""
+    be = trunk.be
     # No snapshot: the verify leaves the recurrent state as it is (module doc), so anything that
     # fails before the commit leaves every session exactly as it was.
     with phase("verify"):
         tp = trunk.verify([s.cache for s in live], cands, checkpoints=live[0].params.rollback == "checkpoint",
                           taps=drafter.taps)
     with phase("accept"):  # the second wait: (m, next) and the verify's NaN flags
-        if greedy:
-            xp = be.xp
-            flag = xp.empty(len(live), xp.int32)
+        if rule == "greedy":
+            flag = be.xp.empty(len(live), be.xp.int32)
             m, nxt = greedy_accept(be, tp.logits, be.asarray(np.concatenate(cands)), tp.row_indptr, nan_flag=flag)
             m, nxt, flag = be.fetch(m, nxt, flag)
             raise_on_nan(flag, "verify logits", "session")
@@ -344,18 +387,7 @@ def _round(trunk: HybridTrunk, drafter: DsparkDrafter, live: list[DsparkSpecSess
         trunk.commit_rows([s.cache for s in live], tp, keep)
     with phase("rollback"):
         rollback(trunk, live, tp, keep, np.array(vts, np.int32))
-    emitted = []
-    for i, s in enumerate(live):
-        toks = [int(t) for t in cands[i][: keep[i]]]
-        s.stats.record(vts[i] - 1, int(m[i]))
-        s.rounds += 1
-        s.m_prev = int(m[i])
-        emitted.append(s._emit(toks))
-        if toks and toks[-1] in trunk.config.eos_ids:
-            s._finish("eos")
-        elif len(s.emitted) >= s.params.max_new_tokens:
-            s._finish("budget")
-        s.last = int(nxt[i])
+    emitted = [_settle(s, cands[i], vts[i], int(m[i]), int(keep[i]), int(nxt[i])) for i, s in enumerate(live)]
     with phase("ingest"):
         ing = [i for i, s in enumerate(live) if s._finished is None]
         if ing:
@@ -363,6 +395,35 @@ def _round(trunk: HybridTrunk, drafter: DsparkDrafter, live: list[DsparkSpecSess
             drafter.ingest([live[i].kv for i in ing], tp.taps[be.xp.asarray(kept_rows)],
                            np.concatenate([[0], np.cumsum(keep[ing])]).astype(np.int32))
     return emitted
+
+
+def _candidates(live, drafts, conf, nd: int):
+    """(verify widths, candidate blocks [anchor, d_1 .. d_{vt-1}]) of each session."""
+    vts = [min(verify_width(s, conf[i], nd), s.cache.capacity - s.cache.pos) for i, s in enumerate(live)]
+    cands = [np.concatenate([[s.last], drafts[i, : vts[i] - 1]]).astype(np.int32) for i, s in enumerate(live)]
+    return vts, cands
+
+
+def _ends(s: DsparkSpecSession, toks) -> str | None:
+    """Why emitting `toks` finishes the session (an end-of-sequence id last, or the budget), if it does."""
+    if len(toks) and toks[-1] in s.trunk.config.eos_ids:
+        return "eos"
+    return "budget" if len(s.emitted) + len(toks) >= s.params.max_new_tokens else None
+
+
+def _settle(s: DsparkSpecSession, cand, vt: int, m: int, keep: int, nxt: int) -> list[int]:
+    """The host side of a session's round once its rows are committed: emit the kept tokens,
+    count the round, finish on EOS or the budget, take the next anchor."""
+    toks = [int(t) for t in cand[:keep]]
+    reason = _ends(s, toks)
+    s.stats.record(vt - 1, m)
+    s.rounds += 1
+    s.m_prev = m
+    s._emit(toks)
+    if reason:
+        s._finish(reason)
+    s.last = nxt
+    return toks
 
 
 def _cut(s: DsparkSpecSession, toks: np.ndarray) -> int:

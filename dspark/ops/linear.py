@@ -48,6 +48,7 @@ from . import product, rowsplit
 from .checks import require_dtype, require_ndim, require_shape
 from .dense import widen
 from .rowsplit import Launch, Plan
+from .workspace import buffer, fixed
 
 F32 = np.float32
 ROW_CHUNK = 8          # the numpy backend's fixed GEMM shape: [ROW_CHUNK, K] x [K, N]
@@ -228,11 +229,13 @@ def linear_numpy(x, w):
 
 
 # ---- the op -----------------------------------------------------------------------------------------
-def linear(be, x, w, out=None, *, splits: int | None = None, bm: int | None = None, split: bool | None = None):
+def linear(be, x, w, out=None, *, splits: int | None = None, bm: int | None = None, split: bool | None = None,
+           ws=None):
     """x [rows, K] f32 @ w [K, N] (f32, f16 or bf16) -> f32 [rows, N]. `splits` overrides the f32
     kernel's K split (tests reach every split count with it; results stay row-invariant for any);
     `bm` and `split` force the tensor-core GEMM's tile shape and mode (mma_plan; the bits never
-    depend on them)."""
+    depend on them). `ws`: the workspace the split partials and tickets come from
+    (dspark.ops.workspace)."""
     x, w, out = adopt(be, x=x, w=w, out=out, writes=("out",))
     require_ndim(x, 2, "x", "[rows, K]")
     require_dtype(x, F32, "x")
@@ -255,8 +258,9 @@ def linear(be, x, w, out=None, *, splits: int | None = None, bm: int | None = No
         _require_tensor_cores(be)
         if rows and n:
             p = mma_plan(rows, k, n, bm=bm, split=split)
-            part = xp.empty(p.splits * rows * n if p.grid_splits > 1 else 1, F32)
-            tickets, _ = rowsplit.scratch(be, p.m_tiles * p.n_tiles)
+            part = buffer(be, ws, f"linear.part.{p.splits * n}", rows, (p.splits * n,)) if p.grid_splits > 1 \
+                else fixed(be, ws, "linear.part", (1,))
+            tickets, _ = rowsplit.scratch(be, p.m_tiles * p.n_tiles, ws=ws)
             rowsplit.launch(be, f"linear_mma_{suf}_m{p.bm}", p.grid, p.threads,
                             (x, w, np.int32(rows), np.int32(k), np.int32(n), np.int32(p.kchunk),
                              np.int32(p.grid_splits), out, part, tickets), shared_mem=p.shared_mem)
@@ -264,8 +268,8 @@ def linear(be, x, w, out=None, *, splits: int | None = None, bm: int | None = No
     if rows and n:
         s, kchunk = split_plan(k, n) if splits is None else chunking(k, splits)
         t = tiles(n, w.dtype.itemsize)
-        part = xp.empty(s * rows * n if s > 1 else 1, F32)
-        tickets, _ = rowsplit.scratch(be, t)
+        part = buffer(be, ws, f"linear.part.{s * n}", rows, (s * n,)) if s > 1 else fixed(be, ws, "linear.part", (1,))
+        tickets, _ = rowsplit.scratch(be, t, ws=ws)
         rowsplit.launch(be, f"linear_{suf}", t * s, THREADS,
                         (x, w, np.int32(rows), np.int32(k), np.int32(n), np.int32(kchunk), np.int32(s), out, part,
                          tickets))

@@ -18,7 +18,7 @@ from tests.conftest import poison
 
 ROOT = Path(__file__).resolve().parents[2]
 PROFILING = ROOT / "profiling"
-FAMILIES = ("argmax", "attention", "kv_commit", "gdn_scan", "snapshot", "sampling", "norm")
+FAMILIES = ("argmax", "attention", "kv_commit", "gdn_scan", "snapshot", "sampling", "norm", "activation", "rope", "heads")
 
 sys.path.insert(0, str(PROFILING))  # the scripts import each other as siblings, not as a package
 import timing  # noqa: E402
@@ -50,7 +50,7 @@ def test_bench_kernels_dry_run_lists_every_family():
 def test_bench_kernels_runs_under_the_cli():
     """`dspark bench kernels` runs the script with runpy: its sibling imports must still resolve."""
     out = ok(script("-m", "dspark", "bench", "kernels", "--dry-run")[0])
-    assert "benchmarks in 9 families" in out
+    assert "benchmarks in 12 families" in out
 
 
 def test_ncu_regexes_pick_the_verify_kernel_and_every_family():
