@@ -23,6 +23,8 @@ void product_avx2(int, const float*, const void*, bool, float*, ptrdiff_t, ptrdi
                   ptrdiff_t, ptrdiff_t, float*, float*);
 void product_base(int, const float*, const void*, bool, float*, ptrdiff_t, ptrdiff_t, ptrdiff_t, ptrdiff_t, ptrdiff_t,
                   ptrdiff_t, ptrdiff_t, float*, float*);
+void product_avx512(int, const float*, const void*, bool, float*, ptrdiff_t, ptrdiff_t, ptrdiff_t, ptrdiff_t, ptrdiff_t,
+                    ptrdiff_t, ptrdiff_t, float*, float*);
 void delta_columns(float* S, const float* q, const float* k, const float* v, const float* alpha, const float* beta,
                    const int* indptr, int sessions, int heads, int dv, int dk, float* out, float* ckpt);
 void rmsnorm(const float* x, const float* weight, float eps, ptrdiff_t rows, ptrdiff_t n, float* y);
@@ -35,7 +37,7 @@ namespace {
 using Product = void (*)(int, const float*, const void*, bool, float*, ptrdiff_t, ptrdiff_t, ptrdiff_t, ptrdiff_t,
                          ptrdiff_t, ptrdiff_t, ptrdiff_t, float*, float*);
 
-// Each thread's accumulators (product.h: rows x (strip + 16) floats), kept between calls.
+// Each thread's accumulators and panel (product.h), kept between calls.
 float* scratch(size_t floats) {
   thread_local std::vector<float> buf;
   if (buf.size() < floats) buf.resize(floats);
@@ -51,17 +53,39 @@ bool has_avx2() {
 #endif
 }
 
-// "avx2" or "base"; DSPARK_CPU_ISA=base forces the baseline (tests compare the two bitwise).
+bool has_avx512() {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx512f");
+#else
+  return false;
+#endif
+}
+
+// What this CPU runs, best first.
+std::vector<std::string> isas() {
+  std::vector<std::string> out;
+  if (has_avx512()) out.push_back("avx512");
+  if (has_avx2()) out.push_back("avx2");
+  out.push_back("base");
+  return out;
+}
+
+// "avx512", "avx2" or "base": the best this CPU runs, or DSPARK_CPU_ISA where the CPU runs it
+// (tests compare them bitwise; a bench can hold one fixed).
 std::string& isa() {
   static std::string name = [] {
+    const auto have = isas();
     const char* forced = std::getenv("DSPARK_CPU_ISA");
-    if (forced && std::string(forced) == "base") return std::string("base");
-    return std::string(has_avx2() ? "avx2" : "base");
+    for (const auto& h : have)
+      if (forced && h == forced) return h;
+    return have.front();
   }();
   return name;
 }
 
 Product product_of(const std::string& name) {
+  if (name == "avx512") return dspark_cpu::product_avx512;
   return name == "avx2" ? dspark_cpu::product_avx2 : dspark_cpu::product_base;
 }
 
@@ -166,8 +190,9 @@ void product(int dtype, const py::array& x, const py::array& w, bool transposed,
   const ptrdiff_t align = 32;
   const ptrdiff_t units = (N + align - 1) / align;
   const int parts = int(std::max<ptrdiff_t>(1, std::min<ptrdiff_t>(threads, units)));
+  // product.h's `acc` (rows x (strip + kPad)) and `buf` (one panel of up to 64 columns, x's block)
   const size_t acc_floats = size_t(rows) * size_t(strip + 64),
-               pack_floats = size_t(kblock + 1) * size_t(strip + 128) + size_t(rows) * size_t(kblock + 16);
+               pack_floats = size_t(kblock + 16) * size_t(64 + rows);
   auto part = [&](int i) {
     const ptrdiff_t c0 = std::min(N, units * i / parts * align), c1 = std::min(N, units * (i + 1) / parts * align);
     if (c0 < c1) {
@@ -228,13 +253,12 @@ PYBIND11_MODULE(_cpu, m) {
         py::arg("rows"),
         py::arg("k"), py::arg("n"), py::arg("threads"), py::arg("strip"), py::arg("kblock"), py::arg("isa") = "",
         "out f32 [rows, N] = x f32 [rows, K] @ w [K, N] (dtype 0 f32, 1 f16, 2 bf16; w given as w^T [N, K] when transposed)");
-  m.def("isa", [] { return isa(); }, "the instruction set in use: avx2 or base");
+  m.def("isa", [] { return isa(); }, "the instruction set in use: avx512, avx2 or base");
   m.def("delta_columns", &delta_columns, "the gated delta rule over each session's columns (dspark.ops.host)");
   m.def("rmsnorm", &rmsnorm, "RMSNorm of rows, NumPy's summation order (dspark.ops.host)");
   m.def("attention_scores", &attention_scores, "q.k halving sums over D (dspark.ops.host)");
   m.def("attention_weighted", &attention_weighted, "p.v halving sums over the keys (dspark.ops.host)");
-  py::list isas;  // what this CPU runs, best first
-  if (has_avx2()) isas.append("avx2");
-  isas.append("base");
-  m.attr("isas") = py::tuple(isas);
+  py::list have;  // what this CPU runs, best first
+  for (const auto& h : isas()) have.append(h);
+  m.attr("isas") = py::tuple(have);
 }
