@@ -171,6 +171,20 @@ def test_bench_cpu_runs_beside_transformers():
         assert f"{arch}, 1 thread(s): greedy tokens identical: yes" in out
 
 
+def test_bench_product_prints_each_row_count_against_one_row():
+    """profiling/bench_product.py at a small size: both shapes, every instruction set asked for,
+    the time over one row's."""
+    from tests.peers import peer
+    isas = peer("dspark._cpu").isas
+    r, _ = script("profiling/bench_product.py", "--k", "64", "--n", "256", "--rows", "1", "8", "--repeats", "1",
+                  "--isa", *isas)
+    out = ok(r)
+    for shape in ("memory", "cache"):
+        assert re.search(rf"^{shape}: w f32", out, re.M), out
+    for isa in isas:
+        assert re.search(rf"^{isa} +1 .* 1\.00$", out, re.M) and re.search(rf"^{isa} +8 ", out, re.M), out
+
+
 def test_bench_embedded_runs_beside_an_earlier_tree():
     """profiling/bench_embedded.py against this commit itself: two child interpreters, the table,
     and the same tokens from both."""
