@@ -29,8 +29,4 @@ void product_avx2(int dtype, const float* x, const void* w, bool transposed, flo
 }
 }  // namespace dspark_cpu
 
-#if defined(__clang__)
-#pragma clang attribute pop
-#else
-#pragma GCC pop_options
-#endif
+#include "target_pop.h"

@@ -27,8 +27,4 @@ void product_avx512(int dtype, const float* x, const void* w, bool transposed, f
 }
 }  // namespace dspark_cpu
 
-#if defined(__clang__)
-#pragma clang attribute pop
-#else
-#pragma GCC pop_options
-#endif
+#include "target_pop.h"
