@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .arrays import host_array
+from .cost import cost_model
 from .errors import CapacityError, ShapeError, StateError
 from .models.cache import Cache
 from .models.trunk import HybridTrunk
@@ -77,8 +78,10 @@ class PlainBatch:
             out[s.id] = s.last
         todo = [s for s in live if not self._check_done(s)]
         if todo:
-            tp = self.trunk.decode([s.cache for s in todo], [s.last for s in todo])
-            for s, t in zip(todo, pick_tokens(self.trunk.be, tp.logits, todo)):
+            with cost_model(self.trunk.be).timed("plain", len(todo), max(s.cache.pos for s in todo)):
+                tp = self.trunk.decode([s.cache for s in todo], [s.last for s in todo])
+                picks = pick_tokens(self.trunk.be, tp.logits, todo)
+            for s, t in zip(todo, picks):
                 s.last = int(t)
         return out
 

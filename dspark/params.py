@@ -36,6 +36,7 @@ class SamplingParams:
 VERIFY_POLICIES = ("auto", "confidence", "ladder", "full")
 ROLLBACKS = ("checkpoint", "replay")
 SAMPLERS = ("coupled", "rejection")
+POLICIES = ("gain", "always")
 
 
 @dataclass(frozen=True)
@@ -51,6 +52,11 @@ class SpecParams:
     sampling: SamplingParams = field(default_factory=SamplingParams)
     sampler: str = "coupled"     # sampled sessions: "coupled" (plain sampled decode's stream, demotable) or
                                  # "rejection" (lossless rejection sampling); dspark.spec_sampling
+    policy: str = "gain"         # where to speculate (dspark.gain): "gain" admits where the predicted gain exceeds
+                                 # 1 + margin and demotes where the measured gain stays below 1 for `patience`
+                                 # burst boundaries; "always" speculates wherever the concurrency gate admits
+    margin: float = 0.1
+    patience: int = 2
 
     def __post_init__(self):
         if not isinstance(self.max_new_tokens, (int, np.integer)) or self.max_new_tokens < 1:
@@ -67,6 +73,12 @@ class SpecParams:
             raise ValueError(f"SpecParams.tau={self.tau!r}: expected a value in [0, 1]")
         if self.sampler not in SAMPLERS:
             raise ValueError(f"SpecParams.sampler={self.sampler!r}: expected one of {SAMPLERS}")
+        if self.policy not in POLICIES:
+            raise ValueError(f"SpecParams.policy={self.policy!r}: expected one of {POLICIES}")
+        if not (isinstance(self.margin, (int, float)) and 0.0 <= self.margin < 10.0):
+            raise ValueError(f"SpecParams.margin={self.margin!r}: expected a number in [0, 10)")
+        if not isinstance(self.patience, (int, np.integer)) or isinstance(self.patience, bool) or self.patience < 1:
+            raise ValueError(f"SpecParams.patience={self.patience!r}: expected an int >= 1")
         if not isinstance(self.sampling, SamplingParams):
             raise TypeError(f"SpecParams.sampling: expected SamplingParams, got {type(self.sampling).__name__}")
 

@@ -24,13 +24,16 @@ tokens, and `last` (the anchor) is pending. That is what makes `into_demoted` ex
 from __future__ import annotations
 
 import itertools
+from collections import deque
 from dataclasses import dataclass
 
 import numpy as np
 
+from .cost import cost_model
 from .decode import check_prompt, first_token
 from .params import SamplingParams, SpecParams
 from .errors import StateError
+from .gain import WINDOW
 from .models.cache import Cache
 from .models.drafter import DraftKV, DsparkDrafter
 from .models.trunk import HybridTrunk
@@ -85,6 +88,9 @@ class DsparkSpecSession:
         s.rounds = 0
         s.emitted: list[int] = []
         s.stats = SpecStats()
+        s.recent = deque(maxlen=WINDOW)  # (tokens emitted, verify width) of the last rounds: dspark.gain
+        s.gain = None            # the gain at the last check (dspark.gain.demote_check)
+        s.below = 0              # consecutive checks with the gain below 1
         s.last = -1
         s.prompt_len = 0
         s.m_prev = 1
@@ -293,7 +299,9 @@ def spec_round(sessions: list[DsparkSpecSession]) -> list[list[int]]:
         for s in live:
             s._in_round = True
         try:
-            for s, toks in zip(live, _round(trunk, drafter, live)):
+            with cost_model(trunk.be).timed("round", len(live), max(s.cache.pos for s in live)) as note:
+                emitted = _round(trunk, drafter, live, note)
+            for s, toks in zip(live, emitted):
                 out[s.id] = toks
         finally:
             for s in live:
@@ -301,7 +309,7 @@ def spec_round(sessions: list[DsparkSpecSession]) -> list[list[int]]:
     return [out[s.id] for s in sessions]
 
 
-def _round(trunk: HybridTrunk, drafter: DsparkDrafter, live: list[DsparkSpecSession]) -> list[list[int]]:
+def _round(trunk: HybridTrunk, drafter: DsparkDrafter, live: list[DsparkSpecSession], note: dict) -> list[list[int]]:
     be = trunk.be
     nd = drafter.config.drafts
     rule = live[0].params.accept
@@ -319,6 +327,7 @@ def _round(trunk: HybridTrunk, drafter: DsparkDrafter, live: list[DsparkSpecSess
             from .spec_sampling import propose_sampled
             drafts, conf, q = propose_sampled(live, drafter, dl, dh, nd)
     vts = [min(verify_width(s, conf[i], nd), s.cache.capacity - s.cache.pos) for i, s in enumerate(live)]
+    note["width"] = float(np.mean(vts))
     cands = [np.concatenate([[s.last], drafts[i, : vts[i] - 1]]).astype(np.int32) for i, s in enumerate(live)]
     # No snapshot: the verify leaves the recurrent state as it is (module doc), so anything that
     # fails before the commit leaves every session exactly as it was.
@@ -347,6 +356,7 @@ def _round(trunk: HybridTrunk, drafter: DsparkDrafter, live: list[DsparkSpecSess
     for i, s in enumerate(live):
         toks = [int(t) for t in cands[i][: keep[i]]]
         s.stats.record(vts[i] - 1, int(m[i]))
+        s.recent.append((int(m[i]) + 1, vts[i]))
         s.rounds += 1
         s.m_prev = int(m[i])
         emitted.append(s._emit(toks))
@@ -390,16 +400,21 @@ def replay(trunk: HybridTrunk, caches: list[Cache], tp, starts: np.ndarray, keep
     trunk.replay(caches, tp, starts, keep)
 
 
-def spec_burst(sessions: list[DsparkSpecSession], target: int | None = None) -> list[list[int]]:
-    """Rounds for a batch of sessions until each emitted `target` tokens or finished."""
+def spec_burst(sessions: list[DsparkSpecSession], target: int | None = None, stop=None) -> list[list[int]]:
+    """Rounds for a batch of sessions until each emitted `target` tokens or finished. `stop(s,
+    batch)`, asked after each round of every live session, ends that session's burst early when
+    true (a burst boundary: the caller demotes it there)."""
     got = {s.id: [] for s in sessions}
     want = {s.id: int(target or s.params.burst_target) for s in sessions}
+    stopped = set()
     while True:
-        todo = [s for s in sessions if s._finished is None and len(got[s.id]) < want[s.id]]
+        todo = [s for s in sessions if s._finished is None and len(got[s.id]) < want[s.id] and s.id not in stopped]
         if not todo:
             break
         for s, toks in zip(todo, spec_round(todo)):
             got[s.id].extend(toks)
+        if stop is not None:
+            stopped |= {s.id for s in todo if s._finished is None and stop(s, todo)}
     for s in sessions:
         s.check_invariant()
     return [got[s.id] for s in sessions]

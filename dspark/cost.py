@@ -1,0 +1,189 @@
+"""What a speculative round costs against a plain decode step, measured as the process runs.
+
+A round at batch B, verify width w and context c costs `round_cost(B, w, c)` plain steps of batch
+B (plain steps of one row at B = 1). Both are timed where they run (`spec_round` and
+`PlainBatch.step` call `timed`): wall time on the CPU backends, CUDA events on `cuda`, read back
+only once the end event has completed (no synchronisation is added to a round). Each measurement
+updates an exponential average for its key (batch, width, context bucket; plain steps: batch,
+context bucket) and the scale that maps the prior onto seconds, so a key never measured is still
+priced: the prior's shape times what the measured keys say about its scale.
+
+The prior is the shape of the cost before anything is measured: a round is a drafter pass and
+fixed host work (ROUND_FIXED plain steps) plus ROUND_PER_COLUMN per verified column, measured on
+the embedded pair (profiling/RESULTS.md, "Speculation where it pays"); a plain step of B rows
+costs 1 + PLAIN_PER_ROW * (B - 1) steps of one row (weights are read once per step). `cuda` uses
+the same prior today: the performance model's per-shape prediction lives in profiling/ and is not
+yet a package module, so it is not this prior; measured rounds replace the prior's scale within a
+few rounds either way.
+
+The clock is injectable: anything with `mark()` and `seconds(a, b)` (None while not known yet).
+Tests drive the model with a scripted clock, never with real time.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+from dataclasses import dataclass, field
+
+ROUND_FIXED = 1.0        # plain steps: the drafter pass, proposal and host work of a round
+ROUND_PER_COLUMN = 0.16  # plain steps per verified column (the trunk's verify is one pass over w rows)
+PLAIN_PER_ROW = 0.25     # a plain step's extra cost per row beyond the first
+SMOOTHING = 0.25         # weight of a new measurement in the exponential averages
+CONTEXT_BUCKET = 1024    # contexts below this share bucket 0; each doubling above it is a bucket
+
+
+def context_bucket(context: int) -> int:
+    return int(max(0, context) // CONTEXT_BUCKET).bit_length()
+
+
+@dataclass(frozen=True)
+class Prior:
+    """The cost shape before any measurement, in plain steps of one row."""
+    round_fixed: float = ROUND_FIXED
+    round_per_column: float = ROUND_PER_COLUMN
+    plain_per_row: float = PLAIN_PER_ROW
+
+    def plain(self, batch: int, context: int) -> float:
+        return 1.0 + self.plain_per_row * (batch - 1)
+
+    def round(self, batch: int, width: float, context: int) -> float:
+        return self.plain(batch, context) * (self.round_fixed + self.round_per_column * width)
+
+
+class WallClock:
+    """Host wall time: the CPU backends run synchronously, so a step's wall time is its cost."""
+
+    def mark(self):
+        return time.perf_counter()
+
+    def seconds(self, a, b) -> float | None:
+        return b - a
+
+
+class CudaEventClock:
+    """CUDA events on the current stream; an interval is known once its end event completed."""
+
+    def __init__(self, cupy):
+        self.cupy = cupy
+
+    def mark(self):
+        e = self.cupy.cuda.Event()
+        e.record()
+        return e
+
+    def seconds(self, a, b) -> float | None:
+        if not b.done:
+            return None
+        return self.cupy.cuda.get_elapsed_time(a, b) / 1e3
+
+
+class _Average:
+    """An exponential average; the first sample sets it."""
+    __slots__ = ("value", "n")
+
+    def __init__(self):
+        self.value, self.n = 0.0, 0
+
+    def add(self, x: float) -> None:
+        self.value = x if self.n == 0 else self.value + SMOOTHING * (x - self.value)
+        self.n += 1
+
+
+@dataclass
+class CostModel:
+    clock: object = field(default_factory=WallClock)
+    prior: Prior = field(default_factory=Prior)
+
+    def __post_init__(self):
+        self._rounds: dict[tuple, _Average] = {}
+        self._plain: dict[tuple, _Average] = {}
+        self._scale = {"round": _Average(), "plain": _Average()}  # measured seconds / prior
+        self._pending: list[tuple] = []
+
+    # ---- measuring -------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def timed(self, kind: str, batch: int, context: int, width: float = 1.0):
+        """Time the block as one round ("round") or one plain step ("plain"). It yields a dict:
+        a round sets "width" (its mean verify width) once it knows it."""
+        note = {"width": width}
+        start = self.clock.mark()
+        yield note
+        self._pending.append((kind, int(batch), float(note["width"]), int(context), start, self.clock.mark()))
+        self._resolve()
+
+    def _resolve(self) -> None:
+        waiting = []
+        for kind, batch, width, context, a, b in self._pending:
+            sec = self.clock.seconds(a, b)
+            if sec is None:
+                waiting.append((kind, batch, width, context, a, b))
+            else:
+                self.record(kind, batch, context, sec, width)
+        self._pending = waiting
+
+    def record(self, kind: str, batch: int, context: int, seconds: float, width: float = 1.0) -> None:
+        """One measured round or plain step."""
+        if kind not in ("round", "plain"):
+            raise ValueError(f"kind={kind!r}: expected 'round' or 'plain'")
+        if not (seconds > 0 and math.isfinite(seconds)):
+            return  # a clock that did not move says nothing
+        if kind == "round":
+            key, table, prior = self._round_key(batch, width, context), self._rounds, self.prior.round(batch, width, context)
+        else:
+            key, table, prior = (batch, context_bucket(context)), self._plain, self.prior.plain(batch, context)
+        table.setdefault(key, _Average()).add(seconds)
+        self._scale[kind].add(seconds / prior)
+
+    @staticmethod
+    def _round_key(batch: int, width: float, context: int) -> tuple:
+        return batch, int(round(width)), context_bucket(context)
+
+    # ---- pricing ---------------------------------------------------------------------------------
+    def _scale_of(self, kind: str) -> float:
+        s, other = self._scale[kind], self._scale["plain" if kind == "round" else "round"]
+        return s.value if s.n else (other.value if other.n else 1.0)
+
+    def round_seconds(self, batch: int, width: float, context: int) -> float:
+        m = self._rounds.get(self._round_key(batch, width, context))
+        return m.value if m else self.prior.round(batch, width, context) * self._scale_of("round")
+
+    def plain_seconds(self, batch: int, context: int) -> float:
+        m = self._plain.get((batch, context_bucket(context)))
+        return m.value if m else self.prior.plain(batch, context) * self._scale_of("plain")
+
+    def round_cost(self, batch: int, width: float, context: int) -> float:
+        """A round's cost in plain steps of the same batch."""
+        return self.round_seconds(batch, width, context) / self.plain_seconds(batch, context)
+
+    def measured(self) -> dict:
+        """Counts of measurements, for stats."""
+        return {"rounds": sum(a.n for a in self._rounds.values()), "plain_steps": sum(a.n for a in self._plain.values())}
+
+
+def clock_for(be):
+    """Wall time on the CPU backends; CUDA events on `cuda` (a stand-in without events: wall time)."""
+    if be.name == "cuda":
+        try:
+            return CudaEventClock(be.xp) if callable(be.xp.cuda.Event) else WallClock()
+        except AttributeError:  # the CuPy contract stand-in models no events
+            return WallClock()
+    return WallClock()
+
+
+def cost_model(be) -> CostModel:
+    """The backend's process-wide cost model (created on first use)."""
+    if be.cost is None:
+        be.cost = CostModel(clock_for(be))
+    return be.cost
+
+
+@contextlib.contextmanager
+def using(be, model: CostModel):
+    """Put `model` in place of the backend's cost model for the block (tests: a scripted clock)."""
+    old, be.cost = be.cost, model
+    try:
+        yield model
+    finally:
+        be.cost = old

@@ -1,0 +1,112 @@
+"""Speculation as a bet per session: expected tokens per round over the round's cost in plain
+steps (DESIGN section 10), and the decisions taken from it under SpecParams(policy="gain").
+
+Expected tokens per round: the mean of the session's last WINDOW rounds (tokens emitted, the
+anchor included). Before PRIOR_ROUNDS rounds the prior fills the missing weight: the drafter's
+recorded greedy floor (`DsparkDrafter.accept_floor`) for a greedy session where the drafter has
+one, else NEUTRAL_TOKENS. The cost comes from the backend's cost model (dspark.cost).
+
+At B <= 2 rows the round's weight reads are shared, so the gain that decides is the batch's: the
+time of the batch's round with this session in it against the time without it (the others' round)
+plus this session's tokens in plain steps. At B = 1 that is the session's own gain; at B > 2 a
+session's gain is its tokens over the round's cost in plain steps of the batch.
+
+Decisions (each returns (bool, reason)):
+* `admit`: start speculative only where the predicted gain exceeds 1 + params.margin.
+* `rejection_mode`: a request sampled by rejection keeps one mode for its whole life, chosen from
+  the request and the prior alone: the prior tokens over the cost model's *prior* at one row,
+  never a timing and never the load, so its text depends only on its seed and request.
+* `demote_check`: a demotable session whose measured gain stays below 1 for params.patience
+  consecutive checks (burst boundaries) is demoted; one check at or above 1 resets the count
+  (the hysteresis: a dip does not demote, and demotion is one-way, so nothing flaps).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .cost import CostModel, cost_model
+from .params import SpecParams
+
+WINDOW = 8            # rounds of a session's own history that its gain reads
+PRIOR_ROUNDS = 3      # the prior's weight, in rounds; the first rounds replace it
+NEUTRAL_TOKENS = 3.0  # tokens per round expected of a drafter with no recorded floor (or sampled)
+
+
+def prior_tokens(params: SpecParams, drafter) -> float:
+    floor = getattr(drafter, "accept_floor", None)
+    return float(floor) if floor and params.accept == "greedy" else NEUTRAL_TOKENS
+
+
+def prior_width(params: SpecParams, drafter) -> int:
+    """The widest verify the session may run: the cost before its own widths are known."""
+    cap = drafter.config.drafts + 1
+    return min(params.max_verify or cap, cap)
+
+
+def expected_tokens(s) -> float:
+    """Tokens per round expected of session `s` from its recent rounds and the prior."""
+    recent = [t for t, _ in s.recent]
+    w = max(0, PRIOR_ROUNDS - len(recent))
+    return (prior_tokens(s.params, s.drafter) * w + sum(recent)) / (w + len(recent))
+
+
+def expected_width(s) -> float:
+    if not s.recent:
+        return float(prior_width(s.params, s.drafter))
+    return float(np.mean([w for _, w in s.recent]))
+
+
+def batch_gain(model: CostModel, tokens: float, width: float, context: int, others: list[tuple[float, int]]) -> float:
+    """Gain of one session with `tokens` per round at verify `width` sharing rounds with `others`
+    ((width, context) of each other session of its batch)."""
+    b = len(others) + 1
+    widths = [width] + [w for w, _ in others]
+    ctx = max([context] + [c for _, c in others])
+    if b <= 2:
+        rest = model.round_seconds(b - 1, float(np.mean(widths[1:])), ctx) if others else 0.0
+        return (rest + tokens * model.plain_seconds(1, context)) / model.round_seconds(b, float(np.mean(widths)), ctx)
+    return tokens / model.round_cost(b, float(np.mean(widths)), ctx)
+
+
+def session_gain(s, group) -> float:
+    """The measured gain of live session `s` in its round batch `group` (s included)."""
+    others = [(expected_width(o), o.cache.pos) for o in group if o is not s]
+    return batch_gain(cost_model(s.be), expected_tokens(s), expected_width(s), s.cache.pos, others)
+
+
+def admit(params: SpecParams, drafter, context: int, group=()) -> tuple[bool, str]:
+    """Whether a new demotable request starts speculative beside the live sessions `group` of its
+    accept rule; with the reason."""
+    if params.policy == "always":
+        return True, "policy always"
+    others = [(expected_width(o), o.cache.pos) for o in group]
+    g = batch_gain(cost_model(drafter.be), prior_tokens(params, drafter), prior_width(params, drafter), context, others)
+    if g > 1.0 + params.margin:
+        return True, f"predicted gain {g:.2f} > 1 + margin {params.margin:g}"
+    return False, f"predicted gain {g:.2f} <= 1 + margin {params.margin:g}"
+
+
+def rejection_mode(params: SpecParams, drafter, context: int) -> tuple[bool, str]:
+    """Speculative or plain for a request sampled by rejection, for its whole life: the request and
+    the prior alone (the cost model's prior at one row, not its measurements, not the load)."""
+    if params.policy == "always":
+        return True, "policy always"
+    prior = cost_model(drafter.be).prior
+    cost = prior.round(1, prior_width(params, drafter), context) / prior.plain(1, context)
+    g = prior_tokens(params, drafter) / cost
+    if g > 1.0 + params.margin:
+        return True, f"rejection sampling, prior gain {g:.2f} > 1 + margin {params.margin:g}"
+    return False, f"rejection sampling, prior gain {g:.2f} <= 1 + margin {params.margin:g}"
+
+
+def demote_check(s, group) -> tuple[bool, str]:
+    """At a burst boundary of live session `s` in round batch `group`: update its gain and its
+    count of consecutive checks below 1; demote once that count reaches params.patience."""
+    if s.params.policy == "always" or not s.params.demotable or len(s.recent) < PRIOR_ROUNDS:
+        return False, ""
+    s.gain = session_gain(s, group)
+    s.below = s.below + 1 if s.gain < 1.0 else 0
+    if s.below >= s.params.patience:
+        return True, f"measured gain {s.gain:.2f} < 1 at {s.below} burst boundaries in a row"
+    return False, ""
