@@ -3,10 +3,12 @@
 A round at batch B, verify width w and context c costs `round_cost(B, w, c)` plain steps of batch
 B (plain steps of one row at B = 1). Both are timed where they run (`spec_round` and
 `PlainBatch.step` call `timed`): wall time on the CPU backends, CUDA events on `cuda`, read back
-only once the end event has completed (no synchronisation is added to a round). Each measurement
-updates an exponential average for its key (batch, width, context bucket; plain steps: batch,
-context bucket) and the scale that maps the prior onto seconds, so a key never measured is still
-priced: the prior's shape times what the measured keys say about its scale.
+only once the end event has completed (no synchronisation is added to a round). A plain step's
+measurements update an exponential average per (greedy or sampled, batch, context bucket). A
+round's update the scale of the prior per (accept rule, batch, context bucket): measured seconds over the prior's steps, pooled
+over widths because a round's width varies from round to round and a per-width average would
+rest on a few noisy samples; the prior's shape prices the width. A key never measured is priced
+by the prior at the scale of all measurements of its kind.
 
 The prior is the shape of the cost before anything is measured: a round is a drafter pass and
 fixed host work (ROUND_FIXED plain steps) plus ROUND_PER_COLUMN per verified column, measured on
@@ -32,6 +34,16 @@ ROUND_PER_COLUMN = 0.16  # plain steps per verified column (the trunk's verify i
 PLAIN_PER_ROW = 0.25     # a plain step's extra cost per row beyond the first
 SMOOTHING = 0.25         # weight of a new measurement in the exponential averages
 CONTEXT_BUCKET = 1024    # contexts below this share bucket 0; each doubling above it is a bucket
+
+
+# Rounds of each accept rule and plain steps greedy or sampled cost differently (sampling a token
+# costs more than an argmax): each has its own measurements.
+RULES = (("round", "greedy"), ("round", "coupled"), ("round", "rejection"), ("plain", "greedy"), ("plain", "sampled"))
+
+
+def plain_rule(rule: str) -> str:
+    """The plain step a session of accept rule `rule` would run instead."""
+    return "greedy" if rule == "greedy" else "sampled"
 
 
 def context_bucket(context: int) -> int:
@@ -97,69 +109,76 @@ class CostModel:
     prior: Prior = field(default_factory=Prior)
 
     def __post_init__(self):
-        self._rounds: dict[tuple, _Average] = {}
-        self._plain: dict[tuple, _Average] = {}
-        self._scale = {"round": _Average(), "plain": _Average()}  # measured seconds / prior
+        self._rounds: dict[tuple, _Average] = {}  # (batch, context bucket): seconds over the prior's steps
+        self._plain: dict[tuple, _Average] = {}   # (batch, context bucket): seconds
+        self._scale: dict = {}  # (kind, rule) and kind: measured seconds over the prior's steps
         self._pending: list[tuple] = []
 
     # ---- measuring -------------------------------------------------------------------------------
     @contextlib.contextmanager
-    def timed(self, kind: str, batch: int, context: int, width: float = 1.0):
-        """Time the block as one round ("round") or one plain step ("plain"). It yields a dict:
-        a round sets "width" (its mean verify width) once it knows it."""
+    def timed(self, kind: str, batch: int, context: int, width: float = 1.0, rule: str = "greedy"):
+        """Time the block as one round ("round", of accept rule `rule`) or one plain step ("plain",
+        `rule` "greedy" or "sampled"). It yields a dict: a round sets "width" (its mean verify width)
+        once it knows it."""
         note = {"width": width}
         start = self.clock.mark()
         yield note
-        self._pending.append((kind, int(batch), float(note["width"]), int(context), start, self.clock.mark()))
+        self._pending.append((kind, rule, int(batch), int(context), float(note["width"]), start, self.clock.mark()))
         self._resolve()
 
     def _resolve(self) -> None:
         waiting = []
-        for kind, batch, width, context, a, b in self._pending:
+        for kind, rule, batch, context, width, a, b in self._pending:
             sec = self.clock.seconds(a, b)
             if sec is None:
-                waiting.append((kind, batch, width, context, a, b))
+                waiting.append((kind, rule, batch, context, width, a, b))
             else:
-                self.record(kind, batch, context, sec, width)
+                self.record(kind, batch, context, sec, width, rule)
         self._pending = waiting
 
-    def record(self, kind: str, batch: int, context: int, seconds: float, width: float = 1.0) -> None:
+    def record(self, kind: str, batch: int, context: int, seconds: float, width: float = 1.0,
+               rule: str = "greedy") -> None:
         """One measured round or plain step."""
-        if kind not in ("round", "plain"):
-            raise ValueError(f"kind={kind!r}: expected 'round' or 'plain'")
+        if (kind, rule) not in RULES:
+            raise ValueError(f"(kind, rule)={(kind, rule)!r}: expected one of {RULES}")
         if not (seconds > 0 and math.isfinite(seconds)):
             return  # a clock that did not move says nothing
+        key = (rule, batch, context_bucket(context))
         if kind == "round":
-            key, table, prior = self._round_key(batch, width, context), self._rounds, self.prior.round(batch, width, context)
+            ratio = seconds / self.prior.round(batch, width, context)
+            self._rounds.setdefault(key, _Average()).add(ratio)
         else:
-            key, table, prior = (batch, context_bucket(context)), self._plain, self.prior.plain(batch, context)
-        table.setdefault(key, _Average()).add(seconds)
-        self._scale[kind].add(seconds / prior)
-
-    @staticmethod
-    def _round_key(batch: int, width: float, context: int) -> tuple:
-        return batch, int(round(width)), context_bucket(context)
+            ratio = seconds / self.prior.plain(batch, context)
+            self._plain.setdefault(key, _Average()).add(seconds)
+        self._scale.setdefault((kind, rule), _Average()).add(ratio)
+        self._scale.setdefault(kind, _Average()).add(ratio)
 
     # ---- pricing ---------------------------------------------------------------------------------
-    def _scale_of(self, kind: str) -> float:
-        s, other = self._scale[kind], self._scale["plain" if kind == "round" else "round"]
-        return s.value if s.n else (other.value if other.n else 1.0)
+    def _scale_of(self, kind: str, rule: str) -> float:
+        """The prior's scale for a key never measured: the same kind and rule, else the same kind,
+        else the other kind, else 1."""
+        for key in ((kind, rule), kind, "plain" if kind == "round" else "round"):
+            a = self._scale.get(key)
+            if a is not None and a.n:
+                return a.value
+        return 1.0
 
-    def round_seconds(self, batch: int, width: float, context: int) -> float:
-        m = self._rounds.get(self._round_key(batch, width, context))
-        return m.value if m else self.prior.round(batch, width, context) * self._scale_of("round")
+    def round_seconds(self, batch: int, width: float, context: int, rule: str = "greedy") -> float:
+        m = self._rounds.get((rule, batch, context_bucket(context)))
+        return self.prior.round(batch, width, context) * (m.value if m else self._scale_of("round", rule))
 
-    def plain_seconds(self, batch: int, context: int) -> float:
-        m = self._plain.get((batch, context_bucket(context)))
-        return m.value if m else self.prior.plain(batch, context) * self._scale_of("plain")
+    def plain_seconds(self, batch: int, context: int, rule: str = "greedy") -> float:
+        m = self._plain.get((rule, batch, context_bucket(context)))
+        return m.value if m else self.prior.plain(batch, context) * self._scale_of("plain", rule)
 
-    def round_cost(self, batch: int, width: float, context: int) -> float:
-        """A round's cost in plain steps of the same batch."""
-        return self.round_seconds(batch, width, context) / self.plain_seconds(batch, context)
+    def round_cost(self, batch: int, width: float, context: int, rule: str = "greedy") -> float:
+        """A round's cost in plain steps of the same batch and sampling."""
+        return self.round_seconds(batch, width, context, rule) / self.plain_seconds(batch, context, plain_rule(rule))
 
     def measured(self) -> dict:
         """Counts of measurements, for stats."""
-        return {"rounds": sum(a.n for a in self._rounds.values()), "plain_steps": sum(a.n for a in self._plain.values())}
+        return {"rounds": self._scale["round"].n if "round" in self._scale else 0,
+                "plain_steps": self._scale["plain"].n if "plain" in self._scale else 0}
 
 
 def clock_for(be):

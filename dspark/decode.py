@@ -78,7 +78,8 @@ class PlainBatch:
             out[s.id] = s.last
         todo = [s for s in live if not self._check_done(s)]
         if todo:
-            with cost_model(self.trunk.be).timed("plain", len(todo), max(s.cache.pos for s in todo)):
+            rule = "greedy" if all(s.sampling is None for s in todo) else "sampled"
+            with cost_model(self.trunk.be).timed("plain", len(todo), max(s.cache.pos for s in todo), rule=rule):
                 tp = self.trunk.decode([s.cache for s in todo], [s.last for s in todo])
                 picks = pick_tokens(self.trunk.be, tp.logits, todo)
             for s, t in zip(todo, picks):

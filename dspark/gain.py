@@ -16,21 +16,27 @@ Decisions (each returns (bool, reason)):
 * `rejection_mode`: a request sampled by rejection keeps one mode for its whole life, chosen from
   the request and the prior alone: the prior tokens over the cost model's *prior* at one row,
   never a timing and never the load, so its text depends only on its seed and request.
-* `demote_check`: a demotable session whose measured gain stays below 1 for params.patience
-  consecutive checks (burst boundaries) is demoted; one check at or above 1 resets the count
-  (the hysteresis: a dip does not demote, and demotion is one-way, so nothing flaps).
+* `demote_check`: once a session has a full window of its own rounds, a demotable session whose
+  measured gain stays below 1 for params.patience consecutive checks (burst boundaries: the
+  worker and `dspark generate` check after every round, each a burst boundary) is demoted; one
+  check at or above 1 resets the count (the hysteresis: a dip does not demote, and demotion is
+  one-way, so nothing flaps). The first rounds of a text are often its least predictable, so no
+  check runs on fewer than WINDOW rounds.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from .cost import CostModel, cost_model
+from .cost import CostModel, cost_model, plain_rule
 from .params import SpecParams
 
 WINDOW = 8            # rounds of a session's own history that its gain reads
 PRIOR_ROUNDS = 3      # the prior's weight, in rounds; the first rounds replace it
-NEUTRAL_TOKENS = 3.0  # tokens per round expected of a drafter with no recorded floor (or sampled)
+# Tokens per round expected of a session with no recorded floor (sampled, or a drafter without a
+# record). Optimistic on purpose: it admits wherever a round costs under about 3.6 plain steps, so
+# the first rounds measure the session; a demotable one that loses pays `patience` checks at most.
+NEUTRAL_TOKENS = 4.0
 
 
 def prior_tokens(params: SpecParams, drafter) -> float:
@@ -57,22 +63,24 @@ def expected_width(s) -> float:
     return float(np.mean([w for _, w in s.recent]))
 
 
-def batch_gain(model: CostModel, tokens: float, width: float, context: int, others: list[tuple[float, int]]) -> float:
-    """Gain of one session with `tokens` per round at verify `width` sharing rounds with `others`
-    ((width, context) of each other session of its batch)."""
+def batch_gain(model: CostModel, tokens: float, width: float, context: int, others: list[tuple[float, int]],
+               rule: str = "greedy") -> float:
+    """Gain of one session of accept rule `rule` with `tokens` per round at verify `width` sharing
+    rounds with `others` ((width, context) of each other session of its batch)."""
     b = len(others) + 1
     widths = [width] + [w for w, _ in others]
     ctx = max([context] + [c for _, c in others])
     if b <= 2:
-        rest = model.round_seconds(b - 1, float(np.mean(widths[1:])), ctx) if others else 0.0
-        return (rest + tokens * model.plain_seconds(1, context)) / model.round_seconds(b, float(np.mean(widths)), ctx)
-    return tokens / model.round_cost(b, float(np.mean(widths)), ctx)
+        rest = model.round_seconds(b - 1, float(np.mean(widths[1:])), ctx, rule) if others else 0.0
+        plain = model.plain_seconds(1, context, plain_rule(rule))
+        return (rest + tokens * plain) / model.round_seconds(b, float(np.mean(widths)), ctx, rule)
+    return tokens / model.round_cost(b, float(np.mean(widths)), ctx, rule)
 
 
 def session_gain(s, group) -> float:
     """The measured gain of live session `s` in its round batch `group` (s included)."""
     others = [(expected_width(o), o.cache.pos) for o in group if o is not s]
-    return batch_gain(cost_model(s.be), expected_tokens(s), expected_width(s), s.cache.pos, others)
+    return batch_gain(cost_model(s.be), expected_tokens(s), expected_width(s), s.cache.pos, others, s.params.accept)
 
 
 def admit(params: SpecParams, drafter, context: int, group=()) -> tuple[bool, str]:
@@ -81,7 +89,8 @@ def admit(params: SpecParams, drafter, context: int, group=()) -> tuple[bool, st
     if params.policy == "always":
         return True, "policy always"
     others = [(expected_width(o), o.cache.pos) for o in group]
-    g = batch_gain(cost_model(drafter.be), prior_tokens(params, drafter), prior_width(params, drafter), context, others)
+    g = batch_gain(cost_model(drafter.be), prior_tokens(params, drafter), prior_width(params, drafter), context, others,
+                   params.accept)
     if g > 1.0 + params.margin:
         return True, f"predicted gain {g:.2f} > 1 + margin {params.margin:g}"
     return False, f"predicted gain {g:.2f} <= 1 + margin {params.margin:g}"
@@ -101,11 +110,12 @@ def rejection_mode(params: SpecParams, drafter, context: int) -> tuple[bool, str
 
 
 def demote_check(s, group) -> tuple[bool, str]:
-    """At a burst boundary of live session `s` in round batch `group`: update its gain and its
-    count of consecutive checks below 1; demote once that count reaches params.patience."""
-    if s.params.policy == "always" or not s.params.demotable or len(s.recent) < PRIOR_ROUNDS:
-        return False, ""
+    """At a burst boundary of live session `s` in round batch `group`: update its gain (every
+    session's, for the stats) and, under the gain policy, its count of consecutive checks below 1;
+    demote a demotable session once that count reaches params.patience."""
     s.gain = session_gain(s, group)
+    if s.params.policy == "always" or not s.params.demotable or len(s.recent) < WINDOW:
+        return False, ""
     s.below = s.below + 1 if s.gain < 1.0 else 0
     if s.below >= s.params.patience:
         return True, f"measured gain {s.gain:.2f} < 1 at {s.below} burst boundaries in a row"

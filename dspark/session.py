@@ -299,7 +299,8 @@ def spec_round(sessions: list[DsparkSpecSession]) -> list[list[int]]:
         for s in live:
             s._in_round = True
         try:
-            with cost_model(trunk.be).timed("round", len(live), max(s.cache.pos for s in live)) as note:
+            with cost_model(trunk.be).timed("round", len(live), max(s.cache.pos for s in live),
+                                            rule=live[0].params.accept) as note:
                 emitted = _round(trunk, drafter, live, note)
             for s, toks in zip(live, emitted):
                 out[s.id] = toks
