@@ -91,9 +91,7 @@ def admit(params: SpecParams, drafter, context: int, group=()) -> tuple[bool, st
     others = [(expected_width(o), o.cache.pos) for o in group]
     g = batch_gain(cost_model(drafter.be), prior_tokens(params, drafter), prior_width(params, drafter), context, others,
                    params.accept)
-    if g > 1.0 + params.margin:
-        return True, f"predicted gain {g:.2f} > 1 + margin {params.margin:g}"
-    return False, f"predicted gain {g:.2f} <= 1 + margin {params.margin:g}"
+    return verdict(g, params, "predicted gain")
 
 
 def rejection_mode(params: SpecParams, drafter, context: int) -> tuple[bool, str]:
@@ -103,10 +101,14 @@ def rejection_mode(params: SpecParams, drafter, context: int) -> tuple[bool, str
         return True, "policy always"
     prior = cost_model(drafter.be).prior
     cost = prior.round(1, prior_width(params, drafter), context) / prior.plain(1, context)
-    g = prior_tokens(params, drafter) / cost
+    return verdict(prior_tokens(params, drafter) / cost, params, "rejection sampling, prior gain")
+
+
+def verdict(g: float, params: SpecParams, what: str) -> tuple[bool, str]:
+    """Speculative only where the gain `g` exceeds 1 by the margin."""
     if g > 1.0 + params.margin:
-        return True, f"rejection sampling, prior gain {g:.2f} > 1 + margin {params.margin:g}"
-    return False, f"rejection sampling, prior gain {g:.2f} <= 1 + margin {params.margin:g}"
+        return True, f"{what} {g:.2f} > 1 + margin {params.margin:g}"
+    return False, f"{what} {g:.2f} <= 1 + margin {params.margin:g}"
 
 
 def demote_check(s, group) -> tuple[bool, str]:
