@@ -27,12 +27,15 @@ from __future__ import annotations
 import contextlib
 import math
 import time
+
+import numpy as np
 from dataclasses import dataclass, field
 
 ROUND_FIXED = 1.0        # plain steps: the drafter pass, proposal and host work of a round
 ROUND_PER_COLUMN = 0.16  # plain steps per verified column (the trunk's verify is one pass over w rows)
 PLAIN_PER_ROW = 0.25     # a plain step's extra cost per row beyond the first
 SMOOTHING = 0.25         # weight of a new measurement in the exponential averages
+MIN_ROW_SHARE = 0.02     # a plain row never costs less than this share of a one-row step
 CONTEXT_BUCKET = 1024    # contexts below this share bucket 0; each doubling above it is a bucket
 
 
@@ -91,7 +94,7 @@ class CudaEventClock:
         return self.cupy.cuda.get_elapsed_time(a, b) / 1e3
 
 
-class _Average:
+class Average:
     """An exponential average; the first sample sets it."""
     __slots__ = ("value", "n")
 
@@ -109,8 +112,8 @@ class CostModel:
     prior: Prior = field(default_factory=Prior)
 
     def __post_init__(self):
-        self._rounds: dict[tuple, _Average] = {}  # (batch, context bucket): seconds over the prior's steps
-        self._plain: dict[tuple, _Average] = {}   # (batch, context bucket): seconds
+        self._rounds: dict[tuple, Average] = {}  # (batch, context bucket): seconds over the prior's steps
+        self._plain: dict[tuple, Average] = {}   # (batch, context bucket): seconds
         self._scale: dict = {}  # (kind, rule) and kind: measured seconds over the prior's steps
         self._pending: list[tuple] = []
 
@@ -146,12 +149,12 @@ class CostModel:
         key = (rule, batch, context_bucket(context))
         if kind == "round":
             ratio = seconds / self.prior.round(batch, width, context)
-            self._rounds.setdefault(key, _Average()).add(ratio)
+            self._rounds.setdefault(key, Average()).add(ratio)
         else:
             ratio = seconds / self.prior.plain(batch, context)
-            self._plain.setdefault(key, _Average()).add(seconds)
-        self._scale.setdefault((kind, rule), _Average()).add(ratio)
-        self._scale.setdefault(kind, _Average()).add(ratio)
+            self._plain.setdefault(key, Average()).add(seconds)
+        self._scale.setdefault((kind, rule), Average()).add(ratio)
+        self._scale.setdefault(kind, Average()).add(ratio)
 
     # ---- pricing ---------------------------------------------------------------------------------
     def _scale_of(self, kind: str, rule: str) -> float:
@@ -170,6 +173,20 @@ class CostModel:
     def plain_seconds(self, batch: int, context: int, rule: str = "greedy") -> float:
         m = self._plain.get((rule, batch, context_bucket(context)))
         return m.value if m else self.prior.plain(batch, context) * self._scale_of("plain", rule)
+
+    def plain_row_seconds(self, batch: int, context: int, rule: str = "greedy") -> float:
+        """What one more row adds to a plain step of `batch` rows: the slope of the measured steps of
+        this rule and context bucket over their batch sizes where two or more were measured (at
+        least MIN_ROW_SHARE of a one-row step), else the prior's slope at the measured level."""
+        cb = context_bucket(context)
+        pts = sorted((b, a.value) for (r, b, c), a in self._plain.items() if r == rule and c == cb and a.n)
+        one = self.plain_seconds(1, context, rule)
+        if len(pts) >= 2:
+            b, t = np.array(pts, float).T
+            slope = float(np.polyfit(b, t, 1)[0])
+            return max(slope, MIN_ROW_SHARE * one)
+        p = self.prior
+        return self.plain_seconds(batch, context, rule) * (p.plain(batch + 1, context) / p.plain(batch, context) - 1.0)
 
     def round_cost(self, batch: int, width: float, context: int, rule: str = "greedy") -> float:
         """A round's cost in plain steps of the same batch and sampling."""

@@ -145,7 +145,7 @@ class Worker:
         if self.active() + 1 > self.gate.low:
             return False, "gate"
         group = [q.session for q in self.requests.values() if q.mode == "spec" and q.session.params.accept == params.accept]
-        return admit(params, self.drafter, r.prompt.size, group)
+        return admit(params, self.drafter, r.prompt.size, group, len(self.plain.active()))
 
     def _admit(self, r: Request) -> None:
         params = SpecParams(**{**self.spec.__dict__, "max_new_tokens": r.max_new_tokens, "sampling": r.sampling})
@@ -193,8 +193,10 @@ class Worker:
             before = {r.id: len(r.session.emitted) for r in group}
             demote: dict[int, str] = {}
 
+            plain_rows = len(self.plain.active())
+
             def stop(s, batch):
-                down, why = demote_check(s, batch)
+                down, why = demote_check(s, batch, plain_rows)
                 if down:
                     demote[s.id] = why
                 return down

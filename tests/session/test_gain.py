@@ -49,13 +49,13 @@ FLAT = Prior(round_fixed=1.0, round_per_column=0.0, plain_per_row=0.0)  # every 
 
 
 def scripted(round_steps: float, batches=(1, 2, 3)) -> CostModel:
-    """A cost model whose rounds of B rows cost B x `round_steps` plain steps at every width and
-    accept rule (a plain step costs 1 s at every batch, greedy or sampled) in context bucket 0, and
-    that never hears of a real timing."""
+    """A cost model with no sharing between rows: a plain step of B rows costs B s (greedy or
+    sampled), a round of B rows B x `round_steps` s at every width and accept rule, in context
+    bucket 0; it never hears of a real timing."""
     m = CostModel(FrozenClock(), FLAT)
     for b in batches:
         for kind, rule in cost.RULES:
-            m.record(kind, b, 0, round_steps * b if kind == "round" else 1.0, width=8, rule=rule)
+            m.record(kind, b, 0, (round_steps if kind == "round" else 1.0) * b, width=8, rule=rule)
     return m
 
 
@@ -123,7 +123,7 @@ def test_rounds_and_plain_steps_are_timed_where_they_run():
 
 # ---- the gain estimate and the decisions ----------------------------------------------------------------
 def fake_session(tokens, width=8, pos=100, floor=None, params=None, be=None):
-    drafter = SimpleNamespace(accept_floor=floor, config=SimpleNamespace(drafts=7), be=be)
+    drafter = SimpleNamespace(accept_floor=floor, config=SimpleNamespace(drafts=7), be=be, acceptance={})
     s = SimpleNamespace(params=params or SpecParams(), drafter=drafter, cache=SimpleNamespace(pos=pos),
                         be=be, gain=None, below=0)
     s.recent = [(t, width) for t in tokens]
@@ -143,7 +143,7 @@ def test_expected_tokens_start_at_the_prior_and_the_first_rounds_replace_it():
 def test_admission_is_pinned_at_one_plus_margin():
     """Neutral prior: admitted iff NEUTRAL_TOKENS / round cost > 1 + margin."""
     be = dspark.get_backend("numpy")
-    drafter = SimpleNamespace(accept_floor=None, config=SimpleNamespace(drafts=7), be=be)
+    drafter = SimpleNamespace(accept_floor=None, config=SimpleNamespace(drafts=7), be=be, acceptance={})
     params = SpecParams(margin=0.2)
     edge = gain.NEUTRAL_TOKENS / 1.2
     for steps, want in ((edge - 1e-6, True), (edge + 1e-6, False), (0.5, True), (10.0, False)):
@@ -157,7 +157,7 @@ def test_admission_is_pinned_at_one_plus_margin():
 
 def test_the_batch_gain_decides_at_two_rows():
     """At B = 2 a round of both rows costs little more than one of one row: a session with 1.5
-    tokens per round stays (its own gain, 1.5 / 2, would demote it)."""
+    tokens per round stays (its own gain, 1.5 / 2, would demote it); at B = 3 the same formula."""
     m = CostModel(FrozenClock())
     m.record("plain", 1, 0, 1.0)
     m.record("round", 1, 0, 2.0, width=4)
@@ -166,8 +166,24 @@ def test_the_batch_gain_decides_at_two_rows():
     assert g == pytest.approx((2.0 + 1.5) / 2.2)
     assert gain.batch_gain(m, 1.5, 4, 0, []) == pytest.approx(0.75)
     m.record("round", 3, 0, 6.0, width=4)
+    assert gain.batch_gain(m, 1.5, 4, 0, [(4, 0), (4, 0)]) == pytest.approx((2.2 + 1.5) / 6.0)  # every B alike
+
+
+def test_beside_a_plain_batch_a_row_costs_its_measured_slope():
+    """With plain steps measured at 1 and 3 rows (1.0 s, 1.5 s: 0.25 s a row), a session beside a
+    plain batch is priced at 0.25 s a token in plain decode, not a whole step."""
+    m = CostModel(FrozenClock())
+    m.record("plain", 1, 0, 1.0)
     m.record("plain", 3, 0, 1.5)
-    assert gain.batch_gain(m, 1.5, 4, 0, [(4, 0), (4, 0)]) == pytest.approx(1.5 / 4.0)  # B > 2: per session
+    m.record("round", 1, 0, 2.0, width=4)
+    assert m.plain_row_seconds(2, 0) == pytest.approx(0.25)
+    assert gain.batch_gain(m, 4.0, 4, 0, [], plain_rows=2) == pytest.approx(4.0 * 0.25 / 2.0)
+    assert gain.batch_gain(m, 4.0, 4, 0, []) == pytest.approx(4.0 / 2.0)  # no plain batch: a whole step
+    m.record("plain", 2, 0, 0.9)  # noise making the slope negative: floored at a share of a step
+    assert m.plain_row_seconds(2, 0) >= cost.MIN_ROW_SHARE * 1.0
+    fresh = CostModel(FrozenClock(), Prior(plain_per_row=0.5))
+    fresh.record("plain", 2, 0, 3.0)  # one batch measured: the prior's slope at the measured level
+    assert fresh.plain_row_seconds(2, 0) == pytest.approx(3.0 * (2.0 / 1.5 - 1.0))
 
 
 def test_demotion_needs_patience_boundaries_below_one():
@@ -205,7 +221,9 @@ def test_rejection_mode_comes_from_the_request_and_the_prior_alone():
     """Whatever the measured costs, the same request gets the same mode; the margin (a request
     setting) moves it at the prior's gain."""
     be = dspark.get_backend("numpy")
-    drafter = SimpleNamespace(accept_floor=4.7, config=SimpleNamespace(drafts=7), be=be)
+    drafter = SimpleNamespace(accept_floor=4.7, config=SimpleNamespace(drafts=7), be=be,
+                              acceptance={("rejection", 0.8): cost.Average()})
+    drafter.acceptance[("rejection", 0.8)].add(0.5)  # what other requests measured: never read for the mode
     p = SpecParams(sampler="rejection", sampling=SamplingParams(temperature=0.8), max_verify=8)
     prior_gain = gain.NEUTRAL_TOKENS / FLAT.round(1, 8, 0)
     modes = set()
@@ -216,6 +234,23 @@ def test_rejection_mode_comes_from_the_request_and_the_prior_alone():
     with cost.using(be, scripted(0.1)):
         assert gain.rejection_mode(SpecParams(**{**p.__dict__, "margin": prior_gain - 1 + 1e-6}), drafter, 50)[0] is False
         assert gain.rejection_mode(SpecParams(**{**p.__dict__, "margin": prior_gain - 1 - 1e-6}), drafter, 50)[0] is True
+
+
+def test_later_sessions_start_from_what_earlier_ones_measured():
+    """A demotable session's prior is what earlier sessions of its accept rule and temperature
+    measured: after a hot coupled session accepted 1.2 a round, the next one starts plain where the
+    neutral prior would have admitted it; another temperature still gets the neutral prior."""
+    be = dspark.get_backend("numpy")
+    hot = SpecParams(sampling=SamplingParams(temperature=1.0, seed=1))
+    with cost.using(be, scripted(2.0)):
+        s = fake_session([1] * gain.WINDOW + [2] * 2, be=be, params=hot)
+        drafter = s.drafter
+        assert gain.admit(hot, drafter, 50)[0]  # 4 / 2
+        s.recent = s.recent[-gain.WINDOW:]
+        gain.demote_check(s, [s])
+        assert gain.predicted_tokens(hot, drafter) == pytest.approx(1.25)
+        assert not gain.admit(SpecParams(sampling=SamplingParams(temperature=1.0, seed=9)), drafter, 50)[0]
+        assert gain.admit(SpecParams(sampling=SamplingParams(temperature=0.3)), drafter, 50)[0]
 
 
 def test_spec_params_policy_checks():
@@ -233,6 +268,7 @@ def shipped():
 
 def run_worker(trunk, drafter, requests, model, low=4):
     be = trunk.be
+    drafter.acceptance.clear()  # what earlier tests' sessions measured
     with cost.using(be, model):
         w = Worker(trunk, drafter, GateConfig(low=low, high=low + 4), spec=SpecParams(burst_target=8))
         ids = [w.submit(p, n, s) for p, n, s in requests]
@@ -281,6 +317,7 @@ def test_rejection_sampled_text_depends_only_on_seed_and_request(shipped):
     rej = SamplingParams(temperature=0.8, top_p=0.95, seed=5)
     spec = SpecParams(burst_target=8, sampler="rejection")
     texts, modes = [], []
+    drafter.acceptance.clear()
     for model, low in ((scripted(0.5), 4), (scripted(50.0), 4), (scripted(50.0), 0)):
         with cost.using(trunk.be, model):
             w = Worker(trunk, drafter, GateConfig(low=low, high=low + 4), spec=spec)
