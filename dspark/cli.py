@@ -320,8 +320,10 @@ def cmd_generate(args) -> int:
     else:
         trunk, drafter = load_pair(be, args.block)
         text, prompt = decode, encode(args.prompt)
-    if drafter is not None:  # warm both paths, as the demo does: the cost model's first measurements too
-        run_plain(trunk, prompt[:8], 8, sampling)
+    # Warm both paths on the prompt itself, as the demo does: these are also the cost model's first
+    # measurements, so they are taken at the context the request starts from.
+    if drafter is not None:
+        run_plain(trunk, prompt, 8, sampling)
     if args.no_spec or drafter is None:
         out, dt, _ = run_plain(trunk, prompt, args.max_new_tokens, sampling)
         note, stats = ("plain: --no-spec" if drafter is not None else "plain: no --drafter for --model"), None
@@ -329,7 +331,7 @@ def cmd_generate(args) -> int:
         params = SpecParams(max_new_tokens=args.max_new_tokens, verify=args.verify, tau=args.tau,
                             max_verify=args.max_verify, capture=False, sampling=sampling, sampler=args.sampler,
                             policy=args.policy)
-        run_spec(trunk, drafter, prompt[:8], replace(params, max_new_tokens=8))
+        run_spec(trunk, drafter, prompt, replace(params, max_new_tokens=8))
         out, dt, stats, note = run_request(trunk, drafter, prompt, params)
     print(args.prompt + text(body(trunk, out)))
     print(f"[{len(out)} tokens in {dt:.2f}s, {len(out) / dt:.1f} tokens/s, {note}; stopped: "

@@ -84,7 +84,7 @@ def heldout_code(n: int) -> list[np.ndarray]:
 def mixed(trunk, drafter, prompts, args) -> None:
     """Greedy held-out code and hot sampled requests, alternating: all plain, all speculative, by gain."""
     from dspark import cost
-    code = heldout_code(len(prompts))
+    code = [c if args.model == "default" else c % 200 for c in heldout_code(len(prompts))]
     prompts = [code[i] if i % 2 == 0 else p for i, p in enumerate(prompts)]
     samplings = [None if i % 2 == 0 else SamplingParams(temperature=1.0, top_p=0.95, seed=i) for i in range(len(prompts))]
     rows = [("all plain", GateConfig(0, 1), SpecParams(policy="always")),
