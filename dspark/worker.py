@@ -1,11 +1,18 @@
-"""Worker: serves many requests on one backend, speculative while the load is light.
+"""Worker: serves many requests on one backend, speculative where it pays and the load is light.
 
-The gate (`GateConfig`): a new request gets a spec session while `active + 1 <= low`, else it
-goes to the plain batch. At a burst boundary, once `active >= high`, every live demotable spec
-session (greedy, or sampled with the coupled sampler: SpecParams.demotable) is demoted into the
-plain batch (one-way), where it goes on with its own sampling. A demotable request's text is
-therefore the same whatever load it met: that of plain decode with its seed. Sessions sampled by
-rejection are never demoted; finished ones simply finish. The worker also owns prefix
+The gate (`GateConfig`) is the outer bound: a new demotable request (greedy, or sampled with the
+coupled sampler: SpecParams.demotable) may get a spec session only while `active + 1 <= low`, and
+then only where its predicted gain beside the live sessions of its accept rule and the plain batch
+exceeds 1 + margin (SpecParams(policy="gain"), dspark.gain; policy "always" skips that test).
+During a burst, a spec session whose measured gain has stayed below 1 for `patience` checks ends
+its burst there and is demoted (reason: its gain). At a burst boundary, once `active >= high`,
+every live demotable spec session is demoted (reason: the gate). Demotion is one-way: the plain
+batch goes on with the session's own sampling, so a demotable request's text is the same whatever
+load or timing it met: that of plain decode with its seed. A request sampled by rejection keeps
+one mode for its whole life, chosen from the request and the prior alone
+(dspark.gain.rejection_mode), never from the gate, the load or a timing, and is never demoted;
+finished ones simply finish. Every admission and demotion is logged with its reason
+(GateEvent.why) and counted in `metrics()`. The worker also owns prefix
 publication: after each burst it drains every session's prompt-end capture into the
 `PrefixStore`, and a new request whose prompt equals a published entry in its namespace restores
 from it instead of priming.
