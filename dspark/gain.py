@@ -45,6 +45,18 @@ PRIOR_ROUNDS = 3      # the prior's weight, in rounds; the first rounds replace 
 NEUTRAL_TOKENS = 4.0
 
 
+def width_by_gain(model: CostModel, conf, cap: int, context: int, rule: str = "greedy") -> int:
+    """The verify width in [2, cap] of most expected tokens per unit of round cost: a width v
+    emits 1 + sum over k < v of c_1 ... c_k tokens in expectation (c_k: the confidence head's
+    probability that draft k is accepted once drafts 1..k-1 were), and costs the cost model's
+    round at width v."""
+    c = np.cumprod(np.asarray(conf[: cap - 1], np.float64))
+    widths = np.arange(2, cap + 1)
+    tokens = 1.0 + np.cumsum(c)[widths - 2]
+    cost = np.array([model.round_seconds(1, float(v), context, rule) for v in widths])
+    return int(widths[int(np.argmax(tokens / cost))])
+
+
 def prior_tokens(params: SpecParams, drafter) -> float:
     """The static prior: the drafter's recorded greedy floor, else NEUTRAL_TOKENS."""
     floor = getattr(drafter, "accept_floor", None)

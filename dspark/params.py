@@ -33,7 +33,7 @@ class SamplingParams:
         return self.temperature == 0.0
 
 
-VERIFY_POLICIES = ("auto", "confidence", "ladder", "full")
+VERIFY_POLICIES = ("auto", "confidence", "ladder", "full", "gain")
 ROLLBACKS = ("checkpoint", "replay")
 SAMPLERS = ("coupled", "rejection")
 POLICIES = ("gain", "always")
@@ -44,7 +44,8 @@ class SpecParams:
     max_new_tokens: int = 256
     burst_target: int = 32
     verify: str = "auto"         # verify width: the drafter's confidence head where it has one, else the
-                                 # ladder ("auto"); "confidence", "ladder", or "full" (every draft)
+                                 # ladder ("auto"); "confidence", "ladder", "full" (every draft), or "gain"
+                                 # (the width of most expected tokens per unit of round cost: dspark.gain)
     tau: float = 0.5
     max_verify: int = 0          # cap on vt for both policies (the ladder's cap); 0: nd + 1
     rollback: str = "checkpoint"  # per-column checkpoint select, or snapshot restore + replay

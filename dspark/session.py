@@ -33,7 +33,7 @@ from .cost import cost_model
 from .decode import check_prompt, first_token
 from .params import SamplingParams, SpecParams
 from .errors import StateError
-from .gain import WINDOW
+from .gain import WINDOW, width_by_gain
 from .models.cache import Cache
 from .models.drafter import DraftKV, DsparkDrafter
 from .models.trunk import HybridTrunk
@@ -265,18 +265,21 @@ def verify_policy(params: SpecParams, drafter: DsparkDrafter) -> str:
     the ladder otherwise."""
     if params.verify == "auto":
         return "confidence" if drafter.has_confidence else "ladder"
-    if params.verify == "confidence" and not drafter.has_confidence:
-        raise ValueError("SpecParams.verify='confidence': this drafter has no confidence head; use 'auto', "
+    if params.verify in ("confidence", "gain") and not drafter.has_confidence:
+        raise ValueError(f"SpecParams.verify={params.verify!r}: this drafter has no confidence head; use 'auto', "
                          "'ladder' or 'full'")
     return params.verify
 
 
 def verify_width(s: DsparkSpecSession, conf: np.ndarray, nd: int) -> int:
     """Columns to verify: every draft ("full", as dflash_generate), 1 + the confident prefix (tau),
-    or the ladder; clamped to [2, min(nd + 1, max_verify)]."""
+    the width of most expected tokens per unit of cost ("gain"), or the ladder; clamped to
+    [2, min(nd + 1, max_verify)]."""
     cap = min(s.params.max_verify or nd + 1, nd + 1)
     if s.verify == "full":
         return cap
+    if s.verify == "gain":
+        return width_by_gain(cost_model(s.be), conf, cap, s.cache.pos, s.params.accept)
     if s.verify == "confidence":
         below = np.flatnonzero(conf < s.params.tau)
         return min(max(1 + (int(below[0]) if below.size else nd), 2), cap)

@@ -253,6 +253,35 @@ def test_later_sessions_start_from_what_earlier_ones_measured():
         assert gain.admit(SpecParams(sampling=SamplingParams(temperature=0.3)), drafter, 50)[0]
 
 
+def test_verify_width_by_gain_maximises_tokens_per_cost():
+    """Confidences 0.9, 0.9, 0.1, 0.9: widths 2..5 expect 1.9, 2.71, 2.79, 2.86 tokens; at 0.16
+    plain steps a column (plus 1) they cost 1.32, 1.48, 1.64, 1.80: width 3 wins. Free columns
+    take every draft; dear ones take the fewest."""
+    conf = np.array([0.9, 0.9, 0.1, 0.9, 0.9], np.float32)
+    m = CostModel(FrozenClock())
+    assert gain.width_by_gain(m, conf, 5, 0) == 3
+    assert gain.width_by_gain(CostModel(FrozenClock(), Prior(round_per_column=0.0)), conf, 5, 0) == 5
+    assert gain.width_by_gain(CostModel(FrozenClock(), Prior(round_per_column=5.0)), conf, 5, 0) == 2
+    assert gain.width_by_gain(m, conf, 2, 0) == 2
+
+
+def test_verify_by_gain_runs_exact_and_needs_a_confidence_head(shipped):
+    from dspark.models.presets import tiny_pair
+    from dspark.session import DsparkSpecSession
+    trunk, drafter = shipped
+    p = code_prompt(trunk, np.random.default_rng(8), 60)
+    s = DsparkSpecSession.prime(trunk, drafter, p, SpecParams(max_new_tokens=40, verify="gain", capture=False))
+    while not s.finished():
+        s.round()
+    s.close()
+    assert s.emitted == plain_generate(trunk, p, 40)
+    assert len(s.stats.verified_at) > 2 and s.stats.verified_at[1] > 0  # wider than 2 where confident
+    t2, d2 = tiny_pair(trunk.be, 21)
+    if not d2.has_confidence:
+        with pytest.raises(ValueError, match="verify='gain': this drafter has no confidence head"):
+            DsparkSpecSession.prime(t2, d2, [1, 2, 3], SpecParams(verify="gain"))
+
+
 def test_spec_params_policy_checks():
     for bad in (dict(policy="maybe"), dict(margin=-0.1), dict(patience=0), dict(patience=True)):
         with pytest.raises(ValueError, match="SpecParams"):
