@@ -56,6 +56,7 @@ class SpecParams:
     policy: str = "gain"         # where to speculate (dspark.gain): "gain" admits where the predicted gain exceeds
                                  # 1 + margin and demotes where the measured gain stays below 1 for `patience`
                                  # burst boundaries; "always" speculates wherever the concurrency gate admits
+                                 # (a rejection-sampled request ignores the gate under both: dspark.gain)
     margin: float = 0.1
     patience: int = 2
 
