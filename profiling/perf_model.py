@@ -464,10 +464,12 @@ def rowsplit_kernel(phase, plan, dev: Device) -> Kernel:
     """A vocabulary reduction from its row-split plan (dspark.ops.rowsplit.Plan)."""
     kernels = []
     flops = plan.notes.get("flops", 0)
-    for launch in plan.launches:  # f32 logits: the LM head's output
+    entries = compiled_kernels(dev.arch, dev.nvrtc)[1]
+    for launch in plan.launches:  # f32 logits: the LM head's output; an integer walk has no dtype suffix
+        entry = launch.kernel if launch.kernel in entries else f"{launch.kernel}_f32"
         share = plan.bytes * launch.ctas / max(plan.ctas, 1)
         kernels.append(planned(phase, plan.op, "other", even(share, launch.ctas), flops * launch.ctas / plan.ctas,
-                               launch.threads, launch.shared_mem, dev, f"{launch.kernel}_f32"))
+                               launch.threads, launch.shared_mem, dev, entry))
     t = sum(k.time for k in kernels)
     return Kernel(phase, plan.op, "other", int(plan.bytes), int(flops), plan.ctas, max(k.waves for k in kernels), t,
                   len(plan.launches), plan.min_bytes, kernels[0].entry, sum(k.f32_instr for k in kernels), 0.0,
