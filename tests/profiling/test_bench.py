@@ -146,6 +146,15 @@ def test_bench_worker_prints_every_gate():
     assert "tok/s" in out and "latency" in out
 
 
+def test_bench_worker_mixed_prints_every_policy_and_its_decisions():
+    r, _ = script("profiling/bench_worker.py", "--model", "tiny", "--requests", "4", "--max-new", "8",
+                  "--workload", "mixed", "--repeat", "1")
+    out = ok(r)
+    for row in ("all plain", "all spec", "gain 64/65", "gain 2/4"):
+        assert re.search(rf"^\s*{row} \|", out, re.M), out
+    assert re.search(r"gain 64/65 .*\| spec \d+ gain.*, plain .*, demoted ", out), out
+
+
 def test_bench_coupled_prints_both_samplers_and_checks_equality(capsys):
     """One prompt, one seed, a few tokens: each row has both samplers and the coupled text equals
     plain sampled decode's."""
