@@ -1,30 +1,34 @@
-// gdn_scan: the gated delta-rule recurrence over t tokens (columns) per session, for decode
-// (t = 1), verify (t = vt, with per-column checkpoints), replay (t = keep) and prefill. Two
-// launches per layer, both read by session through col_indptr [B+1] (session s owns the columns
-// col_indptr[s] .. col_indptr[s+1]):
+// gdn_scan: one gdn layer's recurrence over t tokens (columns) per session, for decode (t = 1),
+// verify (t = vt, with per-column checkpoints), replay (t = keep) and prefill, in ONE launch: the
+// causal conv, the scan and the gated output norm (three launches and six array operations before).
 //
-// gdn_conv_f32(mixed [cols, C], conv_weight [C, 4], conv_windows [B] -> [C, 3], col_indptr, C,
-//              x [cols, C], conv_ckpt [cols, C, 3] or null, commit)
-//   The causal depthwise conv + SiLU of every channel. Grid (ceil(C / 128), B), one thread per
-//   (channel, session): it walks the session's columns in order with the window in registers,
-//   so every window has exactly one owner, then writes it back once (commit = 1). A key head's
-//   channels are read by several value heads, so the conv cannot live in the scan's per-head
-//   blocks.
-//
-// gdn_scan_dk<DK>_f32(x [cols, C], a [cols, H], b [cols, H], A_log [H], dt_bias [H],
-//                     states [B] -> [H, dv, DK], col_indptr [B+1], heads, k_heads, dv,
-//                     out [cols, H, dv], state_ckpt [cols, H, dv, DK] or null, commit)
-//   C = k_heads * 2*DK + H * dv channels laid out [q (k_heads*DK) | k (k_heads*DK) | v (H*dv)].
-//   Value head h reads key head h / (H / k_heads): consecutive value heads share a key head, as
-//   transformers' repeat_interleave does. Grid (H, B): one block per (value head, session), so a
-//   state has exactly one owner and the scan needs no inter-block ordering. Block:
-//   GdnTile<DK>::kLanes threads per state row, rounded up to whole warps (at most 512). The state
-//   lives in registers for the whole scan, 32 (or DK) floats per thread; it is read once and
-//   written once per launch, or not at all with commit = 0. Per column:
-//   A. the head's q, k (of its key head) and v to shared memory, gates by thread 0;
+// gdn_scan_dk<DK>_f32(proj [cols, ld], ld, mixed_off, a_off, b_off, z_off, conv_weight [C, 4],
+//                     A_log [H], dt_bias [H], o_norm [dv] or null, eps, states [B] -> [H, dv, DK],
+//                     conv_windows [B] -> [C, 3], col_indptr [B+1], col_count [B] or null, heads, k_heads,
+//                     dv, out [cols, H, dv] or null, state_ckpt [cols, H, dv, DK] or null,
+//                     conv_ckpt [cols, C, 3] or null, tickets [B * k_heads] or null, commit)
+//   Row `col` of proj holds the layer's input projection: mixed [C] at mixed_off (C = k_heads*2*DK +
+//   H*dv channels [q (k_heads*DK) | k (k_heads*DK) | v (H*dv)]), a [H] at a_off, b [H] at b_off and
+//   z [H*dv] at z_off. Session s owns columns col_indptr[s] .. col_indptr[s+1] (or the first
+//   col_count[s] of them: replay's kept columns). Value head h reads key head h / (H / k_heads):
+//   consecutive value heads share a key head, as transformers' repeat_interleave does.
+//   Grid (H, B): one block per (value head, session), so a state has exactly one owner and the scan
+//   needs no inter-block ordering. Block: GdnTile<DK>::kLanes threads per state row, rounded up to
+//   whole warps (at most 512). The state lives in registers for the whole scan, 32 (or DK) floats
+//   per thread; it is read once and written once per launch, or not at all with commit = 0.
+//   Per column:
+//   A. conv + SiLU of the head's channels (its key head's q and k, its own v; each channel a thread
+//      with its window in shared memory, in gdn_conv_silu's order), into shared memory; the
+//      window after the column to conv_ckpt; gates by thread 0;
 //   B. L2 norm of q by warp 0 and of k by warp 1 (warp 0 when there is only one);
 //   C. the delta rule on each thread's row slice; u and o are summed over the thread's columns
-//      in order g, e (see GdnTile), then over the row's lanes by xor butterfly.
+//      in order g, e (see GdnTile), then over the row's lanes by xor butterfly;
+//   D. with o_norm: out = (o / sqrt(sum o^2 / dv + eps)) * o_norm * (z * (1 / (1 + exp(-z)))), the sum
+//      by warp 0 in rmsnorm_f32's lane order; without: out = o.
+//   Conv windows and checkpoints of a key head's channels are written by its first value head's
+//   block only. With commit, a key head's window is written back once every block of its value
+//   heads has read it: the last to take the session's ticket of that key head (zero at rest, put
+//   back to 0) writes it.
 //
 // commit = 0 (a speculative verify): the live state and window are read, never written; the
 // round's rollback then moves them exactly `keep` columns on (checkpoint select or replay), and a
@@ -35,47 +39,41 @@
 #include "common.cuh"
 #include "gdn.cuh"
 
-constexpr int kGdnConvThreads = 128;
-
-extern "C" __global__ void __launch_bounds__(kGdnConvThreads) gdn_conv_f32(
-    const float* __restrict__ mixed, const float* __restrict__ conv_weight, float* const* __restrict__ conv_windows,
-    const int* __restrict__ col_indptr, int C, float* __restrict__ x, float* __restrict__ conv_ckpt, int commit) {
-  const int c = blockIdx.x * kGdnConvThreads + threadIdx.x, s = blockIdx.y;
-  const int c0 = col_indptr[s], c1 = col_indptr[s + 1];
-  if (c >= C || c0 >= c1) return;  // no barriers here: threads may leave on their own
-  float* __restrict__ window = conv_windows[s] + (int64_t)c * kGdnWindow;
-  float win[kGdnWindow], w[kGdnTaps];
-#pragma unroll
-  for (int j = 0; j < kGdnWindow; ++j) win[j] = window[j];
-#pragma unroll
-  for (int j = 0; j < kGdnTaps; ++j) w[j] = conv_weight[(int64_t)c * kGdnTaps + j];
-  for (int col = c0; col < c1; ++col) {
-    const int64_t i = (int64_t)col * C + c;
-    x[i] = gdn_conv_silu(win, w, mixed[i], conv_ckpt ? conv_ckpt + i * kGdnWindow : nullptr);
-  }
-  if (!commit) return;
-#pragma unroll
-  for (int j = 0; j < kGdnWindow; ++j) window[j] = win[j];
-}
-
 template <int DK>
-DSPARK_DEVICE void gdn_scan(const float* __restrict__ x, const float* __restrict__ a, const float* __restrict__ b,
-                            const float* __restrict__ A_log, const float* __restrict__ dt_bias,
-                            float* const* __restrict__ states, const int* __restrict__ col_indptr, int heads,
+DSPARK_DEVICE void gdn_scan(const float* __restrict__ proj, long long ld, int mixed_off, int a_off, int b_off, int z_off,
+                            const float* __restrict__ conv_weight, const float* __restrict__ A_log,
+                            const float* __restrict__ dt_bias, const float* __restrict__ o_norm, float eps,
+                            float* const* __restrict__ states, float* const* __restrict__ conv_windows,
+                            const int* __restrict__ col_indptr, const int* __restrict__ col_count, int heads,
                             int k_heads, int dv, float* __restrict__ out, float* __restrict__ state_ckpt,
-                            int commit) {
+                            float* __restrict__ conv_ckpt, unsigned* __restrict__ tickets, int commit) {
   using Tile = GdnTile<DK>;
-  DSPARK_DYNAMIC_SMEM(float, xs);  // this token's [q DK | k DK | v dv] for this head
+  DSPARK_DYNAMIC_SMEM(float, xs);  // [q DK | k DK | v dv] of this column, then windows, conv weights, o
   __shared__ float2 gate;          // (alpha, beta) of this token
+  __shared__ bool last_reader;
+  __shared__ float r_norm;        // this column's sqrt(mean o^2 + eps)
 
   const int h = blockIdx.x, s = blockIdx.y;
-  const int c0 = col_indptr[s], c1 = col_indptr[s + 1];
+  const int c0 = col_indptr[s], c1 = col_count ? c0 + col_count[s] : col_indptr[s + 1];
   if (c0 >= c1) return;  // the whole block leaves together
-  const int C = 2 * k_heads * DK + heads * dv;
-  const int kh = h / (heads / k_heads);  // the key head this value head reads
-  const float* q_src = x + kh * DK;
-  const float* k_src = x + (k_heads + kh) * DK;
-  const float* v_src = x + 2 * k_heads * DK + h * dv;
+  const int C = 2 * k_heads * DK + heads * dv, group = heads / k_heads;
+  const int kh = h / group;  // the key head this value head reads
+  const bool lead = h % group == 0;  // writes its key head's windows and checkpoints
+  const int nch = 2 * DK + dv;
+  float* win = xs + nch;           // [nch][3]: each channel's last 3 inputs, oldest first
+  float* cw = win + 3 * nch;       // [nch][4]: the conv weights
+  float* os = cw + 4 * nch;        // [dv]: this column's o, for the norm
+  // Local channel c -> the layer's channel: q and k of key head kh, then v of head h.
+  auto channel = [&](int c) {
+    return c < DK ? kh * DK + c : c < 2 * DK ? (k_heads + kh) * DK + c - DK : 2 * k_heads * DK + h * dv + c - 2 * DK;
+  };
+  for (int c = threadIdx.x; c < nch; c += blockDim.x) {
+    const int g = channel(c);
+#pragma unroll
+    for (int j = 0; j < kGdnWindow; ++j) win[c * kGdnWindow + j] = conv_windows[s][(int64_t)g * kGdnWindow + j];
+#pragma unroll
+    for (int j = 0; j < kGdnTaps; ++j) cw[c * kGdnTaps + j] = conv_weight[(int64_t)g * kGdnTaps + j];
+  }
   const int row = threadIdx.x / Tile::kLanes, part = threadIdx.x % Tile::kLanes;
   const bool owner = row < dv;  // padding threads still join every shuffle and barrier
   const int64_t row_off = ((int64_t)h * dv + row) * DK;
@@ -89,16 +87,27 @@ DSPARK_DEVICE void gdn_scan(const float* __restrict__ x, const float* __restrict
   }
   const float A = expf(A_log[h]), bias = dt_bias[h];
   const float q_scale = 1.0f / sqrtf((float)DK);
-  const int warp = threadIdx.x >> 5, k_warp = blockDim.x > 32 ? 1 : 0;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, k_warp = blockDim.x > 32 ? 1 : 0;
   const float4* q4 = reinterpret_cast<const float4*>(xs);
   const float4* k4 = reinterpret_cast<const float4*>(xs + DK);
+  __syncthreads();  // windows and weights are in shared memory
 
   for (int col = c0; col < c1; ++col) {
-    // A. q and k of the key head, v of this head; gates.
-    const int64_t at = (int64_t)col * C;
-    for (int c = threadIdx.x; c < DK; c += blockDim.x) xs[c] = q_src[at + c], xs[DK + c] = k_src[at + c];
-    for (int c = threadIdx.x; c < dv; c += blockDim.x) xs[2 * DK + c] = v_src[at + c];
-    if (threadIdx.x == 0) gate = gdn_gates(a[(int64_t)col * heads + h], b[(int64_t)col * heads + h], A, bias);
+    // A. conv + SiLU of this head's channels; gates.
+    const float* in = proj + col * ld;
+    for (int c = threadIdx.x; c < nch; c += blockDim.x) {
+      float w[kGdnTaps], wn[kGdnWindow];
+#pragma unroll
+      for (int j = 0; j < kGdnTaps; ++j) w[j] = cw[c * kGdnTaps + j];
+#pragma unroll
+      for (int j = 0; j < kGdnWindow; ++j) wn[j] = win[c * kGdnWindow + j];
+      const int g = channel(c);
+      float* ckpt = conv_ckpt && (c >= 2 * DK || lead) ? conv_ckpt + ((int64_t)col * C + g) * kGdnWindow : nullptr;
+      xs[c] = gdn_conv_silu(wn, w, in[mixed_off + g], ckpt);
+#pragma unroll
+      for (int j = 0; j < kGdnWindow; ++j) win[c * kGdnWindow + j] = wn[j];
+    }
+    if (threadIdx.x == 0) gate = gdn_gates(in[a_off + h], in[b_off + h], A, bias);
     __syncthreads();
 
     // B. L2 norms, in place.
@@ -133,34 +142,74 @@ DSPARK_DEVICE void gdn_scan(const float* __restrict__ x, const float* __restrict
       o += sg[3] * q.w;
     }
     o = gdn_row_sum<Tile::kLanes>(o);
+    const int64_t head_row = (int64_t)col * heads * dv + (int64_t)h * dv;
     if (owner) {
-      const int64_t head_row = (int64_t)col * heads * dv + (int64_t)h * dv + row;
-      if (part == 0) out[head_row] = o;
+      if (part == 0) {
+        if (o_norm) os[row] = o;
+        else if (out) out[head_row + row] = o;
+      }
       if (state_ckpt) {
-        float4* dst = reinterpret_cast<float4*>(state_ckpt + head_row * DK);
+        float4* dst = reinterpret_cast<float4*>(state_ckpt + (head_row + row) * DK);
 #pragma unroll
         for (int g = 0; g < Tile::kGroups; ++g)
           dst[part + Tile::kLanes * g] = make_float4(S[4 * g], S[4 * g + 1], S[4 * g + 2], S[4 * g + 3]);
       }
     }
-    __syncthreads();  // xs and gate are rewritten by the next column
+    if (o_norm) {  // D. the gated norm of this column's o
+      __syncthreads();
+      if (warp == 0) {
+        float ss = 0.f;
+        for (int j = lane; j < dv; j += 32) ss += os[j] * os[j];
+        const float r = sqrtf(warp_sum(ss) / (float)dv + eps);
+        if (lane == 0) r_norm = r;
+      }
+      __syncthreads();
+      if (out)
+        for (int j = threadIdx.x; j < dv; j += blockDim.x) {
+          const float z = in[z_off + h * dv + j];
+          out[head_row + j] = ((os[j] / r_norm) * o_norm[j]) * (z * (1.0f / (1.0f + expf(-z))));
+        }
+    }
+    __syncthreads();  // xs, gate and os are rewritten by the next column
   }
 
-  if (owner && commit) {
+  if (!commit) return;
+  if (owner) {
     float4* dst = reinterpret_cast<float4*>(states[s] + row_off);
 #pragma unroll
     for (int g = 0; g < Tile::kGroups; ++g)
       dst[part + Tile::kLanes * g] = make_float4(S[4 * g], S[4 * g + 1], S[4 * g + 2], S[4 * g + 3]);
   }
+  // The key head's window goes back once every block reading it has read it (module doc).
+  if (threadIdx.x == 0) {
+    bool last = true;
+    if (group > 1) {
+      __threadfence();
+      last = atomicAdd(&tickets[s * k_heads + kh], 1u) == (unsigned)(group - 1);
+      if (last) atomicExch(&tickets[s * k_heads + kh], 0u);
+    }
+    last_reader = last;
+  }
+  __syncthreads();
+  for (int c = threadIdx.x; c < nch; c += blockDim.x) {
+    if (c < 2 * DK && !last_reader) continue;
+    const int g = channel(c);
+#pragma unroll
+    for (int j = 0; j < kGdnWindow; ++j) conv_windows[s][(int64_t)g * kGdnWindow + j] = win[c * kGdnWindow + j];
+  }
 }
 
-#define DSPARK_GDN_SCAN_ENTRY(DK)                                                                          \
-  extern "C" __global__ void __launch_bounds__(kGdnMaxThreads) gdn_scan_dk##DK##_f32(                      \
-      const float* __restrict__ x, const float* __restrict__ a, const float* __restrict__ b,               \
-      const float* __restrict__ A_log, const float* __restrict__ dt_bias, float* const* __restrict__ states, \
-      const int* __restrict__ col_indptr, int heads, int k_heads, int dv, float* __restrict__ out,         \
-      float* __restrict__ state_ckpt, int commit) {                                                        \
-    gdn_scan<DK>(x, a, b, A_log, dt_bias, states, col_indptr, heads, k_heads, dv, out, state_ckpt, commit);\
+#define DSPARK_GDN_SCAN_ENTRY(DK)                                                                                 \
+  extern "C" __global__ void __launch_bounds__(kGdnMaxThreads) gdn_scan_dk##DK##_f32(                             \
+      const float* __restrict__ proj, long long ld, int mixed_off, int a_off, int b_off, int z_off,                \
+      const float* __restrict__ conv_weight, const float* __restrict__ A_log, const float* __restrict__ dt_bias,   \
+      const float* __restrict__ o_norm, float eps, float* const* __restrict__ states,                              \
+      float* const* __restrict__ conv_windows, const int* __restrict__ col_indptr, const int* __restrict__ col_count,\
+      int heads, int k_heads, int dv, float* __restrict__ out, float* __restrict__ state_ckpt,                      \
+      float* __restrict__ conv_ckpt, unsigned* __restrict__ tickets, int commit) {                                 \
+    gdn_scan<DK>(proj, ld, mixed_off, a_off, b_off, z_off, conv_weight, A_log, dt_bias, o_norm, eps, states,       \
+                 conv_windows, col_indptr, col_count, heads, k_heads, dv, out, state_ckpt, conv_ckpt, tickets,     \
+                 commit);                                                                                          \
   }
 
 DSPARK_GDN_SCAN_ENTRY(16)

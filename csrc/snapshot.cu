@@ -14,6 +14,13 @@
 //   "before the verify": it copies the snapshot instead, or leaves the session alone when no
 //   snapshot tables are given (the op refuses that case; see dspark/ops/snapshot.py).
 //
+// checkpoint_select_layers_f32(state_ckpts [L] -> [cols, state_size], conv_ckpts [L] -> [cols, conv_size],
+//                              states [L * B] -> float[state_size], conv_windows [L * B] -> float[conv_size],
+//                              col_indptr [B+1], keep [B], sessions, state_size, conv_size)
+//   checkpoint_select_f32 for every gdn layer at once (entry l * B + b of the state tables is layer l
+//   of session b), with a session that keeps nothing left as it is: a verify never writes the live
+//   state, so keep_b = 0 means the state before it. Grid (L * B, chunks): one launch per round.
+//
 // Grid (tensors, chunks): block (i, y) copies tensor i (session b for checkpoint_select) with a
 // grid-stride loop over y, 4 floats per thread per step when both ends are 16-byte aligned.
 // Pure copies: exact, and independent of the schedule.
@@ -60,4 +67,17 @@ extern "C" __global__ void __launch_bounds__(256)
   }
   snapshot_copy_span(states[b], state_src, state_size);
   snapshot_copy_span(conv_windows[b], conv_src, conv_size);
+}
+
+extern "C" __global__ void __launch_bounds__(256)
+    checkpoint_select_layers_f32(const float* const* __restrict__ state_ckpts, const float* const* __restrict__ conv_ckpts,
+                                 float* const* __restrict__ states, float* const* __restrict__ conv_windows,
+                                 const int* __restrict__ col_indptr, const int* __restrict__ keep, int sessions,
+                                 long long state_size, int conv_size) {
+  const int b = blockIdx.x % sessions, layer = blockIdx.x / sessions;
+  const int c0 = col_indptr[b], t = col_indptr[b + 1] - c0, k = keep[b];
+  if (k < 1 || k > t) return;  // nothing kept (or out of range, which the op has refused)
+  const int64_t col = c0 + k - 1;
+  snapshot_copy_span(states[blockIdx.x], state_ckpts[layer] + col * state_size, state_size);
+  snapshot_copy_span(conv_windows[blockIdx.x], conv_ckpts[layer] + col * conv_size, conv_size);
 }

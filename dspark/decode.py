@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .arrays import host_array
+from .cost import cost_model
 from .errors import CapacityError, ShapeError, StateError
 from .models.cache import Cache
 from .models.trunk import HybridTrunk
@@ -34,10 +35,16 @@ class PlainSequence:
 
 
 class PlainBatch:
-    """Batched decode of many sequences on one trunk, each greedy or sampled."""
+    """Batched decode of many sequences on one trunk, each greedy or sampled. `launches`: on cuda a
+    greedy step is a pass recorded once per batch and replayed as a CUDA graph ("graph") or launch
+    by launch by the host ("eager"), or run op by op ("plain"); dspark.graphs."""
 
-    def __init__(self, trunk: HybridTrunk):
+    def __init__(self, trunk: HybridTrunk, launches: str = "graph"):
+        from .params import LAUNCHES
+        if launches not in LAUNCHES:
+            raise ValueError(f"launches={launches!r}: expected one of {LAUNCHES}")
         self.trunk = trunk
+        self.launches = launches
         self.sequences: dict[int, PlainSequence] = {}
 
     def join(self, cache: Cache, last: int, max_new_tokens: int, emitted: list[int] | None = None,
@@ -77,10 +84,23 @@ class PlainBatch:
             out[s.id] = s.last
         todo = [s for s in live if not self._check_done(s)]
         if todo:
-            tp = self.trunk.decode([s.cache for s in todo], [s.last for s in todo])
-            for s, t in zip(todo, pick_tokens(self.trunk.be, tp.logits, todo)):
+            rule = "greedy" if all(s.sampling is None for s in todo) else "sampled"
+            with cost_model(self.trunk.be).timed("plain", len(todo), max(s.cache.pos for s in todo), rule=rule):
+                picks = self._step(todo)
+            for s, t in zip(todo, picks):
                 s.last = int(t)
         return out
+
+    def _step(self, todo: list[PlainSequence]):
+        """The next token of each sequence in `todo`: a recorded decode step (greedy batches on
+        cuda, unless launches="plain") or one op by op."""
+        from . import graphs
+        if self.launches != "plain" and self.trunk.be.name == "cuda" and not graphs.patched(self.trunk) \
+                and all(s.sampling is None for s in todo):
+            with graphs.decode_graphs(self.trunk, self.launches) as runner:
+                return runner.step([s.cache for s in todo], [s.last for s in todo])
+        tp = self.trunk.decode([s.cache for s in todo], [s.last for s in todo])
+        return pick_tokens(self.trunk.be, tp.logits, todo)
 
     def _check_done(self, s: PlainSequence) -> bool:
         """Finished on an end-of-sequence id (any of config.eos_ids), the budget, or a full context
@@ -137,9 +157,10 @@ def check_prompt(trunk: HybridTrunk, prompt_ids, capacity: int) -> np.ndarray:
 
 
 def plain_generate(trunk: HybridTrunk, prompt_ids, max_new_tokens: int, backend=None,
-                   sampling: SamplingParams | None = None) -> list[int]:
+                   sampling: SamplingParams | None = None, launches: str = "graph") -> list[int]:
     """Plain decode of one request, greedy (the oracle the speculative path must match byte for
-    byte) or with `sampling` (the stream a coupled speculative session must match)."""
+    byte) or with `sampling` (the stream a coupled speculative session must match). `launches`:
+    PlainBatch's (how each step reaches the device on cuda)."""
     if backend is not None and backend is not trunk.be:
         raise ValueError("backend must be the trunk's backend (load the trunk on it)")
     cache = trunk.new_cache()
@@ -148,7 +169,7 @@ def plain_generate(trunk: HybridTrunk, prompt_ids, max_new_tokens: int, backend=
         if max_new_tokens <= 0:
             return []
         last, _ = prefill_anchor(trunk, cache, p, sampling)
-        batch = PlainBatch(trunk)
+        batch = PlainBatch(trunk, launches)
         sid = batch.join(cache, last, max_new_tokens, sampling=sampling)
         batch.run()
         return batch.leave(sid).emitted

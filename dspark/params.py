@@ -33,9 +33,11 @@ class SamplingParams:
         return self.temperature == 0.0
 
 
-VERIFY_POLICIES = ("auto", "confidence", "ladder", "full")
+VERIFY_POLICIES = ("auto", "confidence", "ladder", "full", "gain")
 ROLLBACKS = ("checkpoint", "replay")
+LAUNCHES = ("graph", "eager", "plain")   # dspark.graphs: how a round's passes reach the device
 SAMPLERS = ("coupled", "rejection")
+POLICIES = ("gain", "always")
 
 
 @dataclass(frozen=True)
@@ -43,14 +45,24 @@ class SpecParams:
     max_new_tokens: int = 256
     burst_target: int = 32
     verify: str = "auto"         # verify width: the drafter's confidence head where it has one, else the
-                                 # ladder ("auto"); "confidence", "ladder", or "full" (every draft)
+                                 # ladder ("auto"); "confidence", "ladder", "full" (every draft), or "gain"
+                                 # (the width of most expected tokens per unit of round cost: dspark.gain)
     tau: float = 0.5
     max_verify: int = 0          # cap on vt for both policies (the ladder's cap); 0: nd + 1
     rollback: str = "checkpoint"  # per-column checkpoint select, or snapshot restore + replay
     capture: bool = True
     sampling: SamplingParams = field(default_factory=SamplingParams)
+    launches: str = "graph"      # on cuda: each pass recorded once per batch and replayed as a CUDA graph
+                                 # ("graph") or by the host launch by launch ("eager"), or run op by op
+                                 # ("plain"); dspark.graphs
     sampler: str = "coupled"     # sampled sessions: "coupled" (plain sampled decode's stream, demotable) or
                                  # "rejection" (lossless rejection sampling); dspark.spec_sampling
+    policy: str = "gain"         # where to speculate (dspark.gain): "gain" admits where the predicted gain exceeds
+                                 # 1 + margin and demotes where the measured gain stays below 1 for `patience`
+                                 # burst boundaries; "always" speculates wherever the concurrency gate admits
+                                 # (a rejection-sampled request ignores the gate under both: dspark.gain)
+    margin: float = 0.1
+    patience: int = 2
 
     def __post_init__(self):
         if not isinstance(self.max_new_tokens, (int, np.integer)) or self.max_new_tokens < 1:
@@ -65,8 +77,16 @@ class SpecParams:
             raise ValueError(f"SpecParams.max_verify={self.max_verify!r}: expected 0 (no cap) or an int >= 2")
         if not 0.0 <= self.tau <= 1.0:
             raise ValueError(f"SpecParams.tau={self.tau!r}: expected a value in [0, 1]")
+        if self.launches not in LAUNCHES:
+            raise ValueError(f"SpecParams.launches={self.launches!r}: expected one of {LAUNCHES}")
         if self.sampler not in SAMPLERS:
             raise ValueError(f"SpecParams.sampler={self.sampler!r}: expected one of {SAMPLERS}")
+        if self.policy not in POLICIES:
+            raise ValueError(f"SpecParams.policy={self.policy!r}: expected one of {POLICIES}")
+        if not (isinstance(self.margin, (int, float)) and 0.0 <= self.margin < 10.0):
+            raise ValueError(f"SpecParams.margin={self.margin!r}: expected a number in [0, 10)")
+        if not isinstance(self.patience, (int, np.integer)) or isinstance(self.patience, bool) or self.patience < 1:
+            raise ValueError(f"SpecParams.patience={self.patience!r}: expected an int >= 1")
         if not isinstance(self.sampling, SamplingParams):
             raise TypeError(f"SpecParams.sampling: expected SamplingParams, got {type(self.sampling).__name__}")
 

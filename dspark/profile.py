@@ -86,7 +86,9 @@ def nvtx_status() -> str:
 
 
 def phase(name: str):
-    """A context manager marking one round phase."""
+    """A context manager marking one round phase (and timing it inside `phase_times()`)."""
+    if _clocks:
+        return _Timed(name)
     if not enabled():
         return _NULL
     kind, mod = _emitter()
@@ -95,8 +97,37 @@ def phase(name: str):
     return _CupyRange(mod, name)
 
 
+class _Timed:
+    """A phase timed by every open phase_times() on its own clock."""
+
+    def __init__(self, name: str):
+        self._name = name
+
+    def __enter__(self):
+        self._start = [clock() for clock, _ in _clocks]
+
+    def __exit__(self, *exc):
+        for (clock, times), t in zip(_clocks, self._start):
+            times[self._name] += clock() - t
+
+
+_clocks: list = []  # (clock, Counter of name -> time) of each open phase_times()
+
+
+@contextlib.contextmanager
+def phase_times(clock):
+    """Time every phase() entered while the block runs on `clock()` (any monotonic count: the host
+    benchmark passes one that leaves out the CuPy stand-in's own time); yields name -> total."""
+    entry = (clock, Counter())
+    _clocks.append(entry)
+    try:
+        yield entry[1]
+    finally:
+        _clocks.remove(entry)
+
+
 # ---- counters --------------------------------------------------------------------------------------
-KINDS = ("launch", "array_op", "d2h", "h2d", "sync", "bytes")
+KINDS = ("launch", "array_op", "d2h", "h2d", "sync", "graph", "bytes")
 BYTE_KINDS = ("state", "checkpoints", "rollback", "kv_commit")
 
 
@@ -107,7 +138,9 @@ class Counts:
     launches: dspark kernel launches (RawKernel calls); array_ops: CuPy array operations (each
     launches at least one kernel or cuBLAS call on a GPU); d2h / h2d: copies between device and
     host; syncs: host waits on the device (every blocking device->host copy and every explicit
-    synchronize). by_name: launches per kernel name. sites: for d2h and sync events, the dspark
+    synchronize); graphs: CUDA graph launches (each replays a captured pass), whose kernels count
+    as launches too (graph_nodes of them: the host issued launches - graph_nodes). by_name: launches
+    per kernel name. sites: for d2h and sync events, the dspark
     source line (file:line function) that caused them, with counts. bytes: bytes moved by kind
     (BYTE_KINDS)."""
     launches: int = 0
@@ -115,6 +148,8 @@ class Counts:
     d2h: int = 0
     h2d: int = 0
     syncs: int = 0
+    graphs: int = 0
+    graph_nodes: int = 0
     by_name: Counter = field(default_factory=Counter)
     sites: Counter = field(default_factory=Counter)
     bytes: Counter = field(default_factory=Counter)
@@ -129,6 +164,9 @@ class Counts:
             self.array_ops += 1
         elif kind == "h2d":
             self.h2d += 1
+        elif kind == "graph":
+            self.graphs += 1
+            self.graph_nodes += amount
         elif kind in ("d2h", "sync"):
             if kind == "d2h":
                 self.d2h += 1
@@ -140,12 +178,13 @@ class Counts:
 
     def per(self, n: int) -> dict[str, float]:
         """The totals divided by n (rounds), for printing."""
-        return {k: getattr(self, k) / n for k in ("syncs", "d2h", "h2d", "launches", "array_ops")}
+        return {k: getattr(self, k) / n for k in ("syncs", "d2h", "h2d", "launches", "array_ops", "graphs")}
 
     def line(self, n: int = 1) -> str:
         p = self.per(n)
         return (f"syncs {p['syncs']:.2f}, device->host copies {p['d2h']:.2f}, host->device copies {p['h2d']:.2f}, "
-                f"dspark kernel launches {p['launches']:.2f}, CuPy array ops {p['array_ops']:.2f}")
+                f"dspark kernel launches {p['launches']:.2f}, CuPy array ops {p['array_ops']:.2f}"
+                + (f" ({self.graph_nodes / n:.2f} of them in {p['graphs']:.2f} graph launches)" if self.graphs else ""))
 
     def bytes_line(self, n: int = 1) -> str:
         """Bytes moved per round by kind (the state and K/V traffic the ops report)."""

@@ -24,13 +24,17 @@ tokens, and `last` (the anchor) is pending. That is what makes `into_demoted` ex
 from __future__ import annotations
 
 import itertools
+from collections import deque
 from dataclasses import dataclass
 
 import numpy as np
 
+from . import graphs
+from .cost import cost_model
 from .decode import check_prompt, first_token
 from .params import SamplingParams, SpecParams
 from .errors import StateError
+from .gain import WINDOW, width_by_gain
 from .models.cache import Cache
 from .models.drafter import DraftKV, DsparkDrafter
 from .models.trunk import HybridTrunk
@@ -85,6 +89,9 @@ class DsparkSpecSession:
         s.rounds = 0
         s.emitted: list[int] = []
         s.stats = SpecStats()
+        s.recent = deque(maxlen=WINDOW)  # (tokens emitted, verify width) of the last rounds: dspark.gain
+        s.gain = None            # the gain at the last check (dspark.gain.demote_check)
+        s.below = 0              # consecutive checks with the gain below 1
         s.last = -1
         s.prompt_len = 0
         s.m_prev = 1
@@ -259,18 +266,21 @@ def verify_policy(params: SpecParams, drafter: DsparkDrafter) -> str:
     the ladder otherwise."""
     if params.verify == "auto":
         return "confidence" if drafter.has_confidence else "ladder"
-    if params.verify == "confidence" and not drafter.has_confidence:
-        raise ValueError("SpecParams.verify='confidence': this drafter has no confidence head; use 'auto', "
+    if params.verify in ("confidence", "gain") and not drafter.has_confidence:
+        raise ValueError(f"SpecParams.verify={params.verify!r}: this drafter has no confidence head; use 'auto', "
                          "'ladder' or 'full'")
     return params.verify
 
 
 def verify_width(s: DsparkSpecSession, conf: np.ndarray, nd: int) -> int:
     """Columns to verify: every draft ("full", as dflash_generate), 1 + the confident prefix (tau),
-    or the ladder; clamped to [2, min(nd + 1, max_verify)]."""
+    the width of most expected tokens per unit of cost ("gain"), or the ladder; clamped to
+    [2, min(nd + 1, max_verify)]."""
     cap = min(s.params.max_verify or nd + 1, nd + 1)
     if s.verify == "full":
         return cap
+    if s.verify == "gain":
+        return width_by_gain(cost_model(s.be), conf, cap, s.cache.pos, s.params.accept)
     if s.verify == "confidence":
         below = np.flatnonzero(conf < s.params.tau)
         return min(max(1 + (int(below[0]) if below.size else nd), 2), cap)
@@ -293,7 +303,10 @@ def spec_round(sessions: list[DsparkSpecSession]) -> list[list[int]]:
         for s in live:
             s._in_round = True
         try:
-            for s, toks in zip(live, _round(trunk, drafter, live)):
+            with cost_model(trunk.be).timed("round", len(live), max(s.cache.pos for s in live),
+                                            rule=live[0].params.accept) as note:
+                emitted = _round(trunk, drafter, live, note)
+            for s, toks in zip(live, emitted):
                 out[s.id] = toks
         finally:
             for s in live:
@@ -301,14 +314,25 @@ def spec_round(sessions: list[DsparkSpecSession]) -> list[list[int]]:
     return [out[s.id] for s in sessions]
 
 
-def _round(trunk: HybridTrunk, drafter: DsparkDrafter, live: list[DsparkSpecSession]) -> list[list[int]]:
-    be = trunk.be
-    nd = drafter.config.drafts
+def _round(trunk: HybridTrunk, drafter: DsparkDrafter, live: list[DsparkSpecSession], note: dict) -> list[list[int]]:
     rule = live[0].params.accept
-    greedy = rule == "greedy"
     if any(s.params.accept != rule for s in live):
         raise ValueError(f"a batch mixes accept rules {sorted({s.params.accept for s in live})} (greedy, coupled and "
                          "rejection-sampled sessions): run them in separate rounds")
+    launches = live[0].params.launches
+    if any(s.params.launches != launches for s in live):
+        raise ValueError(f"a batch mixes launch modes {sorted({s.params.launches for s in live})}: run them in "
+                         "separate rounds")
+    if launches != "plain" and graphs.supported(trunk, drafter, rule == "greedy"):
+        with graphs.round_graphs(drafter, launches) as runner:
+            return _recorded_round(runner, live, note)
+    return _plain_round(trunk, drafter, live, rule, note)
+
+
+def _plain_round(trunk: HybridTrunk, drafter: DsparkDrafter, live: list[DsparkSpecSession], rule: str, note: dict):
+    """A round op by op: every launch planned and checked as it is issued."""
+    nd = drafter.config.drafts
+    greedy = rule == "greedy"
     with phase("draft"):
         dh, dl = drafter.draft([s.kv for s in live], [s.last for s in live])
     with phase("propose"):  # the first wait on the device: drafts, confidences, NaN flags
@@ -318,17 +342,48 @@ def _round(trunk: HybridTrunk, drafter: DsparkDrafter, live: list[DsparkSpecSess
         else:
             from .spec_sampling import propose_sampled
             drafts, conf, q = propose_sampled(live, drafter, dl, dh, nd)
-    vts = [min(verify_width(s, conf[i], nd), s.cache.capacity - s.cache.pos) for i, s in enumerate(live)]
-    cands = [np.concatenate([[s.last], drafts[i, : vts[i] - 1]]).astype(np.int32) for i, s in enumerate(live)]
+    vts, cands = _candidates(live, drafts, conf, nd, note)
+    return _finish_plain(trunk, drafter, live, vts, cands, rule, q)
+
+
+def _recorded_round(runner, live: list[DsparkSpecSession], note: dict) -> list[list[int]]:
+    """A round of recorded passes (dspark.graphs): the draft, the verify at the batch's widest
+    width and the commit, each one recording replayed; the host only decides the verify width and
+    the cut between the two copies back. Bitwise the plain round."""
+    nd = runner.drafter.config.drafts
+    with phase("draft"):  # the draft pass ends with the first wait: drafts, confidences, NaN flags
+        drafts, conf = runner.propose(live)
+    vts, cands = _candidates(live, drafts, conf, nd, note)
+    W = max(vts)
+    if any(s.cache.pos + W > s.cache.capacity for s in live):  # a padded column past a cache's end
+        return _finish_plain(runner.trunk, runner.drafter, live, vts, cands)
+    with phase("verify"):  # and the accept: the second wait, (m, next) and NaN flags
+        tp, m, nxt = runner.verify(live, cands, vts)
+    keep = np.array([_cut(s, cands[i][: int(m[i]) + 1]) for i, s in enumerate(live)], np.int32)
+    ends = np.array([_ends(s, cands[i][: keep[i]]) is not None for i, s in enumerate(live)], bool)
+    with phase("commit"):  # commit, rollback and ingest (none for a session this round finishes)
+        runner.commit(live, tp, W, keep, np.where(ends, 0, keep).astype(np.int32))
+    emitted = []
+    for i, s in enumerate(live):
+        s.cache.pos += int(keep[i])
+        emitted.append(_settle(s, cands[i], vts[i], int(m[i]), int(keep[i]), int(nxt[i])))
+        if s._finished is None:
+            s.kv.pos += int(keep[i])
+    return emitted
+
+
+def _finish_plain(trunk, drafter, live, vts, cands, rule: str = "greedy", q=None) -> list[list[int]]:
+    """Verify, accept, commit, roll back and ingest op by op, from the candidates (accept `rule`:
+    SpecParams.accept)."""
+    be = trunk.be
     # No snapshot: the verify leaves the recurrent state as it is (module doc), so anything that
     # fails before the commit leaves every session exactly as it was.
     with phase("verify"):
         tp = trunk.verify([s.cache for s in live], cands, checkpoints=live[0].params.rollback == "checkpoint",
                           taps=drafter.taps)
     with phase("accept"):  # the second wait: (m, next) and the verify's NaN flags
-        if greedy:
-            xp = be.xp
-            flag = xp.empty(len(live), xp.int32)
+        if rule == "greedy":
+            flag = be.xp.empty(len(live), be.xp.int32)
             m, nxt = greedy_accept(be, tp.logits, be.asarray(np.concatenate(cands)), tp.row_indptr, nan_flag=flag)
             m, nxt, flag = be.fetch(m, nxt, flag)
             raise_on_nan(flag, "verify logits", "session")
@@ -343,18 +398,7 @@ def _round(trunk: HybridTrunk, drafter: DsparkDrafter, live: list[DsparkSpecSess
         trunk.commit_rows([s.cache for s in live], tp, keep)
     with phase("rollback"):
         rollback(trunk, live, tp, keep, np.array(vts, np.int32))
-    emitted = []
-    for i, s in enumerate(live):
-        toks = [int(t) for t in cands[i][: keep[i]]]
-        s.stats.record(vts[i] - 1, int(m[i]))
-        s.rounds += 1
-        s.m_prev = int(m[i])
-        emitted.append(s._emit(toks))
-        if toks and toks[-1] in trunk.config.eos_ids:
-            s._finish("eos")
-        elif len(s.emitted) >= s.params.max_new_tokens:
-            s._finish("budget")
-        s.last = int(nxt[i])
+    emitted = [_settle(s, cands[i], vts[i], int(m[i]), int(keep[i]), int(nxt[i])) for i, s in enumerate(live)]
     with phase("ingest"):
         ing = [i for i, s in enumerate(live) if s._finished is None]
         if ing:
@@ -362,6 +406,38 @@ def _round(trunk: HybridTrunk, drafter: DsparkDrafter, live: list[DsparkSpecSess
             drafter.ingest([live[i].kv for i in ing], tp.taps[be.xp.asarray(kept_rows)],
                            np.concatenate([[0], np.cumsum(keep[ing])]).astype(np.int32))
     return emitted
+
+
+def _candidates(live, drafts, conf, nd: int, note: dict):
+    """(verify widths, candidate blocks [anchor, d_1 .. d_{vt-1}]) of each session; the mean width
+    goes in the cost model's `note` of the round."""
+    vts = [min(verify_width(s, conf[i], nd), s.cache.capacity - s.cache.pos) for i, s in enumerate(live)]
+    note["width"] = float(np.mean(vts))
+    cands = [np.concatenate([[s.last], drafts[i, : vts[i] - 1]]).astype(np.int32) for i, s in enumerate(live)]
+    return vts, cands
+
+
+def _ends(s: DsparkSpecSession, toks) -> str | None:
+    """Why emitting `toks` finishes the session (an end-of-sequence id last, or the budget), if it does."""
+    if len(toks) and toks[-1] in s.trunk.config.eos_ids:
+        return "eos"
+    return "budget" if len(s.emitted) + len(toks) >= s.params.max_new_tokens else None
+
+
+def _settle(s: DsparkSpecSession, cand, vt: int, m: int, keep: int, nxt: int) -> list[int]:
+    """The host side of a session's round once its rows are committed: emit the kept tokens,
+    count the round, finish on EOS or the budget, take the next anchor."""
+    toks = [int(t) for t in cand[:keep]]
+    reason = _ends(s, toks)
+    s.stats.record(vt - 1, m)
+    s.recent.append((m + 1, vt))  # dspark.gain's window
+    s.rounds += 1
+    s.m_prev = m
+    s._emit(toks)
+    if reason:
+        s._finish(reason)
+    s.last = nxt
+    return toks
 
 
 def _cut(s: DsparkSpecSession, toks: np.ndarray) -> int:
@@ -390,16 +466,21 @@ def replay(trunk: HybridTrunk, caches: list[Cache], tp, starts: np.ndarray, keep
     trunk.replay(caches, tp, starts, keep)
 
 
-def spec_burst(sessions: list[DsparkSpecSession], target: int | None = None) -> list[list[int]]:
-    """Rounds for a batch of sessions until each emitted `target` tokens or finished."""
+def spec_burst(sessions: list[DsparkSpecSession], target: int | None = None, stop=None) -> list[list[int]]:
+    """Rounds for a batch of sessions until each emitted `target` tokens or finished. `stop(s,
+    batch)`, asked after each round of every live session, ends that session's burst early when
+    true (a burst boundary: the caller demotes it there)."""
     got = {s.id: [] for s in sessions}
     want = {s.id: int(target or s.params.burst_target) for s in sessions}
+    stopped = set()
     while True:
-        todo = [s for s in sessions if s._finished is None and len(got[s.id]) < want[s.id]]
+        todo = [s for s in sessions if s._finished is None and len(got[s.id]) < want[s.id] and s.id not in stopped]
         if not todo:
             break
         for s, toks in zip(todo, spec_round(todo)):
             got[s.id].extend(toks)
+        if stop is not None:
+            stopped |= {s.id for s in todo if s._finished is None and stop(s, todo)}
     for s in sessions:
         s.check_invariant()
     return [got[s.id] for s in sessions]

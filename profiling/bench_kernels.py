@@ -45,14 +45,17 @@ from dspark.dtypes import BF16
 from dspark.kernel_sources import kernel_files, scan
 from dspark.ops.argmax import argmax_rows, greedy_accept, greedy_accept_plan, markov_chain, markov_chain_plan
 from dspark.ops.argmax import argmax_plan
-from dspark.ops.gdn import channels, gdn_scan
+from dspark.ops.activation import attn_gate, sigmoid_bias, swiglu
+from dspark.ops.gdn import channels, gdn_layer
+from dspark.ops.heads import confidence_features, gather_rows, logit_scale
 from dspark.ops.kv_commit import kv_commit
 from dspark.ops.linear import linear, linear_plan
 from dspark.ops.coupled import coupled_accept, coupled_accept_plan
 from dspark.ops.sampling import (Filters, Streams, accept_plan, filtered_probs, sample_filtered, sample_plan,
                                  speculative_accept)
-from dspark.ops.norm import rmsnorm
-from dspark.ops.snapshot import checkpoint_select, snapshot_save
+from dspark.ops.norm import add_rmsnorm, embed_rmsnorm, rmsnorm
+from dspark.ops.rope import Heads, Rotary, qk_prepare
+from dspark.ops.snapshot import checkpoint_select_layers, snapshot_save
 from dspark.philox import Tag
 from dspark.ops.attention import launch_plan
 import perf_model as pm
@@ -220,37 +223,40 @@ def kv_commit_benches(be, s: Sizes) -> Iterator[Bench]:
 
 # ---- gdn_scan: decode (t = 1) and verify (t = vt, per-column checkpoints), one layer ----------------------
 def gdn_scan_benches(be, s: Sizes) -> Iterator[Bench]:
+    """One gdn layer's fused launch (conv, scan, gated output norm) over a decode step's or a
+    verify's columns, reading them from the layer's input projection [mixed | z | a | b]."""
     H, dk, dv, kh = s.gdn_heads, s.dk, s.dv, s.gdn_k_heads or None
     C = channels(H, dk, dv, kh)
     state, window = H * dv * dk, 3 * C  # floats per session
     conv_w, A_log = randn(be, (C, 4), scale=0.5), be.asarray(np.log(_RNG.uniform(1, 16, H)).astype(np.float32))
     dt_bias = be.asarray(np.full(H, -4.0, np.float32))  # softplus(a - 4): decays near 1, as trained models
+    o_norm = randn(be, (dv,))
+    width = C + H * dv + 2 * H
     for B in s.batches:
         for case, t, ckpt in (("decode", 1, False), ("verify", s.vt, True)):
             cols = B * t
-            mixed, a, b_gate = randn(be, (cols, C)), randn(be, (cols, H)), randn(be, (cols, H), scale=2.0)
+            proj = randn(be, (cols, width))
             states = [randn(be, (H, dv, dk), scale=0.3) for _ in range(B)]
             windows = [randn(be, (C, 3)) for _ in range(B)]
             out = be.xp.empty((cols, H, dv), np.float32)
             sck = be.xp.empty((cols, H, dv, dk), np.float32) if ckpt else None
             cck = be.xp.empty((cols, C, 3), np.float32) if ckpt else None
             ptr = be.asarray(indptr([t] * B))
-            nbytes = F32 * (cols * (C + 2 * H)             # mixed, a, b
-                            + 2 * cols * C                 # the conv's SiLU outputs, written and read
-                            + 4 * C + 2 * H                # conv weight, A_log, dt_bias
+            nbytes = F32 * (cols * width                   # mixed, z, a, b
+                            + 4 * C + 2 * H + dv           # conv weight, A_log, dt_bias, o_norm
                             + 2 * B * (state + window)     # state and conv window, read and written
                             + cols * H * dv                # out
                             + (cols * (state + window) if ckpt else 0))  # checkpoints after every column
             # per column: 7 dv dk per head (decay S 1, u = S k 2, S += (beta (v - u)) k^T 2,
-            # o = S q 2) and the width-4 causal conv, 8 per channel
-            flops = cols * (H * 7 * dv * dk + 8 * C)
+            # o = S q 2), the width-4 causal conv, 8 per channel, the gated norm, 6 per output
+            flops = cols * (H * 7 * dv * dk + 8 * C + 6 * H * dv)
             predicted = sum(k.time for k in pm.gdn_kernels("bench", H, dk, dv, kh, B, cols, pm.H200,
                                                             checkpoints=ckpt, commit=True))
             yield Bench("gdn_scan", case, {"B": B, "t": t, "H": H, "dk": dk, "dv": dv}, nbytes, flops,
-                        ("gdn_conv_f32", f"gdn_scan_dk{dk}_f32"),
-                        lambda b, x=(mixed, a, b_gate), st=states, w=windows, p=ptr, o=out, sc=sck, cc=cck:
-                        gdn_scan(b, *x, conv_w, A_log, dt_bias, st, w, p, heads=H, dk=dk, dv=dv, k_heads=kh, out=o,
-                                 state_ckpt=sc, conv_ckpt=cc), predicted)
+                        (f"gdn_scan_dk{dk}_f32",),
+                        lambda b, x=proj, st=states, w=windows, p=ptr, o=out, sc=sck, cc=cck:
+                        gdn_layer(b, x, conv_w, A_log, dt_bias, st, w, p, heads=H, dk=dk, dv=dv, k_heads=kh,
+                                  o_norm=o_norm, out=o, state_ckpt=sc, conv_ckpt=cc), predicted)
 
 
 # ---- snapshot: save every recurrent tensor; checkpoint select of one layer -------------------------------
@@ -269,15 +275,17 @@ def snapshot_benches(be, s: Sizes) -> Iterator[Bench]:
         del live, snap
 
         cols, keep = B * s.vt, s.vt // 2  # a partial accept
-        sck, cck = xp.zeros((cols, H, dv, dk), np.float32), xp.zeros((cols, C, 3), np.float32)
-        states = [xp.empty((H, dv, dk), np.float32) for _ in range(B)]
-        windows = [xp.empty((C, 3), np.float32) for _ in range(B)]
+        sck = [xp.zeros((cols, H, dv, dk), np.float32) for _ in range(G)]
+        cck = [xp.zeros((cols, C, 3), np.float32) for _ in range(G)]
+        states = [xp.empty((H, dv, dk), np.float32) for _ in range(G * B)]
+        windows = [xp.empty((C, 3), np.float32) for _ in range(G * B)]
         ptr, keeps = be.asarray(indptr([s.vt] * B)), be.asarray(np.full(B, keep, np.int32))
-        # one layer (the op runs per gdn layer): the kept column's checkpoint read, the live state written
-        yield Bench("snapshot", "checkpoint_select", {"B": B, "vt": s.vt, "keep": keep},
-                    2 * B * (state + window) * F32, 0, ("checkpoint_select_f32",),
+        # every gdn layer in one launch: the kept column's checkpoint read, the live state written
+        yield Bench("snapshot", "checkpoint_select", {"B": B, "layers": G, "vt": s.vt, "keep": keep},
+                    2 * G * B * (state + window) * F32, 0, ("checkpoint_select_layers_f32",),
                     lambda b, a=sck, c=cck, st=states, w=windows, p=ptr, k=keeps:
-                    checkpoint_select(b, a, c, st, w, p, k), pm.select_kernel("bench", B, state, window, pm.H200).time)
+                    checkpoint_select_layers(b, a, c, st, w, p, k),
+                    pm.select_kernel("bench", B, state, window, pm.H200, G).time)
 
 
 # ---- sampling: filtered draws and the speculative accept -------------------------------------------------
@@ -345,15 +353,98 @@ def sampling_benches(be, s: Sizes) -> Iterator[Bench]:
 
 # ---- norm: the verify's RMSNorms over d_model -----------------------------------------------------------
 def norm_benches(be, s: Sizes) -> Iterator[Bench]:
-    """rmsnorm_f32 over a verify's rows (B * vt) of d_model: each row read and written, the weight once."""
+    """The norms over a verify's rows (B * vt) of d_model, the weight once: rmsnorm_f32 (a row read
+    and written), add_rmsnorm_f32 (the layer boundary: x and the sublayer's output read, x and the
+    norm written) and embed_rmsnorm_bf16 (a bf16 embedding row read, x and the norm written)."""
     d = s.d_model
     w = randn(be, (d,))
+    table = randn(be, (1024, d), BF16)
     for B in s.batches:
         rows = B * s.vt
-        x, out = randn(be, (rows, d)), be.xp.empty((rows, d), np.float32)
-        yield Bench("norm", "rmsnorm", {"B": B, "rows": rows, "n": d}, F32 * (2 * rows * d + d), 3 * rows * d,
-                    ("rmsnorm_f32",), lambda b, x=x, o=out: rmsnorm(b, x, w, 1e-6, out=o),
-                    pm.rmsnorm_kernel("bench", "rmsnorm", rows, d, pm.H200).time)
+        x, y, out = randn(be, (rows, d)), randn(be, (rows, d)), be.xp.empty((rows, d), np.float32)
+        ids = np.arange(rows, dtype=np.int32) * 7 % 1024
+        for case, entry, reads, run in (
+                ("rmsnorm", "rmsnorm_f32", 1, lambda b, x=x, o=out: rmsnorm(b, x, w, 1e-6, out=o)),
+                ("residual + norm", "add_rmsnorm_f32", 2, lambda b, x=x, y=y, o=out: add_rmsnorm(b, x, y, w, 1e-6, out=o)),
+                ("embedding + norm", "embed_rmsnorm_bf16", 0.5,
+                 lambda b, x=x, i=ids, o=out: embed_rmsnorm(b, table, i, w, 1e-6, x=x, out=o))):
+            writes = 1 if case == "rmsnorm" else 2
+            yield Bench("norm", case, {"B": B, "rows": rows, "n": d}, int(F32 * ((reads + writes) * rows * d + d)),
+                        3 * rows * d, (entry,), run,
+                        pm.row_norm("bench", case, entry, rows, d, pm.H200, reads=reads, writes=writes).time)
+
+
+# ---- the layers' gates: SwiGLU, the attention output gate, the confidence sigmoid -----------------------------
+def activation_benches(be, s: Sizes) -> Iterator[Bench]:
+    """Over a verify's rows: SwiGLU of the MLP (gate and up read, the product written), the
+    attention output widened from bf16 and gated (Qwen3.5), and the confidence head's sigmoid."""
+    F, D, hq = s.mlp_hidden, s.head_dim, s.hkv * s.gqa
+    for B in s.batches:
+        rows = B * s.vt
+        gate_up, act = randn(be, (rows, 2 * F)), be.xp.empty((rows, F), np.float32)
+        yield Bench("activation", "swiglu", {"B": B, "rows": rows, "F": F}, F32 * 3 * rows * F, 5 * rows * F,
+                    ("swiglu_f32",), lambda b, g=gate_up, o=act: swiglu(b, g, out=o),
+                    pm.swiglu_kernel("bench", rows, F, pm.H200).time)
+        o, qg = randn(be, (rows, hq, D), BF16), randn(be, (rows, hq * 2 * D))
+        out = be.xp.empty((rows, hq * D), np.float32)
+        yield Bench("activation", "attention output gate", {"B": B, "rows": rows, "heads": hq, "D": D},
+                    rows * hq * D * (2 + 2 * F32), 4 * rows * hq * D, ("attn_gate_bf16",),
+                    lambda b, o=o, g=qg, out=out: attn_gate(b, o, (g, D, 2 * D), out=out),
+                    pm.attn_gate_kernel("bench", rows, hq * D, 2, True, pm.H200).time)
+        n = B * s.drafts
+        x, bias, c = randn(be, (n,)), randn(be, (1,)), be.xp.empty(n, np.float32)
+        yield Bench("activation", "confidence sigmoid", {"B": B, "n": n}, F32 * 2 * n, 4 * n, ("sigmoid_bias_f32",),
+                    lambda b, x=x, c=c: sigmoid_bias(b, x, bias, out=c),
+                    pm.elementwise("bench", "sigmoid", "sigmoid_bias_f32", n, F32 * 2 * n, 4 * n, pm.H200).time)
+
+
+# ---- rope: an attention layer's q, k, v made ready (norms, RoPE, the K/V dtype) -----------------------------
+def rope_benches(be, s: Sizes) -> Iterator[Bench]:
+    """qk_prepare over a verify's rows of Qwen3.5's attention projection: [q and gate | k | v] read,
+    q and k normed and rotated over a quarter of each head, q, k, v written in bf16."""
+    D, hkv, hq = s.head_dim, s.hkv, s.hkv * s.gqa
+    heads = Heads.packed(hq, hkv, D, gated=True)
+    rotary = Rotary.of(D // 4, 1e7)
+    qn, kn = randn(be, (D,)), randn(be, (D,))
+    for B in s.batches:
+        rows = B * s.vt
+        src = randn(be, (rows, heads.width))
+        q, k, v = (be.xp.empty((rows, n, D), BF16) for n in (hq, hkv, hkv))
+        pos, ptr = np.full(B, 4096, np.int32), indptr([s.vt] * B)
+        k_out = pm.qk_prepare_kernel("bench", rows, hq, hkv, D, heads.width, rotary.rot, 2, pm.H200, q_norm=True,
+                                     k_norm=True)
+        yield Bench("rope", "q/k norm + rope", {"B": B, "rows": rows, "hq": hq, "hkv": hkv, "D": D}, k_out.bytes,
+                    k_out.flops, ("qk_prepare_bf16",),
+                    lambda b, x=src, q=q, k=k, v=v, p=pos, r=ptr: qk_prepare(b, x, heads, rotary, p, r, q_norm=qn,
+                                                                            k_norm=kn, q=q, k=k, v=v, dtype=BF16),
+                    k_out.time)
+
+
+# ---- heads: the drafter's glue before its Markov chain and confidence head -----------------------------------
+def heads_benches(be, s: Sizes) -> Iterator[Bench]:
+    """The drafter's draft rows of a mask-fill block (gathered before its LM head), the
+    confidence features [h ; W1[x]] and the logits' soft cap, over B * nd slots."""
+    d, r, nd, V = s.d_model, s.markov_rank, s.drafts, s.vocab
+    w1 = randn(be, (V, r))
+    for B in s.batches:
+        n = B * nd
+        h, rows = randn(be, (B * s.vt, d)), (np.arange(n, dtype=np.int32) // nd) * s.vt + np.arange(n) % nd + 1
+        rows = rows.astype(np.int32) % (B * s.vt)
+        out = be.xp.empty((n, d), np.float32)
+        yield Bench("heads", "draft rows", {"B": B, "rows": n, "d": d}, F32 * 2 * n * d, 0, ("gather_rows_f32",),
+                    lambda b, h=h, r=rows, o=out: gather_rows(b, h, r, out=o),
+                    pm.elementwise("bench", "gather", "gather_rows_f32", n * d, F32 * 2 * n * d, 0, pm.H200).time)
+        hid, drafts = randn(be, (n, d)), be.asarray(np.arange(n, dtype=np.int32).reshape(B, nd) % V)
+        anchors, feats = np.zeros(B, np.int32), be.xp.empty((n, d + r), np.float32)
+        yield Bench("heads", "confidence features", {"B": B, "rows": n, "d": d, "r": r}, F32 * 2 * n * (d + r), 0,
+                    ("confidence_features_f32",),
+                    lambda b, h=hid, a=anchors, x=drafts, o=feats: confidence_features(b, h, w1, a, x, out=o),
+                    pm.elementwise("bench", "features", "confidence_features_f32", n * (d + r), F32 * 2 * n * (d + r), 0,
+                                   pm.H200).time)
+        logits = randn(be, (n, V))
+        yield Bench("heads", "logit scale + cap", {"B": B, "rows": n, "V": V}, F32 * 2 * n * V, 3 * n * V,
+                    ("logit_scale_f32",), lambda b, x=logits: logit_scale(b, x, 0.5, 30.0, out=x),
+                    pm.elementwise("bench", "scale", "logit_scale_f32", n * V, F32 * 2 * n * V, 3 * n * V, pm.H200).time)
 
 
 # ---- linear: the MLP's GEMMs, bf16 weights as stored ---------------------------------------------------
@@ -406,6 +497,9 @@ FAMILIES: dict[str, Callable[[object, Sizes], Iterator[Bench]]] = {
     "sampling": sampling_benches,
     "norm": norm_benches,
     "linear": linear_benches,
+    "activation": activation_benches,
+    "rope": rope_benches,
+    "heads": heads_benches,
 }
 NOT_BENCHMARKED = {"selftest"}  # csrc/selftest.cu: the simt runtime's own checks
 

@@ -9,7 +9,9 @@ installed. `bash profiling/gpu_check.sh` runs it.
 The steps, in order: what the run is for comes first. wheels (pip --no-index from profiling/wheels),
 info, cubins (every family compiled by dspark's NVRTC options and loaded), bench (the kernel
 benchmarks at Qwen3.5-27B's shapes, each row measured beside profiling/perf_model.py's
-prediction), gate (the exactness gate on cuda), perf_model (the model's table); then Nsight
+prediction), gate (the exactness gate on cuda), perf_model (the model's table), rounds (a
+Qwen3.5-27B round and plain decode step op by op, from recordings and as CUDA graphs, beside the
+model, and CuPy's own per-call costs: profiling/graph_rounds.py); then Nsight
 Systems (the session workload's NVTX phases) and Nsight Compute (the verify attention kernel);
 then compute-sanitizer memcheck, racecheck and synccheck over tests/gpu/test_cuda_ops.py (every op
 once against the numpy backend, one cudaMalloc per array: they need only the cuda backend); last
@@ -367,28 +369,34 @@ def plan(dry: bool, out: Path, py: str) -> list[Step]:
     steps.append(Step("cubins", 45, [py, "profiling/load_cubins.py", "--jobs", "8", *(["--contract"] if dry else [])],
                       loaded))
     if dry:
-        steps.append(Step("bench", 120, [py, "profiling/bench_kernels.py", "--dry-run"],
+        steps.append(Step("bench", 100, [py, "profiling/bench_kernels.py", "--dry-run"],
                           rows_check(r"^\w+\s+.*\s(?:[\d.]+(?:us|ms|s)|nan)\s+\S+_\w+", "benchmarks planned with "
                                      "their H200 prediction"), tail=60))
         steps.append(Step("gate", 45, [py, "profiling/e2e_gate.py", "--help"], text_check("usage:", "the gate's usage")))
     else:
-        steps.append(Step("bench", 120, [py, "profiling/bench_kernels.py"],
+        steps.append(Step("bench", 100, [py, "profiling/bench_kernels.py"],
                           rows_check(r"\s\d+\.\d\dx\s*$", "rows measured beside predicted"), tail=200))
         steps.append(Step("gate", 45, [py, "profiling/e2e_gate.py", "--backend", "cuda", "--quick"], gate_check))
     steps.append(Step("perf_model", 10, [py, "profiling/perf_model.py", "--model", "qwen3.5-27b", "--batch", "1", "2",
                                          "32", "--context", "4096", "32768"],
                       rows_check(r"^Qwen3\.5-27B\s+\d+\s+\d+\s+\d+", "rounds predicted"), tail=40))
+    rounds = rows_check(r"^\S.*\s(?:plain|eager|graph)\s+[\d,]+\s+[\d,.]+\s+[\d,]+", "rounds measured beside predicted")
+    if dry:
+        steps.append(Step("rounds", 35, [py, "profiling/graph_rounds.py", "--backend", "contract", "--rounds", "1",
+                                         "--calls", "20", "--context", "100"], rounds, tail=40))
+    else:
+        steps.append(Step("rounds", 35, [py, "profiling/graph_rounds.py"], rounds, tail=40))
     # Nsight Systems and Nsight Compute
     nsys, nsys_why = which("nsys_session.sh")
     nsys_refused = (r"\.qdstrm", r"Failed to create a report", r"QdstrmImporter")
     if dry:
-        steps.append(Step("nsys", 40, [py, "profiling/session_workload.py", "--backend", "numpy", "--model", "tiny",
+        steps.append(Step("nsys", 30, [py, "profiling/session_workload.py", "--backend", "numpy", "--model", "tiny",
                                        "--requests", "2", "--tokens", "16", "--nvtx"],
                           text_check("tokens/s", "the workload nsys captures, on numpy")))
     elif nsys is None:
-        steps.append(Step("nsys", 40, why_not=nsys_why, not_run_status="unavailable here"))
+        steps.append(Step("nsys", 30, why_not=nsys_why, not_run_status="unavailable here"))
     else:
-        steps.append(Step("nsys", 40, ["bash", "profiling/nsys_session.sh", str(out / "nsys"), "--requests", "4",
+        steps.append(Step("nsys", 30, ["bash", "profiling/nsys_session.sh", str(out / "nsys"), "--requests", "4",
                                        "--tokens", "64"],
                           rows_check(r"^\s*[\d.]+\s+.*:?(?:prime|draft|propose|verify|accept|commit|rollback|ingest)\b",
                                      "NVTX phase rows"), unavailable=nsys_refused, tail=80))
@@ -396,13 +404,13 @@ def plan(dry: bool, out: Path, py: str) -> list[Step]:
     ncu_refused = (r"Failed to initialize the profiler", r"LibraryNotLoaded", r"ERR_NVGPUCTRPERM",
                    r"[Dd]evice not supported")
     if dry:
-        steps.append(Step("ncu", 40, [py, "profiling/verify_launch.py", "--backend", "numpy", "--ctx", "70", "--rows",
+        steps.append(Step("ncu", 35, [py, "profiling/verify_launch.py", "--backend", "numpy", "--ctx", "70", "--rows",
                                       "4", "--heads", "4", "2", "64"],
                           text_check("verify attention on numpy", "the launch ncu profiles, on numpy")))
     elif ncu is None:
-        steps.append(Step("ncu", 40, why_not=ncu_why, not_run_status="unavailable here"))
+        steps.append(Step("ncu", 35, why_not=ncu_why, not_run_status="unavailable here"))
     else:
-        steps.append(Step("ncu", 40, ["bash", "profiling/ncu_kernels.sh", "--verify", str(out / "ncu")],
+        steps.append(Step("ncu", 35, ["bash", "profiling/ncu_kernels.sh", "--verify", str(out / "ncu")],
                           rows_check(r"attention_(?:f32|f16|bf16)_d\d+", "report lines of the verify kernel"),
                           unavailable=ncu_refused, tail=60))
     # compute-sanitizer over the per-op cases, against the numpy backend (no simt build needed)
@@ -437,6 +445,7 @@ def plan_for_imports(out: Path, py: str) -> list[Step]:
     return [Step("info", 0, [py, "-m", "dspark", "info"]),
             Step("bench", 0, [py, "profiling/bench_kernels.py"]), Step("gate", 0, [py, "profiling/e2e_gate.py"]),
             Step("cubins", 0, [py, "profiling/load_cubins.py"]), Step("perf_model", 0, [py, "profiling/perf_model.py"]),
+            Step("rounds", 0, [py, "profiling/graph_rounds.py"]),
             Step("nsys", 0, ["bash", "profiling/nsys_session.sh"]), Step("ncu", 0, ["bash", "profiling/ncu_kernels.sh"]),
             Step("cuda_tests", 0, [py, "-m", "pytest", "-n", "8", *CUDA_TESTS, *SANITIZER_TESTS])]
 

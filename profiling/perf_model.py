@@ -97,6 +97,9 @@ from timing import table
 F32 = 4
 STORAGE_SUFFIX = {4: "f32", 2: "bf16"}  # the models' weights: f32 (embedded pair) or bf16 as stored
 LAUNCH_MEASURED = 114e-6  # s: `python profiling/launch_cost.py`, 111-117 us in three runs on the 2-core CI machine
+HOST_EAGER = 2.6e-6       # s per launch: `python profiling/host_round.py`, Qwen3.5-27B B = 1, mode eager
+HOST_GRAPH = 346e-6       # s per round: `python profiling/host_round.py`, Qwen3.5-27B B = 1, mode graph
+MODES = ("plain", "eager", "graph")  # dspark.graphs: op by op, recorded passes issued by the host, CUDA graphs
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,6 +113,25 @@ class Device:
     # CPU cores). A measured default: a GPU machine's benchmark of the whole round replaces it.
     launch: float = LAUNCH_MEASURED
     sync: float = 10e-6            # one device->host wait (a copy of a few bytes), s
+    # CuPy's own host cost per call (its Cython and the driver), s: documented estimates until the
+    # GPU check measures them (profiling/gpu_check.py). A RawKernel call with its cuLaunchKernel;
+    # an elementwise op with its output from the pool (CuPy's own benchmark, cupy/cupy#3298: 11 us
+    # of CPU per call on small arrays); a small host<->device copy; a Graph.launch (cudaGraphLaunch).
+    cupy_launch: float = 5e-6
+    cupy_array_op: float = 10e-6
+    cupy_copy: float = 8e-6
+    graph_launch: float = 4e-6
+    # dspark's own host time (profiling/host_round.py, the null executor at Qwen3.5-27B's shapes, B = 1,
+    # 32k, median of its rounds on the 2-core CI machine): per launch issued from a recorded pass
+    # (launches "eager"), and per round of replayed graphs (launches "graph": filling three inputs
+    # blocks, the round's host logic, the graph launches); `launch` above is the plain path's.
+    host_eager: float = HOST_EAGER
+    host_graph_round: float = HOST_GRAPH
+    # The GPU's own cost of a replayed graph: per kernel node (launch latency between nodes, ~1.5-6 us
+    # published; the GPU check measures it), and per wave of CTAs that leave at once (a grid sized for
+    # a horizon past the live context).
+    graph_node: float = 3e-6
+    idle_wave: float = 1e-6
     sms: int = 132
     smem: int = 228 * 1024         # shared memory per SM, bytes
     smem_reserved: int = 1024      # shared memory the runtime keeps per CTA (sm_80 and later)
@@ -349,10 +371,13 @@ def linear(phase, name, rows, k, n, wb, dev, kind="weights") -> list[Kernel]:
 
 # ---- the trunk pass ---------------------------------------------------------------------------------------
 def trunk_pass(shape: Shape, B: int, context: int, cols: int, dev: Device, *, verify: bool,
-               rollback="checkpoint") -> list[Kernel]:
+               rollback="checkpoint", reach: int | None = None) -> list[Kernel]:
     """Every kernel of one trunk pass over `cols` columns per session at `context` committed rows:
     a verify (the state read, not written; per-column checkpoints) or a plain decode step (cols 1,
-    state written, K/V committed)."""
+    state written, K/V committed). A layer is its products (linear), one kernel of glue between
+    them each (q/k norm + RoPE, the gdn conv + scan + gated norm, the output gate, SwiGLU) and the
+    residual add + next RMSNorm twice (dspark.models.trunk.run_pass). `reach`: the attention grid
+    sized for a recorded pass's horizon (dspark.graphs)."""
     c, wb, out = shape.trunk, shape.weight_bytes, []
     ph = "verify" if verify else "decode"
     rows, d = B * cols, c.d_model
@@ -361,32 +386,34 @@ def trunk_pass(shape: Shape, B: int, context: int, cols: int, dev: Device, *, ve
     nq = c.attn_heads * c.head_dim * (2 if c.attn_gate else 1)
     nkv = c.attn_kv_heads * c.head_dim
     H, dk, dv, C = c.gdn_heads, c.gdn_dk, c.gdn_dv, c.gdn_channels
-
-    def norm(name, n_rows, n, launches=1):
-        return rmsnorm_kernel(ph, name, n_rows, n, dev, launches)
-
+    taps = len(c.tap_layers)
+    out.append(row_norm(ph, "embedding + norm", f"embed_rmsnorm_{STORAGE_SUFFIX[wb]}", rows, d, dev,
+                        reads=wb / F32, writes=2 + (1 if -1 in c.tap_layers else 0)))
     for kind, count in (("attn", attn_layers), ("gdn", gdn_layers)):
         if not count:
             continue
-        layer = [norm("rmsnorm x2", 2 * rows, d, 2)]
         if kind == "attn":
-            layer += linear(ph, "attn q|k|v", rows, d, nq + 2 * nkv, wb, dev)
-            if c.qk_norm:
-                layer.append(norm("q/k norm", rows * (c.attn_heads + c.attn_kv_heads), c.head_dim, 2))
+            layer = linear(ph, "attn q|k|v", rows, d, nq + 2 * nkv, wb, dev)
+            layer.append(qk_prepare_kernel(ph, rows, c.attn_heads, c.attn_kv_heads, c.head_dim, nq + 2 * nkv,
+                                           c.rope_dim, kv_isz, dev, q_norm=c.qk_norm, k_norm=c.qk_norm))
             plan = launch_plan([cols] * B, [context] * B, hq=c.attn_heads, hkv=c.attn_kv_heads, head_dim=c.head_dim,
-                               dtype=BF16 if kv_isz == 2 else np.float32)
+                               dtype=BF16 if kv_isz == 2 else np.float32, reach=reach)
             layer += attention_kernels(ph, plan, dev)
+            if c.attn_gate or kv_isz != F32:
+                layer.append(attn_gate_kernel(ph, rows, c.attn_heads * c.head_dim, kv_isz, c.attn_gate, dev))
             layer += linear(ph, "attn o", rows, c.attn_heads * c.head_dim, d, wb, dev)
         else:
-            layer += linear(ph, "gdn in", rows, d, C + H * dv + 2 * H, wb, dev)
+            layer = linear(ph, "gdn in", rows, d, C + H * dv + 2 * H, wb, dev)
             layer += scan_kernels(ph, c, B, rows, dev, checkpoints=verify and rollback == "checkpoint",
                                   commit=not verify)
-            layer.append(norm("gdn o_norm", rows * H, dv))
             layer += linear(ph, "gdn out", rows, H * dv, d, wb, dev)
+        layer.append(row_norm(ph, "residual + norm", "add_rmsnorm_f32", rows, d, dev, reads=2, writes=2))
         layer += linear(ph, "mlp gate|up", rows, d, 2 * c.mlp_hidden, wb, dev)
+        layer.append(swiglu_kernel(ph, rows, c.mlp_hidden, dev))
         layer += linear(ph, "mlp down", rows, c.mlp_hidden, d, wb, dev)
+        layer.append(row_norm(ph, "residual + norm", "add_rmsnorm_f32", rows, d, dev, reads=2,
+                              writes=2 + taps / len(c.layers)))
         out += scaled(layer, count, f"x{count} {kind} layers")
-    out.append(norm("final norm", rows, d))
     out += linear(ph, "lm head", rows, d, c.vocab, wb, dev)
     if verify:
         p = argmax_ops.greedy_accept_plan(B, rows, c.vocab)
@@ -395,17 +422,55 @@ def trunk_pass(shape: Shape, B: int, context: int, cols: int, dev: Device, *, ve
     out.append(rowsplit_kernel(ph, p, dev))
     keep = rows if not verify else B * cols  # a full accept commits every column (the worst case)
     if attn_layers:
-        out.append(commit_kernel(ph, "kv_commit", B, attn_layers, keep // B, c.attn_kv_heads * c.head_dim * kv_isz, dev))
+        out.append(commit_kernel("commit" if verify else ph, "kv_commit", B, attn_layers, keep // B,
+                                 c.attn_kv_heads * c.head_dim * kv_isz, dev))
     return out
 
 
-def rmsnorm_kernel(phase, name, rows, n, dev: Device, launches=1) -> Kernel:
-    """rmsnorm_f32 over `rows` rows of n (in `launches` calls): a warp per row, 8 rows per CTA."""
+def row_norm(phase, name, entry, rows, n, dev: Device, *, reads: float, writes: float, launches=1) -> Kernel:
+    """A warp-per-row norm kernel (csrc/norm.cu) over `rows` rows of n: `reads` / `writes` rows of
+    n f32 (a 16-bit embedding row counts half), the weight once; a warp per row, 8 rows per CTA."""
     ctas = -(-rows // norm_ops.WARPS)
-    k = planned(phase, name, "other", even(2 * F32 * rows * n + launches * F32 * n, ctas), 3 * rows * n,
-                32 * norm_ops.WARPS, 0, dev, "rmsnorm_f32")
+    k = planned(phase, name, "other", even(F32 * rows * n * (reads + writes) + launches * F32 * n, ctas), 3 * rows * n,
+                32 * norm_ops.WARPS, 0, dev, entry)
     k.launches = launches
     return k
+
+
+def rmsnorm_kernel(phase, name, rows, n, dev: Device, launches=1) -> Kernel:
+    """rmsnorm_f32 over `rows` rows of n (in `launches` calls)."""
+    return row_norm(phase, name, "rmsnorm_f32", rows, n, dev, reads=1, writes=1, launches=launches)
+
+
+def elementwise(phase, name, entry, outputs: int, nbytes: float, flops: float, dev: Device, threads=256) -> Kernel:
+    """A kernel of one thread per output (csrc/activation.cu, csrc/heads.cu)."""
+    return planned(phase, name, "other", even(nbytes, -(-outputs // threads)), flops, threads, 0, dev, entry)
+
+
+def swiglu_kernel(phase, rows, F, dev: Device) -> Kernel:
+    """swiglu_f32: gate and up read, SiLU(gate) * up written; exp, a division and three products
+    per output."""
+    return elementwise(phase, "swiglu", "swiglu_f32", rows * F, F32 * 3 * rows * F, 5 * rows * F, dev)
+
+
+def attn_gate_kernel(phase, rows, width, isz, gated: bool, dev: Device) -> Kernel:
+    """attn_gate_<dt>: the attention output widened (and gated: the gate read, a sigmoid)."""
+    return elementwise(phase, "attention output gate" if gated else "attention output widened",
+                       f"attn_gate_{STORAGE_SUFFIX[isz]}", rows * width,
+                       rows * width * (isz + F32 + (F32 if gated else 0)), (4 if gated else 0) * rows * width, dev)
+
+
+def qk_prepare_kernel(phase, rows, hq, hkv, D, width, rot, isz, dev: Device, *, q_norm: bool, k_norm: bool,
+                      with_q: bool = True) -> Kernel:
+    """qk_prepare_<dt>: a warp per (row, head): the heads read from the projection, q and k normed
+    and rotated, every head written in the K/V dtype; grid (rows, ceil(heads / 8))."""
+    heads = (hq if with_q else 0) + 2 * hkv
+    normed = ((hq if q_norm and with_q else 0) + (hkv if k_norm else 0)) * D
+    rotated = ((hq if with_q else 0) + hkv) * rot
+    nbytes = rows * (heads * D * F32 + heads * D * isz)
+    flops = rows * (3 * normed + 3 * rotated)
+    return planned(phase, "q/k norm + rope", "other", even(nbytes, rows * -(-(hq + 2 * hkv) // 8)), flops, 256, 0,
+                   dev, f"qk_prepare_{STORAGE_SUFFIX[isz]}")
 
 
 def scaled(kernels: list[Kernel], n: int, suffix: str) -> list[Kernel]:
@@ -426,6 +491,8 @@ def attention_kernels(phase, plan, dev: Device) -> list[Kernel]:
     min_bytes = plan.bytes["kv"] + plan.bytes["q"] + plan.bytes["out"]
     main = planned(phase, plan.kernel, "kv", cta, plan.flops, plan.block[0], plan.shared_mem, dev, plan.kernel,
                    mma=isz == 2, min_bytes=min_bytes)
+    if plan.idle_ctas:  # CTAs with no key (a grid sized past the live keys): a wave of exits each
+        main.time += -(-plan.idle_ctas // (dev.sms * main.per_sm)) * dev.idle_wave
     if not plan.combine_kernel:
         return [main]
     partials = plan.bytes["partials_read"]
@@ -437,27 +504,22 @@ def attention_kernels(phase, plan, dev: Device) -> list[Kernel]:
 
 
 def scan_kernels(phase, c: TrunkConfig, B: int, rows: int, dev: Device, *, checkpoints: bool, commit: bool,
-                 name="gdn scan") -> list[Kernel]:
-    """gdn_conv + gdn_scan of trunk config c's gdn layer (gdn_kernels)."""
+                 name="gdn scan", gated: bool = True) -> list[Kernel]:
+    """The fused gdn_scan of trunk config c's gdn layer (gdn_kernels)."""
     return gdn_kernels(phase, c.gdn_heads, c.gdn_dk, c.gdn_dv, c.gdn_k_heads or None, B, rows, dev,
-                       checkpoints=checkpoints, commit=commit, name=name)
+                       checkpoints=checkpoints, commit=commit, name=name, gated=gated)
 
 
 def gdn_kernels(phase, H: int, dk: int, dv: int, k_heads, B: int, rows: int, dev: Device, *, checkpoints: bool,
-                commit: bool, name="gdn scan") -> list[Kernel]:
-    """gdn_conv + gdn_scan from scan_plan and scan_bytes: one CTA per (channel block, session) and
-    per (value head, session)."""
+                commit: bool, name="gdn scan", gated: bool = True) -> list[Kernel]:
+    """gdn_scan_dk<dk>_f32 from scan_plan and scan_bytes: one CTA per (value head, session), the
+    conv of its channels, the scan and (gated) the output norm inside it."""
     C = gdn_ops.channels(H, dk, dv, k_heads)
-    by = gdn_ops.scan_bytes(B, rows, H, dk, dv, k_heads, checkpoints=checkpoints, commit=commit)
+    by = gdn_ops.scan_bytes(B, rows, H, dk, dv, k_heads, checkpoints=checkpoints, commit=commit, gated=gated)
     entry, threads, smem = gdn_ops.scan_plan(H, dk, dv, k_heads)
-    conv_ctas = -(-C // gdn_ops.CONV_THREADS) * B
-    conv_bytes = F32 * rows * 2 * C
-    conv = planned(phase, f"{name}: conv", "state", even(conv_bytes, conv_ctas), 8 * rows * C, gdn_ops.CONV_THREADS,
-                   0, dev, "gdn_conv_f32")
-    scan_state = by["state"] + by["checkpoints"]
-    scan = planned(phase, name, "state", even(by["columns"] - conv_bytes + scan_state, H * B),
-                   rows * H * 7 * dv * dk, threads, smem, dev, entry)
-    return [conv, scan]
+    flops = rows * (H * 7 * dv * dk + 8 * C + (6 * H * dv if gated else 0))
+    return [planned(phase, name, "state", even(by["columns"] + by["state"] + by["checkpoints"], H * B), flops, threads,
+                    smem, dev, entry)]
 
 
 def rowsplit_kernel(phase, plan, dev: Device) -> Kernel:
@@ -483,73 +545,86 @@ def commit_kernel(phase, name, B, layers, keep, row_bytes, dev: Device, kind="kv
 
 
 # ---- a round ----------------------------------------------------------------------------------------------
-def drafter_pass(shape: Shape, B: int, context: int, dev: Device) -> list[Kernel]:
+def drafter_pass(shape: Shape, B: int, context: int, dev: Device, reach: int | None = None) -> list[Kernel]:
     """The drafter's block pass (b rows per session over its window), the Markov chain and the
-    confidence head, and the ingest of the accepted rows (one layer of K|V and a ring commit)."""
+    confidence head, and the ingest of the accepted rows (per layer its K|V, normed and rotated,
+    and one ring commit): dspark.models.drafter's run_block, run_propose and run_ingest."""
     t, dc, wb = shape.trunk, shape.drafter, shape.weight_bytes
     rows, d, ph = B * dc.block, t.d_model, "draft"
-    out = []
+    nq, nkv = dc.heads * dc.head_dim, dc.kv_heads * dc.head_dim
+    out = [row_norm(ph, "drafter embedding + norm", f"embed_rmsnorm_{STORAGE_SUFFIX[F32 if dc.own_embed else wb]}", rows,
+                    d, dev, reads=(F32 if dc.own_embed else wb) / F32, writes=2)]
     for i in range(dc.layers):
-        nq, nkv = dc.heads * dc.head_dim, dc.kv_heads * dc.head_dim
-        out.append(rmsnorm_kernel(ph, "drafter norms", 2 * rows, d, dev, 2))
         out += linear(ph, "drafter q|k|v", rows, d, nq + 2 * nkv, F32, dev)
-        out.append(rmsnorm_kernel(ph, "drafter q/k norm", rows * ((dc.heads if dc.q_norm else 0) + dc.kv_heads),
-                                  dc.head_dim, dev, 2 if dc.q_norm else 1))
+        out.append(qk_prepare_kernel(ph, rows, dc.heads, dc.kv_heads, dc.head_dim, nq + 2 * nkv, dc.head_dim, F32, dev,
+                                     q_norm=dc.q_norm, k_norm=True))
         window = dc.windows()[i] or context
         plan = launch_plan([dc.block] * B, [min(context, window + dc.block)] * B, hq=dc.heads, hkv=dc.kv_heads,
                            head_dim=dc.head_dim, dtype=np.float32, mode="block", window=window,
-                           window_mode=dc.window_mode if dc.windows()[i] else "anchor")
+                           window_mode=dc.window_mode if dc.windows()[i] else "anchor", reach=reach)
         out += attention_kernels(ph, plan, dev)
         out += linear(ph, "drafter o", rows, nq, d, F32, dev)
         if dc.conv_kernel:   # DFlash2: each sublayer's dynamic kernels, one projection per side
             out += scaled(linear(ph, "drafter conv kernels", rows, d, 2 * dc.conv_kernel * (d // dc.conv_group), F32,
                                  dev), 2, "two sides")
+        out.append(row_norm(ph, "drafter residual + norm", "add_rmsnorm_f32", rows, d, dev, reads=2, writes=2))
         out += linear(ph, "drafter gate|up", rows, d, 2 * dc.mlp_hidden, F32, dev)
+        out.append(swiglu_kernel(ph, rows, dc.mlp_hidden, dev))
         out += linear(ph, "drafter down", rows, dc.mlp_hidden, d, F32, dev)
-    out.append(rmsnorm_kernel(ph, "drafter final norm", rows, d, dev))
-    vd = dc.draft_vocab or t.vocab
-    out += linear(ph, "drafter lm head" + (" (own, draft vocabulary)" if dc.own_head else " (the trunk's)"), rows, d,
-                  vd, F32 if dc.own_head else wb, dev)
+        out.append(row_norm(ph, "drafter residual + norm", "add_rmsnorm_f32", rows, d, dev, reads=2, writes=2))
     nd = dc.drafts
+    if dc.harvest != "shifted":  # the draft rows of each block, before the LM head
+        out.append(elementwise(ph, "draft rows", "gather_rows_f32", B * nd * d, 2 * F32 * B * nd * d, 0, dev))
+    vd = dc.draft_vocab or t.vocab
+    out += linear(ph, "drafter lm head" + (" (own, draft vocabulary)" if dc.own_head else " (the trunk's)"), B * nd, d,
+                  vd, F32 if dc.own_head else wb, dev)
+    if dc.logit_scale != 1.0 or dc.logit_softcap > 0:
+        out.append(elementwise(ph, "logit scale", "logit_scale_f32", B * nd * vd, 2 * F32 * B * nd * vd,
+                               3 * B * nd * vd, dev))
     if dc.markov == "selector":   # per slot: the top-k of its logits (a sort), rescored; no plan of ours
         out.append(roofline("propose", "candidate selector", "other", B * nd * vd * 4 * 2, 0, dev, launches=nd * 4))
     else:
         out.append(rowsplit_kernel("propose", argmax_ops.markov_chain_plan(B, nd, vd, dc.markov_rank), dev))
-    if dc.confidence != "none":  # c_k = sigmoid(w . [h_k ; W1[x_{k-1}]] + b): a GEMM of one column
+    if dc.confidence != "none":  # c_k = sigmoid(w . [h_k ; W1[x_{k-1}]] + b): features, a GEMM of one column
         feats = d + (dc.markov_rank if dc.confidence == "markov" else 0)
-        out += linear("propose", "confidence head", rows, feats, 1, F32, dev, kind="other")
+        if dc.confidence == "markov":
+            out.append(elementwise("propose", "confidence features", "confidence_features_f32", B * nd * feats,
+                                   2 * F32 * B * nd * feats, 0, dev))
+        out += linear("propose", "confidence head", B * nd, feats, 1, F32, dev, kind="other")
+        out.append(elementwise("propose", "confidence sigmoid", "sigmoid_bias_f32", B * nd, 2 * F32 * B * nd,
+                               4 * B * nd, dev))
     keep = dc.block  # a full accept ingests every row
     taps = len(dc.taps or t.tap_layers)
     out += linear("ingest", "drafter fc", B * keep, taps * d, d, F32, dev)
-    out.append(rmsnorm_kernel("ingest", "drafter fc norm", B * keep, d, dev))
-    out += linear("ingest", "drafter k|v", B * keep, d, 2 * dc.kv_heads * dc.head_dim, F32, dev)
-    out.append(rmsnorm_kernel("ingest", "drafter k norm", B * keep * dc.kv_heads * dc.layers, dc.head_dim, dev,
-                              dc.layers))
+    out.append(row_norm("ingest", "drafter fc norm", "add_rmsnorm_f32", B * keep, d, dev, reads=1, writes=2))
+    for _ in range(dc.layers):
+        out += linear("ingest", "drafter k|v", B * keep, d, 2 * nkv, F32, dev)
+        out.append(qk_prepare_kernel("ingest", B * keep, 0, dc.kv_heads, dc.head_dim, 2 * nkv, dc.head_dim, F32, dev,
+                                     q_norm=False, k_norm=True, with_q=False))
     out.append(commit_kernel("ingest", "kv_commit (ring)", B, dc.layers, keep, dc.kv_heads * dc.head_dim * F32, dev))
     return out
 
 
 def rollback_kernels(shape: Shape, B: int, vt: int, dev: Device, rollback: str) -> list[Kernel]:
-    """The state a rollback moves: select copies the kept column's checkpoint into the live state
-    (one launch per gdn layer); replay re-scans the kept columns from the live state."""
+    """The state a rollback moves: select copies the kept column's checkpoint of every gdn layer
+    into the live state (one launch); replay re-scans the kept columns from the live state."""
     c = shape.trunk
     g = c.layers.count("gdn")
     if not g:
         return []
     if rollback == "replay":
-        return scaled(scan_kernels("rollback", c, B, B * vt, dev, checkpoints=False, commit=True, name="gdn replay"),
-                      g, f"x{g} gdn layers")
-    k = select_kernel("rollback", B, c.gdn_heads * c.gdn_dv * c.gdn_dk, c.gdn_channels * gdn_ops.WINDOW, dev)
-    return scaled([k], g, f"x{g} gdn layers")
+        return scaled(scan_kernels("rollback", c, B, B * vt, dev, checkpoints=False, commit=True, name="gdn replay",
+                                   gated=False), g, f"x{g} gdn layers")
+    return [select_kernel("rollback", B, c.gdn_heads * c.gdn_dv * c.gdn_dk, c.gdn_channels * gdn_ops.WINDOW, dev, g)]
 
 
-def select_kernel(phase, B: int, state: int, window: int, dev: Device) -> Kernel:
-    """checkpoint_select of one gdn layer: grid copy_grid(B, state), each session's column read and
-    its live state and window written."""
-    tensors, chunks = snapshot_ops.copy_grid(B, state)
-    return planned(phase, "checkpoint_select", "state", even(snapshot_ops.select_bytes(B, state, window),
-                                                             tensors * chunks), 0, snapshot_ops.COPY_THREADS, 0, dev,
-                   "checkpoint_select_f32")
+def select_kernel(phase, B: int, state: int, window: int, dev: Device, layers: int = 1) -> Kernel:
+    """checkpoint_select_layers_f32 of `layers` gdn layers: grid copy_grid(layers B, state), each
+    session's kept column read and its live state and window written, in one launch."""
+    tensors, chunks = snapshot_ops.copy_grid(layers * B, state)
+    return planned(phase, "checkpoint_select", "state",
+                   even(layers * snapshot_ops.select_bytes(B, state, window), tensors * chunks), 0,
+                   snapshot_ops.COPY_THREADS, 0, dev, "checkpoint_select_layers_f32")
 
 
 def copy_kernel(phase, sizes, dev: Device) -> Kernel:
@@ -590,51 +665,64 @@ def round_moves(shape: Shape, vts, keeps, rollback: str = "checkpoint", ingest=N
     return out
 
 
-# CuPy array ops per pass, counted on the CuPy contract path (tests/profiling/test_perf_model.py
-# recounts them): per layer, per pass, and the round's own (draft harvest, confidence, accept,
-# commit, ingest). GEMMs are dspark launches (linear_<dt>), none of these.
-LAUNCH_GLUE = {"attn": 26, "attn_conventions": 7, "gdn": 17, "pass": 8, "drafter_layer": 23, "round": 30}
+# CuPy array ops of the plain path (op by op), counted on the CuPy contract path
+# (tests/profiling/test_perf_model.py recounts them): a round's and a plain decode step's, whatever
+# the layers (the layers' glue is kernels: dspark.ops.norm, activation, rope, heads). Recorded
+# passes (launches "eager" or "graph") have none.
+LAUNCH_GLUE = {"round": 16, "step": 5}
+UPLOADS = {"round": 3, "step": 1}   # a recorded round's inputs blocks (draft, verify, commit); a step's
 
 
-def array_ops(shape: Shape, B: int, cols: int, *, verify: bool, round_glue: bool) -> int:
-    """CuPy array ops (each a launch on a GPU) of one trunk pass (and of the rest of a round)."""
-    c, dc = shape.trunk, shape.drafter
-    n = LAUNCH_GLUE["pass"]
-    conventions = LAUNCH_GLUE["attn_conventions"] if (c.attn_gate or c.rope_fraction < 1) else 0
-    for kind in c.layers:
-        n += LAUNCH_GLUE[kind] + (conventions if kind == "attn" else 0)
-    if round_glue:
-        n += LAUNCH_GLUE["pass"] + dc.layers * LAUNCH_GLUE["drafter_layer"] + LAUNCH_GLUE["round"]
-    return n
+def array_ops(mode: str, spec: bool) -> int:
+    """CuPy array ops (each a launch on a GPU) of a spec round or a plain step, beside its kernels."""
+    return LAUNCH_GLUE["round" if spec else "step"] if mode == "plain" else 0
 
 
 @dataclasses.dataclass
 class Round:
+    """A speculative round and a plain decode step of the same sessions, as `mode` issues them:
+    plain (every launch planned and checked by the host: Device.launch each), eager (the passes'
+    recordings issued by the host: Device.host_eager + CuPy's call each, an upload per pass) or
+    graph (each pass one graph launch: the round's host time Device.host_graph_round, CuPy's graph
+    launches and uploads, and on the GPU Device.graph_node per kernel node). Each waits on the
+    device twice (a step once)."""
     shape: Shape
     B: int
     context: int
     vt: int
     kernels: list[Kernel]      # every kernel of a spec round
     plain: list[Kernel]        # every kernel of a plain decode step
-    launches: int
+    launches: int              # kernel launches of the round (graph nodes in graph mode) and array ops
     plain_launches: int
     dev: Device = H200
     syncs: int = 2
+    mode: str = "graph"
 
     def gpu(self, kernels=None) -> float:
         return sum(k.time for k in (self.kernels if kernels is None else kernels))
 
+    def _overhead(self, launches: int, syncs: int, spec: bool) -> float:
+        dev, passes = self.dev, UPLOADS["round" if spec else "step"]
+        if self.mode == "plain":
+            return launches * dev.launch + syncs * dev.sync
+        uploads = passes * dev.cupy_copy + syncs * dev.sync
+        if self.mode == "eager":
+            return launches * (dev.host_eager + dev.cupy_launch) + uploads
+        host = dev.host_graph_round * (1 if spec else 1 / UPLOADS["round"])  # a step: one pass of three
+        return host + passes * dev.graph_launch + uploads + launches * dev.graph_node
+
     def overhead(self) -> float:
-        return self.launches * self.dev.launch + self.syncs * self.dev.sync
+        """Launch and host time of the round beside its kernels (no overlap assumed)."""
+        return self._overhead(self.launches, self.syncs, True)
 
     def time(self) -> float:
         return self.gpu() + self.overhead()
 
     def plain_time(self) -> float:
-        return self.gpu(self.plain) + self.plain_launches * self.dev.launch + self.dev.sync
+        return self.gpu(self.plain) + self._overhead(self.plain_launches, 1, False)
 
     def composition(self) -> dict[str, float]:
-        """Seconds of the round by what its kernels move; overhead = launches and syncs."""
+        """Seconds of the round by what its kernels move; overhead = launches, host and syncs."""
         out = {k: sum(x.time for x in self.kernels if x.kind == k) for k in KINDS}
         out["overhead"] = self.overhead()
         return out
@@ -647,19 +735,24 @@ class Round:
 
 
 def spec_round(shape: Shape, B: int, context: int, vt: int, dev: Device = H200,
-               rollback="checkpoint") -> Round:
+               rollback="checkpoint", mode: str = "graph") -> Round:
     """A greedy round of B sessions at `context` verifying vt columns each (a full accept: every
-    column committed and ingested), and a plain decode step of the same sessions. The context is
-    capped where the shape's max_ctx leaves room for the columns."""
+    column committed and ingested), and a plain decode step of the same sessions, issued as
+    `mode` (Round). The context is capped where the shape's max_ctx leaves room for the columns;
+    recorded passes size their attention grids for the horizon (dspark.graphs.horizon)."""
+    from dspark.graphs import horizon
     context = max(1, min(context, shape.trunk.max_ctx - vt))
-    kernels = drafter_pass(shape, B, context, dev)
-    kernels += trunk_pass(shape, B, context, vt, dev, verify=True, rollback=rollback)
+    recorded = mode != "plain"
+    reach = horizon(context + vt, shape.trunk.max_ctx) if recorded else None
+    draft_reach = horizon(context + shape.drafter.block, shape.trunk.max_ctx + shape.drafter.block) if recorded else None
+    kernels = drafter_pass(shape, B, context, dev, reach=draft_reach)
+    kernels += trunk_pass(shape, B, context, vt, dev, verify=True, rollback=rollback, reach=reach)
     kernels += rollback_kernels(shape, B, vt, dev, rollback)
-    plain = trunk_pass(shape, B, context, 1, dev, verify=False)
-    ours = sum(k.launches for k in kernels if k.ctas)
-    launches = ours + array_ops(shape, B, vt, verify=True, round_glue=True)
-    plain_launches = sum(k.launches for k in plain if k.ctas) + array_ops(shape, B, 1, verify=False, round_glue=False)
-    return Round(shape, B, context, vt, kernels, plain, launches, plain_launches, dev)
+    plain = trunk_pass(shape, B, context, 1, dev, verify=False,
+                       reach=horizon(context + 1, shape.trunk.max_ctx) if recorded else None)
+    launches = sum(k.launches for k in kernels if k.ctas) + array_ops(mode, True)
+    plain_launches = sum(k.launches for k in plain if k.ctas) + array_ops(mode, False)
+    return Round(shape, B, context, vt, kernels, plain, launches, plain_launches, dev, mode=mode)
 
 
 # ---- printing ---------------------------------------------------------------------------------------------
@@ -717,6 +810,24 @@ def kernel_rows(r: Round) -> list[list[str]]:
     return out
 
 
+MODE_HEADERS = ["shape", "B", "context", "launches", "mode", "step us", "step overhead", "round us", "round overhead",
+                "speedup"]
+
+
+def mode_rows(cases, a, dev: Device) -> list[list[str]]:
+    """Each case's plain decode step and speculative round in every mode: time, the share of it that
+    is launch and host overhead, and the speedup at --accepted."""
+    rows = []
+    for shape, B, ctx in cases:
+        for mode in MODES:
+            r = spec_round(shape, B, ctx, a.width, dev, rollback=a.rollback, mode=mode)
+            step_over = r.plain_time() - r.gpu(r.plain)
+            rows.append([shape.label, str(B), str(r.context), str(r.launches), mode, us(r.plain_time()),
+                         f"{step_over / r.plain_time():.1%}", us(r.time()), f"{r.overhead() / r.time():.1%}",
+                         f"{r.speedup(a.accepted):.2f}x"])
+    return rows
+
+
 KERNEL_HEADERS = ["phase", "kernel", "kind", "MB", "GFLOP", "CTAs", "waves", "launches", "us", "of copy", "regs",
                   "CTAs/SM", "flop/instr", "bound"]
 
@@ -732,21 +843,33 @@ def main(argv=None) -> int:
     ap.add_argument("--drafter-window", type=int, default=4096)
     ap.add_argument("--kernels", action="store_true", help="also every kernel of each round")
     ap.add_argument("--launch-us", type=float, default=None,
-                    help=f"host cost of one launch, us (default {H200.launch * 1e6:.1f}: profiling/launch_cost.py)")
+                    help=f"host cost of one launch of the plain path, us (default {H200.launch * 1e6:.1f}: "
+                         "profiling/launch_cost.py)")
+    ap.add_argument("--launches", choices=MODES, default="graph",
+                    help="how the summary's rounds reach the device (dspark.graphs; default: graph)")
+    ap.add_argument("--graph-node-us", type=float, default=None,
+                    help=f"GPU time per node of a replayed graph, us (default {H200.graph_node * 1e6:.1f})")
     a = ap.parse_args(argv)
     if a.width < 1 or any(b < 1 for b in a.batch) or any(c < 1 for c in a.context):
         ap.error("--width, --batch and --context must be >= 1")
-    if a.launch_us is not None and a.launch_us < 0:
-        ap.error("--launch-us must be >= 0")
-    d = H200 if a.launch_us is None else dataclasses.replace(H200, launch=a.launch_us * 1e-6)
+    if any(x is not None and x < 0 for x in (a.launch_us, a.graph_node_us)):
+        ap.error("--launch-us and --graph-node-us must be >= 0")
+    d = H200
+    if a.launch_us is not None:
+        d = dataclasses.replace(d, launch=a.launch_us * 1e-6)
+    if a.graph_node_us is not None:
+        d = dataclasses.replace(d, graph_node=a.graph_node_us * 1e-6)
     table_of = shapes(a.drafter_window)
-    rounds = [spec_round(table_of[m], b, ctx, a.width, d, rollback=a.rollback)
-              for m in a.model for b in a.batch for ctx in a.context]
+    cases = [(table_of[m], b, ctx) for m in a.model for b in a.batch for ctx in a.context]
+    rounds = [spec_round(sh, b, ctx, a.width, d, rollback=a.rollback, mode=a.launches) for sh, b, ctx in cases]
     print(f"{d.name}: copy {d.bw / 1e12:.1f} TB/s, bf16 MMA {d.mma / 1e12:.0f} TFLOP/s, f32 issue "
-          f"{d.f32_issue / 1e12:.1f} T instr/s ({d.f32 / 1e12:.0f} TFLOP/s as FMAs), launch {d.launch * 1e6:.1f} us "
-          f"host, sync {d.sync * 1e6:.0f} us, {d.sms} SMs; code as compiled for {d.arch} by "
-          f"{compiled_kernels(d.arch, d.nvrtc)[0]}; GEMMs linear_<dt> (weights read as stored); "
-          f"rollback {a.rollback}; speedup at mean accepted length {a.accepted}")
+          f"{d.f32_issue / 1e12:.1f} T instr/s ({d.f32 / 1e12:.0f} TFLOP/s as FMAs), sync {d.sync * 1e6:.0f} us, "
+          f"{d.sms} SMs; code as compiled for {d.arch} by {compiled_kernels(d.arch, d.nvrtc)[0]}; GEMMs linear_<dt> "
+          f"(weights read as stored); rollback {a.rollback}; speedup at mean accepted length {a.accepted}")
+    print(f"host per launch: plain {d.launch * 1e6:.1f} us (profiling/launch_cost.py), eager {d.host_eager * 1e6:.1f} us "
+          f"+ CuPy {d.cupy_launch * 1e6:.0f} us; graph: {d.host_graph_round * 1e6:.0f} us a round "
+          f"(profiling/host_round.py) + CuPy {d.graph_launch * 1e6:.0f} us a graph launch, {d.graph_node * 1e6:.1f} us a "
+          f"node on the GPU; uploads {d.cupy_copy * 1e6:.0f} us; the summary's rounds: {a.launches}")
     for m in a.model:
         dc = table_of[m].drafter
         ring = max(w or table_of[m].trunk.max_ctx for w in dc.windows()) + dc.block
@@ -755,7 +878,10 @@ def main(argv=None) -> int:
     print(table(SUMMARY_HEADERS, summary_rows(rounds, a.accepted, d)))
     print("attn of copy: the verify attention kernel's K/V + q + out bytes over its predicted time, as a share of "
           "the copy bandwidth; verify/plain: the trunk verify pass over a plain decode step (GPU time); "
-          f"weights .. overhead: shares of the round (overhead = launches x {d.launch * 1e6:.1f} us + 2 syncs)")
+          f"weights .. overhead: shares of the round (overhead: launches and host as `{a.launches}` issues them, "
+          "2 syncs)")
+    print("\nlaunch and host overhead by how the passes reach the device (plain decode step and speculative round):")
+    print(table(MODE_HEADERS, mode_rows(cases, a, d)))
     print("\nrecurrent state and K/V moved per round (a full accept; the kinds dspark.profile counts):")
     moves = []
     for r in rounds:

@@ -20,8 +20,23 @@ CuPy's, so the whole `cuda` code path runs, and fails where CuPy would, on a mac
   scalars by value) and its launch limits (dynamic shared memory above 48 KiB needs
   max_dynamic_shared_size_bytes).
 * Counts: every device->host copy (get, item, int(), bool(), repr...), host->device copy,
-  synchronisation and array operation is reported to dspark.profile counters, each copy and sync
-  with the dspark source line that caused it.
+  synchronisation, array operation and graph launch is reported to dspark.profile counters, each
+  copy and sync with the dspark source line that caused it.
+* Streams and capture: `with stream:` makes a stream current. Between `stream.begin_capture()` and
+  `stream.end_capture()` (never on the legacy default stream) the stand-in keeps CUDA's rules: a
+  synchronisation, a device->host copy, a host->device copy from pageable memory, a memory-pool
+  allocation or work on another stream raises CaptureError and invalidates the capture (CuPy's own
+  pool may allocate during a relaxed-mode capture; the stand-in refuses it, because memory the
+  pool hands a graph is handed out again once the array dies). Kernel launches and in-place array
+  operations (ufuncs with out=, assignments, fills) are recorded, not run: `end_capture()` returns
+  a Graph whose `launch()` runs them in order with the arguments packed at capture time on what
+  the buffers hold at launch time, so a host value baked into a captured pass replays stale. A
+  graph whose buffers were freed since its capture refuses to launch.
+* Null memory: under `null_memory()` arrays are untouched anonymous mappings (shape, dtype and a
+  pointer of their own, no memory); with `executing(False)` nothing writes them, so a pass over
+  Qwen3.5-27B's real weights, caches and checkpoints runs its whole host path on any machine.
+  `own_time()` accounts the time the stand-in spends inside CuPy's entry points (its Python stands
+  where CuPy's Cython and the driver would be), so profiling/host_round.py can time dspark's own.
 
 Device memory is host memory here, so a device pointer is a host address the simt kernels can
 follow: pointer tables work as on a GPU. Arithmetic is NumPy's (CuPy follows NumPy's promotion
@@ -35,9 +50,11 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import mmap
 import operator
 import os
 import struct
+import time
 import types
 import weakref
 
@@ -63,6 +80,8 @@ SURFACE = {
     "cupy.cuda.runtime": _names(_cupy.cuda.runtime),
     "cupy.cuda.Device": _names(_cupy.cuda.Device),
     "cupy.cuda.Stream": _names(_cupy.cuda.Stream),
+    "cupy.cuda.Graph": _names(_cupy.cuda.Graph),
+    "cupy.cuda.Event": _names(_cupy.cuda.Event),
     "cupy.RawModule": _names(_cupy.RawModule),
     "cupy.RawKernel": _names(_cupy.RawKernel),
 }
@@ -96,10 +115,140 @@ class _Checked:
 
 
 # ---- events -------------------------------------------------------------------------------------------
-def _record(kind: str) -> None:
+def _record(kind: str, amount: int = 1) -> None:
+    if _CAPTURE[0] is not None and kind in _UNCAPTURABLE:
+        _refuse_in_capture(_UNCAPTURABLE[kind])
     if profile.counting_now():
         site = profile.caller_site((_THIS, _BACKENDS_INIT, _ARRAY_INTERFACE)) if kind in ("d2h", "sync") else None
-        profile.record(kind, site=site)
+        profile.record(kind, site=site, amount=amount)
+
+
+# ---- stream capture --------------------------------------------------------------------------------------
+class CaptureError(RuntimeError):
+    """What CUDA answers to an operation a capturing stream does not permit (CuPy raises its
+    CUDARuntimeError, a RuntimeError): the capture is invalidated and its end_capture fails too."""
+
+
+class _Capture:
+    """The capture in progress: its stream, the work recorded so far (callables, in stream
+    order), weak references to the buffers its kernels were given (a replay refuses freed ones),
+    and why it was invalidated, if it was."""
+    __slots__ = ("stream", "nodes", "buffers", "invalid", "kernels")
+
+    def __init__(self, stream):
+        self.stream, self.nodes, self.buffers, self.invalid, self.kernels = stream, [], [], None, []
+
+
+_CAPTURE: list = [None]  # the capture in progress (CUDA's relaxed mode: one at a time here)
+_UNCAPTURABLE = {"sync": "a synchronization", "d2h": "a device->host copy",
+                 "h2d": "a host->device copy from pageable host memory"}
+
+
+def _refuse_in_capture(what: str) -> None:
+    cap = _CAPTURE[0]
+    cap.invalid = cap.invalid or what
+    raise CaptureError(f"cudaErrorStreamCaptureUnsupported: {what} while a stream is capturing (CUDA refuses it "
+                       "and invalidates the capture)")
+
+
+def _device_work(run, buffers=(), kernels=()) -> None:
+    """Work on the device: done now, or recorded into the capture in progress (not done: captured
+    work runs when the graph is launched, on whatever the buffers hold then). `kernels`: the names
+    of the kernels it launches (a graph's launches are counted when it is launched)."""
+    cap = _CAPTURE[0]
+    if cap is None:
+        run()
+        return
+    if _current_stream() is not cap.stream:
+        _refuse_in_capture("work on another stream (the legacy default stream) than the capturing one")
+    cap.nodes.append(run)
+    cap.buffers.extend(weakref.ref(h) for h in buffers)
+    cap.kernels.extend(kernels)
+
+
+# ---- null memory and the stand-in's own time ---------------------------------------------------------------
+_NULL = [False]
+
+
+@contextlib.contextmanager
+def null_memory():
+    """Arrays made inside are untouched anonymous mappings (MAP_NORESERVE): shape, dtype and a
+    device pointer of their own, and no memory until written. With execution off
+    (`executing(False)`) nothing writes them, so Qwen3.5-27B's weights, caches and checkpoints fit
+    on any machine: the null executor of profiling/host_round.py."""
+    before = _NULL[0]
+    _NULL[0] = True
+    try:
+        yield
+    finally:
+        _NULL[0] = before
+
+
+def _null_array(shape, dtype) -> np.ndarray:
+    dt = np.dtype(dtype)
+    shape = (shape,) if isinstance(shape, (int, np.integer)) else tuple(int(n) for n in shape)
+    count = int(np.prod(shape, dtype=np.int64))
+    m = mmap.mmap(-1, max(1, count * dt.itemsize), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _NORESERVE)
+    return np.frombuffer(m, dt, count).reshape(shape)
+
+
+_NORESERVE = getattr(mmap, "MAP_NORESERVE", 0x4000)
+
+
+class OwnTime:
+    """The time the stand-in itself spends in CuPy's calls (its Python stands where CuPy's Cython
+    and the driver would be), to be taken out of a host measurement: `ns` and `calls`."""
+    __slots__ = ("ns", "calls", "depth")
+
+    def __init__(self):
+        self.ns = self.calls = self.depth = 0
+
+
+_OWN: list = [None]
+
+
+@contextlib.contextmanager
+def own_time():
+    """Account the stand-in's own time in CuPy's entry points while the block runs."""
+    before, _OWN[0] = _OWN[0], OwnTime()
+    try:
+        yield _OWN[0]
+    finally:
+        _OWN[0] = before
+
+
+def own_overhead(samples: int = 20000) -> float:
+    """Seconds of the caller's time each accounted call adds outside its own interval (the
+    timer's entry and exit), to be taken out with the stand-in's time."""
+    idle = _own(lambda: None)
+    base = time.thread_time_ns()
+    for _ in range(samples):
+        (lambda: None)()
+    base = time.thread_time_ns() - base
+    with own_time() as own:
+        t = time.thread_time_ns()
+        for _ in range(samples):
+            idle()
+        total = time.thread_time_ns() - t
+    return max(0.0, (total - own.ns - base) / samples * 1e-9)
+
+
+def _own(fn):
+    """An entry point of CuPy's: its time (outermost call only) goes to the open OwnTime."""
+    @functools.wraps(fn)
+    def timed(*args, **kwargs):
+        acc = _OWN[0]
+        if acc is None or acc.depth:
+            return fn(*args, **kwargs)
+        acc.depth = 1
+        t = time.thread_time_ns()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            acc.ns += time.thread_time_ns() - t
+            acc.calls += 1
+            acc.depth = 0
+    return timed
 
 
 # ---- memory ----------------------------------------------------------------------------------------------
@@ -113,11 +262,13 @@ class MemoryPool(_Checked):
         self._live: dict[int, weakref.ref] = {}
 
     def _track(self, h: np.ndarray) -> None:
-        if h.base is not None or h.nbytes == 0:
+        if (h.base is not None and not isinstance(h.base, mmap.mmap)) or h.nbytes == 0:
             return
         ref = self._live.get(id(h))
         if ref is not None and ref() is h:
             return
+        if _CAPTURE[0] is not None:  # the pool would hand the graph memory it reuses once the array dies
+            _refuse_in_capture("a memory-pool allocation")
         self._used += h.nbytes
         self._live[id(h)] = weakref.ref(h)
         weakref.finalize(h, self._release, id(h), h.nbytes)
@@ -256,10 +407,11 @@ class ndarray(_Checked):  # noqa: N801  (CuPy's name)
     __slots__ = ("_h",)
     __array_priority__ = 100.0
 
+    @_own
     def __init__(self, shape, dtype=float, memptr=None, strides=None, order="C"):
         if memptr is not None or strides is not None:
             raise NotImplementedError("the stand-in makes ndarray(shape, dtype) only")
-        self._h = np.empty(shape, _check_dtype(dtype), order=order)
+        self._h = _new(shape, dtype, order)
         _POOL._track(self._h)
 
     @classmethod
@@ -277,16 +429,17 @@ class ndarray(_Checked):  # noqa: N801  (CuPy's name)
     itemsize = property(lambda self: self._h.itemsize)
     nbytes = property(lambda self: self._h.nbytes)
     strides = property(lambda self: self._h.strides)
-    flags = property(lambda self: Flags(self._h))
-    data = property(lambda self: MemoryPointer(int(self._h.__array_interface__["data"][0])))
+    flags = property(_own(lambda self: Flags(self._h)))
+    data = property(_own(lambda self: MemoryPointer(int(self._h.__array_interface__["data"][0]))))
     T = property(lambda self: ndarray._of(self._h.T))
     mT = property(lambda self: ndarray._of(np.swapaxes(self._h, -1, -2)))
     real = property(lambda self: ndarray._of(self._h.real))
     imag = property(lambda self: ndarray._of(self._h.imag))
-    base = property(lambda self: None if self._h.base is None else ndarray._of(self._h.base))
+    base = property(lambda self: ndarray._of(self._h.base) if isinstance(self._h.base, np.ndarray) else None)
     device = property(lambda self: Device(0))
 
     @property
+    @_own
     def __cuda_array_interface__(self) -> dict:
         h = self._h
         return {"shape": h.shape, "typestr": h.dtype.str, "descr": h.dtype.descr,
@@ -297,6 +450,7 @@ class ndarray(_Checked):  # noqa: N801  (CuPy's name)
         return (2, 0)  # kDLCUDA, device 0
 
     # -- explicit copies to and from the host
+    @_own
     def get(self, stream=None, order="C", out=None, blocking=True):
         _record("d2h")
         h = np.array(self._h, order=order)
@@ -305,18 +459,22 @@ class ndarray(_Checked):  # noqa: N801  (CuPy's name)
             return out
         return h
 
+    @_own
     def set(self, arr, stream=None):
         _record("h2d")
         self._h[...] = arr
 
+    @_own
     def item(self):
         _record("d2h")
         return self._h.item()
 
+    @_own
     def tolist(self):
         _record("d2h")
         return self._h.tolist()
 
+    @_own
     def tobytes(self, order="C"):
         _record("d2h")
         return self._h.tobytes(order)
@@ -376,30 +534,37 @@ class ndarray(_Checked):  # noqa: N801  (CuPy's name)
             out.append(Ellipsis)  # an integer index gives a 0-d view, as in CuPy, not a copy
         return tuple(out), advanced
 
+    @_own
     def __getitem__(self, key):
         k, advanced = self._key(key)
         if advanced:
             _record("array_op")
         return ndarray._of(np.asarray(self._h[k]) if not advanced else self._h[k])
 
+    @_own
     def __setitem__(self, key, value):
         k, advanced = self._key(key)
         _record("array_op")
         if isinstance(value, ndarray):
-            self._h[k] = value._h
+            v = value._h
         elif _cai(value) is not None:
-            self._h[k] = _from_cai(value)
+            v = _from_cai(value)
         elif advanced:
             if isinstance(value, (np.ndarray, list)):
                 _record("h2d")  # CuPy copies the values to the device for a scatter
-            self._h[k] = value
+            v = np.array(value)
         else:  # CuPy fills from a scalar only; a host array is refused
             v = np.asarray(value, dtype=self._h.dtype)
             if v.shape != ():
                 raise ValueError("non-scalar numpy.ndarray cannot be used for fill")
-            self._h[k] = v
+        h = self._h
+
+        def run():
+            h[k] = v
+        _device_work(run)
 
     # -- methods
+    @_own
     def astype(self, dtype, order="K", casting=None, subok=None, copy=True):
         dt = _check_dtype(dtype)
         if not copy and dt == self._h.dtype:
@@ -407,14 +572,17 @@ class ndarray(_Checked):  # noqa: N801  (CuPy's name)
         _record("array_op")
         return ndarray._of(self._h.astype(dt, order=order, copy=True))
 
+    @_own
     def copy(self, order="C"):
         _record("array_op")
         return ndarray._of(self._h.copy(order=order))
 
+    @_own
     def fill(self, value):
         _record("array_op")
         self[...] = value
 
+    @_own
     def view(self, dtype=None, array_class=None):
         return ndarray._of(self._h.view(_check_dtype(dtype)) if dtype is not None else self._h.view())
 
@@ -484,7 +652,8 @@ def _reflected(op, name):
 def _inplace(op, name):
     def m(self, other):
         _record("array_op")
-        op(self._h, _operand(other, f"ndarray.{name}"))
+        h, o = self._h, _operand(other, f"ndarray.{name}")
+        _device_work(lambda: op(h, o))
         return self
     m.__name__ = name
     return m
@@ -515,20 +684,20 @@ def _build_ndarray():
     for n, op in _BINARY.items():
         for dunder, make in ((f"__{n}__", _binary), (f"__r{n}__", _reflected)):
             if dunder in surface:
-                setattr(ndarray, dunder, make(op, dunder))
+                setattr(ndarray, dunder, _own(make(op, dunder)))
     for n, op in _INPLACE.items():
         if f"__i{n}__" in surface:
-            setattr(ndarray, f"__i{n}__", _inplace(op, f"__i{n}__"))
+            setattr(ndarray, f"__i{n}__", _own(_inplace(op, f"__i{n}__")))
     for n, op in _COMPARE.items():
-        setattr(ndarray, f"__{n}__", _binary(op, f"__{n}__"))
+        setattr(ndarray, f"__{n}__", _own(_binary(op, f"__{n}__")))
     ndarray.__hash__ = None
     for n, op in _UNARY.items():
         if f"__{n}__" in surface:
-            setattr(ndarray, f"__{n}__", _unary(op, f"__{n}__"))
+            setattr(ndarray, f"__{n}__", _own(_unary(op, f"__{n}__")))
     for n in sorted(surface):  # every other method CuPy and NumPy share, with NumPy's semantics
         if n.startswith("_") or n in ndarray.__dict__ or not callable(getattr(np.ndarray, n, None)):
             continue
-        setattr(ndarray, n, _method(n))
+        setattr(ndarray, n, _own(_method(n)))
 
 
 _build_ndarray()
@@ -572,6 +741,7 @@ class RawKernel(_Checked):
         self.name, self.file_path = name, path
         self.max_dynamic_shared_size_bytes = 0
 
+    @_own
     def __call__(self, grid, block, args, *, shared_mem=0, stream=None, enable_cooperative_groups=False):
         if not isinstance(grid, tuple) or not isinstance(block, tuple):
             raise TypeError(f"{self.name}: grid and block must be tuples, got {type(grid)} and {type(block)}")
@@ -596,10 +766,25 @@ class RawKernel(_Checked):
                 slots.append(np.asarray(a).tobytes().ljust(8, b"\0"))
             else:
                 raise TypeError(f"{self.name}: argument {i}: Unsupported type {type(a)}")
-        if not all(g) or not _EXECUTING[0]:
-            return  # an empty grid launches nothing; with execution off only the host path ran
+        if not all(g):
+            return  # an empty grid launches nothing
+        run = functools.partial(_execute, self.name, g, b, b"".join(slots), int(shared_mem))
+        # A capture keeps the argument bytes as they are now: a host value baked in replays stale.
+        _device_work(run, [_root(a._h) for a in args if isinstance(a, ndarray)], (self.name,))
+
+
+def _root(h: np.ndarray) -> np.ndarray:
+    """The allocation a view belongs to (what a captured graph must find alive)."""
+    while isinstance(h.base, np.ndarray):
+        h = h.base
+    return h
+
+
+def _execute(name: str, grid, block, payload: bytes, shared_mem: int) -> None:
+    """Run one launch on simt, unless execution is off (then only the host path ran)."""
+    if _EXECUTING[0]:
         from .simt import load_module  # only to execute: loading cubins needs no simt build
-        load_module().launch(self.name, g, b, b"".join(slots), int(shared_mem))
+        load_module().launch(name, grid, block, payload, shared_mem)
 
 
 class RawModule(_Checked):
@@ -622,6 +807,7 @@ class RawModule(_Checked):
         self._owner = _OWNER[0]
         self._owner.loaded[path] = data
 
+    @_own
     def get_function(self, name: str) -> RawKernel:
         if name.encode() + b"\0" not in self._bytes:
             raise RuntimeError(f"{name}: CUDA_ERROR_NOT_FOUND in {self.file_path}")
@@ -641,6 +827,7 @@ class Device(_Checked):
     def compute_capability(self) -> str:
         return self.ARCH[0]
 
+    @_own
     def synchronize(self) -> None:
         _record("sync")
 
@@ -659,26 +846,128 @@ class Device(_Checked):
 
 
 class Stream(_Checked):
+    """A stream: `with stream:` makes it current (launches and device work go to the current
+    stream), `use()` makes it current until another is used. Capture as CUDA's relaxed mode
+    allows it (begin_capture / end_capture on a stream that is not the legacy default stream):
+    see the module doc."""
     _where = "cupy.cuda.Stream"
     __slots__ = ("ptr",)
 
     def __init__(self, null=False, non_blocking=False, ptds=False, priority=None):
-        self.ptr = 0
+        self.ptr = 0 if null else next(_STREAM_HANDLES)
 
+    @_own
     def synchronize(self) -> None:
         _record("sync")
 
     def use(self):
+        _USED[0] = self
         return self
 
     def __enter__(self):
+        _ENTERED.append(self)
         return self
 
     def __exit__(self, *exc):
+        _ENTERED.pop()
         return None
+
+    @_own
+    def begin_capture(self, mode=None) -> None:
+        if self.ptr == 0:
+            raise RuntimeError("cannot capture on the default (legacy) stream")
+        if _CAPTURE[0] is not None:
+            raise CaptureError("cudaErrorIllegalState: a capture is already in progress")
+        _CAPTURE[0] = _Capture(self)
+
+    @_own
+    def end_capture(self) -> "Graph":
+        cap = _CAPTURE[0]
+        if cap is None or cap.stream is not self:
+            raise CaptureError("cudaErrorIllegalState: this stream is not capturing")
+        _CAPTURE[0] = None
+        if cap.invalid:
+            raise CaptureError(f"cudaErrorStreamCaptureInvalidated: the capture was invalidated by {cap.invalid}")
+        return Graph(cap.nodes, cap.buffers, cap.kernels)
+
+    def is_capturing(self) -> bool:
+        return _CAPTURE[0] is not None and _CAPTURE[0].stream is self
+
+    def record(self, event=None) -> "Event":
+        """An event after the work issued so far (everything here has run: it is complete)."""
+        return event if event is not None else Event()
+
+    def wait_event(self, event) -> None:
+        """Later work waits for the event (work here runs in issue order: nothing to wait for)."""
+        if not isinstance(event, Event):
+            raise TypeError(f"wait_event: expected a cupy.cuda.Event, got {type(event)}")
+
+
+class Event(_Checked):
+    _where = "cupy.cuda.Event"
+    __slots__ = ("ptr", "at")
+
+    def __init__(self, block=False, disable_timing=False, interprocess=False):
+        self.ptr = next(_STREAM_HANDLES)
+        self.at = None  # host time of the record: work here runs as it is issued
+
+    def record(self, stream=None) -> None:
+        self.at = time.perf_counter()
+
+    @_own
+    def synchronize(self) -> None:
+        _record("sync")
+
+    @property
+    def done(self) -> bool:
+        return True
 
 
 Stream.null = Stream(null=True)
+_STREAM_HANDLES = iter(range(0x1000, 1 << 62, 0x10))
+_ENTERED: list = []     # streams entered by `with`, innermost last
+_USED: list = [None]    # the stream of the last use()
+
+
+def _current_stream() -> Stream:
+    return _ENTERED[-1] if _ENTERED else (_USED[0] or Stream.null)
+
+
+class Graph(_Checked):
+    """cupy.cuda.Graph: the work a capture recorded. launch() runs it, in order, on what the
+    buffers hold at launch time with the arguments they had at capture time. A buffer a captured
+    kernel was given that has been freed since makes launch() raise (CUDA would read or write
+    memory the pool has handed out again)."""
+    _where = "cupy.cuda.Graph"
+    __slots__ = ("graph", "graphExec", "_nodes", "_buffers", "_kernels")
+
+    def __init__(self, nodes, buffers, kernels):
+        self.graph = self.graphExec = id(self)
+        self._nodes, self._buffers, self._kernels = tuple(nodes), tuple(buffers), tuple(kernels)
+
+    @_own
+    def launch(self, stream=None) -> None:
+        _record("graph", len(self._kernels))
+        if profile.counting_now():
+            for name in self._kernels:
+                profile.record("launch", name)
+        _device_work(self._run, kernels=self._kernels)  # into a capture in progress: a child graph
+
+    def _run(self) -> None:
+        if not _EXECUTING[0]:
+            return
+        if any(ref() is None for ref in self._buffers):
+            raise RuntimeError("cudaGraphLaunch: a buffer the graph was captured with has been freed since")
+        for node in self._nodes:
+            node()
+
+    def upload(self, stream=None) -> None:
+        pass
+
+
+def graph_nodes(graph: Graph) -> int:
+    """The work items a stand-in graph holds (kernel launches and in-place array operations)."""
+    return len(graph._nodes)
 
 
 class _Namespace(types.SimpleNamespace):
@@ -694,17 +983,26 @@ class _Namespace(types.SimpleNamespace):
         raise _missing(self._where, name)
 
 
+@_own
 def _device_synchronize() -> None:
     _record("sync")
 
 
+def _get_elapsed_time(start: Event, end: Event) -> float:
+    """Milliseconds between two recorded events (CuPy refuses an unrecorded one too)."""
+    if start.at is None or end.at is None:
+        raise RuntimeError("get_elapsed_time: both events must be recorded")
+    return (end.at - start.at) * 1e3
+
+
 _RUNTIME = _Namespace("cupy.cuda.runtime", getDeviceCount=lambda: 1, deviceSynchronize=_device_synchronize)
-_CUDA = _Namespace("cupy.cuda", Device=Device, Stream=Stream, MemoryPool=MemoryPool, MemoryPointer=MemoryPointer,
-                   runtime=_RUNTIME, get_current_stream=lambda device=None: Stream.null,
-                   is_available=lambda: True)
+_CUDA = _Namespace("cupy.cuda", Device=Device, Stream=Stream, Graph=Graph, Event=Event, MemoryPool=MemoryPool,
+                   MemoryPointer=MemoryPointer, runtime=_RUNTIME, get_current_stream=lambda device=None: _current_stream(),
+                   is_available=lambda: True, get_elapsed_time=_get_elapsed_time)
 
 
 # ---- the cupy module ---------------------------------------------------------------------------------
+@_own
 def _asarray(a, dtype=None, order=None, *, blocking=False):
     if isinstance(a, ndarray):
         return a if dtype is None or np.dtype(dtype) == a.dtype else a.astype(dtype)
@@ -717,6 +1015,7 @@ def _asarray(a, dtype=None, order=None, *, blocking=False):
     return ndarray._of(h)
 
 
+@_own
 def _array(obj, dtype=None, copy=True, order="K", subok=False, ndmin=0, *, blocking=False):
     if isinstance(obj, ndarray) or _cai(obj) is not None:
         a = _asarray(obj, dtype)
@@ -727,6 +1026,7 @@ def _array(obj, dtype=None, copy=True, order="K", subok=False, ndmin=0, *, block
     return ndarray._of(h)
 
 
+@_own
 def _ascontiguousarray(a, dtype=None):
     if not isinstance(a, ndarray):
         raise TypeError(f"Argument 'a' has incorrect type (expected cupy._core.core._ndarray_base, got {type(a)})")
@@ -736,24 +1036,35 @@ def _ascontiguousarray(a, dtype=None):
     return ndarray._of(np.ascontiguousarray(a._h, dtype=dtype))
 
 
+@_own
 def _asnumpy(a, stream=None, order="C", out=None, blocking=True):
     if isinstance(a, ndarray):
         return a.get(order=order, out=out)
     return np.asarray(a, order=order)
 
 
+@_own
 def _empty(shape, dtype=float, order="C"):
-    return ndarray._of(np.empty(shape, _check_dtype(dtype), order=order))
+    return ndarray._of(_new(shape, dtype, order))
+
+
+def _new(shape, dtype, order="C") -> np.ndarray:
+    """Fresh device memory: NumPy's, or an untouched mapping under null_memory()."""
+    return _null_array(shape, _check_dtype(dtype)) if _NULL[0] else np.empty(shape, _check_dtype(dtype), order=order)
 
 
 def _filled(name, value):
+    @_own
     def f(shape, dtype=float, order="C"):
         _record("array_op")  # a memset or a fill kernel
+        if _NULL[0] and value == 0:
+            return ndarray._of(_new(shape, dtype))  # an untouched mapping reads as zeros
         return ndarray._of(np.full(shape, value, _check_dtype(dtype), order=order))
     f.__name__ = name
     return f
 
 
+@_own
 def _full(shape, fill_value, dtype=None, order="C"):
     _record("array_op")
     h = np.full(shape, _operand(fill_value, "cupy.full"), dtype=dtype, order=order)
@@ -764,11 +1075,14 @@ def _full(shape, fill_value, dtype=None, order="C"):
 def _like(name):
     npf = getattr(np, name)
 
+    @_own
     def f(a, dtype=None, *args, **kwargs):
         if not isinstance(a, ndarray):
             raise TypeError(f"cupy.{name}: Unsupported type {type(a)}")
         if name != "empty_like":
             _record("array_op")
+        if _NULL[0] and name in ("empty_like", "zeros_like") and not args and not kwargs:
+            return ndarray._of(_new(a.shape, a.dtype if dtype is None else dtype))
         return ndarray._of(npf(a._h, dtype, *_tree(args, name), **kwargs))
     f.__name__ = name
     return f
@@ -777,12 +1091,20 @@ def _like(name):
 def _function(name):
     npf = getattr(np, name)
 
+    @_own
     def f(*args, **kwargs):
         if name not in _VIEWS:
             _record("array_op")
-        return _wrap(npf(*_tree(args, f"cupy.{name}"), **{k: _tree(v, f"cupy.{name}") for k, v in kwargs.items()}))
+        a, k = _tree(args, f"cupy.{name}"), {key: _tree(v, f"cupy.{name}") for key, v in kwargs.items()}
+        if name in _IN_PLACE or isinstance(kwargs.get("out"), ndarray):  # writes existing memory: capturable
+            _device_work(lambda: npf(*a, **k))
+            return kwargs.get("out")
+        return _wrap(npf(*a, **k))
     f.__name__ = name
     return f
+
+
+_IN_PLACE = {"copyto", "put", "place", "putmask"}  # cupy functions that write an existing array
 
 
 class _Ufunc:
@@ -792,29 +1114,35 @@ class _Ufunc:
         self.__name__ = name
         self._np = getattr(np, name)
 
+    @_own
     def __call__(self, *args, out=None, **kwargs):
         _record("array_op")
         ins = [_operand(a, f"cupy.{self.__name__}") for a in args]
         if out is not None:
             if not isinstance(out, ndarray):
                 raise TypeError(f"cupy.{self.__name__}: out must be a cupy.ndarray, got {type(out)}")
-            self._np(*ins, out=out._h, **kwargs)
+            h = out._h
+            _device_work(lambda: self._np(*ins, out=h, **kwargs))
             return out
         return _wrap(self._np(*ins, **kwargs))
 
+    @_own
     def reduce(self, a, *args, **kwargs):
         _record("array_op")
         return _wrap(self._np.reduce(_operand(a, f"cupy.{self.__name__}.reduce"), *args, **kwargs))
 
+    @_own
     def accumulate(self, a, *args, **kwargs):
         _record("array_op")
         return _wrap(self._np.accumulate(_operand(a, f"cupy.{self.__name__}.accumulate"), *args, **kwargs))
 
 
+@_own
 def _get_array_module(*args):
     return cupy_module() if any(isinstance(a, ndarray) for a in args) else np
 
 
+@_own
 def _from_dlpack(x, *, device=None, copy=None):
     """cupy.from_dlpack: DLPack only (CuPy does not fall back on __cuda_array_interface__); the
     capsule is read by dspark.arrays.dlpack_view, as the stand-in's device memory is host memory.

@@ -33,9 +33,10 @@ def device_arch(cupy) -> str:
 
 
 class CudaKernel:
-    def __init__(self, raw, sig: Signature, array_type):
+    def __init__(self, raw, sig: Signature, array_type, executor):
         self._raw = raw
         self._array_type = array_type
+        self._executor = executor
         self.signature = sig
         self.name = sig.name
 
@@ -47,6 +48,8 @@ class CudaKernel:
         # CuPy would turn None into 0xffffffff, not NULL: pass a null pointer explicitly.
         args = tuple(np.uint64(0) if a is None else a for a in args)
         profile.record("launch", self.name)
+        if self._executor.recording is not None:  # validated once: a recorded pass replays the raw call
+            self._executor.recording.append((self._raw, g, b, args, smem, self.name))
         self._raw(g, b, args, shared_mem=smem)
 
 
@@ -66,6 +69,7 @@ class CudaExecutor:
         self.cubins: dict[str, Cubin] = {}
         self._modules: dict[str, object] = {}
         self._cache: dict[str, CudaKernel] = {}
+        self.recording: list | None = None  # launches go here too while a pass is recorded (dspark.graphs)
 
     def module(self, source: str):
         """The RawModule of csrc/<source>, loaded from dspark's own cubin."""
@@ -80,5 +84,5 @@ class CudaExecutor:
             sig = self.signatures.get(name)
             if sig is None:
                 raise KernelArgumentError(f"no kernel named {name!r} in csrc/")
-            self._cache[name] = CudaKernel(self.module(sig.source).get_function(name), sig, self._cupy.ndarray)
+            self._cache[name] = CudaKernel(self.module(sig.source).get_function(name), sig, self._cupy.ndarray, self)
         return self._cache[name]

@@ -20,7 +20,7 @@ from collections import OrderedDict
 from typing import Callable
 
 _versions = itertools.count(1)
-_stores: "weakref.WeakSet[TableStore]" = weakref.WeakSet()
+_stores: "weakref.WeakSet" = weakref.WeakSet()  # TableStores and dspark.graphs.PassStores
 
 
 def next_version() -> int:
@@ -73,7 +73,13 @@ class TableStore:
         return len(self._entries)
 
 
+def register_store(store) -> None:
+    """Make forget() reach `store` too (anything with drop(version): dspark.graphs' recordings)."""
+    _stores.add(store)
+
+
 def forget(version: int) -> None:
-    """Drop every batch's tables that include buffers of `version` (they are being freed)."""
+    """Drop every batch's tables (and recorded passes) that include buffers of `version` (they are
+    being freed or replaced)."""
     for store in list(_stores):
         store.drop(version)

@@ -34,21 +34,38 @@ from __future__ import annotations
 import numpy as np
 
 from ..errors import ShapeError, TokenRangeError
-from ..ops import dense
+from ..ops.activation import sigmoid_bias, swiglu
 from ..ops.argmax import argmax_rows, markov_chain, raise_on_nan
 from ..ops.attention import attention
+from ..ops.heads import confidence_features, gather_rows, logit_scale
 from ..ops.kv_commit import kv_commit
 from ..ops.linear import linear
-from ..ops.norm import rmsnorm
+from ..ops.norm import add_rmsnorm, embed_rmsnorm
+from ..ops.rope import Heads, Rotary, qk_prepare
 from ..ops.tables import PointerTable
+from ..ops.workspace import Inputs, Workspace, fixed
 
 from .batch_tables import TableStore, VersionedBuffers
 from .drafter_config import INT_TENSORS, DrafterConfig, drafter_spec
 from .drafter_heads import Chain
-from .weights import check_weights, load_model, random_weights, save_model, to_backend
+from .weights import check_weights, load_model, random_weights, save_model
 
 
 FUSED_PARTS = ("attn.wq", "attn.wk", "attn.wv", "mlp.w_gate", "mlp.w_up")  # kept fused on the backend
+# One GEMM per layer input (weights.FUSED); the ingest projects K|V only.
+DEVICE_FUSED = (("attn.wqkv", ("attn.wq", "attn.wk", "attn.wv")), ("attn.wkv", ("attn.wk", "attn.wv")),
+                ("mlp.w_gate_up", ("mlp.w_gate", "mlp.w_up")))
+
+
+def drafter_layout(be, c: DrafterConfig, spec: dict, make) -> dict:
+    """name -> backend array (f32, owned by 'weights'): every tensor of `spec` but the int maps
+    and the parts of DEVICE_FUSED, which are there fused, side by side; `make(names)` gives one."""
+    w = {k: be.alloc.adopt(make((k,)), "weights") for k in spec if k not in INT_TENSORS and not k.endswith(FUSED_PARTS)}
+    for i in range(c.layers):
+        p = f"layers.{i}."
+        for fused, parts in DEVICE_FUSED:
+            w[p + fused] = be.alloc.adopt(make(tuple(p + q for q in parts)), "weights")
+    return w
 
 
 class DraftTables:
@@ -92,6 +109,35 @@ class DraftKV(VersionedBuffers):
 class DsparkDrafter:
     def __init__(self, config: DrafterConfig, weights: dict[str, np.ndarray], trunk):
         c, tc = config, trunk.config
+        check_weights(weights, drafter_spec(c, tc), "drafter", dtype_of={n: (np.int32,) for n in INT_TENSORS})
+        if c.draft_vocab:
+            d2t = weights["draft_to_target"]
+            if np.any((d2t < 0) | (d2t >= tc.vocab)):
+                raise TokenRangeError(f"drafter draft_to_target has ids outside the vocabulary [0, {tc.vocab})")
+
+        def upload(names):
+            host = weights[names[0]] if len(names) == 1 else np.concatenate([weights[q] for q in names], axis=1)
+            return trunk.be.xp.array(host, dtype=np.float32)
+        self._setup(c, trunk, weights, drafter_layout(trunk.be, c, drafter_spec(c, tc), upload),
+                    weights["draft_to_target"] if c.draft_vocab else None)
+
+    @classmethod
+    def placeholder(cls, config: DrafterConfig, trunk) -> "DsparkDrafter":
+        """A drafter whose weights have the right shapes and layout but no values (as
+        HybridTrunk.placeholder: for host-cost benchmarks on the CuPy stand-in's null memory)."""
+        d = object.__new__(cls)
+        spec = drafter_spec(config, trunk.config)
+
+        def empty(names):
+            first = spec[names[0]]
+            shape = first if len(names) == 1 else (first[0], sum(spec[q][1] for q in names))
+            return trunk.be.xp.zeros(shape, np.float32)
+        d2t = np.arange(config.draft_vocab, dtype=np.int32) if config.draft_vocab else None
+        d._setup(config, trunk, None, drafter_layout(trunk.be, config, spec, empty), d2t)
+        return d
+
+    def _setup(self, c: DrafterConfig, trunk, host_weights, w: dict, d2t) -> None:
+        tc = trunk.config
         if c.d_model != tc.d_model:
             raise ValueError(f"drafter d_model={c.d_model} must equal the trunk's {tc.d_model}")
         # The session asks the trunk for these layers on every pass, whatever its default taps.
@@ -102,36 +148,31 @@ class DsparkDrafter:
         self.mask_id = c.mask_id if c.mask_id >= 0 else tc.mask_id
         if not 0 <= self.mask_id < tc.vocab:
             raise TokenRangeError(f"drafter mask_id={self.mask_id} is outside the vocabulary [0, {tc.vocab})")
-        check_weights(weights, drafter_spec(c, tc), "drafter", dtype_of={n: (np.int32,) for n in INT_TENSORS})
-        if c.draft_vocab:
-            d2t = weights["draft_to_target"]
-            if np.any((d2t < 0) | (d2t >= tc.vocab)):
-                raise TokenRangeError(f"drafter draft_to_target has ids outside the vocabulary [0, {tc.vocab})")
         self.config, self.trunk, self.be = c, trunk, trunk.be
         self.taps = taps
         self.source = None  # a description when loaded from a released checkpoint (dspark.models.hf)
+        self.accept_floor = None  # greedy mean accepted length its record guarantees (the gain's prior), if any
+        self.acceptance = {}      # (accept rule, temperature): tokens per round this process's sessions measured
         # Window 0 means every committed row, as the references attend: the ring then holds the
         # whole context the trunk's cache can, seen from the anchor. A sliding layer's window is
         # measured as the checkpoint's format says (c.window_mode).
         self.windows = tuple(w or tc.max_ctx for w in c.windows())
         self.window_modes = tuple(c.window_mode if w else "anchor" for w in c.windows())
         self.ring = max(self.windows) + c.block
-        self.host_weights = weights
-        self.w = to_backend(self.be, {k: v for k, v in weights.items()
-                                      if k not in INT_TENSORS and not k.endswith(FUSED_PARTS)})
-        for i in range(c.layers):  # one GEMM per layer input (weights.FUSED); ingest projects K|V only
-            p = f"layers.{i}."
-            for fused, parts in (("attn.wqkv", ("attn.wq", "attn.wk", "attn.wv")), ("attn.wkv", ("attn.wk", "attn.wv")),
-                                 ("mlp.w_gate_up", ("mlp.w_gate", "mlp.w_up"))):
-                self.w[p + fused] = self.be.alloc.adopt(
-                    self.be.xp.asarray(np.concatenate([weights[p + q] for q in parts], axis=1)), "weights")
-        self.d2t = weights["draft_to_target"] if c.draft_vocab else None  # host: draft row -> target id
-        self.d2t_dev = self.be.asarray(self.d2t) if c.draft_vocab else None
+        self.host_weights = host_weights
+        self.w = w
+        self.d2t = d2t  # host: draft row -> target id
+        self.d2t_dev = self.be.asarray(d2t) if c.draft_vocab else None
         self._tables = TableStore()
         self.embed = self.w["embed"] if c.own_embed else trunk.w["embed"]
         self.final_norm = self.w["final_norm"] if c.own_norm else trunk.w["final_norm"]
         self.final_eps = c.norm_eps if c.own_norm else tc.norm_eps
         self.lm_head = self.w["lm_head"] if c.own_head else trunk.w["lm_head"]
+        nkv = c.kv_heads * c.head_dim
+        self.block_heads = Heads.packed(c.heads, c.kv_heads, c.head_dim)
+        self.context_heads = Heads(0, c.kv_heads, c.head_dim, 0, c.head_dim, 0, nkv)  # the ingest's K|V rows
+        self.rotary = Rotary.of(c.head_dim, c.rope_theta, c.rope_scaling)
+        self.inv_freq = self.be.asarray(self.rotary.inv_freq)
 
     @classmethod
     def random(cls, config: DrafterConfig, trunk, seed: int) -> "DsparkDrafter":
@@ -163,90 +204,125 @@ class DsparkDrafter:
         """The pointer tables of this batch of draft KVs, made once per batch (batch_tables)."""
         return self._tables.get(tuple(kv.version for kv in kvs), lambda: DraftTables(self.be, kvs, self.config.layers))
 
-    def _kv(self, kv_rows, layer: int, rope):
-        """K (normed, RoPE from the pass's `rope` table) and V of drafter layer `layer` from its
-        K|V projection [rows, 2 Hkv D]."""
-        c, w = self.config, self.w
-        rows, n = kv_rows.shape[0], c.kv_heads * c.head_dim
-        k = kv_rows[:, :n].reshape(rows, c.kv_heads, c.head_dim)
-        k = dense.rope(rmsnorm(self.be, k, w[f"layers.{layer}.attn.k_norm"], c.norm_eps), None, c.rope_theta,
-                       table=rope)
-        v = kv_rows[:, n:].reshape(rows, c.kv_heads, c.head_dim)
-        return k, v
+    def context_fields(self, sessions: int) -> dict:
+        """The ingest's per-pass arrays: tap rows' session pointer (indptr), the ring positions of
+        their first rows (pos), rows to write (keep, each at most the session's rows) and the rings'
+        rows (commit_capacity, per layer and session)."""
+        return {"pos": (sessions, np.int32), "indptr": (sessions + 1, np.int32), "keep": (sessions, np.int32),
+                "commit_capacity": (self.config.layers * sessions, np.int32)}
 
     def ingest(self, kvs: list[DraftKV], taps, row_indptr) -> None:
         """Write the committed rows' context K/V into each session's ring (one kv_commit launch
         for all layers). taps [rows, n_taps*d] are ragged by row_indptr over the sessions. Rows
         that the ring would overwrite within this call are never read again, so only each
         session's last `ring` rows are computed and written."""
-        c, w = self.config, self.w
         lens = np.diff(row_indptr).astype(np.int64)
         skip = np.maximum(lens - self.ring, 0)
         take = (lens - skip).astype(np.int32)
-        pos = np.array([kv.pos for kv in kvs], np.int64) + skip
         rows = np.concatenate([row_indptr[i] + skip[i] + np.arange(take[i]) for i in range(len(kvs))]) if kvs else []
-        positions = np.concatenate([p + np.arange(n) for p, n in zip(pos, take)]) if kvs else np.zeros(0)
-        indptr = np.concatenate([[0], np.cumsum(take)]).astype(np.int32)
-        kept = taps[self.be.xp.asarray(np.asarray(rows, np.int64))]
-        f = rmsnorm(self.be, linear(self.be, kept, w["fc"]), w["fc_norm"], c.norm_eps)
-        rope = dense.rope_table(self.be.xp, positions, c.rope_theta, c.head_dim, c.rope_scaling)
-        ks, vs = zip(*(self._kv(linear(self.be, f, w[f"layers.{i}.attn.wkv"]), i, rope) for i in range(c.layers)))
-        kv_commit(self.be, list(ks), list(vs), [[kv.k[i] for kv in kvs] for i in range(c.layers)],
-                  [[kv.v[i] for kv in kvs] for i in range(c.layers)], pos.astype(np.int32), take, indptr, ring=True,
-                  table=self.tables(kvs).commit)
+        kept = taps if not skip.any() else taps[self.be.xp.asarray(np.asarray(rows, np.int64))]
+        inp = Inputs(self.be, self.context_fields(len(kvs)))
+        inp.set(pos=np.array([kv.pos for kv in kvs], np.int64) + skip, indptr=np.concatenate([[0], np.cumsum(take)]),
+                keep=take, commit_capacity=self.ring).upload()
+        self.run_ingest(self.tables(kvs), kept, inp, Workspace(self.be, int(take.sum())))
         for kv, n in zip(kvs, lens):
             kv.pos += int(n)
 
+    def run_ingest(self, tables: "DraftTables", taps, inp: Inputs, ws: Workspace) -> None:
+        """The ingest's device work: f = norm(fc(taps)) of every row, then per layer its K (normed,
+        rotated at the row's position) and V into the ring, `keep` rows of each session."""
+        c, w, be = self.config, self.w, self.be
+        rows, nkv = taps.shape[0], c.kv_heads * c.head_dim
+        f = linear(be, taps, w["fc"], out=ws.take("ctx.fc", rows, (c.d_model,)), ws=ws)
+        add_rmsnorm(be, f, None, w["fc_norm"], c.norm_eps, out=f)
+        ks, vs = [], []
+        for i in range(c.layers):
+            kv_rows = linear(be, f, w[f"layers.{i}.attn.wkv"], out=ws.take("ctx.kv", rows, (2 * nkv,)), ws=ws)
+            _, k, v = qk_prepare(be, kv_rows, self.context_heads, self.rotary, inp["pos"], inp["indptr"],
+                                 k_norm=w[f"layers.{i}.attn.k_norm"], eps=c.norm_eps, inv_freq=self.inv_freq,
+                                 k=ws.take(f"ctx.k.{i}", rows, (c.kv_heads, c.head_dim)),
+                                 v=ws.take(f"ctx.v.{i}", rows, (c.kv_heads, c.head_dim)), with_q=False)
+            ks.append(k)
+            vs.append(v)
+        rings = tables.commit.arrays
+        B = len(inp["pos"].host)
+        kv_commit(be, ks, vs, [list(rings[i * B : (i + 1) * B]) for i in range(c.layers)],
+                  [list(rings[(c.layers + i) * B : (c.layers + i + 1) * B]) for i in range(c.layers)], inp["pos"],
+                  inp["keep"], inp["indptr"], ring=True, table=tables.commit,
+                  blk_table=PointerTable(be, [*ks, *vs], "context K/V"), capacity=inp["commit_capacity"])
+
     # ---- the block pass -----------------------------------------------------------------------
+    def block_fields(self, sessions: int) -> dict:
+        """The block pass's per-pass arrays: ids [B b] ([anchor, MASK x (b-1)] per session), the
+        sessions' ingested rows (pos), row pointer, ring rows (capacity), anchors [B] and the draft
+        rows of the block (harvest)."""
+        c = self.config
+        return {"ids": (sessions * c.block, np.int32), "pos": (sessions, np.int32), "indptr": (sessions + 1, np.int32),
+                "capacity": (sessions, np.int32), "anchors": (sessions, np.int32),
+                "draft_rows": (sessions * c.drafts, np.int32)}
+
+    def fill_block(self, inp: Inputs, kvs: list["DraftKV"], anchors) -> Inputs:
+        """Write one block pass's arrays (host side)."""
+        b, B = self.config.block, len(kvs)
+        anchors = np.asarray(anchors, np.int32).reshape(-1)
+        ids = np.full((B, b), self.mask_id, np.int32)
+        ids[:, 0] = anchors
+        return inp.set(ids=ids.reshape(-1), pos=[kv.pos for kv in kvs], indptr=np.arange(B + 1) * b,
+                       capacity=self.ring, anchors=anchors, draft_rows=self.draft_rows(B))
+
     def block_pass(self, kvs: list[DraftKV], anchors) -> tuple[object, object]:
         """One parallel pass over [anchor, MASK x (b-1)] per session at positions kv.pos...
         Returns (hidden [B*b, d] after the final norm, logits [B*b, V or draft_vocab])."""
-        c, w = self.config, self.w
-        xp, b, B = self.be.xp, c.block, len(kvs)
-        ids = np.full((B, b), self.mask_id, np.int32)
-        ids[:, 0] = np.asarray(anchors, np.int32)
-        pos = np.array([kv.pos for kv in kvs], np.int32)
-        positions = (pos[:, None] + np.arange(b)[None, :]).reshape(-1)
-        indptr = (np.arange(B + 1) * b).astype(np.int32)
-        x = self.embed[xp.asarray(ids.reshape(-1))]
-        if c.embed_scale != 1.0:
-            x = x * np.float32(c.embed_scale)
-        rows = B * b
-        tables = self.tables(kvs)
-        rope = dense.rope_table(xp, positions, c.rope_theta, c.head_dim, c.rope_scaling)  # one for every layer
-        nq = c.heads * c.head_dim
+        inp = self.fill_block(Inputs(self.be, self.block_fields(len(kvs))), kvs, anchors).upload()
+        return self.run_block(self.tables(kvs), inp, len(kvs), Workspace(self.be, len(kvs) * self.config.block))
+
+    def run_block(self, tables: "DraftTables", inp: Inputs, B: int, ws: Workspace, *, harvest: bool = False,
+                  reach: int | None = None) -> tuple[object, object]:
+        """The block pass's device work, every per-pass value read from `inp`, every buffer from
+        `ws` (what a round's program records; `reach` sizes the attention grids). With `harvest`
+        only the draft rows go through the LM head: (hidden, logits) [B nd, .] session-major."""
+        c, w, be = self.config, self.w, self.be
+        rows, d = B * c.block, c.d_model
+        norms = [w[f"layers.{i}.norm1"] for i in range(c.layers)] + [self.final_norm]
+        eps = [c.norm_eps] * c.layers + [self.final_eps]
+        x, h = ws.take("x", rows, (d,)), ws.take("h", rows, (d,))
+        embed_rmsnorm(be, self.embed, inp["ids"], norms[0], eps[0], x=x, out=h, scale=c.embed_scale)
         for i in range(c.layers):
             p = f"layers.{i}."
-            h = rmsnorm(self.be, x, w[p + "norm1"], c.norm_eps)
+            a = h
             if c.conv_kernel:
-                h, out_kernel = self._conv_prepare(h, p + "attn_conv.", B)
-            qkv = linear(self.be, h, w[p + "attn.wqkv"])  # one GEMM: [q | k | v]
-            q = qkv[:, :nq].reshape(rows, c.heads, c.head_dim)
-            if c.q_norm:
-                q = rmsnorm(self.be, q, w[p + "attn.q_norm"], c.norm_eps)
-            q = dense.rope(q, None, c.rope_theta, table=rope)
-            k, v = self._kv(qkv[:, nq:], i, rope)
-            o = attention(self.be, q, k, v, tables.k[i], tables.v[i], pos, indptr, mode="block",
-                          window=self.windows[i], window_mode=self.window_modes[i])
+                a, out_kernel = self._conv_prepare(h, p + "attn_conv.", B)
+            qkv = linear(be, a, w[p + "attn.wqkv"], out=ws.take("attn.qkv", rows, (self.block_heads.width,)), ws=ws)
+            q, k, v = qk_prepare(be, qkv, self.block_heads, self.rotary, inp["pos"], inp["indptr"],
+                                 q_norm=w[p + "attn.q_norm"] if c.q_norm else None, k_norm=w[p + "attn.k_norm"],
+                                 eps=c.norm_eps, inv_freq=self.inv_freq,
+                                 q=ws.take("attn.q", rows, (c.heads, c.head_dim)),
+                                 k=ws.take("attn.k", rows, (c.kv_heads, c.head_dim)),
+                                 v=ws.take("attn.v", rows, (c.kv_heads, c.head_dim)))
+            o = attention(be, q, k, v, tables.k[i], tables.v[i], inp["pos"], inp["indptr"], mode="block",
+                          window=self.windows[i], window_mode=self.window_modes[i],
+                          out=ws.take("attn.o", rows, (c.heads, c.head_dim)), capacity=inp["capacity"], reach=reach,
+                          ws=ws)
+            y = linear(be, o.reshape(rows, -1), w[p + "attn.wo"], out=ws.take("sublayer", rows, (d,)), ws=ws)
             if c.conv_kernel:
-                x = x + self._conv(linear(self.be, o.reshape(rows, -1), w[p + "attn.wo"]), out_kernel,
-                                   w[p + "attn_conv.base"][1], B)
-            else:
-                x = x + linear(self.be, o.reshape(rows, -1), w[p + "attn.wo"])
-            h = rmsnorm(self.be, x, w[p + "norm2"], c.norm_eps)
+                y = self._conv(y, out_kernel, w[p + "attn_conv.base"][1], B)
+            add_rmsnorm(be, x, y, w[p + "norm2"], c.norm_eps, out=h)
+            a = h
             if c.conv_kernel:
-                h, out_kernel = self._conv_prepare(h, p + "mlp_conv.", B)
-            gate_up = linear(self.be, h, w[p + "mlp.w_gate_up"])
-            F = gate_up.shape[1] // 2
-            m = linear(self.be, dense.swiglu(gate_up[:, :F], gate_up[:, F:]), w[p + "mlp.w_down"])
-            x = x + (self._conv(m, out_kernel, w[p + "mlp_conv.base"][1], B) if c.conv_kernel else m)
-        hidden = rmsnorm(self.be, x, self.final_norm, self.final_eps)
-        logits = linear(self.be, hidden, self.lm_head)
-        if c.logit_scale != 1.0:
-            logits = logits * np.float32(c.logit_scale)
-        if c.logit_softcap > 0:
-            cap = np.float32(c.logit_softcap)
-            logits = xp.tanh(logits / cap) * cap
+                a, out_kernel = self._conv_prepare(h, p + "mlp_conv.", B)
+            gate_up = linear(be, a, w[p + "mlp.w_gate_up"], out=ws.take("mlp.gate_up", rows, (2 * c.mlp_hidden,)), ws=ws)
+            act = swiglu(be, gate_up, out=ws.take("mlp.act", rows, (c.mlp_hidden,)))
+            y = linear(be, act, w[p + "mlp.w_down"], out=ws.take("sublayer", rows, (d,)), ws=ws)
+            if c.conv_kernel:
+                y = self._conv(y, out_kernel, w[p + "mlp_conv.base"][1], B)
+            add_rmsnorm(be, x, y, norms[i + 1], eps[i + 1], out=h)  # the next norm1, or the final norm
+        hidden = h
+        if harvest and c.harvest != "shifted":
+            hidden = gather_rows(be, h, inp["draft_rows"], out=ws.take("hidden", B * c.drafts, (d,)))
+        n = hidden.shape[0]
+        logits = linear(be, hidden, self.lm_head, out=ws.take("logits", n, (self.lm_head.shape[1],)), ws=ws)
+        if c.logit_scale != 1.0 or c.logit_softcap > 0:
+            logits = logit_scale(be, logits, c.logit_scale, c.logit_softcap, out=logits)
         return hidden, logits
 
     def _conv_prepare(self, h, p: str, B: int):
@@ -274,6 +350,8 @@ class DsparkDrafter:
         """The block pass, harvested: (hidden, logits) of the draft slots only, [B*nd, ...]
         session-major; slot k predicts the token at pos+k+1."""
         hidden, logits = self.block_pass(kvs, anchors)
+        if self.config.harvest == "shifted":  # every row is a draft
+            return hidden, logits
         rows = self.be.xp.asarray(self.draft_rows(len(kvs)))
         return hidden[rows], logits[rows]
 
@@ -298,34 +376,79 @@ class DsparkDrafter:
         device), and drafts, confidences and NaN flags come back in ONE device->host copy: the
         round's first synchronisation. A NaN in any slot's logits raises NonFiniteError there,
         before anything of the session has changed."""
-        c, be, xp, nd = self.config, self.be, self.be.xp, self.config.drafts
         anchors = np.asarray(anchors, np.int32)
-        B = anchors.shape[0]
+        drafts, flag, conf = self.run_propose(hidden, logits, anchors)
+        got = self.be.fetch(drafts, flag, *(() if conf is None else (conf,)))  # the round's first sync
+        return self.proposals(anchors.shape[0], got[0], got[1], got[2] if conf is not None else None)
+
+    def proposals(self, B: int, drafts, flag, conf) -> tuple[np.ndarray, np.ndarray]:
+        """Host (drafts, conf) [B, nd] from what the proposal's one copy brought back, or
+        NonFiniteError naming the first session whose drafter logits held a NaN."""
+        nd = self.config.drafts
+        # flags per session ([B]), per row ([B * nd], session-major) or per slot ([nd, B], the chain)
+        nan = flag if flag.ndim == 2 else flag.reshape(B, -1).T
+        raise_on_nan(nan.any(axis=0), "drafter logits", "session")
+        drafts = drafts.reshape(B, nd).astype(np.int32)
+        conf = conf.reshape(B, nd) if conf is not None else np.full((B, nd), np.nan, np.float32)
+        return drafts, conf
+
+    def proposal_fields(self, B: int) -> dict:
+        """What a recorded proposal hands back in one copy: drafts, NaN flags, confidences."""
+        nd = self.config.drafts
+        fields = {"drafts": (B * nd, np.int32), "flag": (B if self.config.markov == "vanilla" else B * nd, np.int32)}
+        if self.has_confidence:
+            fields["conf"] = (B * nd, np.float32)
+        return fields
+
+    @property
+    def recordable(self) -> bool:
+        """Whether its round passes are kernels only (what a program can record): the vanilla or no
+        Markov head, no draft vocabulary, no DFlash2 convolutions."""
+        c = self.config
+        return c.markov in ("vanilla", "none") and not c.draft_vocab and not c.conv_kernel
+
+    def run_propose(self, hidden, logits, anchors, ws=None, out=None):
+        """The greedy proposal's device work: (drafts [B, nd] int32, NaN flags, confidences [B nd]
+        f32 or None), none of it read back. anchors: host or Staged int32 [B]. `out`: the
+        Outputs (proposal_fields) they are written to, so one copy reads them all."""
+        c, be, xp, nd = self.config, self.be, self.be.xp, self.config.drafts
+        B = np.asarray(anchors).shape[0]
         conf = None
-        if c.markov == "vanilla" and not c.draft_vocab:  # the fused chain: one launch
-            flag = xp.empty(B, xp.int32)
-            drafts = markov_chain(be, logits, self.w["markov.w1"], self.w["markov.w2"], anchors, nd, nan_flag=flag)
+
+        def dest(name, shape, dtype):
+            return out[name].reshape(shape) if out is not None else fixed(be, ws, f"propose.{name}", shape, dtype)
+        if c.markov == "vanilla" and not c.draft_vocab:  # the fused chain: one launch per slot at most
+            flag = dest("flag", (B,), np.int32)
+            drafts = markov_chain(be, logits, self.w["markov.w1"], self.w["markov.w2"], anchors, nd,
+                                  out=dest("drafts", (B, nd), np.int32), nan_flag=flag, ws=ws)
             if self.has_confidence:
-                prev = xp.concatenate([xp.asarray(anchors)[:, None], drafts[:, :-1]], axis=1).reshape(-1)
-                conf = self.confidence(hidden, self.w["markov.w1"][prev])
+                conf = self.slot_confidence(hidden, anchors, drafts, ws, None if out is None else out["conf"])
         elif c.markov == "none":  # no chain: every slot's argmax in one launch
-            flag = xp.empty(B * nd, xp.int32)
-            ids = argmax_rows(be, logits, nan_flag=flag)
+            flag = dest("flag", (B * nd,), np.int32)
+            ids = argmax_rows(be, logits, out=dest("drafts", (B * nd,), np.int32), nan_flag=flag, ws=ws)
             drafts = self.d2t_dev[ids] if self.d2t_dev is not None else ids
             if self.has_confidence:
-                conf = self.confidence(hidden, None)
+                conf = self.slot_confidence(hidden, anchors, drafts.reshape(B, nd), ws,
+                                            None if out is None else out["conf"])
         else:
-            chain = self.chain(hidden, logits, anchors)
+            chain = self.chain(hidden, logits, np.asarray(anchors))
             for k in range(nd):
                 chain.choose_greedy(k)
             drafts, flag, conf = chain.drafts, chain.nan, chain.conf if self.has_confidence else None
-        got = be.fetch(drafts, flag, *(() if conf is None else (conf,)))
-        # flags per session ([B]), per row ([B * nd], session-major) or per slot ([nd, B], the chain)
-        nan = got[1] if got[1].ndim == 2 else got[1].reshape(B, -1).T
-        raise_on_nan(nan.any(axis=0), "drafter logits", "session")
-        drafts = got[0].reshape(B, nd).astype(np.int32)
-        conf = got[2].reshape(B, nd) if conf is not None else np.full((B, nd), np.nan, np.float32)
-        return drafts, conf
+        return drafts, flag, conf
+
+    def slot_confidence(self, hidden, anchors, drafts, ws=None, out=None):
+        """c_k of every slot [B nd] from the chain's drafts on the device (features, one GEMM of one
+        column, the sigmoid), into `out` when given."""
+        be, c = self.be, self.config
+        n = hidden.shape[0]
+        feats = hidden
+        if c.confidence == "markov":
+            r = self.w["markov.w1"].shape[1]
+            feats = confidence_features(be, hidden, self.w["markov.w1"], anchors, drafts,
+                                        out=fixed(be, ws, "conf.features", (n, c.d_model + r)))
+        lin = linear(be, feats, self.w["conf.w"][:, None], out=fixed(be, ws, "conf.linear", (n, 1)), ws=ws)
+        return sigmoid_bias(be, lin[:, 0], self.w["conf.b"], out=fixed(be, ws, "conf", (n,)) if out is None else out)
 
     def propose(self, kvs: list[DraftKV], anchors) -> tuple[np.ndarray, np.ndarray]:
         """Greedy drafts and their confidences for each session: draft, then the Markov chain."""
@@ -344,7 +467,7 @@ class DsparkDrafter:
         ("hidden"), for rows of hidden [n, d]."""
         xp = self.be.xp
         feats = xp.concatenate([hidden, markov_embed], axis=1) if self.config.confidence == "markov" else hidden
-        return dense.sigmoid(linear(self.be, feats, self.w["conf.w"][:, None])[:, 0] + self.w["conf.b"][0])
+        return sigmoid_bias(self.be, linear(self.be, feats, self.w["conf.w"][:, None])[:, 0], self.w["conf.b"])
 
     def to_target_vocab(self, logits):
         """Draft-vocabulary logits [n, draft_vocab] as target-vocabulary logits [n, V] (-inf on

@@ -14,6 +14,10 @@ with its drafts. These two make most rounds accept several drafts.
   reaches the end therefore starts at `stop - lead` and accepts past the end, so the session
   must cut its accepted block at the EOS or at the budget (lead 0: the last token is the
   anchor; lead 1: it is an accepted draft).
+* `bigram_drafter` (greedy, recordable): a real drafter whose Markov head maps a token to the token
+  that follows it in a given stream (rank V: W1 the identity, W2 a boosted one-hot of the successor)
+  for a `hit_rate` share of the stream's tokens. Its rounds are kernels only, so a round of it can
+  be recorded (dspark.graphs) and still accept often: the tests of recorded rounds use it.
 * `TrunkDrafter` (sampled): each slot's distribution q is the trunk's own distribution for that
   slot given the drafts before it (a shadow trunk pass over a copy of the session's cache),
   tilted by a fixed per-token pattern (`tilt`) or with mass `escape` moved onto the trunk's least
@@ -57,6 +61,8 @@ class OracleDrafter(DsparkDrafter):
         self.next_stream: list[int] | None = None
         self.next_stop: int | None = None
         self._trusted = None
+
+    recordable = False  # it steers the logits on the host: a round of it cannot be recorded
 
     def new_kv(self, owner: str):
         """Draft KVs made from here on follow `next_stream` (the request's prompt, then the
@@ -123,6 +129,8 @@ class TrunkDrafter(DsparkDrafter):
         self.pattern = np.random.default_rng(seed).choice([-1.0, 1.0], vocab).astype(np.float32)
         self._round = None
 
+    recordable = False  # its q comes from a shadow trunk pass on the host
+
     def follow(self, session) -> None:
         session.kv.trunk_cache = session.cache
         session.kv.sampling = session.params.sampling
@@ -178,3 +186,28 @@ class TrunkDrafter(DsparkDrafter):
         share = self.escape / (1 - self.escape) * w.sum(axis=1)
         y[rows, z] = top + t[:, 0] * np.log(share)
         return y.astype(np.float32)
+
+
+def bigram_drafter(trunk, streams, hit_rate: float = 0.8, seed: int = 0, config=None) -> DsparkDrafter:
+    """A random-weight drafter (default: the tiny preset's, block 4) whose vanilla Markov head, of
+    rank V, proposes after token x the token that first follows x in `streams` (each a request's
+    last prompt token and its greedy continuation), for a seeded `hit_rate` share of the tokens;
+    after the others, whatever its block pass says."""
+    from dataclasses import replace
+    from .drafter_config import drafter_spec
+    from .presets import TINY_DRAFTER
+    from .weights import random_weights
+    V = trunk.config.vocab
+    c = replace(config or replace(TINY_DRAFTER, d_model=trunk.config.d_model), markov="vanilla", markov_rank=V)
+    w = random_weights(drafter_spec(c, trunk.config), seed)
+    rng = np.random.default_rng(seed)
+    succ = {}
+    for stream in streams:
+        for a, b in zip(stream[:-1], stream[1:]):
+            succ.setdefault(int(a), int(b))
+    w["markov.w1"] = np.eye(V, dtype=np.float32)
+    w["markov.w2"] = np.zeros((V, V), np.float32)
+    for a, b in succ.items():
+        if rng.random() < hit_rate:
+            w["markov.w2"][a, b] = BOOST
+    return DsparkDrafter(c, w, trunk)

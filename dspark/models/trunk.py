@@ -20,28 +20,21 @@ import numpy as np
 
 from ..dtypes import BF16
 from ..errors import CapacityError, ShapeError, TokenRangeError
-from ..ops import dense
+from ..ops.activation import attn_gate, swiglu
 from ..ops.attention import attention
-from ..ops.checks import Staged
-from ..ops.gdn import gdn_scan
+from ..ops.gdn import ProjLayout, gdn_layer
 from ..ops.kv_commit import kv_commit
 from ..ops.linear import linear
-from ..ops.norm import rmsnorm
-from ..ops.snapshot import checkpoint_select
+from ..ops.norm import add_rmsnorm, embed_rmsnorm
+from ..ops.rope import Heads, Rotary, qk_prepare
+from ..ops.snapshot import checkpoint_select_layers
 from ..ops.tables import PointerTable
+from ..ops.workspace import Inputs, Workspace
 from .batch_tables import TableStore
 from .cache import Cache
 from .config import TrunkConfig
-from .weights import OFFSET_NORMS, STORAGE, check_weights, load_model, random_weights, save_model, trunk_spec, \
-    trunk_to_backend
-
-
-@dataclass
-class GdnInputs:
-    """What one gdn layer's scan consumed in a verify pass: enough to replay any prefix."""
-    mixed: object   # [cols, C]
-    a: object       # [cols, H]
-    b: object       # [cols, H]
+from .weights import OFFSET_NORMS, STORAGE, check_weights, load_model, random_weights, save_model, trunk_placeholders, \
+    trunk_spec, trunk_to_backend
 
 
 @dataclass
@@ -53,7 +46,7 @@ class TrunkPass:
     tap_layers: tuple = ()          # the layers whose outputs `taps` holds
     k_blk: list = field(default_factory=list)      # per attn layer [rows, Hkv, D]: the verify scratch
     v_blk: list = field(default_factory=list)
-    gdn_inputs: list = field(default_factory=list)  # per gdn layer, when recorded
+    gdn_inputs: list = field(default_factory=list)  # per gdn layer its projection [rows, width], when recorded
     state_ckpt: list = field(default_factory=list)  # per gdn layer [rows, H, dv, dk], when asked
     conv_ckpt: list = field(default_factory=list)   # per gdn layer [rows, C, 3]
 
@@ -74,6 +67,18 @@ class TrunkTables:
                       for g in range(n_gdn)]
         self.commit = PointerTable(be, [c.k[i] for i in range(n_attn) for c in caches]
                                    + [c.v[i] for i in range(n_attn) for c in caches], "kv caches", writable=True)
+        # Every gdn layer's states and windows, layer-major: the rollback selects them all in one launch.
+        self.all_states = PointerTable(be, [c.state[g] for g in range(n_gdn) for c in caches], "states", writable=True)
+        self.all_convs = PointerTable(be, [c.conv[g] for g in range(n_gdn) for c in caches], "conv_windows",
+                                      writable=True)
+
+
+def storage(dtype) -> np.dtype:
+    """The matrices' storage dtype on the backend (default float32)."""
+    dtype = np.dtype(np.float32 if dtype is None else dtype)
+    if dtype not in STORAGE:
+        raise ValueError(f"dtype={dtype}: expected float32, float16 or bfloat16")
+    return dtype
 
 
 class HybridTrunk:
@@ -82,16 +87,26 @@ class HybridTrunk:
         the storage dtype of the matrices on the backend (default float32); vectors stay f32 and
         all math is f32 (dspark.ops.linear). `progress(name)` hears of each tensor on the backend."""
         check_weights(weights, trunk_spec(config), "trunk", dtypes=STORAGE)
-        dtype = np.dtype(np.float32 if dtype is None else dtype)
-        if dtype not in STORAGE:
-            raise ValueError(f"dtype={dtype}: expected float32, float16 or bfloat16")
+        dtype = storage(dtype)
+        self._setup(config, backend, dtype, weights, trunk_to_backend(backend, config, weights, dtype, progress))
+
+    def _setup(self, config: TrunkConfig, backend, dtype, host_weights, w: dict) -> None:
         self.config = config
         self.be = backend
         self.weight_dtype = dtype
-        self.host_weights = weights
+        self.host_weights = host_weights
         self.source = None  # a hf.LoadReport when loaded from a Hugging Face checkpoint
-        self.w = trunk_to_backend(backend, config, weights, dtype, progress)
+        self.w = w
         self._tables = TableStore()
+        c = config
+        self.attn_heads = Heads.packed(c.attn_heads, c.attn_kv_heads, c.head_dim, c.attn_gate)
+        self.rotary = Rotary.of(c.rope_dim, c.rope_theta, c.rope_scaling)
+        self.inv_freq = backend.asarray(self.rotary.inv_freq)  # uploaded once: every pass's RoPE reads it
+        self.gdn_layout = ProjLayout.packed(c.gdn_heads, c.gdn_dk, c.gdn_dv, c.gdn_key_heads)
+        # Where the attention cuts each session's keys (dspark.ops.attention.SplitRule; None: the default).
+        # A tuning knob, fixed for the trunk's life: the bits depend on it (within rounding). Tests
+        # take short splits so that a context crosses several in a few rounds.
+        self.attention_split = None
 
     # ---- construction and files ---------------------------------------------------------------
     @classmethod
@@ -105,6 +120,16 @@ class HybridTrunk:
             if config.norm_offset and name.rsplit(".", 1)[-1] in OFFSET_NORMS:
                 weights[name] -= np.float32(config.norm_offset)  # stored zero-centred, same effective norms
         return cls(config, weights, backend)
+
+    @classmethod
+    def placeholder(cls, config: TrunkConfig, backend, dtype=None) -> "HybridTrunk":
+        """A trunk whose weights have the right shapes, dtypes and layout but no values (no host
+        copy, nothing read): what profiling/host_round.py times the host path of a round with, at
+        Qwen3.5-27B's real shapes on the CuPy stand-in's null memory."""
+        t = object.__new__(cls)
+        dtype = storage(dtype)
+        t._setup(config, backend, dtype, None, trunk_placeholders(backend, config, dtype))
+        return t
 
     @classmethod
     def load(cls, directory, backend, name: str = "trunk") -> "HybridTrunk":
@@ -154,8 +179,6 @@ class HybridTrunk:
         embedding, hidden_states[0]) make TrunkPass.taps, in that order; default config.tap_layers.
         The session passes its drafter's, so one loaded target serves any drafter.
         """
-        c, be, w = self.config, self.be, self.w
-        xp = be.xp
         tap_layers = self.check_taps(taps)
         toks = [self.check_tokens(t, f"tokens[{b}]") for b, t in enumerate(tokens)]
         lens = np.array([t.size for t in toks], np.int32)
@@ -163,37 +186,68 @@ class HybridTrunk:
             if cache.pos + lens[b] > cache.capacity:
                 raise CapacityError(f"tokens[{b}]: {lens[b]} rows at pos {cache.pos} exceed the cache capacity "
                                     f"{cache.capacity}")
-        indptr = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
-        pos = np.array([cache.pos for cache in caches], np.int32)
-        positions = np.concatenate([p + np.arange(n) for p, n in zip(pos, lens)]).astype(np.int64) if len(lens) else np.zeros(0, np.int64)
-        ids = xp.asarray(np.concatenate(toks) if toks else np.zeros(0, np.int32))
-        staged = Staged(be, indptr)  # validated on the host, uploaded once for every gdn layer
-        tables = self.tables(caches)
-        rope = dense.rope_table(xp, xp.asarray(positions), c.rope_theta, c.rope_dim, c.rope_scaling) \
-            if "attn" in c.layers else None  # one table for every attention layer's q and k
-        x = dense.widen(w["embed"][ids])
-        out = TrunkPass(logits=None, taps=None, row_indptr=indptr, tap_layers=tap_layers)
-        taps_of = {-1: x}
+        rows = int(lens.sum())
+        inp = self.pass_inputs(len(caches), rows)
+        self.fill(inp, caches, np.concatenate(toks) if toks else np.zeros(0, np.int32), lens, keep=lens).upload()
+        out = self.run_pass(self.tables(caches), inp, rows, commit=commit, record_gdn=record_gdn,
+                            checkpoints=checkpoints, taps=tap_layers, ws=Workspace(self.be, rows))
+        if commit:
+            for cache, n in zip(caches, lens):
+                cache.pos += int(n)
+        return out
+
+    def pass_inputs(self, sessions: int, rows: int) -> Inputs:
+        """A pass's per-pass arrays (pass_fields), in one upload."""
+        return Inputs(self.be, self.pass_fields(sessions, rows))
+
+    def pass_fields(self, sessions: int, rows: int) -> dict:
+        """The per-pass arrays of `sessions` sessions and `rows` rows: token ids, committed rows
+        (pos), row pointer, cache rows (capacity), rows to commit (keep) and, for kv_commit, every
+        attention layer's cache rows (commit_capacity)."""
+        attn = self.config.layers.count("attn")
+        return {"ids": (rows, np.int32), "pos": (sessions, np.int32), "indptr": (sessions + 1, np.int32),
+                "capacity": (sessions, np.int32), "keep": (sessions, np.int32),
+                "commit_capacity": (attn * sessions, np.int32)}
+
+    def fill(self, inp: Inputs, caches: list[Cache], ids, lens, keep) -> Inputs:
+        """Write one pass's arrays (host side): ids [rows], rows per session `lens` [B] (their row
+        pointer), the caches' positions and capacities, and `keep` [B] rows to commit."""
+        cap = np.array([cc.capacity for cc in caches], np.int32)
+        return inp.set(ids=ids, pos=[cc.pos for cc in caches], indptr=np.concatenate([[0], np.cumsum(lens)]),
+                       capacity=cap, keep=keep, commit_capacity=np.tile(cap, self.config.layers.count("attn")))
+
+    def run_pass(self, tables: "TrunkTables", inp: Inputs, rows: int, *, commit: bool, record_gdn: bool = False,
+                 checkpoints: bool = False, taps=None, ws: Workspace, reach: int | None = None) -> TrunkPass:
+        """The device work of one forward over `rows` rows (forward's doc), reading every per-pass
+        value from `inp` and writing every output and temporary into `ws`; nothing on the host
+        changes (the caller advances pos). What a round's programs record: `reach` sizes the
+        attention grids for the positions later rounds will have (dspark.ops.attention)."""
+        c, be, w = self.config, self.be, self.w
+        taps = self.config.tap_layers if taps is None else taps
+        d, eps = c.d_model, c.norm_eps
+        indptr = inp["indptr"].host.copy()
+        out = TrunkPass(logits=None, taps=ws.take("taps", rows, (len(taps) * d,)), row_indptr=indptr, tap_layers=taps)
+        tap_at = {layer: (out.taps, i * d) for i, layer in enumerate(taps)}
+        norms = [w[f"layers.{i}.norm1"] for i in range(len(c.layers))] + [w["final_norm"]]
+        x, h = ws.take("x", rows, (d,)), ws.take("h", rows, (d,))
+        embed_rmsnorm(be, w["embed"], inp["ids"], norms[0], eps, x=x, out=h, tap=tap_at.get(-1))
         ia = ig = 0
         for i, kind in enumerate(c.layers):
             p = f"layers.{i}."
-            h = rmsnorm(be, x, w[p + "norm1"], c.norm_eps)
             if kind == "attn":
-                x = x + self._attention(h, p, caches, tables, ia, pos, indptr, rope, out)
+                y = self._attention(h, p, tables, ia, inp, out, ws, reach)
                 ia += 1
             else:
-                x = x + self._gdn(h, p, tables, ig, staged, out, commit, record_gdn, checkpoints)
+                y = self._gdn(h, p, tables, ig, inp, out, commit, record_gdn, checkpoints, ws)
                 ig += 1
-            h = rmsnorm(be, x, w[p + "norm2"], c.norm_eps)
-            gate_up = linear(self.be, h, w[p + "mlp.w_gate_up"])
-            F = gate_up.shape[1] // 2
-            x = x + linear(self.be, dense.swiglu(gate_up[:, :F], gate_up[:, F:]), w[p + "mlp.w_down"])
-            if i in tap_layers:
-                taps_of[i] = x
-        out.taps = xp.concatenate([taps_of[i] for i in tap_layers], axis=1)
-        out.logits = linear(self.be, rmsnorm(be, x, w["final_norm"], c.norm_eps), w["lm_head"])
+            add_rmsnorm(be, x, y, w[p + "norm2"], eps, out=h)
+            gate_up = linear(be, h, w[p + "mlp.w_gate_up"], out=ws.take("mlp.gate_up", rows, (2 * c.mlp_hidden,)), ws=ws)
+            act = swiglu(be, gate_up, out=ws.take("mlp.act", rows, (c.mlp_hidden,)))
+            y = linear(be, act, w[p + "mlp.w_down"], out=ws.take("sublayer", rows, (d,)), ws=ws)
+            add_rmsnorm(be, x, y, norms[i + 1], eps, out=h, tap=tap_at.get(i))  # h: the next norm1, or the final norm
+        out.logits = linear(be, h, w["lm_head"], out=ws.take("logits", rows, (c.vocab,)), ws=ws)
         if commit:
-            self.commit_rows(caches, out, lens)
+            self._commit(tables, out, inp, ws)
         return out
 
     def check_taps(self, taps) -> tuple[int, ...]:
@@ -201,97 +255,107 @@ class HybridTrunk:
             return self.config.tap_layers
         n = len(self.config.layers)
         t = tuple(int(i) for i in taps)
-        if not t or any(not -1 <= i < n for i in t):
+        if not t or any(not -1 <= i < n for i in t) or len(set(t)) != len(t):
             raise ShapeError(f"taps={tuple(taps)}: expected one or more layer indices in [-1, {n}) "
-                             f"(-1: the embedding)")
+                             f"(-1: the embedding), each once")
         return t
 
-    def _attention(self, h, p, caches, tables, ia, pos, indptr, rope, out):
+    def _attention(self, h, p, tables, ia, inp, out, ws, reach):
         c, w, be = self.config, self.w, self.be
         rows, H, D, Hkv = h.shape[0], c.attn_heads, c.head_dim, c.attn_kv_heads
-        qkv = linear(self.be, h, w[p + "attn.wqkv"])  # one GEMM: [q (and gate) | k | v]
-        nq = H * D * (2 if c.attn_gate else 1)
-        q, k, v = qkv[:, :nq], qkv[:, nq : nq + Hkv * D], qkv[:, nq + Hkv * D :]
-        gate = None
-        if c.attn_gate:  # per head [q (D) | gate (D)], as transformers' Qwen3.5 chunks q_proj's output
-            q = q.reshape(rows, H, 2 * D)
-            q, gate = q[..., :D], q[..., D:].reshape(rows, H * D)
-        q = q.reshape(rows, H, D)
-        k = k.reshape(rows, Hkv, D)
-        v = v.reshape(rows, Hkv, D)
-        if c.qk_norm:
-            q = rmsnorm(be, q, w[p + "attn.q_norm"], c.norm_eps)
-            k = rmsnorm(be, k, w[p + "attn.k_norm"], c.norm_eps)
-        q = dense.rope(q, None, c.rope_theta, c.rope_dim, c.rope_scaling, table=rope)
-        k = dense.rope(k, None, c.rope_theta, c.rope_dim, c.rope_scaling, table=rope)
-        kv_dtype = caches[0].k[ia].dtype if caches else np.float32
-        q, k, v = (a.astype(kv_dtype) for a in (q, k, v))
+        heads = self.attn_heads
+        qkv = linear(be, h, w[p + "attn.wqkv"], out=ws.take("attn.qkv", rows, (heads.width,)), ws=ws)
+        kv_dtype = tables.k[ia].dtype or np.dtype(np.float32)
+        # q (and the gate beside it), k and v: normed, rotated at each row's position, in the K/V dtype.
+        q, k, v = qk_prepare(be, qkv, heads, self.rotary, inp["pos"], inp["indptr"],
+                             q_norm=w[p + "attn.q_norm"] if c.qk_norm else None,
+                             k_norm=w[p + "attn.k_norm"] if c.qk_norm else None, eps=c.norm_eps,
+                             inv_freq=self.inv_freq, q=ws.take("attn.q", rows, (H, D), kv_dtype),
+                             k=ws.take(f"attn.k.{ia}", rows, (Hkv, D), kv_dtype),
+                             v=ws.take(f"attn.v.{ia}", rows, (Hkv, D), kv_dtype), dtype=kv_dtype)
         out.k_blk.append(k)
         out.v_blk.append(v)
-        o = attention(be, q, k, v, tables.k[ia], tables.v[ia], pos, indptr, mode="causal")
-        o = o.reshape(rows, -1).astype(np.float32)
-        if gate is not None:
-            o = o * dense.sigmoid(gate)
-        return linear(self.be, o, w[p + "attn.wo"])
+        o = attention(be, q, k, v, tables.k[ia], tables.v[ia], inp["pos"], inp["indptr"], mode="causal",
+                      out=ws.take("attn.o", rows, (H, D), kv_dtype), capacity=inp["capacity"], reach=reach, ws=ws,
+                      split=self.attention_split)
+        if c.attn_gate or kv_dtype != np.float32:  # per head [q (D) | gate (D)], as Qwen3.5's q_proj writes them
+            o = attn_gate(be, o, (qkv, D, 2 * D) if c.attn_gate else None, out=ws.take("attn.o32", rows, (H * D,)))
+        return linear(be, o.reshape(rows, H * D), w[p + "attn.wo"], out=ws.take("sublayer", rows, (c.d_model,)), ws=ws)
 
-    def _gdn(self, h, p, tables, ig, staged, out, commit, record, checkpoints):
-        c, w, xp = self.config, self.w, self.be.xp
-        rows, H, dv, C = h.shape[0], c.gdn_heads, c.gdn_dv, c.gdn_channels
-        proj = linear(self.be, h, w[p + "gdn.w_in"])  # one GEMM: [qkv (C) | z (H dv) | a (H) | b (H)]
-        mixed = xp.ascontiguousarray(proj[:, :C])
-        z = proj[:, C : C + H * dv].reshape(rows, H, dv)
-        a = xp.ascontiguousarray(proj[:, C + H * dv : C + H * dv + H])
-        b = xp.ascontiguousarray(proj[:, C + H * dv + H :])
+    def _gdn(self, h, p, tables, ig, inp, out, commit, record, checkpoints, ws):
+        c, w = self.config, self.w
+        rows, H, dv = h.shape[0], c.gdn_heads, c.gdn_dv
+        # One GEMM: [qkv (C) | z (H dv) | a (H) | b (H)]; a replay reads a layer's again (its own buffer).
+        proj = linear(self.be, h, w[p + "gdn.w_in"], out=ws.take(f"gdn.proj.{ig}" if record else "gdn.proj", rows,
+                                                                  (self.gdn_layout.b + H,)), ws=ws)
         sck = cck = None
         if checkpoints:
-            sck = xp.empty((rows, H, dv, c.gdn_dk), np.float32)
-            cck = xp.empty((rows, C, c.conv_kernel - 1), np.float32)
+            sck = ws.take(f"gdn.state_ckpt.{ig}", rows, (H, dv, c.gdn_dk))
+            cck = ws.take(f"gdn.conv_ckpt.{ig}", rows, (c.gdn_channels, c.conv_kernel - 1))
             out.state_ckpt.append(sck)
             out.conv_ckpt.append(cck)
         if record:
-            out.gdn_inputs.append(GdnInputs(mixed, a, b))
-        o = self._scan(p, mixed, a, b, tables.states[ig], tables.convs[ig], staged, commit=commit, state_ckpt=sck,
-                       conv_ckpt=cck)
-        o = rmsnorm(self.be, o, w[p + "gdn.o_norm"], c.norm_eps) * dense.silu(z)
-        return linear(self.be, o.reshape(rows, H * dv), w[p + "gdn.wo"])
+            out.gdn_inputs.append(proj)
+        o = self._scan(p, proj, tables.states[ig], tables.convs[ig], inp["indptr"], commit=commit, state_ckpt=sck,
+                       conv_ckpt=cck, o_norm=w[p + "gdn.o_norm"], out=ws.take("gdn.o", rows, (H, dv)), ws=ws)
+        return linear(self.be, o.reshape(rows, H * dv), w[p + "gdn.wo"], out=ws.take("sublayer", rows, (c.d_model,)),
+                      ws=ws)
 
-    def _scan(self, p, mixed, a, b, states, convs, indptr, **kw):
+    def _scan(self, p, proj, states, convs, indptr, **kw):
         c, w = self.config, self.w
-        return gdn_scan(self.be, mixed, a, b, w[p + "gdn.conv"], w[p + "gdn.A_log"], w[p + "gdn.dt_bias"], states,
-                        convs, indptr, heads=c.gdn_heads, dk=c.gdn_dk, dv=c.gdn_dv, k_heads=c.gdn_key_heads, **kw)
+        return gdn_layer(self.be, proj, w[p + "gdn.conv"], w[p + "gdn.A_log"], w[p + "gdn.dt_bias"], states, convs, indptr,
+                        heads=c.gdn_heads, dk=c.gdn_dk, dv=c.gdn_dv, k_heads=c.gdn_key_heads, layout=self.gdn_layout,
+                        eps=c.norm_eps, **kw)
 
-    def replay(self, caches: list[Cache], tp: TrunkPass, starts, keep) -> None:
+    def replay(self, caches: list[Cache], tp: TrunkPass, starts, keep, *, ws=None, inp=None) -> None:
         """Advance each session's gdn state by the first keep[b] columns a verify recorded for
         session b (its columns start at row starts[b] of tp), from the state before the verify
-        (a verify never writes it)."""
-        rows = self.be.xp.asarray(np.concatenate([s + np.arange(k) for s, k in zip(starts, keep)]).astype(np.int64))
-        staged = Staged(self.be, np.concatenate([[0], np.cumsum(keep)]).astype(np.int32))
+        (a verify never writes it): the scan again over the recorded projections, keep[b] columns
+        of each session (`inp`: a pass's Inputs whose indptr and keep say so, else made here)."""
+        if inp is None:
+            inp = self.pass_inputs(len(caches), 0)
+            starts = np.asarray(starts, np.int64)
+            bounds = np.concatenate([starts, [tp.row_indptr[-1]]]).astype(np.int32)
+            inp.set(indptr=bounds, keep=np.asarray(keep, np.int32)).upload()
         tables = self.tables(caches)
         gdn_layers = [i for i, kind in enumerate(self.config.layers) if kind == "gdn"]
-        for gi, (i, inp) in enumerate(zip(gdn_layers, tp.gdn_inputs)):
-            self._scan(f"layers.{i}.", inp.mixed[rows], inp.a[rows], inp.b[rows], tables.states[gi],
-                       tables.convs[gi], staged)
+        for gi, (i, proj) in enumerate(zip(gdn_layers, tp.gdn_inputs)):
+            self._scan(f"layers.{i}.", proj, tables.states[gi], tables.convs[gi], inp["indptr"], col_count=inp["keep"],
+                       want_out=False, ws=ws)
 
-    def select(self, caches: list[Cache], tp: TrunkPass, keep) -> None:
+    def select(self, caches: list[Cache], tp: TrunkPass, keep, *, inp=None) -> None:
         """Set each session's gdn state to the checkpoint after its first keep[b] verify columns
-        (keep 0: the state before the verify, which a verify never writes)."""
+        (keep 0: the state before the verify, which a verify never writes), every gdn layer in one
+        launch (`inp`: a pass's Inputs holding indptr and keep, else made here)."""
+        if not tp.state_ckpt:
+            return
+        if inp is None:
+            inp = self.pass_inputs(len(caches), 0)
+            inp.set(indptr=tp.row_indptr, keep=np.asarray(keep, np.int32)).upload()
         tables = self.tables(caches)
-        indptr, keep = Staged(self.be, tp.row_indptr), Staged(self.be, np.asarray(keep, np.int32))
-        for g in range(len(tp.state_ckpt)):
-            checkpoint_select(self.be, tp.state_ckpt[g], tp.conv_ckpt[g], tables.states[g], tables.convs[g], indptr,
-                              keep, committed=False)
+        checkpoint_select_layers(self.be, tp.state_ckpt, tp.conv_ckpt, tables.all_states, tables.all_convs,
+                                 inp["indptr"], inp["keep"])
 
     def commit_rows(self, caches: list[Cache], tp: TrunkPass, keep) -> None:
         """Copy rows [0, keep[b]) of each session's scratch into its cache (all attention layers,
         one launch) and advance pos by keep[b]."""
         keep = np.asarray(keep, np.int32)
-        pos = np.array([cc.pos for cc in caches], np.int32)
-        if tp.k_blk:
-            kv_commit(self.be, tp.k_blk, tp.v_blk, [[cc.k[i] for cc in caches] for i in range(len(tp.k_blk))],
-                      [[cc.v[i] for cc in caches] for i in range(len(tp.v_blk))], pos, keep, tp.row_indptr,
-                      table=self.tables(caches).commit)
+        inp = self.pass_inputs(len(caches), 0)
+        self.fill(inp, caches, np.zeros(0, np.int32), np.diff(tp.row_indptr), keep).upload()
+        self._commit(self.tables(caches), tp, inp, None)
         for cc, n in zip(caches, keep):
             cc.pos += int(n)
+
+    def _commit(self, tables, tp: TrunkPass, inp: Inputs, ws) -> None:
+        """kv_commit of inp's `keep` rows of every session, every attention layer, one launch."""
+        if not tp.k_blk:
+            return
+        n_attn, B = len(tp.k_blk), len(inp["pos"].host)
+        caches = tables.commit.arrays
+        blk_table = PointerTable(self.be, [*tp.k_blk, *tp.v_blk], "verify scratch")
+        kv_commit(self.be, tp.k_blk, tp.v_blk, [list(caches[i * B : (i + 1) * B]) for i in range(n_attn)],
+                  [list(caches[(n_attn + i) * B : (n_attn + i + 1) * B]) for i in range(n_attn)], inp["pos"],
+                  inp["keep"], inp["indptr"], table=tables.commit, blk_table=blk_table, capacity=inp["commit_capacity"])
 
     # ---- entry points used by the session layer -----------------------------------------------
     def prefill(self, cache: Cache, tokens, taps=None) -> TrunkPass:

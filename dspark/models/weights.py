@@ -1,13 +1,13 @@
 """Weight tables: the expected name -> shape of every tensor, random init, save and load.
 
 Weights are NumPy arrays on the host (f32 for the embedded models; a Hugging Face checkpoint's
-may be f16 or bf16, memory-mapped); `to_backend` moves them once. Files are safetensors (through
+may be f16 or bf16, memory-mapped); `trunk_to_backend` moves them once. Files are safetensors (through
 the `safetensors` NumPy API) or `.npz`, with the config as JSON beside them. Loading checks every
 tensor's name, shape and dtype against the config and names the first mismatch.
 
 Names are ours, whatever the checkpoint calls them (dspark.models.hf maps Hugging Face names):
 matrices are [in, out] (x @ w), norms are the stored vectors, and `norm_offset` is added on the
-backend (`to_backend`), so `trunk.w[...]` always holds the factor a norm multiplies by.
+backend (`trunk_to_backend`), so `trunk.w[...]` always holds the factor a norm multiplies by.
 """
 
 from __future__ import annotations
@@ -147,11 +147,6 @@ def save_model(directory, name: str, config, weights: dict[str, np.ndarray], fmt
     save_tensors(d / f"{name}.{fmt}", weights)
 
 
-def to_backend(be, weights: dict[str, np.ndarray]) -> dict:
-    """Move weights to the backend once, as f32; owned by 'weights' in its allocator."""
-    return {k: be.alloc.adopt(be.xp.array(v, dtype=np.float32), "weights") for k, v in weights.items()}
-
-
 # Projections of one layer input, stored side by side as one [in, sum of outs] matrix so that one
 # GEMM computes them all (fewer launches; dspark.ops.linear's summation order per output, and with
 # it row invariance, is unchanged: fusing only widens N). Each part stays reachable under its own name
@@ -179,32 +174,56 @@ def trunk_to_backend(be, c: TrunkConfig, weights, dtype, progress=None) -> dict:
     the norms it applies to. A tied LM head is a view of the embedding, no copy. Projections of
     one layer input are fused (FUSED): `layers.i.attn.wqkv` and so on. `progress(name)`, where
     given, hears of each of our tensors once it is on the backend."""
-    out = {}
-    done = progress or (lambda name: None)
-
     def host_of(name):
-        leaf = name.rsplit(".", 1)[-1]
-        vector = np.ndim(weights[name]) == 1 or leaf in F32_ONLY
-        host = np.array(weights[name], dtype=F32 if vector else dtype, order="C")  # a copy: the caller's arrays stay theirs
-        if leaf in OFFSET_NORMS and c.norm_offset:
+        host = np.array(weights[name], dtype=storage_dtype(name, np.shape(weights[name]), dtype), order="C")  # a copy
+        if name.rsplit(".", 1)[-1] in OFFSET_NORMS and c.norm_offset:
             host = np.float32(c.norm_offset) + host  # f32 add, as transformers' (1.0 + w.float())
         return host
 
-    grouped = {q for parts in fused_parts(list(weights)).values() for q in parts}
-    for name in weights:
+    def upload(names):
+        return be.xp.asarray(host_of(names[0]) if len(names) == 1 else np.concatenate([host_of(q) for q in names], axis=1))
+    return _trunk_layout(be, c, {name: np.shape(w) for name, w in weights.items()}, upload, progress)
+
+
+def trunk_placeholders(be, c: TrunkConfig, dtype) -> dict:
+    """The trunk's weights as trunk_to_backend lays them out, uninitialised: the shapes, storage
+    dtypes and fused layout without a checkpoint (on the CuPy stand-in's null memory, without
+    memory: profiling/host_round.py prices Qwen3.5-27B's host path so)."""
+    spec = trunk_spec(c)
+
+    def empty(names):
+        first = spec[names[0]]
+        shape = first if len(names) == 1 else (first[0], sum(spec[q][1] for q in names))
+        return be.xp.zeros(shape, storage_dtype(names[0], first, dtype))  # null memory: free; a GPU: no NaN
+    return _trunk_layout(be, c, spec, empty)
+
+
+def storage_dtype(name: str, shape, dtype) -> np.dtype:
+    """What a trunk tensor is stored as on the backend: f32 for vectors and the gdn kernels'
+    inputs, `dtype` for the matrices."""
+    return F32 if len(shape) == 1 or name.rsplit(".", 1)[-1] in F32_ONLY else np.dtype(dtype)
+
+
+def _trunk_layout(be, c: TrunkConfig, shapes: dict, make, progress=None) -> dict:
+    """name -> backend array: `make(names)` gives one array of the named tensors side by side (a
+    fused group) or of one tensor, owned by 'weights'; each part of a group is a column view."""
+    out = {}
+    done = progress or (lambda name: None)
+    groups = fused_parts(list(shapes))
+    grouped = {q for parts in groups.values() for q in parts}
+    for name in shapes:
         if name not in grouped:
-            out[name] = be.alloc.adopt(be.xp.asarray(host_of(name)), "weights")
+            out[name] = be.alloc.adopt(make((name,)), "weights")
             done(name)
-    for fused, parts in fused_parts(list(weights)).items():
-        hosts = [host_of(q) for q in parts]
-        dev = be.alloc.adopt(be.xp.asarray(np.concatenate(hosts, axis=1)), "weights")
+    for fused, parts in groups.items():
+        dev = be.alloc.adopt(make(parts), "weights")
         out[fused] = dev
         at = 0
-        for q, h in zip(parts, hosts):
-            out[q] = dev[:, at : at + h.shape[1]]
-            at += h.shape[1]
+        for q in parts:
+            width = shapes[q][1]
+            out[q] = dev[:, at : at + width]
+            at += width
             done(q)
-        del hosts
     if c.tie_embeddings:
         out["lm_head"] = out["embed"].T
     return out

@@ -20,8 +20,9 @@ from ..dtypes import suffix, to_f32
 from ..errors import NonFiniteError, ShapeError
 from ..arrays import adopt
 from . import rowsplit
-from .checks import host_and_device, require_dtype, require_indptr, require_ndim, require_shape
+from .checks import Staged, host_and_device, require_dtype, require_indptr, require_ndim, require_shape
 from .rowsplit import PART_WORDS, Launch, Plan, splits, threads
+from .workspace import fixed
 
 
 # ---- NumPy reference ------------------------------------------------------------------------
@@ -126,9 +127,10 @@ def _check_or_defer(be, flag, deferred: bool, unit: str) -> None:
         raise_on_nan(be.to_host(flag), "logits", unit)
 
 
-def argmax_rows(be, logits, out=None, nan_flag=None):
+def argmax_rows(be, logits, out=None, nan_flag=None, ws=None):
     """Row argmax of `logits` [rows, V] (f32/f16/bf16) -> int32 [rows]. With `nan_flag` (int32
-    [rows]) the NaN flags go there unread (module doc); otherwise a NaN raises here."""
+    [rows]) the NaN flags go there unread (module doc); otherwise a NaN raises here. `ws`: the
+    workspace of the partials and tickets (dspark.ops.workspace)."""
     logits, out, nan_flag = adopt(be, logits=logits, out=out, nan_flag=nan_flag, writes=("out", "nan_flag"))
     require_ndim(logits, 2, "logits", "[rows, V]")
     suf = suffix(logits.dtype, "logits")
@@ -147,32 +149,35 @@ def argmax_rows(be, logits, out=None, nan_flag=None):
         if rows:
             plan = argmax_plan(rows, vocab, logits.dtype.itemsize)
             (run,) = plan.launches
-            part = xp.empty(run.ctas * PART_WORDS, np.uint64)
-            tickets, _ = rowsplit.scratch(be, rows)
+            part = fixed(be, ws, f"argmax.part.{run.ctas}", (run.ctas * PART_WORDS,), np.uint64)
+            tickets, _ = rowsplit.scratch(be, rows, ws=ws)
             rowsplit.launch(be, f"argmax_rows_{suf}", run.ctas, run.threads,
                             (logits, np.int32(rows), np.int32(vocab), out, flag, part, tickets))
     _check_or_defer(be, flag, deferred, "row")
     return out
 
 
-def greedy_accept(be, logits, cand, col_indptr, m_out=None, next_out=None, nan_flag=None):
+def greedy_accept(be, logits, cand, col_indptr, m_out=None, next_out=None, nan_flag=None, ws=None):
     """Greedy accept over ragged verify columns -> (m [B], next [B]) int32.
 
     `cand` [cols] holds each session's [anchor, d_1 .. d_{vt-1}]; `logits` [cols, V] its
     verify columns; `col_indptr` [B+1] splits the columns by session (a host array costs no
     device->host copy: the op validates it on the host and uploads it). With `nan_flag` (int32
-    [B]) the NaN flags go there unread; otherwise a NaN raises here.
+    [B]) the NaN flags go there unread; otherwise a NaN raises here. `cand` may be Staged (host
+    and device views of one upload). `ws`: the workspace of the partials and tickets.
     """
+    staged_cand = cand if isinstance(cand, Staged) else None
     logits, cand, col_indptr, m_out, next_out, nan_flag = adopt(
-        be, logits=logits, cand=cand, col_indptr=col_indptr, m_out=m_out, next_out=next_out, nan_flag=nan_flag,
-        writes=("m_out", "next_out", "nan_flag"))
+        be, logits=logits, cand=None if staged_cand else cand, col_indptr=col_indptr, m_out=m_out, next_out=next_out,
+        nan_flag=nan_flag, writes=("m_out", "next_out", "nan_flag"))
     require_ndim(logits, 2, "logits", "[cols, V]")
     suf = suffix(logits.dtype, "logits")
     cols, vocab = logits.shape
-    require_ndim(cand, 1, "cand", "[cols]")
-    require_dtype(cand, np.int32, "cand")
-    require_shape(cand, (cols,), "cand")
-    host_indptr, col_indptr = host_and_device(be, col_indptr)
+    host_cand, cand = host_and_device(be, staged_cand, "cand") if staged_cand else (cand, cand)
+    require_ndim(host_cand, 1, "cand", "[cols]")
+    require_dtype(host_cand, np.int32, "cand")
+    require_shape(host_cand, (cols,), "cand")
+    host_indptr, col_indptr = host_and_device(be, col_indptr, "col_indptr")
     require_indptr(host_indptr, "col_indptr", cols)
     B = host_indptr.shape[0] - 1
     xp = be.xp
@@ -184,7 +189,7 @@ def greedy_accept(be, logits, cand, col_indptr, m_out=None, next_out=None, nan_f
     deferred = nan_flag is not None
     flag = _flag_out(be, nan_flag, B)
     if be.kernels is None:
-        m, nxt, f = greedy_accept_ref(logits, cand, host_indptr)
+        m, nxt, f = greedy_accept_ref(logits, host_cand, host_indptr)
         m_out[...], next_out[...], flag[...] = m, nxt, f
     else:
         if B and not cols:  # no columns, no CTA: every session gets m = next = -1
@@ -192,8 +197,8 @@ def greedy_accept(be, logits, cand, col_indptr, m_out=None, next_out=None, nan_f
         elif B:
             plan = greedy_accept_plan(B, cols, vocab, logits.dtype.itemsize)
             (run,) = plan.launches
-            part = xp.empty(run.ctas * PART_WORDS, np.uint64)
-            tickets, _ = rowsplit.scratch(be, B)
+            part = fixed(be, ws, f"argmax.part.{run.ctas}", (run.ctas * PART_WORDS,), np.uint64)
+            tickets, _ = rowsplit.scratch(be, B, ws=ws)
             rowsplit.launch(be, f"greedy_accept_{suf}", run.ctas, run.threads,
                             (logits, cand, col_indptr, np.int32(B), np.int32(vocab), m_out, next_out,
                              flag, part, tickets))
@@ -222,13 +227,19 @@ def markov_chain_ref(logits, w1, w2, anchors, nd: int) -> tuple[np.ndarray, np.n
     return drafts, flag
 
 
-def markov_chain(be, logits, w1, w2, anchors, nd: int, out=None, nan_flag=None):
+def markov_chain(be, logits, w1, w2, anchors, nd: int, out=None, nan_flag=None, ws=None):
     """The drafter's greedy Markov chain over slot logits [B*nd, V] -> drafts [B, nd] int32.
-    With `nan_flag` (int32 [B]) the NaN flags go there unread; otherwise a NaN raises here."""
-    logits, w1, w2, anchors, out, nan_flag = adopt(be, logits=logits, w1=w1, w2=w2, anchors=anchors, out=out,
+    With `nan_flag` (int32 [B]) the NaN flags go there unread; otherwise a NaN raises here.
+    anchors int32 [B]: host or Staged (validated on the host, read by the kernel from the device).
+    `ws`: the workspace of the partials and tickets."""
+    staged_anchors = anchors if isinstance(anchors, Staged) else None
+    logits, w1, w2, anchors, out, nan_flag = adopt(be, logits=logits, w1=w1, w2=w2,
+                                                   anchors=None if staged_anchors else anchors, out=out,
                                                    nan_flag=nan_flag, writes=("out", "nan_flag"), host=("anchors",))
     require_ndim(logits, 2, "logits", "[B*nd, V]")
     suf = suffix(logits.dtype, "logits")
+    anchors, dev_anchors = (host_and_device(be, staged_anchors, "anchors") if staged_anchors
+                            else (np.asarray(anchors, np.int32), None))
     anchors = np.asarray(anchors, np.int32)
     B, vocab = anchors.shape[0], logits.shape[1]
     require_shape(logits, (B * nd, vocab), "logits")
@@ -254,9 +265,9 @@ def markov_chain(be, logits, w1, w2, anchors, nd: int, out=None, nan_flag=None):
             flag[...] = 0
         if B and nd:
             plan = markov_chain_plan(B, nd, vocab, rank, logits.dtype.itemsize)
-            part = xp.empty(B * plan.splits * PART_WORDS, np.uint64)
-            tickets, _ = rowsplit.scratch(be, B)
-            dev_anchors = xp.asarray(anchors)
+            part = fixed(be, ws, f"argmax.part.{B * plan.splits}", (B * plan.splits * PART_WORDS,), np.uint64)
+            tickets, _ = rowsplit.scratch(be, B, ws=ws)
+            dev_anchors = xp.asarray(anchors) if dev_anchors is None else dev_anchors
             for k, run in enumerate(plan.launches):
                 rowsplit.launch(be, f"markov_chain_{suf}", run.ctas, run.threads,
                                 (logits, w1, w2, dev_anchors, np.int32(nd), np.int32(vocab), np.int32(rank), out,

@@ -35,6 +35,7 @@ two agree within the tolerance the tests state (1e-5 f32, 1e-2 f16/bf16, relativ
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -44,9 +45,10 @@ from ..arrays import adopt
 from ..dtypes import BF16, suffix, to_f32
 from ..errors import CapacityError, DTypeError, ShapeError
 from . import host
-from .checks import require_dtype, require_indptr, require_ndim, require_shape
+from .checks import Staged, require_dtype, require_indptr, require_ndim, require_shape
 from .kv_commit import require_kernel_buffers
 from .tables import PointerTable
+from .workspace import buffer
 
 TILE = 64                 # keys per tile; tiles sit at absolute positions
 WARPS = 8                 # warps per CTA of the split kernels
@@ -308,6 +310,7 @@ class AttentionPlan:
     combine_block: tuple[int] | None
     max_splits: int                 # the most splits any row of the call reaches
     cta_keys: np.ndarray            # int64 [working CTAs of the main kernel]
+    idle_ctas: int                  # CTAs of the grid with no key (they leave at once)
     bytes: dict                     # kv, q, out, partials_written, partials_read
     flops: int                      # 4 D per (item, visible key): q.k and p.v multiply-adds
 
@@ -344,14 +347,39 @@ def max_gqa(itemsize: int, head_dim: int) -> int:
     return 16 * CONFIGS[(itemsize, head_dim)][0]
 
 
+def reach_splits(lens, reach: int, *, mode: str = "causal", window: int = 0, window_mode: str = "anchor",
+                 split: SplitRule | None = None) -> int:
+    """The most splits a session's rows span at any position they can take below `reach` (the
+    rows of a session of lens[b] rows at pos <= reach - lens[b]): what a grid sized for `reach`
+    must hold. Causal rows span the most at the highest position; a window's span is taken at every
+    position (it is largest where splits are shortest and a boundary falls inside it)."""
+    split = split or DEFAULT_SPLIT
+    lens = np.asarray(lens, np.int64).reshape(-1)
+    if not lens.size or reach < 1:
+        return 1
+    return max(_reach_splits(int(n), int(reach), mode, int(window), window_mode, split) for n in set(lens.tolist()))
+
+
+@functools.lru_cache(maxsize=256)
+def _reach_splits(n: int, reach: int, mode: str, window: int, window_mode: str, split: SplitRule) -> int:
+    top = max(reach - n, 0)
+    if mode == "causal":
+        return int(split.index(top + n - 1)) + 1
+    p = np.arange(top + 1, dtype=np.int64)
+    lo = np.maximum(0, p - window + 1) if window_mode == "row" else np.maximum(0, p - window)
+    return int((split.index(p + n - 1) - split.index(lo)).max()) + 1
+
+
 def launch_plan(lens, pos, *, hq: int, hkv: int, head_dim: int, dtype="bfloat16", mode: str = "causal",
                 window: int = 0, split: SplitRule | None = None, strategy: str = "auto", sms: int = SMS,
-                window_mode: str = "anchor") -> AttentionPlan:
+                window_mode: str = "anchor", reach: int | None = None) -> AttentionPlan:
     """The launch plan of an attention call: sessions of `lens[b]` rows at positions `pos[b]`,
     Hq / Hkv heads of `head_dim`, storage `dtype`. Pure: nothing is allocated or launched, so a
     performance model can price a call (bytes, CTAs, their keys, launches) from shapes alone.
     `split` and `strategy` ("auto", "serial", "parallel") are for tests and tuning; the result
-    never depends on them."""
+    never depends on them. `reach`: size the grid for rows at any position up to it (a recorded or
+    captured pass, whose positions move on while its grid stays: CTAs past the live keys leave at
+    once), not only for `pos`."""
     dtype = BF16 if isinstance(dtype, str) and dtype == "bfloat16" else np.dtype(dtype)
     kind = suffix(dtype, "dtype")
     if strategy not in ("auto", "serial", "parallel"):
@@ -376,6 +404,9 @@ def launch_plan(lens, pos, *, hq: int, hkv: int, head_dim: int, dtype="bfloat16"
     j0 = split.index(lo)
     count = split.index(hi - 1) - j0 + 1
     max_splits = int((split.index(hi - 1) - split.index(bounds(sess, 0 * r0)[0]) + 1).max(initial=1))
+    if reach is not None:
+        max_splits = max(max_splits, reach_splits(lens, reach, mode=mode, window=window, window_mode=window_mode,
+                                                  split=split))
     chunks = int(chunk_n.max(initial=0))
     partials = rows * hq * max_splits * (head_dim + 2) * 4
     if strategy == "auto":
@@ -407,12 +438,13 @@ def launch_plan(lens, pos, *, hq: int, hkv: int, head_dim: int, dtype="bfloat16"
     slots = max_splits if parallel else 0
     grid = (chunks * max(slots, 1), hkv, len(lens))
     name = f"attention_{kind}_d{head_dim}"
+    idle = int(np.prod(grid)) - int(cta_keys.size)
     return AttentionPlan(
         strategy="parallel" if parallel else "serial", head_dim=head_dim, kernel=name, grid=grid, block=(32 * WARPS,),
         shared_mem=shared_mem_bytes(isz, head_dim), rows_per_cta=rows_per_cta, stages=stages, split=split,
         slots=slots, combine_kernel=f"attention_combine_{kind}" if parallel else None,
         combine_grid=(rows, hq) if parallel else None, combine_block=(COMBINE_THREADS,) if parallel else None,
-        max_splits=max_splits, cta_keys=cta_keys, bytes=by, flops=4 * head_dim * g * hkv * visible)
+        max_splits=max_splits, cta_keys=cta_keys, idle_ctas=idle, bytes=by, flops=4 * head_dim * g * hkv * visible)
 
 
 def validate(be, q, k_blk, v_blk, k_caches, v_caches, pos, row_indptr, mode, window, scale,
@@ -494,16 +526,18 @@ def _require_same_dtype(a, dtype, what: str) -> None:
         raise DTypeError(f"{what} has dtype {a.dtype}: expected {dtype} (the dtype of q)")
 
 
-def plan(call: AttentionCall, split: SplitRule | None = None, strategy: str = "auto") -> AttentionPlan:
+def plan(call: AttentionCall, split: SplitRule | None = None, strategy: str = "auto",
+         reach: int | None = None) -> AttentionPlan:
     """The launch plan of a validated call (launch_plan on its shapes)."""
     return launch_plan(np.diff(call.indptr), call.pos, hq=call.hq, hkv=call.hkv, head_dim=call.head_dim,
                        dtype=call.dtype, mode=call.mode, window=call.window, split=split, strategy=strategy,
-                       window_mode=call.window_mode)
+                       window_mode=call.window_mode, reach=reach)
 
 
 # ---- the op -----------------------------------------------------------------------------------
 def attention(be, q, k_blk, v_blk, k_caches, v_caches, pos, row_indptr, *, mode="causal", window=0, scale=None,
-              out=None, split: SplitRule | None = None, strategy: str = "auto", window_mode: str = "anchor"):
+              out=None, split: SplitRule | None = None, strategy: str = "auto", window_mode: str = "anchor",
+              capacity=None, reach: int | None = None, ws=None):
     """Attention of `q` [rows, Hq, D] over each session's cache and block rows -> out [rows, Hq, D]
     (dtype of q; `out=` may be given, e.g. poisoned by a test).
 
@@ -519,6 +553,11 @@ def attention(be, q, k_blk, v_blk, k_caches, v_caches, pos, row_indptr, *, mode=
     window - 1 rows). scale defaults to 1/sqrt(D). `split` (where
     the key axis is cut, SplitRule) and `strategy` are test and tuning knobs: the results depend on
     `split` within rounding, never on `strategy`.
+
+    A recorded or captured pass: pos, row_indptr and `capacity` (int32 [B], each session's cache
+    rows) given as Staged arrays are read from their device copies (no upload), `reach` sizes the
+    grid for the positions the pass will see (launch_plan), and `ws` (dspark.ops.workspace) holds
+    the split partials.
     """
     if split is not None and not isinstance(split, SplitRule):
         raise TypeError(f"split={split!r}: expected a SplitRule")
@@ -546,7 +585,7 @@ def attention(be, q, k_blk, v_blk, k_caches, v_caches, pos, row_indptr, *, mode=
                                  window=call.window, scale=call.scale, split=split,
                                  window_mode=window_mode, products=host.attention_products if host.NATIVE else NumpyProducts).astype(q.dtype)
         return out
-    launch = plan(call, split, strategy)
+    launch = plan(call, split, strategy, reach)
     if call.rows == 0:
         return out
     B, xp = call.sessions, be.xp
@@ -555,16 +594,22 @@ def attention(be, q, k_blk, v_blk, k_caches, v_caches, pos, row_indptr, *, mode=
     require_kernel_buffers(be, [q, k_blk, v_blk, out, *caches],
                            ["q", "k_blk", "v_blk", "out", *(f"k_caches[{b}]" for b in range(len(caches) // 2)),
                             *(f"v_caches[{b}]" for b in range(len(caches) // 2))])
-    # One upload for the small per-session arrays and (without tables) one for both pointer tables.
-    meta = be.asarray(np.concatenate([call.indptr, call.pos, call.capacity]).astype(np.int32))
-    indptr, pos_d, cap = meta[: B + 1], meta[B + 1 : 2 * B + 1], meta[2 * B + 1 :]
+    if all(isinstance(a, Staged) for a in (pos, row_indptr, capacity)):
+        if not np.array_equal(capacity.host, call.capacity):
+            raise ShapeError(f"capacity={capacity.host.tolist()}: expected the caches' rows {call.capacity.tolist()}")
+        indptr, pos_d, cap = row_indptr.device, pos.device, capacity.device
+    else:  # one upload for the small per-session arrays (and, without tables, one for both tables)
+        meta = be.asarray(np.concatenate([call.indptr, call.pos, call.capacity]).astype(np.int32))
+        indptr, pos_d, cap = meta[: B + 1], meta[B + 1 : 2 * B + 1], meta[2 * B + 1 :]
     if not tabled:
         tables = be.pointer_table(caches)
         k_tab, v_tab = tables[:B], tables[B:]
     d, rule = call.head_dim, launch.split
     parallel = launch.combine_kernel is not None
-    part_acc = xp.empty((call.rows, call.hq, launch.slots, d), np.float32) if parallel else None
-    part_ml = xp.empty((call.rows, call.hq, launch.slots, 2), np.float32) if parallel else None
+    part_acc = buffer(be, ws, f"attention.part_acc.{call.hq}.{launch.slots}.{d}", call.rows,
+                      (call.hq, launch.slots, d)) if parallel else None
+    part_ml = buffer(be, ws, f"attention.part_ml.{call.hq}.{launch.slots}", call.rows,
+                     (call.hq, launch.slots, 2)) if parallel else None
     kind = np.int32(block_mode(mode, window_mode))
     common = (np.int32(call.hq), np.int32(call.hkv), np.int32(launch.rows_per_cta), kind,
               np.int32(call.window), call.scale, np.int32(rule.min_keys), np.int32(rule.per_octave),

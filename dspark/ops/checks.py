@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..arrays import readonly
+from ..arrays import as_array, readonly
 from ..errors import DTypeError, KernelArgumentError, ShapeError
 
 
@@ -49,24 +49,32 @@ def require_dense(be, a, what: str, *, writable: bool = False, align: int = 16) 
 
 class Staged:
     """A small host index array (a row pointer) and its copy on the backend, uploaded once for the
-    several ops of one pass that read it."""
+    several ops of one pass that read it (or views of a pass's inputs block: Staged.of)."""
     __slots__ = ("host", "device")
 
     def __init__(self, be, host, device=None):
         self.host = np.asarray(host)
         self.device = be.asarray(self.host) if device is None else device  # `device`: already uploaded
 
+    @classmethod
+    def of(cls, host, device) -> "Staged":
+        """Host and device views of memory that is uploaded elsewhere (dspark.ops.workspace.Inputs)."""
+        s = object.__new__(cls)
+        s.host, s.device = host, device
+        return s
+
     def __array__(self, dtype=None, copy=None):  # numpy.asarray(staged): the host values
         return self.host if dtype is None else self.host.astype(dtype)
 
 
-def host_and_device(be, a) -> tuple[np.ndarray, object]:
+def host_and_device(be, a, what: str = "an index array") -> tuple[np.ndarray, object]:
     """(host copy, backend array) of a small index array the op validates on the host and a kernel
     reads: a Staged array costs nothing, a host array one upload and no wait on the device, a
     device array one device->host copy (a sync on a GPU). The round's hot path passes host or
-    Staged arrays."""
+    Staged arrays; a foreign array (DLPack, an array interface) is adopted without a copy first."""
     if isinstance(a, Staged):
         return a.host, a.device
+    a = as_array(be, a, what)
     if be.xp is np or not isinstance(a, be.xp.ndarray):
         host = np.asarray(a)
         return host, be.asarray(host)

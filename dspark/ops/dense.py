@@ -96,9 +96,14 @@ def rope_table(xp, positions, theta: float, rotary_dim: int, scaling: tuple = ()
     if key not in _INV_FREQ:
         inv, factor = rope_frequencies(rotary_dim, theta, scaling)
         _INV_FREQ[key] = (xp.asarray(inv, dtype=np.float64), factor)
-    inv, attention_factor = _INV_FREQ[key]
-    # Angles in f64, then f32 cos/sin: identical per position whatever the batch.
-    ang = xp.asarray(positions).astype(np.float64)[:, None] * inv[None, :]
+    return cos_sin(xp, positions, *_INV_FREQ[key])
+
+
+def cos_sin(xp, positions, inv, attention_factor: float):
+    """(cos, sin) [rows, 1, len(inv)] f32 of positions [rows] and inverse frequencies `inv`: angles
+    in f64, cos and sin rounded once to f32 (identical per position whatever the batch), times the
+    attention factor."""
+    ang = xp.asarray(positions).astype(np.float64)[:, None] * xp.asarray(inv).astype(np.float64)[None, :]
     cos = xp.cos(ang).astype(np.float32)[:, None, :]
     sin = xp.sin(ang).astype(np.float32)[:, None, :]
     if attention_factor != 1.0:

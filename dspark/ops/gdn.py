@@ -26,15 +26,18 @@ backend is row-invariant on its own; the two agree within the 1e-5 the tests all
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 
 from .. import profile
 from ..errors import CapacityError, ShapeError
 from ..arrays import adopt
-from . import host
+from . import dense, host, rowsplit
 from .checks import host_and_device, require_dtype, require_indptr, require_ndim, require_shape
 from .snapshot import require_tensor
 from .tables import PointerTable, as_table
+from .workspace import fixed
 
 F32 = np.float32
 SUPPORTED_DK = (16, 32, 64, 128)
@@ -70,9 +73,6 @@ def channels(heads: int, dk: int, dv: int, k_heads: int | None = None) -> int:
     return (heads if k_heads is None else k_heads) * 2 * dk + heads * dv
 
 
-CONV_THREADS = 128  # gdn_conv: one thread per (channel, session)
-
-
 def scan_plan(heads: int, dk: int, dv: int, k_heads: int | None = None) -> tuple[str, int, int]:
     """(kernel name, threads per block, dynamic shared bytes) for one value head of [dv, dk]."""
     if not isinstance(dk, (int, np.integer)) or dk not in SUPPORTED_DK:
@@ -87,7 +87,7 @@ def scan_plan(heads: int, dk: int, dv: int, k_heads: int | None = None) -> tuple
     if threads > MAX_THREADS:
         raise CapacityError(f"dv={dv} with dk={dk} needs {threads} threads per head: expected "
                             f"dv <= {MAX_THREADS // tile(dk)[0]}")
-    return f"gdn_scan_dk{int(dk)}_f32", threads, (2 * dk + dv) * 4
+    return f"gdn_scan_dk{int(dk)}_f32", threads, scan_smem(dk, dv)
 
 
 # ---- NumPy reference ------------------------------------------------------------------------
@@ -201,25 +201,117 @@ def gdn_scan_ref(mixed, a, b, conv_weight, A_log, dt_bias, states, conv_windows,
         conv_windows[s][...] = windows[col_indptr[s + 1] - 1]
 
 
+# ---- the layer's inputs: one projection row ---------------------------------------------------
+@dataclass(frozen=True)
+class ProjLayout:
+    """Where one gdn layer's inputs sit in a row of its input projection: mixed [C] at `mixed`, the
+    output gate z [H dv] at `z`, a [H] at `a` and b [H] at `b` (column offsets)."""
+    mixed: int
+    z: int
+    a: int
+    b: int
+
+    @classmethod
+    def packed(cls, heads: int, dk: int, dv: int, k_heads: int | None = None) -> "ProjLayout":
+        """[mixed | z | a | b], as the trunk's fused w_in writes them."""
+        C = channels(heads, dk, dv, k_heads)
+        return cls(0, C, C + heads * dv, C + heads * dv + heads)
+
+
+def gdn_proj(mixed, a, b, z=None) -> np.ndarray:
+    """A projection row block [mixed | z | a | b] of separate host arrays (ProjLayout.packed's layout
+    when z [cols, H dv] is given; without z, [mixed | a | b]: tests and benchmarks)."""
+    cols, H = a.shape
+    if z is None:
+        z = np.zeros((cols, 0), F32)
+    return np.concatenate([mixed, np.asarray(z, F32).reshape(cols, -1), a, b], axis=1).astype(F32)
+
+
+def gdn_layer_ref(proj, layout: ProjLayout, conv_weight, A_log, dt_bias, states, conv_windows, col_indptr, heads,
+                  dk, dv, out=None, state_ckpt=None, conv_ckpt=None, k_heads=None, commit=True, col_count=None,
+                  o_norm=None, eps: float = 1e-6, norm=None) -> None:
+    """The fused kernel's work on host arrays, in place: the scan of each session's columns (its
+    first col_count[b] when given) over the inputs `layout` reads from proj, then, with o_norm,
+    out = norm(o) * silu(z) (`norm`: the numpy backend's by default; dspark.ops.norm.rmsnorm_ref sums
+    as the kernel does)."""
+    from .norm import numpy_rmsnorm
+    C = channels(heads, dk, dv, k_heads)
+    indptr = np.asarray(col_indptr, np.int64)
+    if col_count is None:
+        rows = np.arange(int(indptr[-1]))
+        counts = np.diff(indptr)
+    else:
+        counts = np.asarray(col_count, np.int64)
+        rows = np.concatenate([indptr[b] + np.arange(counts[b]) for b in range(counts.size)]).astype(np.int64) \
+            if counts.size else np.zeros(0, np.int64)
+    sub = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+    p = np.asarray(proj, F32)[rows]
+    H = heads
+    o = np.zeros((rows.size, H, dv), F32)
+    sck = np.zeros((rows.size, H, dv, dk), F32) if state_ckpt is not None else None
+    cck = np.zeros((rows.size, C, WINDOW), F32) if conv_ckpt is not None else None
+    gdn_scan_ref(p[:, layout.mixed : layout.mixed + C], p[:, layout.a : layout.a + H], p[:, layout.b : layout.b + H],
+                 conv_weight, A_log, dt_bias, states, conv_windows, sub, heads, dk, dv, o, sck, cck, k_heads, commit,
+                 walk=host.delta_walk if host.NATIVE else None)
+    if sck is not None:
+        state_ckpt[rows] = sck
+    if cck is not None:
+        conv_ckpt[rows] = cck
+    if out is not None:
+        if o_norm is not None:
+            z = p[:, layout.z : layout.z + H * dv].reshape(-1, H, dv)
+            o = (norm or numpy_rmsnorm)(o, o_norm, eps) * dense.silu(z)
+        out[rows] = o.reshape(out[rows].shape)
+
+
 # ---- op ---------------------------------------------------------------------------------------
 def gdn_scan(be, mixed, a, b, conv_weight, A_log, dt_bias, states, conv_windows, col_indptr, *,
              heads, dk, dv, k_heads=None, out=None, state_ckpt=None, conv_ckpt=None, commit=True):
-    """Run each session's columns of one gdn layer through the recurrence -> out [cols, H, dv] f32.
+    """Run each session's columns of one gdn layer through the recurrence -> out [cols, H, dv] f32
+    (o itself: gdn_layer with the inputs as separate arrays, for tests and tools).
 
     heads H counts value heads (one state each), k_heads Hk key heads (default H; H must be a
     multiple). mixed [cols, C], a and b [cols, H], conv_weight [C, 4], A_log and dt_bias [H]: f32,
-    with C = Hk*2*dk + H*dv. col_indptr int32 [B+1] gives session s the columns col_indptr[s] ..
-    col_indptr[s+1] (pass a host array: it is validated there and uploaded, with no wait on the
-    device); a session with none is left alone. states: B arrays [H, dv, dk] and conv_windows:
-    B arrays [C, 3] (the 3 previous inputs, oldest first), f32, or PointerTables of them
-    (dspark.ops.tables); updated in place when `commit`, only read otherwise (a speculative
-    verify: the round's rollback moves them on). state_ckpt [cols, H, dv, dk] and conv_ckpt
-    [cols, C, 3], when given, receive the state and the window after every column (for
-    checkpoint_select). dk in {16, 32, 64, 128}; dv <= 512 / lanes(dk) (128 for dk = 128).
+    with C = Hk*2*dk + H*dv. The rest as gdn_layer.
     """
-    mixed, a, b, conv_weight, A_log, dt_bias, col_indptr, out, state_ckpt, conv_ckpt = adopt(
-        be, mixed=mixed, a=a, b=b, conv_weight=conv_weight, A_log=A_log, dt_bias=dt_bias, col_indptr=col_indptr,
-        out=out, state_ckpt=state_ckpt, conv_ckpt=conv_ckpt, writes=("out", "state_ckpt", "conv_ckpt"))
+    mixed, a, b = adopt(be, mixed=mixed, a=a, b=b)
+    scan_plan(heads, dk, dv, k_heads)
+    C = channels(heads, dk, dv, k_heads)
+    require_ndim(mixed, 2, "mixed", "[cols, C]")
+    cols = mixed.shape[0]
+    for arg, what, shape in ((mixed, "mixed", (cols, C)), (a, "a", (cols, heads)), (b, "b", (cols, heads))):
+        require_shape(arg, shape, what)
+        require_dtype(arg, np.float32, what)
+    proj = be.xp.concatenate([mixed, a, b], axis=1)
+    return gdn_layer(be, proj, conv_weight, A_log, dt_bias, states, conv_windows, col_indptr, heads=heads, dk=dk,
+                     dv=dv, k_heads=k_heads, layout=ProjLayout(0, C, C, C + heads), out=out, state_ckpt=state_ckpt,
+                     conv_ckpt=conv_ckpt, commit=commit)
+
+
+def gdn_layer(be, proj, conv_weight, A_log, dt_bias, states, conv_windows, col_indptr, *, heads, dk, dv, k_heads=None,
+              layout: ProjLayout | None = None, o_norm=None, eps: float = 1e-6, col_count=None, out=None,
+              want_out: bool = True, state_ckpt=None, conv_ckpt=None, commit=True, ws=None):
+    """Run each session's columns of one gdn layer through conv, recurrence and output norm, in one
+    launch -> out [cols, H, dv] f32 (the gated norm of o with o_norm, o itself without).
+
+    proj [cols, width] f32: each column's input projection, read where `layout` says (default
+    ProjLayout.packed: [mixed (C) | z (H dv) | a (H) | b (H)], the trunk's w_in), with C = Hk*2*dk +
+    H*dv channels [q (Hk heads) | k (Hk heads) | v (H heads)]. heads H counts value heads (one state
+    each), k_heads Hk key heads (default H; H must be a multiple). conv_weight [C, 4], A_log and
+    dt_bias [H], o_norm [dv]: f32. col_indptr int32 [B+1] gives session s the columns col_indptr[s]
+    .. col_indptr[s+1] (host or Staged: validated on the host, read by the kernel from the device);
+    col_count int32 [B] (replay) takes only the first col_count[s] of them; a session with none is
+    left alone. states: B arrays [H, dv, dk] and conv_windows: B arrays [C, 3] (the 3 previous
+    inputs, oldest first), f32, or PointerTables of them (dspark.ops.tables); updated in place when
+    `commit`, only read otherwise (a speculative verify: the round's rollback moves them on).
+    state_ckpt [cols, H, dv, dk] and conv_ckpt [cols, C, 3], when given, receive the state and the
+    window after every column (for checkpoint_select). want_out=False writes no output (replay).
+    dk in {16, 32, 64, 128}; dv <= 512 / lanes(dk) (128 for dk = 128). `ws`: the workspace the
+    commit tickets come from (dspark.ops.workspace; default the row-split pool).
+    """
+    proj, conv_weight, A_log, dt_bias, o_norm, out, state_ckpt, conv_ckpt = adopt(
+        be, proj=proj, conv_weight=conv_weight, A_log=A_log, dt_bias=dt_bias, o_norm=o_norm, out=out,
+        state_ckpt=state_ckpt, conv_ckpt=conv_ckpt, writes=("out", "state_ckpt", "conv_ckpt"))
     if not isinstance(states, PointerTable):
         states = adopt(be, states=states, writes=("states",) if commit else ())
     if not isinstance(conv_windows, PointerTable):
@@ -227,58 +319,87 @@ def gdn_scan(be, mixed, a, b, conv_weight, A_log, dt_bias, states, conv_windows,
     name, threads, smem = scan_plan(heads, dk, dv, k_heads)
     k_heads = heads if k_heads is None else int(k_heads)
     C = channels(heads, dk, dv, k_heads)
-    require_ndim(mixed, 2, "mixed", "[cols, C]")
-    cols = mixed.shape[0]
-    for arg, what, shape in ((mixed, "mixed", (cols, C)), (a, "a", (cols, heads)), (b, "b", (cols, heads)),
-                             (conv_weight, "conv_weight", (C, TAPS)), (A_log, "A_log", (heads,)),
-                             (dt_bias, "dt_bias", (heads,))):
+    layout = layout or ProjLayout.packed(heads, dk, dv, k_heads)
+    require_ndim(proj, 2, "proj", "[cols, width]")
+    require_dtype(proj, np.float32, "proj")
+    cols, width = proj.shape
+    spans = {"mixed": (layout.mixed, C), "a": (layout.a, heads), "b": (layout.b, heads)}
+    if o_norm is not None:
+        spans["z"] = (layout.z, heads * dv)
+    for what, (at, n) in spans.items():
+        if not 0 <= at <= width - n:
+            raise ShapeError(f"proj has {width} columns: {what} [{n}] at column {at} does not fit")
+    for arg, what, shape in ((conv_weight, "conv_weight", (C, TAPS)), (A_log, "A_log", (heads,)),
+                             (dt_bias, "dt_bias", (heads,))) + (((o_norm, "o_norm", (dv,)),) if o_norm is not None else ()):
         require_shape(arg, shape, what)
         require_dtype(arg, np.float32, what)
-    host_indptr, dev_indptr = host_and_device(be, col_indptr)
+    host_indptr, dev_indptr = host_and_device(be, col_indptr, "col_indptr")
     require_indptr(host_indptr, "col_indptr", cols)
     B = host_indptr.shape[0] - 1
+    host_count = dev_count = None
+    if col_count is not None:
+        host_count, dev_count = host_and_device(be, col_count, "col_count")
+        require_shape(host_count, (B,), "col_count")
+        require_dtype(host_count, np.int32, "col_count")
+        bad = np.flatnonzero((host_count < 0) | (host_count > np.diff(host_indptr)))
+        if bad.size:
+            raise CapacityError(f"col_count[{bad[0]}]={int(host_count[bad[0]])} is outside [0, "
+                                f"{int(np.diff(host_indptr)[bad[0]])}], the columns of session {bad[0]}")
     commit = bool(commit)
     states = as_table(be, states, "states", count=B, shape=(heads, dv, dk), dtype=np.float32, writable=commit,
                       align=16)
     conv_windows = as_table(be, conv_windows, "conv_windows", count=B, shape=(C, WINDOW), dtype=np.float32,
                             writable=commit)
-    if out is None:
+    if want_out and out is None:
         out = be.xp.empty((cols, heads, dv), be.xp.float32)
-    outputs = [(out, "out", (cols, heads, dv), 4)]
+    outputs = [(out, "out", (cols, heads, dv), 4)] if want_out else []
     if state_ckpt is not None:
         outputs.append((state_ckpt, "state_ckpt", (cols, heads, dv, dk), 16))
     if conv_ckpt is not None:
         outputs.append((conv_ckpt, "conv_ckpt", (cols, C, WINDOW), 4))
     for arg, what, shape, align in outputs:
         require_tensor(be, arg, what, shape, align=align)
+    run = np.diff(host_indptr) if host_count is None else host_count
     if be.kernels is None:
-        gdn_scan_ref(mixed, a, b, conv_weight, A_log, dt_bias, list(states.arrays), list(conv_windows.arrays),
-                     host_indptr, heads, dk, dv, out, state_ckpt, conv_ckpt, k_heads, commit, walk=host.delta_walk if host.NATIVE else None)
-    elif cols:
-        x = be.xp.empty((cols, C), be.xp.float32)  # the conv's SiLU outputs, read by the scan
-        be.kernels.get_function("gdn_conv_f32")(
-            (-(-C // CONV_THREADS), B), (CONV_THREADS,),
-            (mixed, conv_weight, conv_windows.device, dev_indptr, np.int32(C), x, conv_ckpt, np.int32(commit)))
+        gdn_layer_ref(proj, layout, conv_weight, A_log, dt_bias, list(states.arrays), list(conv_windows.arrays),
+                      host_indptr, heads, dk, dv, out if want_out else None, state_ckpt, conv_ckpt, k_heads, commit,
+                      host_count, o_norm, eps)
+    elif run.any():
+        group = heads // k_heads
+        tickets = None
+        if commit and group > 1:
+            tickets = fixed(be, ws, f"gdn.tickets.{B * k_heads}", (B * k_heads,), np.uint32, zero=True) \
+                if ws is not None else rowsplit.scratch(be, B * k_heads)[0]
         be.kernels.get_function(name)(
             (heads, B), (threads,),
-            (x, a, b, A_log, dt_bias, states.device, dev_indptr, np.int32(heads), np.int32(k_heads),
-             np.int32(dv), out, state_ckpt, np.int32(commit)), shared_mem=smem)
-    if cols:
-        moved = scan_bytes(int(np.count_nonzero(np.diff(host_indptr))), cols, heads, dk, dv, k_heads,
+            (be.xp.ascontiguousarray(proj), np.int64(width), np.int32(layout.mixed), np.int32(layout.a),
+             np.int32(layout.b), np.int32(layout.z), conv_weight, A_log, dt_bias, o_norm, np.float32(eps),
+             states.device, conv_windows.device, dev_indptr, dev_count, np.int32(heads), np.int32(k_heads),
+             np.int32(dv), out if want_out else None, state_ckpt, conv_ckpt, tickets, np.int32(commit)),
+            shared_mem=smem)
+    if run.any():
+        moved = scan_bytes(int(np.count_nonzero(run)), int(run.sum()), heads, dk, dv, k_heads,
                            checkpoints=state_ckpt is not None, commit=commit)
         profile.moved("state", moved["state"])
         profile.moved("checkpoints", moved["checkpoints"])
     return out
 
 
+def scan_smem(dk: int, dv: int) -> int:
+    """The fused scan's dynamic shared memory: a column's q, k, v, each channel's window and conv
+    weights, and the column's o."""
+    nch = 2 * dk + dv
+    return 4 * (nch * (1 + WINDOW + TAPS) + dv)
+
+
 def scan_bytes(sessions: int, cols: int, heads: int, dk: int, dv: int, k_heads: int | None = None, *,
-               checkpoints: bool = False, commit: bool = True) -> dict:
-    """Bytes one gdn_scan call moves, by kind: the inputs and outputs of its columns ("columns"),
-    the recurrent state and conv window read and (with commit) written ("state"), and the
-    per-column checkpoints ("checkpoints"). The op reports the same through
-    dspark.profile.record_bytes; profiling/perf_model.py prices them."""
+               checkpoints: bool = False, commit: bool = True, gated: bool = False) -> dict:
+    """Bytes one gdn_layer call moves, by kind: the inputs and outputs of its columns ("columns":
+    mixed, a, b, z when `gated`, out), the recurrent state and conv window read and (with commit)
+    written ("state"), and the per-column checkpoints ("checkpoints"). The op reports the state and
+    checkpoints through dspark.profile.moved; profiling/perf_model.py prices them all."""
     C = channels(heads, dk, dv, k_heads)
     state = heads * dv * dk + C * WINDOW  # floats per session
-    return {"columns": 4 * cols * (C + 2 * heads + 2 * C + heads * dv),
+    return {"columns": 4 * cols * (C + 2 * heads + heads * dv * (2 if gated else 1)),
             "state": 4 * sessions * state * (2 if commit else 1),
             "checkpoints": 4 * cols * state if checkpoints else 0}

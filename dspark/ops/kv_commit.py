@@ -14,7 +14,7 @@ from ..dtypes import suffix
 from .. import profile
 from ..errors import CapacityError, DTypeError, ShapeError, StateError
 from ..arrays import adopt
-from .checks import require_dense, require_dtype, require_indptr, require_ndim, require_shape
+from .checks import Staged, require_dense, require_dtype, require_indptr, require_ndim, require_shape
 
 THREADS = 128
 
@@ -117,7 +117,8 @@ def _require_dtype_of(a, dtype, what: str) -> None:
 
 
 # ---- the op -----------------------------------------------------------------------------------
-def kv_commit(be, k_blk, v_blk, k_caches, v_caches, pos, keep, row_indptr, *, ring=False, table=None) -> None:
+def kv_commit(be, k_blk, v_blk, k_caches, v_caches, pos, keep, row_indptr, *, ring=False, table=None,
+              blk_table=None, capacity=None) -> None:
     """Copy scratch rows [0, keep_b) of session b to cache slots pos_b.. (mod capacity if `ring`).
 
     k_blk / v_blk: lists over layers of [rows, Hkv, D]; k_caches / v_caches: lists over layers of
@@ -125,10 +126,18 @@ def kv_commit(be, k_blk, v_blk, k_caches, v_caches, pos, keep, row_indptr, *, ri
     `table`: a PointerTable (dspark.ops.tables) of exactly the caches, k then v, layer by layer,
     made earlier for this batch; its addresses are used instead of uploading new ones (a table
     of other arrays is refused). Everything is checked before anything is written.
+
+    A recorded or captured pass: pos, keep, row_indptr and `capacity` (int32 [L * B], each cache's
+    rows, layer-major) as Staged arrays are read from their device copies, and `blk_table` (a
+    PointerTable of the scratch arrays, k then v) replaces the per-call upload of their addresses:
+    nothing is uploaded and a keep of 0 everywhere still launches (the grid reads keep on the device).
     """
-    k_blk, v_blk, k_caches, v_caches, pos, keep, row_indptr = adopt(
-        be, k_blk=k_blk, v_blk=v_blk, k_caches=k_caches, v_caches=v_caches, pos=pos, keep=keep, row_indptr=row_indptr,
-        writes=("k_caches", "v_caches"))
+    staged = all(isinstance(a, Staged) for a in (pos, keep, row_indptr, capacity))
+    k_blk, v_blk, k_caches, v_caches = adopt(be, k_blk=k_blk, v_blk=v_blk, k_caches=k_caches, v_caches=v_caches,
+                                             writes=("k_caches", "v_caches"))
+    if not staged:
+        pos, keep, row_indptr = adopt(be, pos=pos, keep=keep, row_indptr=row_indptr)
+    pos_arg, keep_arg, capacity_arg = pos, keep, capacity
     indptr, pos, keep, capacity = _validate(be, k_blk, v_blk, k_caches, v_caches, pos, keep, row_indptr, ring)
     _, hkv, d = k_blk[0].shape
     profile.moved("kv_commit", commit_bytes(len(k_blk), int(keep.sum()), hkv, d, k_blk[0].dtype.itemsize))
@@ -136,7 +145,7 @@ def kv_commit(be, k_blk, v_blk, k_caches, v_caches, pos, keep, row_indptr, *, ri
         kv_commit_ref(k_blk, v_blk, k_caches, v_caches, pos, keep, indptr, ring=ring)
         return
     layers, B = len(k_blk), indptr.shape[0] - 1
-    if not keep.any():
+    if not keep.any() and not staged:
         return
     blks = [be.xp.ascontiguousarray(a) for a in (*k_blk, *v_blk)]
     caches = [c for layer in k_caches for c in layer] + [c for layer in v_caches for c in layer]
@@ -149,11 +158,20 @@ def kv_commit(be, k_blk, v_blk, k_caches, v_caches, pos, keep, row_indptr, *, ri
         require_kernel_buffers(be, caches, [f"{kv}_caches[{i}][{b}]" for kv in "kv" for i in range(layers)
                                             for b in range(B)], writable=True)
     _, hkv, d = k_blk[0].shape
-    # One upload for the small per-session arrays; views of it are the kernel's arguments.
-    meta = be.asarray(np.concatenate([indptr, pos, keep, capacity]).astype(np.int32))
+    if staged:
+        if not np.array_equal(capacity_arg.host, capacity):
+            raise ShapeError(f"capacity={capacity_arg.host.tolist()}: expected the caches' rows {capacity.tolist()}")
+        args = (row_indptr.device, pos_arg.device, keep_arg.device, capacity_arg.device)
+    else:  # one upload for the small per-session arrays; views of it are the kernel's arguments
+        meta = be.asarray(np.concatenate([indptr, pos, keep, capacity]).astype(np.int32))
+        args = (meta[: B + 1], meta[B + 1 : 2 * B + 1], meta[2 * B + 1 : 3 * B + 1], meta[3 * B + 1 :])
+    if blk_table is not None:
+        if len(blk_table.arrays) != len(blks) or any(a is not b for a, b in zip(blk_table.arrays, (*k_blk, *v_blk))):
+            raise StateError("kv_commit: `blk_table` holds other arrays than k_blk / v_blk (a stale table)")
+        src = blk_table.device
+    else:
+        src = be.pointer_table(blks)
     fn = be.kernels.get_function("kv_commit_rows")
     fn((B, layers, 2), (THREADS,),
-       (be.pointer_table(blks), be.pointer_table(caches) if table is None else table.device, meta[: B + 1],
-        meta[B + 1 : 2 * B + 1],
-        meta[2 * B + 1 : 3 * B + 1], meta[3 * B + 1 :], np.int32(hkv),
+       (src, be.pointer_table(caches) if table is None else table.device, *args, np.int32(hkv),
         np.int32(d * k_blk[0].dtype.itemsize // 16), np.int32(ring)))

@@ -30,6 +30,7 @@ from . import product, rowsplit
 from .checks import require_dtype, require_ndim, require_shape
 from .dense import widen
 from .rowsplit import Launch, Plan
+from .workspace import buffer, fixed
 
 F32 = np.float32
 ROW_CHUNK = 8          # the numpy backend's fixed GEMM shape: [ROW_CHUNK, K] x [K, N]
@@ -108,9 +109,10 @@ def linear_numpy(x, w):
 
 
 # ---- the op -----------------------------------------------------------------------------------------
-def linear(be, x, w, out=None, *, splits: int | None = None):
+def linear(be, x, w, out=None, *, splits: int | None = None, ws=None):
     """x [rows, K] f32 @ w [K, N] (f32, f16 or bf16) -> f32 [rows, N]. `splits` overrides the
-    plan's K split (tests reach every split count with it; results stay row-invariant for any)."""
+    plan's K split (tests reach every split count with it; results stay row-invariant for any).
+    `ws`: the workspace the split partials and tickets come from (dspark.ops.workspace)."""
     x, w, out = adopt(be, x=x, w=w, out=out, writes=("out",))
     require_ndim(x, 2, "x", "[rows, K]")
     require_dtype(x, F32, "x")
@@ -132,8 +134,8 @@ def linear(be, x, w, out=None, *, splits: int | None = None):
     if rows and n:
         s, kchunk = split_plan(k, n) if splits is None else chunking(k, splits)
         t = tiles(n, w.dtype.itemsize)
-        part = xp.empty(s * rows * n if s > 1 else 1, F32)
-        tickets, _ = rowsplit.scratch(be, t)
+        part = buffer(be, ws, f"linear.part.{s * n}", rows, (s * n,)) if s > 1 else fixed(be, ws, "linear.part", (1,))
+        tickets, _ = rowsplit.scratch(be, t, ws=ws)
         rowsplit.launch(be, f"linear_{suf}", t * s, THREADS,
                         (x, w, np.int32(rows), np.int32(k), np.int32(n), np.int32(kchunk), np.int32(s), out, part,
                          tickets))

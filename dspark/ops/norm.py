@@ -1,4 +1,5 @@
-"""RMSNorm of rows, in one fixed order per row (kernel: csrc/norm.cu).
+"""RMSNorm of rows, in one fixed order per row (kernels: csrc/norm.cu), alone, after the residual
+add (`add_rmsnorm`) and after the embedding gather (`embed_rmsnorm`).
 
     y = x / sqrt(mean(x^2) + eps) * weight        over the last axis of x [..., n]
 
@@ -10,6 +11,11 @@ from the array's shape, so on a GPU a row's order could change with the number o
 and cuda backends run `rmsnorm_f32`, one warp per row, lane l summing x[l]^2, x[l+32]^2, ... and an
 xor butterfly. `rmsnorm_ref` is its NumPy twin, bit for bit (the kernel tests compare them with
 array_equal); it and the numpy formula agree within a few ulp.
+
+The layer boundary: `add_rmsnorm` adds the sublayer's output to the residual stream x in place and
+normalises the new x for the next sublayer in one launch (and copies x to a tap column block when
+the layer is tapped); `embed_rmsnorm` gathers the first x from the embedding (f32, f16 or bf16,
+widened exactly) and normalises it. Both sum exactly as rmsnorm_f32 does.
 """
 
 from __future__ import annotations
@@ -17,11 +23,13 @@ from __future__ import annotations
 import numpy as np
 
 from ..arrays import adopt
+from ..dtypes import suffix, to_f32
+from ..errors import ShapeError
 from . import host
-from .checks import require_dtype, require_shape
+from .checks import host_and_device, require_dtype, require_ndim, require_shape
 
 F32 = np.float32
-WARPS = 8   # rows per CTA (kNormWarps)
+WARPS = 1   # rows per CTA (kNormWarps): a verify's few rows on as many SMs
 
 
 def _butterfly(p: np.ndarray) -> np.ndarray:
@@ -54,6 +62,11 @@ def rmsnorm_numpy(x, weight, eps: float):
     return (x / np.sqrt(ms + F32(eps))) * weight
 
 
+def numpy_rmsnorm(x, weight, eps: float):
+    """The numpy backend's RMSNorm: rmsnorm_numpy, natively where dspark._cpu is built (the same bits)."""
+    return host.rmsnorm(x, weight, eps) if host.NATIVE else rmsnorm_numpy(x, weight, eps)
+
+
 def rmsnorm(be, x, weight, eps: float, out=None):
     """RMSNorm of x [..., n] (f32) with weight [n] (f32) over the last axis -> f32 like x."""
     x, weight, out = adopt(be, x=x, weight=weight, out=out, writes=("out",))
@@ -62,7 +75,7 @@ def rmsnorm(be, x, weight, eps: float, out=None):
     require_shape(weight, (n,), "weight")
     require_dtype(weight, F32, "weight")
     if be.kernels is None:
-        y = host.rmsnorm(x, weight, eps) if host.NATIVE else rmsnorm_numpy(x, weight, eps)  # the same bits
+        y = numpy_rmsnorm(x, weight, eps)
         if out is None:
             return y
         out[...] = y
@@ -78,3 +91,96 @@ def rmsnorm(be, x, weight, eps: float, out=None):
         be.kernels.get_function("rmsnorm_f32")((-(-rows // WARPS),), (32 * WARPS,),
                                                (x, weight, np.int32(rows), np.int32(n), F32(eps), out))
     return out
+
+
+def _tap(tap, rows: int, n: int):
+    """(the kernel's tap pointer, row stride) of tap = (taps [rows, width] f32, column): the new x
+    goes to taps[:, column : column + n]."""
+    if tap is None:
+        return None, np.int64(0)
+    taps, col = tap  # (adopted by the caller)
+    require_ndim(taps, 2, "taps", "[rows, width]")
+    require_dtype(taps, F32, "taps")
+    if taps.shape[0] != rows or not 0 <= col <= taps.shape[1] - n or not taps.flags.c_contiguous:
+        raise ShapeError(f"taps has shape {tuple(taps.shape)}: expected a C-contiguous ({rows}, >= {col} + {n}) "
+                         f"array for the column block at {col}")
+    return taps.reshape(-1)[col:], np.int64(taps.shape[1])
+
+
+def add_rmsnorm_ref(x, y, weight, eps: float):
+    """(new x, rmsnorm of it) of host rows, the kernel's arithmetic bitwise."""
+    x = np.asarray(x, F32) if y is None else np.asarray(x, F32) + np.asarray(y, F32)
+    return x, rmsnorm_ref(x, weight, eps)
+
+
+def _norm_call(be, fn: str, args: tuple, rows: int) -> None:
+    if rows:
+        be.kernels.get_function(fn)((-(-rows // WARPS),), (32 * WARPS,), args)
+
+
+def add_rmsnorm(be, x, y, weight, eps: float, out=None, tap=None):
+    """x <- x + y in place (y None: x as it is), then out = RMSNorm of the new x; with tap =
+    (taps, column) the new x is also copied to taps[:, column : column + n]. x, y [rows, n] f32 (x
+    C-contiguous: it is written), weight [n] f32."""
+    x, y, weight, out = adopt(be, x=x, y=y, weight=weight, out=out, writes=("x", "out"))
+    tap = None if tap is None else (adopt(be, taps=tap[0], writes=("taps",)), tap[1])
+    require_ndim(x, 2, "x", "[rows, n]")
+    require_dtype(x, F32, "x")
+    rows, n = x.shape
+    if y is not None:
+        require_shape(y, (rows, n), "y")
+        require_dtype(y, F32, "y")
+    require_shape(weight, (n,), "weight")
+    require_dtype(weight, F32, "weight")
+    if out is None:
+        out = be.xp.empty((rows, n), F32)
+    require_shape(out, (rows, n), "out")
+    require_dtype(out, F32, "out")
+    tap_ptr, stride = _tap(tap, rows, n)
+    if be.kernels is None:
+        if y is not None:
+            x += y
+        out[...] = numpy_rmsnorm(x, weight, eps)
+        if tap is not None:
+            tap[0][:, tap[1] : tap[1] + n] = x
+        return out
+    if not x.flags.c_contiguous:
+        raise ShapeError("x: expected a C-contiguous array (it is written in place)")
+    y = None if y is None else be.xp.ascontiguousarray(y)
+    _norm_call(be, "add_rmsnorm_f32", (x, y, weight, np.int32(rows), np.int32(n), F32(eps), out, tap_ptr, stride), rows)
+    return out
+
+
+def embed_rmsnorm(be, table, ids, weight, eps: float, x=None, out=None, scale: float = 1.0, tap=None):
+    """x = widen(table[ids]) * scale [rows, n] f32, then out = RMSNorm(x); the tap copy as in
+    add_rmsnorm. table [V, n] f32/f16/bf16; ids int32 [rows], host or Staged (validated on the host,
+    read by the kernel from the device). Returns (x, out)."""
+    table, weight, x, out = adopt(be, table=table, weight=weight, x=x, out=out, writes=("x", "out"))
+    tap = None if tap is None else (adopt(be, taps=tap[0], writes=("taps",)), tap[1])
+    require_ndim(table, 2, "table", "[V, n]")
+    suf = suffix(table.dtype, "table")
+    n = table.shape[1]
+    host_ids, dev_ids = host_and_device(be, ids, "ids")
+    require_ndim(host_ids, 1, "ids", "[rows]")
+    require_dtype(host_ids, np.int32, "ids")
+    rows = host_ids.shape[0]
+    if np.any((host_ids < 0) | (host_ids >= table.shape[0])):
+        raise ShapeError(f"ids: expected token ids in [0, {table.shape[0]})")
+    require_shape(weight, (n,), "weight")
+    require_dtype(weight, F32, "weight")
+    xp = be.xp
+    x = xp.empty((rows, n), F32) if x is None else x
+    out = xp.empty((rows, n), F32) if out is None else out
+    for arr, what in ((x, "x"), (out, "out")):
+        require_shape(arr, (rows, n), what)
+        require_dtype(arr, F32, what)
+    tap_ptr, stride = _tap(tap, rows, n)
+    if be.kernels is None:
+        x[...] = to_f32(table[host_ids]) * F32(scale)
+        out[...] = numpy_rmsnorm(x, weight, eps)
+        if tap is not None:
+            tap[0][:, tap[1] : tap[1] + n] = x
+        return x, out
+    _norm_call(be, f"embed_rmsnorm_{suf}", (xp.ascontiguousarray(table), dev_ids, np.int32(rows), np.int32(n),
+                                             F32(scale), weight, F32(eps), x, out, tap_ptr, stride), rows)
+    return x, out

@@ -95,11 +95,16 @@ def _grown(alloc, arr, n: int, dtype):
     return alloc.zeros(size, dtype, OWNER)
 
 
-def scratch(be, tickets: int, hist_rows: int = 0):
+def scratch(be, tickets: int, hist_rows: int = 0, ws=None):
     """(tickets uint32 [>= tickets], hist uint64 [>= hist_rows * RADIX_BINS] or None): zeroed
     once when allocated; every kernel puts back to 0 what it used (the last CTA resets them), so
     they stay zero between launches and a recorded launch can be replayed. One pool per backend
-    (per allocator): its launches must not overlap (they share one stream)."""
+    (per allocator): its launches must not overlap (they share one stream). With a workspace
+    (dspark.ops.workspace) they are its own, of exactly these sizes: a recorded pass keeps them."""
+    if ws is not None:
+        t = ws.fixed(f"rowsplit.tickets.{max(1, tickets)}", (max(1, tickets),), np.uint32, zero=True)
+        h = ws.fixed(f"rowsplit.hist.{hist_rows}", (hist_rows * RADIX_BINS,), np.uint64, zero=True) if hist_rows else None
+        return t, h
     pool = _POOLS.setdefault(id(be.alloc), _Pool(be.alloc))
     pool.tickets = _grown(pool.alloc, pool.tickets, max(1, tickets), np.uint32)
     if hist_rows:

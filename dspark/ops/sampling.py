@@ -379,7 +379,7 @@ def accept_plan(sessions: int, drafts: int, vocab: int) -> Plan:
 def _vector(be, a, rows: int, dtype, what: str) -> tuple[np.ndarray, object]:
     """(host copy, backend array) of a per-row setting, checked on the host. Host arrays (what
     Filters.full and Streams.full make) are uploaded, never read back: no wait on the device."""
-    host, dev = host_and_device(be, a)
+    host, dev = host_and_device(be, a, what)
     require_ndim(host, 1, what, "[rows]")
     require_dtype(host, dtype, what)
     require_shape(host, (rows,), what)
@@ -559,11 +559,11 @@ def speculative_accept(be, drafts, draft_indptr, q, p, seed, counter, m_out=None
         be, drafts=drafts, draft_indptr=draft_indptr, q=q, p=p, seed=seed, counter=counter, m_out=m_out,
         next_out=next_out, source_out=source_out, status_out=status_out,
         writes=("m_out", "next_out", "source_out", "status_out"))
-    host_drafts, drafts = host_and_device(be, drafts)
+    host_drafts, drafts = host_and_device(be, drafts, "drafts")
     require_ndim(host_drafts, 1, "drafts", "[nd_total]")
     require_dtype(host_drafts, np.int32, "drafts")
     nd_total = host_drafts.shape[0]
-    host_indptr, draft_indptr = host_and_device(be, draft_indptr)
+    host_indptr, draft_indptr = host_and_device(be, draft_indptr, "draft_indptr")
     require_indptr(host_indptr, "draft_indptr", nd_total)
     B = host_indptr.shape[0] - 1
     for name, a in (("q", q), ("p", p)):

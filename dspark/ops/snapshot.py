@@ -143,13 +143,8 @@ def checkpoint_select(be, state_ckpt, conv_ckpt, states, conv_windows, col_indpt
     require_dtype(conv_ckpt, np.float32, "conv_ckpt")
     cols = state_ckpt.shape[0]
     require_shape(conv_ckpt, (cols, conv_ckpt.shape[1], 3), "conv_ckpt")
-    host_indptr, dev_indptr = host_and_device(be, col_indptr)
-    require_indptr(host_indptr, "col_indptr", cols)
+    host_indptr, dev_indptr, host_keep, dev_keep = _kept_columns(be, col_indptr, keep, cols)
     B = host_indptr.shape[0] - 1
-    host_keep, dev_keep = host_and_device(be, keep)
-    require_ndim(host_keep, 1, "keep", "[B]")
-    require_dtype(host_keep, np.int32, "keep")
-    require_shape(host_keep, (B,), "keep")
     state_shape, conv_shape = tuple(state_ckpt.shape[1:]), tuple(conv_ckpt.shape[1:])
     states = require_table(be, states, "states", B, state_shape)
     conv_windows = require_table(be, conv_windows, "conv_windows", B, conv_shape)
@@ -158,12 +153,6 @@ def checkpoint_select(be, state_ckpt, conv_ckpt, states, conv_windows, col_indpt
     if snap_states is not None:
         snap_states = require_table(be, snap_states, "snap_states", B, state_shape, writable=False)
         snap_convs = require_table(be, snap_convs, "snap_convs", B, conv_shape, writable=False)
-    t = np.diff(host_indptr)
-    bad = np.flatnonzero((host_keep < 0) | (host_keep > t))
-    if bad.size:
-        b = int(bad[0])
-        raise CapacityError(f"keep[{b}]={int(host_keep[b])} is outside [0, {int(t[b])}]: session {b} "
-                            f"has {int(t[b])} verify columns")
     zero = np.flatnonzero(host_keep == 0)
     if zero.size and snap_states is None and committed:
         b = int(zero[0])
@@ -182,3 +171,65 @@ def checkpoint_select(be, state_ckpt, conv_ckpt, states, conv_windows, col_indpt
            (state_ckpt, conv_ckpt, states.device, conv_windows.device, *tables, dev_indptr, dev_keep,
             np.int64(state_size), np.int32(conv_size)))
     profile.moved("rollback", select_bytes(copied, state_size, conv_size))
+
+
+def _kept_columns(be, col_indptr, keep, cols: int):
+    """(host, device) col_indptr over `cols` verify columns and (host, device) keep [B], each keep
+    within its session's columns."""
+    host_indptr, dev_indptr = host_and_device(be, col_indptr, "col_indptr")
+    require_indptr(host_indptr, "col_indptr", cols)
+    B = host_indptr.shape[0] - 1
+    host_keep, dev_keep = host_and_device(be, keep, "keep")
+    require_ndim(host_keep, 1, "keep", "[B]")
+    require_dtype(host_keep, np.int32, "keep")
+    require_shape(host_keep, (B,), "keep")
+    t = np.diff(host_indptr)
+    bad = np.flatnonzero((host_keep < 0) | (host_keep > t))
+    if bad.size:
+        b = int(bad[0])
+        raise CapacityError(f"keep[{b}]={int(host_keep[b])} is outside [0, {int(t[b])}]: session {b} "
+                            f"has {int(t[b])} verify columns")
+    return host_indptr, dev_indptr, host_keep, dev_keep
+
+
+def checkpoint_select_layers(be, state_ckpts, conv_ckpts, states, conv_windows, col_indptr, keep) -> None:
+    """checkpoint_select (committed=False) of every gdn layer in one launch: for layer l, session b
+    keeps the checkpoint after its first keep[b] columns, or (keep 0) its live state, which a verify
+    never writes. state_ckpts / conv_ckpts: per layer [cols, H, dv, dk] / [cols, C, 3] (lists or
+    PointerTables of the layers' arrays); states / conv_windows: L * B live tensors, entry l * B + b
+    for layer l of session b (lists or PointerTables). col_indptr and keep as checkpoint_select."""
+    if not isinstance(state_ckpts, PointerTable):
+        state_ckpts = adopt(be, state_ckpts=state_ckpts)
+    if not isinstance(conv_ckpts, PointerTable):
+        conv_ckpts = adopt(be, conv_ckpts=conv_ckpts)
+    state_ckpts = require_table(be, state_ckpts, "state_ckpts", writable=False, align=16)
+    layers = len(state_ckpts)
+    conv_ckpts = require_table(be, conv_ckpts, "conv_ckpts", count=layers, writable=False)
+    if not layers:
+        return
+    cols, *state_shape = state_ckpts.shapes[0]
+    _, *conv_shape = conv_ckpts.shapes[0]
+    for name, table, shape in (("state_ckpts", state_ckpts, state_shape), ("conv_ckpts", conv_ckpts, conv_shape)):
+        for i, s in enumerate(table.shapes):
+            if s != (cols, *shape):
+                raise ShapeError(f"{name}[{i}] has shape {s}: expected {(cols, *shape)} as {name}[0]")
+    host_indptr, dev_indptr, host_keep, dev_keep = _kept_columns(be, col_indptr, keep, cols)
+    B = host_indptr.shape[0] - 1
+    if not isinstance(states, PointerTable):
+        states = adopt(be, states=states, writes=("states",))
+    if not isinstance(conv_windows, PointerTable):
+        conv_windows = adopt(be, conv_windows=conv_windows, writes=("conv_windows",))
+    states = require_table(be, states, "states", layers * B, tuple(state_shape), align=16)
+    conv_windows = require_table(be, conv_windows, "conv_windows", layers * B, tuple(conv_shape))
+    state_size, conv_size = int(np.prod(state_shape)), int(np.prod(conv_shape))
+    if be.kernels is None:
+        for layer in range(layers):
+            checkpoint_select_ref(state_ckpts.arrays[layer], conv_ckpts.arrays[layer],
+                                  list(states.arrays[layer * B : (layer + 1) * B]),
+                                  list(conv_windows.arrays[layer * B : (layer + 1) * B]), host_indptr, host_keep)
+    elif B:
+        fn = be.kernels.get_function("checkpoint_select_layers_f32")
+        fn(copy_grid(layers * B, state_size), (COPY_THREADS,),
+           (state_ckpts.device, conv_ckpts.device, states.device, conv_windows.device, dev_indptr, dev_keep,
+            np.int32(B), np.int64(state_size), np.int32(conv_size)))
+    profile.moved("rollback", layers * select_bytes(int(np.count_nonzero(host_keep)), state_size, conv_size))

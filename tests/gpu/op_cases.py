@@ -16,7 +16,8 @@ from typing import Callable
 
 import numpy as np
 
-from dspark.ops import argmax, attention, coupled, gdn, kv_commit, linear, sampling, snapshot
+from dspark.ops import (activation, argmax, attention, coupled, gdn, heads, kv_commit, linear, norm, rope, sampling,
+                        snapshot)
 from dspark.philox import Tag
 
 F32, I32 = np.float32, np.int32
@@ -116,6 +117,64 @@ def _checkpoint(rng):
             "conv_windows": [np.full((C, 3), np.nan, F32) for _ in ts], "col_indptr": indptr(ts),
             "keep": np.array(keep, I32), "snap_states": [rng.standard_normal((H, DV, DK)).astype(F32) for _ in ts],
             "snap_convs": [rng.standard_normal((C, 3)).astype(F32) for _ in ts]}
+
+
+def _gdn_layer(rng):
+    ts, kh = [2, 3], 1
+    cols, Hv = sum(ts), 2  # two value heads on one key head: the window written back by the last reader
+    Cl = kh * 2 * DK + Hv * DV
+    return {"proj": rng.standard_normal((cols, Cl + Hv * DV + 2 * Hv)).astype(F32),
+            "conv_weight": rng.standard_normal((Cl, 4)).astype(F32), "A_log": np.log(rng.uniform(1, 8, Hv)).astype(F32),
+            "dt_bias": rng.uniform(-3, 0, Hv).astype(F32), "o_norm": rng.standard_normal(DV).astype(F32),
+            "states": [(0.1 * rng.standard_normal((Hv, DV, DK))).astype(F32) for _ in ts],
+            "conv_windows": [rng.standard_normal((Cl, 3)).astype(F32) for _ in ts], "col_indptr": indptr(ts),
+            "col_count": np.array([1, 3], I32), "out": np.full((cols, Hv, DV), np.nan, F32)}
+
+
+def _select_layers(rng):
+    ts, keep, layers = [3, 2], [2, 0], 2
+    cols = sum(ts)
+    return {"state_ckpts": [rng.standard_normal((cols, H, DV, DK)).astype(F32) for _ in range(layers)],
+            "conv_ckpts": [rng.standard_normal((cols, C, 3)).astype(F32) for _ in range(layers)],
+            "states": [np.full((H, DV, DK), np.nan, F32) for _ in range(layers * len(ts))],
+            "conv_windows": [np.full((C, 3), np.nan, F32) for _ in range(layers * len(ts))],
+            "col_indptr": indptr(ts), "keep": np.array(keep, I32)}
+
+
+def _norms(rng):
+    return {"x": rng.standard_normal((5, 70)).astype(F32), "y": rng.standard_normal((5, 70)).astype(F32),
+            "weight": rng.standard_normal(70).astype(F32), "out": np.full((5, 70), np.nan, F32),
+            "taps": np.full((5, 140), np.nan, F32), "table": rng.standard_normal((30, 70)).astype(F32),
+            "ids": rng.integers(0, 30, 5).astype(I32)}
+
+
+def _gates(rng):
+    return {"gate_up": rng.standard_normal((4, 2 * 33)).astype(F32), "act": np.full((4, 33), np.nan, F32),
+            "o": rng.standard_normal((4, 3, 64)).astype(F32), "q2": rng.standard_normal((4, 3 * 128)).astype(F32),
+            "gated": np.full((4, 192), np.nan, F32), "c": rng.standard_normal(6).astype(F32),
+            "bias": rng.standard_normal(1).astype(F32), "conf": np.full(6, np.nan, F32)}
+
+
+def _rope(rng):
+    from dspark.ops.rope import Heads
+    heads = Heads.packed(4, 2, 64, gated=True)
+    return {"src": rng.standard_normal((5, heads.width)).astype(F32), "pos": np.array([3, 40], I32),
+            "row_indptr": indptr([2, 3]), "q_norm": rng.standard_normal(64).astype(F32),
+            "k_norm": rng.standard_normal(64).astype(F32), "q": np.full((5, 4, 64), np.nan, F32),
+            "k": np.full((5, 2, 64), np.nan, F32), "v": np.full((5, 2, 64), np.nan, F32)}
+
+
+def _heads(rng):
+    return {"hidden": rng.standard_normal((6, 24)).astype(F32), "w1": rng.standard_normal((30, 5)).astype(F32),
+            "anchors": np.array([3, 29], I32), "drafts": rng.integers(0, 30, (2, 3)).astype(I32),
+            "features": np.full((6, 29), np.nan, F32), "rows": np.array([1, 2, 4, 5], I32),
+            "logits": (30 * rng.standard_normal((4, 50))).astype(F32)}
+
+
+def _rope_run(be, a):
+    from dspark.ops.rope import Heads, Rotary
+    return rope.qk_prepare(be, a["src"], Heads.packed(4, 2, 64, gated=True), Rotary.of(16, 1e6), a["pos"],
+                           a["row_indptr"], q_norm=a["q_norm"], k_norm=a["k_norm"], q=a["q"], k=a["k"], v=a["v"])
 
 
 def _filters(rows):
@@ -222,10 +281,35 @@ CASES = [
     Case("pick_accept", _walk, lambda be, a: coupled.pick_accept(
         be, a["picks"], a["cand"], a["col_indptr"], m_out=a["m_out"], next_out=a["next_out"]), ("m_out", "next_out")),
     Case("philox_random", _philox, lambda be, a: sampling.philox_random(be, a["ctr"], a["key"]), ()),
+    Case("gdn_layer", _gdn_layer, lambda be, a: gdn.gdn_layer(
+        be, a["proj"], a["conv_weight"], a["A_log"], a["dt_bias"], a["states"], a["conv_windows"], a["col_indptr"],
+        heads=2, dk=DK, dv=DV, k_heads=1, o_norm=a["o_norm"], col_count=a["col_count"], out=a["out"]),
+         ("states", "conv_windows", "out")),
+    Case("checkpoint_select_layers", _select_layers, lambda be, a: snapshot.checkpoint_select_layers(
+        be, a["state_ckpts"], a["conv_ckpts"], a["states"], a["conv_windows"], a["col_indptr"], a["keep"]),
+         ("states", "conv_windows")),
+    Case("add_rmsnorm", _norms, lambda be, a: norm.add_rmsnorm(be, a["x"], a["y"], a["weight"], 1e-6, out=a["out"],
+                                                               tap=(a["taps"], 70)), ("x", "out", "taps")),
+    Case("embed_rmsnorm", _norms, lambda be, a: norm.embed_rmsnorm(be, a["table"], a["ids"], a["weight"], 1e-6,
+                                                                   x=a["x"], out=a["out"], scale=2.0), ("x", "out")),
+    Case("swiglu", _gates, lambda be, a: activation.swiglu(be, a["gate_up"], out=a["act"]), ("act",)),
+    Case("attn_gate", _gates, lambda be, a: activation.attn_gate(be, a["o"], (a["q2"], 64, 128), out=a["gated"]),
+         ("gated",)),
+    Case("rmsnorm", _norms, lambda be, a: norm.rmsnorm(be, a["x"], a["weight"], 1e-6, out=a["out"]), ("out",)),
+    Case("sigmoid_bias", _gates, lambda be, a: activation.sigmoid_bias(be, a["c"], a["bias"], out=a["conf"]),
+         ("conf",)),
+    Case("qk_prepare", _rope, _rope_run, ("q", "k", "v")),
+    Case("confidence_features", _heads, lambda be, a: heads.confidence_features(
+        be, a["hidden"], a["w1"], a["anchors"], a["drafts"], out=a["features"]), ("features",)),
+    Case("gather_rows", _heads, lambda be, a: heads.gather_rows(be, a["hidden"], a["rows"]), ()),
+    Case("logit_scale", _heads, lambda be, a: heads.logit_scale(be, a["logits"], 0.5, 20.0), ()),
 ]
 OPS = {"argmax_rows", "greedy_accept", "markov_chain", "linear", "attention", "kv_commit", "gdn_scan", "snapshot_save",
        "snapshot_restore", "checkpoint_select", "sample_filtered", "filtered_probs", "speculative_accept",
-       "coupled_accept", "pick_accept", "philox_random"}  # every public op of dspark.ops, covered by CASES
+       "coupled_accept", "pick_accept", "philox_random", "gdn_layer", "checkpoint_select_layers", "add_rmsnorm",
+       "embed_rmsnorm", "swiglu", "attn_gate", "sigmoid_bias", "qk_prepare", "confidence_features", "gather_rows",
+       "logit_scale", "rmsnorm"}
+# every public op of dspark.ops, covered by CASES
 
 
 def convert(tree, conv):

@@ -51,7 +51,8 @@ def test_cases_cover_every_op():
     import dspark.ops as ops_pkg
     import importlib
     public = set()
-    for mod in ("argmax", "linear", "attention", "kv_commit", "gdn", "snapshot", "sampling", "coupled"):
+    for mod in ("argmax", "linear", "attention", "kv_commit", "gdn", "snapshot", "sampling", "coupled", "norm",
+                "activation", "rope", "heads"):
         m = importlib.import_module(f"{ops_pkg.__name__}.{mod}")
         public |= {n for n, f in vars(m).items() if callable(f) and getattr(f, "__module__", "") == m.__name__
                    and not n.startswith("_") and n + "_ref" in vars(m)}

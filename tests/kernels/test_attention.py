@@ -683,3 +683,25 @@ def test_block_rows_may_be_views_but_caches_must_be_dense(kernel_backend, rng):
     shifted = be.xp.zeros(dev.v_caches[0].size + 1, np.float32)[1:].reshape(dev.v_caches[0].shape)
     with pytest.raises(KernelArgumentError, match=r"v_caches\[0\] starts at an address that is not 16-byte aligned"):
         attention(be, *replace(dev, v_caches=[shifted, dev.v_caches[1]]).args())
+
+
+# ---- grids sized for a reach (recorded passes: dspark.graphs) ---------------------------------------------
+@pytest.mark.parametrize("mode, window", [("causal", 0), ("block", 40)])
+def test_a_grid_sized_for_a_reach_gives_the_same_bits(kernel_backend, rng, mode, window):
+    """A recorded pass sizes its attention grid for positions its sessions will reach later: the
+    CTAs of splits past a row's keys leave at once, and every row gets the bits it gets from the
+    grid of today's positions; a causal grid for 1000 keys holds the splits those rows will need."""
+    from dspark.ops.attention import reach_splits
+    rule = SplitRule.uniform(64)
+    lens, ctxs = [3, 5], [70, 200]
+    case = make_case(rng, np.float32, 64, 4, 2, lens, ctxs, mode=mode, window=window)
+    base = bits(run(kernel_backend, case, split=rule, strategy="parallel"))
+    for reach in (300, 1000):
+        assert bits(run(kernel_backend, case, split=rule, reach=reach)).tobytes() == base.tobytes()
+    p = launch_plan(lens, ctxs, hq=4, hkv=2, head_dim=64, dtype=np.float32, mode=mode, window=window, split=rule,
+                    reach=1000)
+    assert p.strategy == "parallel" and p.slots == reach_splits(lens, 1000, mode=mode, window=window, split=rule)
+    if mode == "causal":
+        assert p.slots == 1000 // 64 + 1 and p.idle_ctas > 0
+    else:  # a window spans at most two 64-key splits wherever it sits
+        assert p.slots == 2

@@ -436,3 +436,70 @@ def test_empty_batch(any_backend, rng):
     sess = Sessions(any_backend, layer, rng, 0)
     out, sc, cc, _ = sess.scan([], ckpt=True)
     assert out.shape == (0, 1, 16) and sc.shape == (0, 1, 16, 16) and cc.shape == (0, layer.C, 3)
+
+
+# ---- the fused layer: conv, scan and gated output norm in one launch, inputs read from the projection --------
+def fused_call(be, layer, proj, states, windows, indptr, **kw):
+    from dspark.ops.gdn import ProjLayout, gdn_layer
+    return gdn_layer(be, proj, be.asarray(layer.conv_weight), be.asarray(layer.A_log), be.asarray(layer.dt_bias),
+                     states, windows, indptr, heads=layer.heads, dk=layer.dk, dv=layer.dv, k_heads=layer.k_heads,
+                     layout=ProjLayout.packed(layer.heads, layer.dk, layer.dv, layer.k_heads), **kw)
+
+
+@pytest.mark.parametrize("heads,k_heads,dk,dv,ts", [(3, None, 16, 32, [2, 0, 3]), (6, 2, 32, 24, [3, 1]),
+                                                   (4, 1, 128, 48, [1, 4])])
+def test_fused_layer_matches_its_reference(kernel_backend, rng, heads, k_heads, dk, dv, ts):
+    """The gated norm (kernel's lane order: rmsnorm_ref) after the scan, the checkpoints and the
+    committed state and windows (several value heads sharing a key head write its window once)."""
+    from dspark.ops.gdn import gdn_layer_ref, gdn_proj
+    from dspark.ops.norm import rmsnorm_ref
+    be, layer = kernel_backend, make_layer(rng, heads, dk, dv, k_heads)
+    init = [layer.fresh_state(rng) for _ in ts]
+    cols = sum(ts)
+    mixed, a, b = layer.stream(rng, cols)
+    z = rng.standard_normal((cols, heads * dv)).astype(F32)
+    proj, o_norm = gdn_proj(mixed, a, b, z), rng.standard_normal(dv).astype(F32)
+    indptr = np.concatenate([[0], np.cumsum(ts)]).astype(np.int32)
+    states, windows = [be.asarray(s.copy()) for s, _ in init], [be.asarray(w.copy()) for _, w in init]
+    out, sc = poison(be.xp, (cols, heads, dv), F32), poison(be.xp, (cols, heads, dv, dk), F32)
+    cc = poison(be.xp, (cols, layer.C, 3), F32)
+    fused_call(be, layer, be.asarray(proj), states, windows, indptr, o_norm=be.asarray(o_norm), out=out, state_ckpt=sc,
+               conv_ckpt=cc)
+    from dspark.ops.gdn import ProjLayout
+    rs, rw = [s.copy() for s, _ in init], [w.copy() for _, w in init]
+    r_out, r_sc, r_cc = np.zeros((cols, heads, dv), F32), np.zeros((cols, heads, dv, dk), F32), np.zeros((cols, layer.C, 3), F32)
+    gdn_layer_ref(proj, ProjLayout.packed(heads, dk, dv, k_heads), layer.conv_weight, layer.A_log, layer.dt_bias, rs,
+                  rw, indptr, heads, dk, dv, r_out, r_sc, r_cc, k_heads, True, None, o_norm, 1e-6, norm=rmsnorm_ref)
+    assert_close(be.to_host(out), r_out, "gated out")
+    assert_close(be.to_host(sc), r_sc, "state_ckpt")
+    np.testing.assert_array_equal(be.to_host(cc), r_cc, err_msg="conv_ckpt")
+    for s, w, x, y in zip(states, windows, rs, rw):
+        assert_close(be.to_host(s), x, "state")
+        np.testing.assert_array_equal(be.to_host(w), y, err_msg="window")
+
+
+def test_fused_replay_of_kept_columns_equals_checkpoint_select_and_its_schedule(simt, rng):
+    """Replay (col_count: the first keep columns of each session's verify, from the projection the
+    verify read) leaves bitwise the state a checkpoint select does, under any thread schedule (the
+    key head's window is written back by the last of its value heads to read it)."""
+    from dspark.ops.gdn import gdn_proj
+    from dspark.ops.snapshot import checkpoint_select_layers
+    layer = make_layer(rng, 6, 16, 24, 2)
+    ts, keep = [4, 3], np.array([2, 0], np.int32)
+    init = [layer.fresh_state(rng) for _ in ts]
+    mixed, a, b = layer.stream(rng, sum(ts))
+    proj = gdn_proj(mixed, a, b, np.zeros((sum(ts), 6 * 24), F32))
+    indptr = np.concatenate([[0], np.cumsum(ts)]).astype(np.int32)
+    live = [[s.copy() for s, _ in init], [w.copy() for _, w in init]]
+    sc, cc = np.empty((7, 6, 24, 16), F32), np.empty((7, layer.C, 3), F32)
+    fused_call(simt, layer, proj, live[0], live[1], indptr, state_ckpt=sc, conv_ckpt=cc, commit=False)
+    selected = [[s.copy() for s in live[0]], [w.copy() for w in live[1]]]
+    checkpoint_select_layers(simt, [sc], [cc], selected[0], selected[1], indptr, keep)
+    for seed in (None, 3, 11):
+        replayed = [[s.copy() for s, _ in init], [w.copy() for _, w in init]]
+        if seed is None:
+            fused_call(simt, layer, proj, replayed[0], replayed[1], indptr, col_count=keep, want_out=False)
+        else:
+            with simt.kernels.schedule(seed):
+                fused_call(simt, layer, proj, replayed[0], replayed[1], indptr, col_count=keep, want_out=False)
+        assert_states_equal(replayed, selected, f"replay (schedule {seed})")

@@ -18,7 +18,7 @@ from tests.conftest import poison
 
 ROOT = Path(__file__).resolve().parents[2]
 PROFILING = ROOT / "profiling"
-FAMILIES = ("argmax", "attention", "kv_commit", "gdn_scan", "snapshot", "sampling", "norm")
+FAMILIES = ("argmax", "attention", "kv_commit", "gdn_scan", "snapshot", "sampling", "norm", "activation", "rope", "heads")
 
 sys.path.insert(0, str(PROFILING))  # the scripts import each other as siblings, not as a package
 import timing  # noqa: E402
@@ -50,7 +50,7 @@ def test_bench_kernels_dry_run_lists_every_family():
 def test_bench_kernels_runs_under_the_cli():
     """`dspark bench kernels` runs the script with runpy: its sibling imports must still resolve."""
     out = ok(script("-m", "dspark", "bench", "kernels", "--dry-run")[0])
-    assert "benchmarks in 8 families" in out
+    assert "benchmarks in 11 families" in out
 
 
 def test_ncu_regexes_pick_the_verify_kernel_and_every_family():
@@ -144,6 +144,15 @@ def test_bench_worker_prints_every_gate():
     for gate in ("0/1", "2/4", "64/65"):
         assert re.search(rf"\s{gate.split('/')[0]}/{gate.split('/')[1]}\s", out), out
     assert "tok/s" in out and "latency" in out
+
+
+def test_bench_worker_mixed_prints_every_policy_and_its_decisions():
+    r, _ = script("profiling/bench_worker.py", "--model", "tiny", "--requests", "4", "--max-new", "8",
+                  "--workload", "mixed", "--repeat", "1")
+    out = ok(r)
+    for row in ("all plain", "all spec", "gain 64/65", "gain 2/4"):
+        assert re.search(rf"^\s*{row} \|", out, re.M), out
+    assert re.search(r"gain 64/65 .*\| spec \d+ gain.*, plain .*, demoted ", out), out
 
 
 def test_bench_coupled_prints_both_samplers_and_checks_equality(capsys):

@@ -1,0 +1,147 @@
+"""The layers' glue as kernels (csrc/norm.cu's residual and embedding norms, csrc/activation.cu,
+csrc/rope.cu, csrc/heads.cu) against their NumPy twins, on simt and on the cuda path over the CuPy
+stand-in, at awkward sizes, outputs poisoned.
+
+Bitwise where the arithmetic is the twin's own (the norms' sums in the kernel's lane order,
+copies, products, the rotation's products of cos and sin); within an f32 ulp or two of |ref| where
+a transcendental (exp, tanh, the f64 cos and sin of RoPE's angles before their one rounding) may
+differ in its last bit between the host's libm and NumPy's. Every op is row-invariant: a row's
+result alone equals it among others, bitwise.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from dspark.backends import contract
+from dspark.dtypes import BF16
+from dspark.errors import ShapeError
+from dspark.ops import dense
+from dspark.ops.activation import attn_gate, attn_gate_ref, sigmoid_bias, swiglu, swiglu_ref
+from dspark.ops.heads import (confidence_features, confidence_features_ref, gather_rows, logit_scale,
+                              logit_scale_ref)
+from dspark.ops.norm import add_rmsnorm, add_rmsnorm_ref, embed_rmsnorm, rmsnorm_ref
+from dspark.ops.rope import Heads, Rotary, qk_prepare, qk_prepare_ref, row_positions
+from tests.conftest import poison
+
+F32 = np.float32
+
+
+@pytest.fixture(params=["simt", "contract"])
+def kbe(request, simt):
+    return simt if request.param == "simt" else contract.backend()
+
+
+def close(got, ref, ulps=4):
+    """Within a few f32 ulps of |ref| (transcendentals may differ in their last bit)."""
+    got, ref = np.asarray(got, F32), np.asarray(ref, F32)
+    np.testing.assert_allclose(got, ref, rtol=ulps * 2.0**-23, atol=ulps * 2.0**-23 * float(np.abs(ref).max(initial=1)))
+
+
+# ---- norms at the layer boundary ----------------------------------------------------------------------------
+@pytest.mark.parametrize("rows, n", [(1, 64), (7, 33), (9, 5120), (3, 1000)])
+def test_add_rmsnorm_is_the_add_then_the_norm_bitwise(kbe, rng, rows, n):
+    be = kbe
+    x, y = (rng.standard_normal((rows, n)) * rng.uniform(0.1, 20)).astype(F32), rng.standard_normal((rows, n)).astype(F32)
+    w = rng.standard_normal(n).astype(F32)
+    taps = poison(be.xp, (rows, 3 * n), F32)
+    xd, out = be.asarray(x.copy()), poison(be.xp, (rows, n), F32)
+    add_rmsnorm(be, xd, be.asarray(y), be.asarray(w), 1e-6, out=out, tap=(taps, n))
+    want_x, want = add_rmsnorm_ref(x, y, w, 1e-6)
+    np.testing.assert_array_equal(be.to_host(xd), want_x)
+    np.testing.assert_array_equal(be.to_host(out), want)
+    t = be.to_host(taps)
+    np.testing.assert_array_equal(t[:, n : 2 * n], want_x)
+    assert np.isnan(t[:, :n]).all() and np.isnan(t[:, 2 * n :]).all()  # only its column block written
+    alone = be.asarray(x[-1:].copy())
+    out1 = add_rmsnorm(be, alone, be.asarray(y[-1:]), be.asarray(w), 1e-6)
+    np.testing.assert_array_equal(be.to_host(out1)[0], want[-1])      # a row alone: the same bits
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16, BF16])
+def test_embed_rmsnorm_gathers_widens_and_norms_bitwise(kbe, rng, dtype):
+    be = kbe
+    V, n, rows = 77, 96, 11
+    table = rng.standard_normal((V, n)).astype(F32).astype(dtype)
+    ids = rng.integers(0, V, rows).astype(np.int32)
+    w = rng.standard_normal(n).astype(F32)
+    x, out = poison(be.xp, (rows, n), F32), poison(be.xp, (rows, n), F32)
+    embed_rmsnorm(be, be.asarray(table), ids, be.asarray(w), 1e-5, x=x, out=out, scale=0.5)
+    want_x = dense.widen(table[ids]) * F32(0.5)
+    np.testing.assert_array_equal(be.to_host(x), want_x)
+    np.testing.assert_array_equal(be.to_host(out), rmsnorm_ref(want_x, w, 1e-5))
+    with pytest.raises(ShapeError, match="ids: expected token ids in"):
+        embed_rmsnorm(be, be.asarray(table), np.array([V], np.int32), be.asarray(w), 1e-5)
+
+
+# ---- gates ---------------------------------------------------------------------------------------------------
+def test_swiglu_attention_gate_and_sigmoid(kbe, rng):
+    be = kbe
+    g = (3 * rng.standard_normal((5, 2 * 37))).astype(F32)
+    out = poison(be.xp, (5, 37), F32)
+    swiglu(be, be.asarray(g), out=out)
+    close(be.to_host(out), swiglu_ref(g))
+    rows, H, D = 6, 3, 64
+    for dtype in (np.float32, BF16):
+        o = rng.standard_normal((rows, H, D)).astype(F32).astype(dtype)
+        q = rng.standard_normal((rows, H * 2 * D + 3)).astype(F32)
+        for gated in (True, False):  # Qwen3.5: the gate after each head's query
+            out = poison(be.xp, (rows, H * D), F32)
+            attn_gate(be, be.asarray(o), (be.asarray(q), D, 2 * D) if gated else None, out=out)
+            ref = attn_gate_ref(o, q[:, : 2 * H * D].reshape(rows, H, 2 * D)[..., D:] if gated else None)
+            close(be.to_host(out), ref.reshape(rows, H * D))
+    x, b = rng.standard_normal(13).astype(F32), rng.standard_normal(1).astype(F32)
+    close(be.to_host(sigmoid_bias(be, be.asarray(x), be.asarray(b))), dense.sigmoid(x + b[0]))
+
+
+# ---- q/k norm + RoPE -------------------------------------------------------------------------------------------
+ROPE_CASES = [  # (hq, hkv, D, gated, rot fraction, scaling, dtype)
+    (4, 2, 64, False, 1.0, (), np.float32),
+    (6, 1, 128, True, 0.25, (("factor", 4.0), ("original_max_position_embeddings", 32), ("rope_type", "yarn")), BF16),
+    (0, 3, 32, False, 1.0, (("factor", 2.0), ("rope_type", "linear")), np.float32),   # the ingest's K|V: no q
+]
+
+
+@pytest.mark.parametrize("hq, hkv, D, gated, frac, scaling, dtype", ROPE_CASES)
+def test_qk_prepare_is_norm_then_rope_then_cast(kbe, rng, hq, hkv, D, gated, frac, scaling, dtype):
+    be = kbe
+    heads = Heads.packed(hq, hkv, D, gated)
+    rotary = Rotary.of(int(D * frac), 1e4, scaling)
+    lens, pos = [3, 0, 5], np.array([0, 9, 300], np.int32)
+    indptr = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+    rows = int(indptr[-1])
+    src = rng.standard_normal((rows, heads.width + 5)).astype(F32)
+    qn, kn = rng.standard_normal(D).astype(F32), rng.standard_normal(D).astype(F32)
+    q, k, v = (poison(be.xp, (rows, n, D), dtype) for n in (hq, hkv, hkv))
+    qk_prepare(be, be.asarray(src), heads, rotary, pos, indptr, q_norm=be.asarray(qn) if hq else None,
+               k_norm=be.asarray(kn), eps=1e-6, q=q, k=k, v=v, dtype=dtype, with_q=hq > 0)
+    want = qk_prepare_ref(src, heads, rotary, row_positions(pos, indptr), qn if hq else None, kn, 1e-6, dtype)
+    for got, ref in zip((q, k, v), want):
+        close(np.asarray(be.to_host(got), F32), np.asarray(ref, F32), ulps=2 if dtype == np.float32 else 2**16)
+    np.testing.assert_array_equal(be.to_host(v), want[2])           # v: a cast copy, exact
+    # a row alone, at its own position: the same bits as among the others
+    one = qk_prepare(be, be.asarray(src[-1:]), heads, rotary, np.array([pos[2] + 4], np.int32),
+                     np.array([0, 1], np.int32), q_norm=be.asarray(qn) if hq else None, k_norm=be.asarray(kn),
+                     eps=1e-6, dtype=dtype, with_q=hq > 0)
+    for a, b in zip(one, (q, k, v)):
+        if a is not None:
+            assert be.to_host(a)[0].tobytes() == be.to_host(b)[-1].tobytes()
+
+
+# ---- the drafter's heads' glue ---------------------------------------------------------------------------------
+def test_draft_rows_features_and_logit_cap(kbe, rng):
+    be = kbe
+    src = rng.standard_normal((12, 40)).astype(F32)
+    rows = np.array([1, 2, 3, 5, 6, 7], np.int32)
+    np.testing.assert_array_equal(be.to_host(gather_rows(be, be.asarray(src), rows)), src[rows])
+    B, nd, d, r, V = 2, 3, 24, 5, 30
+    h = rng.standard_normal((B * nd, d)).astype(F32)
+    w1 = rng.standard_normal((V, r)).astype(F32)
+    anchors, drafts = rng.integers(0, V, B).astype(np.int32), rng.integers(0, V, (B, nd)).astype(np.int32)
+    out = poison(be.xp, (B * nd, d + r), F32)
+    confidence_features(be, be.asarray(h), be.asarray(w1), anchors, be.asarray(drafts), out=out)
+    np.testing.assert_array_equal(be.to_host(out), confidence_features_ref(h, w1, anchors, drafts))
+    x = (40 * rng.standard_normal((4, 33))).astype(F32)
+    close(be.to_host(logit_scale(be, be.asarray(x), 0.75, 30.0)), logit_scale_ref(x, 0.75, 30.0))
+    np.testing.assert_array_equal(be.to_host(logit_scale(be, be.asarray(x), 0.75, 0.0)), x * F32(0.75))

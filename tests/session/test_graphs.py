@@ -1,0 +1,252 @@
+"""Recorded rounds (dspark.graphs) on the CuPy contract stand-in, whose kernels run on simt: a
+round replayed as CUDA graphs, and one issued by the host from its recording, equal the round run
+op by op, bit for bit, over a run that holds every accepted length 0..vt-1 of its widths, sessions
+verifying at different widths in one batch (padding), a split-count change of the verify attention
+(the context crosses 256 keys), a cut at the budget and one at EOS, and a join and a leave between
+rounds (a batch of two whose second session changes); demotion after recorded rounds equals plain
+decode, and plain decode's own recorded steps equal it too.
+
+The drafter is dspark.models.oracle.bigram_drafter: real weights whose Markov head knows most of
+the trunk's continuation, so rounds accept often, and a round of it is kernels only. Mutants this
+file kills (profiling/mutants.toml): a position baked into the recording, a recording reused after
+a join, a grid recorded for a shorter context.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from dspark import graphs, profile
+from dspark.backends import contract
+from dspark.decode import PlainBatch, plain_generate
+from dspark.errors import NonFiniteError
+from dspark.models.oracle import bigram_drafter, greedy_continuation
+from dspark.models.presets import tiny_pair
+from dspark.ops.attention import SplitRule, launch_plan
+from dspark.session import DsparkSpecSession, SpecParams, spec_round
+
+MAX_CTX = 320
+SPLIT = SplitRule.uniform(64)   # the trunk's attention splits: a context crosses one every 64 keys
+BUDGETS = (30, 30, 26)
+WIDTH = 4                       # max_verify: the ladder verifies 3 or 4 columns
+
+
+@pytest.fixture(scope="module")
+def world():
+    """(trunk, drafter, prompts, budgets, plain streams): session A starts at 100 keys and crosses two
+    split boundaries of the trunk's attention (128, 192); B's budget ends inside one of its accepted
+    blocks, and the trunk's end-of-sequence id is a token C accepts inside a block (both cuts)."""
+    be = contract.backend()
+    rng = np.random.default_rng(7)
+    prompts = [rng.integers(0, 256, n).astype(np.int32) for n in (100, 30, 40)]
+
+    def make(**config):
+        trunk, _ = tiny_pair(be, 5, max_ctx=MAX_CTX, **config)
+        trunk.attention_split = SPLIT
+        return trunk
+    trunk = make()
+    # The drafter knows most of each continuation, past any end (so a last round accepts past it).
+    ahead = [greedy_continuation(trunk, p, 40) for p in prompts]
+    drafter = bigram_drafter(trunk, [np.concatenate([[p[-1]], s]) for p, s in zip(prompts, ahead)], 0.8, 3)
+    # A session's rounds do not depend on its batch: where B's and C's blocks fall, alone.
+    blocks = [rounds_alone(trunk, drafter, p) for p in prompts[1:]]
+    budget_b = next(a + 1 for a, b in blocks[0][4:] if b - a >= 3)
+    eos = next(ahead[2][a] for a, b in blocks[1][3:] if b - a >= 3 and ahead[2][a] not in ahead[2][:a]
+               and ahead[2][a] not in ahead[0][:BUDGETS[0]] and ahead[2][a] not in ahead[1][:budget_b])
+    trunk = make(eos_id=int(eos))
+    drafter = bigram_drafter(trunk, [np.concatenate([[p[-1]], s]) for p, s in zip(prompts, ahead)], 0.8, 3)
+    budgets = (BUDGETS[0], budget_b, BUDGETS[2])
+    streams = [plain_generate(trunk, p, n, launches="plain") for p, n in zip(prompts, budgets)]
+    assert streams[2][-1] == eos and len(streams[2]) < budgets[2] and len(streams[1]) == budget_b
+    return trunk, drafter, prompts, budgets, streams
+
+
+def rounds_alone(trunk, drafter, prompt) -> list[tuple[int, int]]:
+    """[emitted before, after] of each round of a session alone (budget 40)."""
+    s = DsparkSpecSession.prime(trunk, drafter, prompt, SpecParams(max_new_tokens=40, verify="ladder", max_verify=WIDTH,
+                                                                   launches="plain", capture=False))
+    out = []
+    while not s.finished():
+        before = len(s.emitted)
+        spec_round([s])
+        out.append((before, len(s.emitted)))
+    s.close()
+    return out
+
+
+def state_of(be, s):
+    """Every buffer a round writes, as bytes."""
+    c, kv = s.cache, s.kv
+    arrays = [*c.k, *c.v, *c.state, *c.conv] + ([*kv.k, *kv.v] if kv is not None and kv.k else [])
+    return [be.to_host(a).tobytes() for a in arrays]
+
+
+def scenario(world, launches: str):
+    """A alone, then A with B (a join), then A with C (C joins as B leaves), then each batch to its
+    end. Returns (per round: each session's emitted tokens and (m, vt-1) history), final states,
+    sessions)."""
+    trunk, drafter, prompts, budgets, _ = world
+    be = trunk.be
+    params = [SpecParams(max_new_tokens=n, verify="ladder", max_verify=WIDTH, launches=launches, capture=False)
+              for n in budgets]
+    log = []
+
+    def rounds(batch, n):
+        for _ in range(n):
+            live = [s for s in batch if not s.finished()]
+            if not live:
+                return
+            drafted = [s.stats.drafted for s in live]
+            out = spec_round(live)
+            log.append([(toks, s.m_prev, s.stats.drafted - d + 1) for s, toks, d in zip(live, out, drafted)])
+
+    A = DsparkSpecSession.prime(trunk, drafter, prompts[0], params[0])
+    rounds([A], 6)
+    B = DsparkSpecSession.prime(trunk, drafter, prompts[1], params[1])
+    rounds([A, B], 3)
+    C = DsparkSpecSession.prime(trunk, drafter, prompts[2], params[2])
+    rounds([A, C], 3)
+    rounds([A, B], 2)
+    rounds([B, C], 40)
+    rounds([A, B], 40)
+    sessions = (A, B, C)
+    return log, [state_of(be, s) for s in sessions], sessions
+
+
+@pytest.fixture(scope="module")
+def runs(world):
+    return {mode: scenario(world, mode) for mode in ("plain", "graph", "eager")}
+
+
+def test_recorded_rounds_equal_plain_rounds_bitwise(world, runs):
+    """Graph replays and host-issued recordings give, round by round, the tokens, accepted
+    counts and verify widths of the op-by-op round, and leave every cache, state and draft KV
+    bitwise the same; all three streams are plain decode's."""
+    streams = world[-1]
+    plain_log, plain_state, plain_sessions = runs["plain"]
+    for mode in ("graph", "eager"):
+        log, state, sessions = runs[mode]
+        assert log == plain_log, mode
+        assert state == plain_state, mode
+        assert [s.emitted for s in sessions] == [s.emitted for s in plain_sessions] == streams
+    reasons = [s.finish_reason for s in runs["graph"][2]]
+    assert reasons == ["budget", "budget", "eos"]
+
+
+def test_the_run_holds_what_it_must(world, runs):
+    """Every accepted length 0..vt-1 of the widths verified, two widths in one batch (padding),
+    the verify attention's split count changing between recorded rounds, cuts at the budget and at
+    EOS inside an accepted block."""
+    trunk, drafter, prompts, _, _ = world
+    log, _, sessions = runs["graph"]
+    accepted = {m for rnd in log for (_, m, _) in rnd}
+    assert accepted >= set(range(WIDTH)), accepted
+    assert any(len({vt for (_, _, vt) in rnd}) == 2 for rnd in log if len(rnd) == 2), "no padded verify"
+    A = sessions[0]
+    c = trunk.config
+    splits = [launch_plan([WIDTH], [p], hq=c.attn_heads, hkv=c.attn_kv_heads, head_dim=c.head_dim, dtype=np.float32,
+                          split=SPLIT).max_splits for p in (len(prompts[0]), A.cache.pos - WIDTH)]
+    assert splits[0] > 1 and splits[1] > splits[0], splits  # split-parallel grids, and more splits later
+    # A last round that accepted more than it kept: its block was cut (at the budget, at EOS).
+    cut = {s.finish_reason for s in sessions if s.stats.rounds + s.stats.accepted > len(s.emitted)}
+    assert cut == {"budget", "eos"}, [(s.finish_reason, s.stats.rounds, s.stats.accepted, len(s.emitted))
+                                      for s in sessions]
+
+
+def test_recordings_are_keyed_by_the_batch_and_dropped_with_a_session(world):
+    """A join records the new batch's passes; a session's recordings go when its buffers are
+    freed, the other batches' stay."""
+    trunk, drafter, prompts, _, _ = world
+    params = SpecParams(max_new_tokens=12, verify="full", max_verify=3, launches="graph", capture=False)
+    a, b, c = (DsparkSpecSession.prime(trunk, drafter, p[:20], params) for p in prompts)
+    runner = graphs.round_graphs(drafter, "graph")
+    spec_round([a, b])
+    made = runner.store.records
+    spec_round([a, b])
+    assert runner.store.records == made, "the same batch recorded again"
+    spec_round([a, c])
+    assert runner.store.records > made, "a new batch replayed another batch's recording"
+    held_c = [k for k in runner.store._entries if c.cache.version in k[0]]
+    held_b = [k for k in runner.store._entries if b.cache.version in k[0]]
+    assert held_c and held_b
+    c.close()
+    assert all(k in runner.store._entries for k in held_b)
+    assert not any(k in runner.store._entries for k in held_c)
+    a.close()
+    b.close()
+
+
+def test_demotion_after_recorded_rounds_equals_plain_decode(world):
+    trunk, drafter, prompts, budgets, streams = world
+    s = DsparkSpecSession.prime(trunk, drafter, prompts[1], SpecParams(max_new_tokens=budgets[1], burst_target=6,
+                                                                      max_verify=WIDTH, capture=False))
+    s.burst()
+    cache, last = s.into_demoted()
+    batch = PlainBatch(trunk, "graph")
+    sid = batch.join(cache, last, budgets[1], list(s.emitted))
+    with profile.counting() as counts:
+        batch.run()
+    assert batch.leave(sid).emitted == streams[1]
+    # One step recorded (its launches issued as it ran), every other a replayed graph.
+    per_step = counts.graph_nodes // counts.graphs
+    assert counts.graphs and counts.launches == counts.graph_nodes + per_step
+    cache.free()
+
+
+def test_recorded_round_counts(world):
+    """A recorded round: two copies back (its two waits), three uploads (one per pass), three
+    graph launches and no launch or array operation issued by the host; eager: the recording's
+    launches issued by the host, nothing else."""
+    trunk, drafter, prompts, _, _ = world
+    for launches in ("graph", "eager"):
+        s = DsparkSpecSession.prime(trunk, drafter, prompts[1][:24], SpecParams(max_new_tokens=40, verify="full",
+                                                                                max_verify=3, launches=launches,
+                                                                                capture=False))
+        spec_round([s])
+        spec_round([s])
+        with profile.counting() as c:
+            spec_round([s])
+        assert (c.syncs, c.d2h, c.h2d, c.array_ops) == (2, 2, 3, 0), (launches, c.line())
+        if launches == "graph":
+            assert c.graphs == 3 and c.launches == c.graph_nodes > 0
+        else:
+            assert c.graphs == 0 and c.launches > 0
+        s.close()
+
+
+def test_nan_in_a_recorded_round_raises_and_changes_nothing(world):
+    """A NaN reaching session 1's drafter logits (its draft KV ring) raises at the first copy back,
+    one reaching session 0's verify logits (its K cache) at the second, naming the session; no
+    session's caches or positions changed."""
+    trunk, drafter, prompts, _, _ = world
+    be = trunk.be
+    params = SpecParams(max_new_tokens=20, max_verify=WIDTH, launches="graph", capture=False)
+    sessions = [DsparkSpecSession.prime(trunk, drafter, p[:16], params) for p in prompts[:2]]
+    spec_round(sessions)
+
+    def snapshot():
+        return [(s.cache.pos, s.kv.pos, list(s.emitted), s.last, state_of(be, s)) for s in sessions]
+    sessions[1].kv.v[0][...] = np.nan
+    before = snapshot()
+    with pytest.raises(NonFiniteError, match="drafter logits: session 1 contains NaN"):
+        spec_round(sessions)
+    assert snapshot() == before
+    sessions[1].kv.v[0][...] = 0
+    sessions[0].cache.k[0][...] = np.nan
+    before = snapshot()
+    with pytest.raises(NonFiniteError, match="verify logits: session 0 contains NaN"):
+        spec_round(sessions)
+    assert snapshot() == before
+    for s in sessions:
+        s.close()
+
+
+def test_a_pass_that_reads_the_device_cannot_be_recorded(world):
+    trunk = world[0]
+    be = trunk.be
+    a = be.xp.zeros(4, np.float32)
+    with pytest.raises(graphs.RecordingError, match="1 device->host copies"):
+        graphs.record(be, lambda: (float(a[0]), None))
+    with pytest.raises(graphs.RecordingError, match="1 array operations"):
+        graphs.record(be, lambda: (a + 1, None))
