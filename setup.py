@@ -67,7 +67,7 @@ setup(
             extra_compile_args=["-O2", "-DDSPARK_SIMT", "-ffp-contract=off", "-Wno-unknown-pragmas"],
             cxx_std=17,
         ),
-        # The numpy backend's native code (csrc/cpu): plain C++, an AVX2 build of the product picked at
+        # The numpy backend's native code (csrc/cpu): plain C++, AVX-512 and AVX2 builds of the product picked at
         # run time beside the baseline one; sources and flags in dspark/kernel_sources.py.
         Pybind11Extension(
             "dspark._cpu",

@@ -23,7 +23,7 @@ from . import __version__, progress
 from .backends import NAMES, backends, cuda_available, get_backend
 from .byte_vocab import decode, encode
 from .errors import DsparkError
-from .params import PROMPT_CHUNK, SAMPLERS, VERIFY_POLICIES
+from .params import POLICIES, PROMPT_CHUNK, SAMPLERS, VERIFY_POLICIES
 from .stats import REPEAT_SPAN, RepetitionSplit
 
 DEMO_PROMPT = '''import os
@@ -185,6 +185,44 @@ def run_spec(trunk, drafter, prompt, params, progress=None, split=None):
     return out, dt, stats, t1 - t0
 
 
+def run_request(trunk, drafter, prompt, params):
+    """One request under params.policy (dspark.gain), as the worker decides: plain where the
+    predicted gain is too small (or, sampled by rejection, where the prior's is), else speculative,
+    demoted to plain decode at the first round boundary where the measured gain has stayed below 1.
+    Returns (tokens, decode seconds, stats or None, what ran and why)."""
+    from .decode import PlainBatch
+    from .gain import admit, demote_check, rejection_mode
+    from .session import DsparkSpecSession
+    decide = rejection_mode if params.accept == "rejection" else admit
+    ok, why = decide(params, drafter, len(prompt))
+    if not ok:
+        out, dt, _ = run_plain(trunk, prompt, params.max_new_tokens, params.sampling)
+        return out, dt, None, f"plain: {why}"
+    s = DsparkSpecSession.prime(trunk, drafter, prompt, params)
+    t0 = time.perf_counter()
+    demoted = ""
+    while not s.finished():
+        s.round()
+        down, reason = demote_check(s, [s])
+        if down:
+            demoted = f"; demoted to plain after {s.rounds} rounds and {len(s.emitted)} tokens: {reason}"
+            rounds = s.rounds
+            cache, last = s.into_demoted()
+            batch = PlainBatch(trunk)
+            sid = batch.join(cache, last, params.max_new_tokens, list(s.emitted), params.sampling)
+            batch.run()
+            out = batch.leave(sid).emitted
+            cache.free()
+            break
+    else:
+        rounds, out = s.rounds, list(s.emitted)
+    dt = time.perf_counter() - t0
+    s.close()
+    gain = f", measured gain {s.gain:.2f}" if s.gain is not None and not demoted else ""
+    return out, dt, s.stats, (f"spec, mean accepted length {s.stats.mean_accepted_length:.2f} over {rounds} rounds"
+                              f"{gain} (admitted: {why}){demoted}")
+
+
 def run_plain(trunk, prompt, max_new, sampling=None, progress=None):
     """Plain decode (greedy or sampled); returns (tokens, decode seconds, prefill seconds)."""
     from .decode import PlainBatch, prefill_anchor
@@ -291,14 +329,19 @@ def cmd_generate(args) -> int:
     else:
         trunk, drafter = load_pair(be, args)
         text, prompt = decode, encode(args.prompt)
+    # Warm both paths on the prompt itself, as the demo does: these are also the cost model's first
+    # measurements, so they are taken at the context the request starts from.
+    if drafter is not None:
+        run_plain(trunk, prompt, 8, sampling)
     if args.no_spec or drafter is None:
         out, dt, _ = run_plain(trunk, prompt, args.max_new_tokens, sampling)
-        note, stats = ("plain" if drafter is not None else "plain: no --drafter for --model"), None
+        note, stats = ("plain: --no-spec" if drafter is not None else "plain: no --drafter for --model"), None
     else:
-        out, dt, stats, _ = run_spec(trunk, drafter, prompt, SpecParams(
-            max_new_tokens=args.max_new_tokens, verify=args.verify, tau=args.tau, max_verify=args.max_verify,
-            capture=False, sampling=sampling, sampler=args.sampler))
-        note = f"spec, mean accepted length {stats.mean_accepted_length:.2f}"
+        params = SpecParams(max_new_tokens=args.max_new_tokens, verify=args.verify, tau=args.tau,
+                            max_verify=args.max_verify, capture=False, sampling=sampling, sampler=args.sampler,
+                            policy=args.policy)
+        run_spec(trunk, drafter, prompt, replace(params, max_new_tokens=8))
+        out, dt, stats, note = run_request(trunk, drafter, prompt, params)
     print(args.prompt + text(body(trunk, out)))
     print(f"[{len(out)} tokens in {dt:.2f}s, {len(out) / dt:.1f} tokens/s, {note}; stopped: "
           f"{ending(trunk, out, args.max_new_tokens)}]", file=sys.stderr)
@@ -369,6 +412,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="sampled speculation: coupled (the text of plain sampled decode with the seed, token for "
                           "token) or rejection (lossless rejection sampling)")
     gen.add_argument("--no-spec", action="store_true", help="plain decode, no speculation")
+    gen.add_argument("--policy", choices=POLICIES, default="gain",
+                     help="gain (default): speculate only where the predicted gain exceeds 1 + 0.1, and demote to "
+                          "plain decode once the measured gain stays below 1; always: speculate to the end")
     gen.set_defaults(run=cmd_generate)
     bench = sub.add_parser("bench", help="run a profiling benchmark")
     bench.add_argument("which", choices=["kernels", "attention", "worker"])

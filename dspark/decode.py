@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .arrays import host_array
+from .cost import cost_model
 from .errors import CapacityError, ShapeError, StateError
 from .models.cache import Cache
 from .models.trunk import HybridTrunk
@@ -82,17 +83,24 @@ class PlainBatch:
             s.emitted.append(s.last)
             out[s.id] = s.last
         todo = [s for s in live if not self._check_done(s)]
-        from . import graphs
-        if todo and self.launches != "plain" and self.trunk.be.name == "cuda" and not graphs.patched(self.trunk) \
-                and all(s.sampling is None for s in todo):
-            with graphs.decode_graphs(self.trunk, self.launches) as runner:
-                for s, t in zip(todo, runner.step([s.cache for s in todo], [s.last for s in todo])):
-                    s.last = int(t)
-        elif todo:
-            tp = self.trunk.decode([s.cache for s in todo], [s.last for s in todo])
-            for s, t in zip(todo, pick_tokens(self.trunk.be, tp.logits, todo)):
+        if todo:
+            rule = "greedy" if all(s.sampling is None for s in todo) else "sampled"
+            with cost_model(self.trunk.be).timed("plain", len(todo), max(s.cache.pos for s in todo), rule=rule):
+                picks = self._step(todo)
+            for s, t in zip(todo, picks):
                 s.last = int(t)
         return out
+
+    def _step(self, todo: list[PlainSequence]):
+        """The next token of each sequence in `todo`: a recorded decode step (greedy batches on
+        cuda, unless launches="plain") or one op by op."""
+        from . import graphs
+        if self.launches != "plain" and self.trunk.be.name == "cuda" and not graphs.patched(self.trunk) \
+                and all(s.sampling is None for s in todo):
+            with graphs.decode_graphs(self.trunk, self.launches) as runner:
+                return runner.step([s.cache for s in todo], [s.last for s in todo])
+        tp = self.trunk.decode([s.cache for s in todo], [s.last for s in todo])
+        return pick_tokens(self.trunk.be, tp.logits, todo)
 
     def _check_done(self, s: PlainSequence) -> bool:
         """Finished on an end-of-sequence id (any of config.eos_ids), the budget, or a full context

@@ -458,7 +458,8 @@ def load_json(path: Path = SIGNATURES_JSON) -> dict[str, Signature]:
 SIMT_CXXFLAGS = ["-std=c++17", "-O2", "-DDSPARK_SIMT", "-ffp-contract=off", "-fvisibility=hidden"]
 # dspark._cpu, the numpy backend's native code (csrc/cpu): its translation units and flags (no
 # contracted multiply-add: the NumPy references reproduce every bit).
-CPU_SOURCES = ["cpu/module.cpp", "cpu/product_avx2.cpp", "cpu/product_base.cpp", "cpu/host_ops.cpp"]
+CPU_SOURCES = ["cpu/module.cpp", "cpu/product_avx512.cpp", "cpu/product_avx2.cpp", "cpu/product_base.cpp",
+               "cpu/host_ops.cpp"]
 CPU_CXXFLAGS = ["-O2", "-ffp-contract=off", "-Wno-psabi"]
 
 

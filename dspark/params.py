@@ -33,11 +33,12 @@ class SamplingParams:
         return self.temperature == 0.0
 
 
-VERIFY_POLICIES = ("auto", "confidence", "ladder", "full")
+VERIFY_POLICIES = ("auto", "confidence", "ladder", "full", "gain")
 PROMPT_CHUNK = 8192  # tokens per prompt pass by default (HybridTrunk.prompt_passes): activations scale with it
 ROLLBACKS = ("checkpoint", "replay")
 LAUNCHES = ("graph", "eager", "plain")   # dspark.graphs: how a round's passes reach the device
 SAMPLERS = ("coupled", "rejection")
+POLICIES = ("gain", "always")
 
 
 @dataclass(frozen=True)
@@ -45,7 +46,8 @@ class SpecParams:
     max_new_tokens: int = 256
     burst_target: int = 32
     verify: str = "auto"         # verify width: the drafter's confidence head where it has one, else the
-                                 # ladder ("auto"); "confidence", "ladder", or "full" (every draft)
+                                 # ladder ("auto"); "confidence", "ladder", "full" (every draft), or "gain"
+                                 # (the width of most expected tokens per unit of round cost: dspark.gain)
     tau: float = 0.5
     max_verify: int = 0          # cap on vt for both policies (the ladder's cap); 0: nd + 1
     rollback: str = "checkpoint"  # per-column checkpoint select, or snapshot restore + replay
@@ -56,6 +58,12 @@ class SpecParams:
                                  # ("plain"); dspark.graphs
     sampler: str = "coupled"     # sampled sessions: "coupled" (plain sampled decode's stream, demotable) or
                                  # "rejection" (lossless rejection sampling); dspark.spec_sampling
+    policy: str = "gain"         # where to speculate (dspark.gain): "gain" admits where the predicted gain exceeds
+                                 # 1 + margin and demotes where the measured gain stays below 1 for `patience`
+                                 # burst boundaries; "always" speculates wherever the concurrency gate admits
+                                 # (a rejection-sampled request ignores the gate under both: dspark.gain)
+    margin: float = 0.1
+    patience: int = 2
 
     def __post_init__(self):
         if not isinstance(self.max_new_tokens, (int, np.integer)) or self.max_new_tokens < 1:
@@ -74,6 +82,12 @@ class SpecParams:
             raise ValueError(f"SpecParams.launches={self.launches!r}: expected one of {LAUNCHES}")
         if self.sampler not in SAMPLERS:
             raise ValueError(f"SpecParams.sampler={self.sampler!r}: expected one of {SAMPLERS}")
+        if self.policy not in POLICIES:
+            raise ValueError(f"SpecParams.policy={self.policy!r}: expected one of {POLICIES}")
+        if not (isinstance(self.margin, (int, float)) and 0.0 <= self.margin < 10.0):
+            raise ValueError(f"SpecParams.margin={self.margin!r}: expected a number in [0, 10)")
+        if not isinstance(self.patience, (int, np.integer)) or isinstance(self.patience, bool) or self.patience < 1:
+            raise ValueError(f"SpecParams.patience={self.patience!r}: expected an int >= 1")
         if not isinstance(self.sampling, SamplingParams):
             raise TypeError(f"SpecParams.sampling: expected SamplingParams, got {type(self.sampling).__name__}")
 

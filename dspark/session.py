@@ -24,14 +24,17 @@ tokens, and `last` (the anchor) is pending. That is what makes `into_demoted` ex
 from __future__ import annotations
 
 import itertools
+from collections import deque
 from dataclasses import dataclass
 
 import numpy as np
 
 from . import graphs
+from .cost import cost_model
 from .decode import check_prompt, first_token
 from .params import SamplingParams, SpecParams
 from .errors import StateError
+from .gain import WINDOW, width_by_gain
 from .models.cache import Cache
 from .models.drafter import DraftKV, DsparkDrafter
 from .models.trunk import HybridTrunk
@@ -86,6 +89,9 @@ class DsparkSpecSession:
         s.rounds = 0
         s.emitted: list[int] = []
         s.stats = SpecStats()
+        s.recent = deque(maxlen=WINDOW)  # (tokens emitted, verify width) of the last rounds: dspark.gain
+        s.gain = None            # the gain at the last check (dspark.gain.demote_check)
+        s.below = 0              # consecutive checks with the gain below 1
         s.last = -1
         s.prompt_len = 0
         s.m_prev = 1
@@ -261,18 +267,21 @@ def verify_policy(params: SpecParams, drafter: DsparkDrafter) -> str:
     the ladder otherwise."""
     if params.verify == "auto":
         return "confidence" if drafter.has_confidence else "ladder"
-    if params.verify == "confidence" and not drafter.has_confidence:
-        raise ValueError("SpecParams.verify='confidence': this drafter has no confidence head; use 'auto', "
+    if params.verify in ("confidence", "gain") and not drafter.has_confidence:
+        raise ValueError(f"SpecParams.verify={params.verify!r}: this drafter has no confidence head; use 'auto', "
                          "'ladder' or 'full'")
     return params.verify
 
 
 def verify_width(s: DsparkSpecSession, conf: np.ndarray, nd: int) -> int:
     """Columns to verify: every draft ("full", as dflash_generate), 1 + the confident prefix (tau),
-    or the ladder; clamped to [2, min(nd + 1, max_verify)]."""
+    the width of most expected tokens per unit of cost ("gain"), or the ladder; clamped to
+    [2, min(nd + 1, max_verify)]."""
     cap = min(s.params.max_verify or nd + 1, nd + 1)
     if s.verify == "full":
         return cap
+    if s.verify == "gain":
+        return width_by_gain(cost_model(s.be), conf, cap, s.cache.pos, s.params.accept)
     if s.verify == "confidence":
         below = np.flatnonzero(conf < s.params.tau)
         return min(max(1 + (int(below[0]) if below.size else nd), 2), cap)
@@ -295,7 +304,10 @@ def spec_round(sessions: list[DsparkSpecSession]) -> list[list[int]]:
         for s in live:
             s._in_round = True
         try:
-            for s, toks in zip(live, _round(trunk, drafter, live)):
+            with cost_model(trunk.be).timed("round", len(live), max(s.cache.pos for s in live),
+                                            rule=live[0].params.accept) as note:
+                emitted = _round(trunk, drafter, live, note)
+            for s, toks in zip(live, emitted):
                 out[s.id] = toks
         finally:
             for s in live:
@@ -303,7 +315,7 @@ def spec_round(sessions: list[DsparkSpecSession]) -> list[list[int]]:
     return [out[s.id] for s in sessions]
 
 
-def _round(trunk: HybridTrunk, drafter: DsparkDrafter, live: list[DsparkSpecSession]) -> list[list[int]]:
+def _round(trunk: HybridTrunk, drafter: DsparkDrafter, live: list[DsparkSpecSession], note: dict) -> list[list[int]]:
     rule = live[0].params.accept
     if any(s.params.accept != rule for s in live):
         raise ValueError(f"a batch mixes accept rules {sorted({s.params.accept for s in live})} (greedy, coupled and "
@@ -314,11 +326,11 @@ def _round(trunk: HybridTrunk, drafter: DsparkDrafter, live: list[DsparkSpecSess
                          "separate rounds")
     if launches != "plain" and graphs.supported(trunk, drafter, rule == "greedy"):
         with graphs.round_graphs(drafter, launches) as runner:
-            return _recorded_round(runner, live)
-    return _plain_round(trunk, drafter, live, rule)
+            return _recorded_round(runner, live, note)
+    return _plain_round(trunk, drafter, live, rule, note)
 
 
-def _plain_round(trunk: HybridTrunk, drafter: DsparkDrafter, live: list[DsparkSpecSession], rule: str):
+def _plain_round(trunk: HybridTrunk, drafter: DsparkDrafter, live: list[DsparkSpecSession], rule: str, note: dict):
     """A round op by op: every launch planned and checked as it is issued."""
     nd = drafter.config.drafts
     greedy = rule == "greedy"
@@ -331,18 +343,18 @@ def _plain_round(trunk: HybridTrunk, drafter: DsparkDrafter, live: list[DsparkSp
         else:
             from .spec_sampling import propose_sampled
             drafts, conf, q = propose_sampled(live, drafter, dl, dh, nd)
-    vts, cands = _candidates(live, drafts, conf, nd)
+    vts, cands = _candidates(live, drafts, conf, nd, note)
     return _finish_plain(trunk, drafter, live, vts, cands, rule, q)
 
 
-def _recorded_round(runner, live: list[DsparkSpecSession]) -> list[list[int]]:
+def _recorded_round(runner, live: list[DsparkSpecSession], note: dict) -> list[list[int]]:
     """A round of recorded passes (dspark.graphs): the draft, the verify at the batch's widest
     width and the commit, each one recording replayed; the host only decides the verify width and
     the cut between the two copies back. Bitwise the plain round."""
     nd = runner.drafter.config.drafts
     with phase("draft"):  # the draft pass ends with the first wait: drafts, confidences, NaN flags
         drafts, conf = runner.propose(live)
-    vts, cands = _candidates(live, drafts, conf, nd)
+    vts, cands = _candidates(live, drafts, conf, nd, note)
     W = max(vts)
     if any(s.cache.pos + W > s.cache.capacity for s in live):  # a padded column past a cache's end
         return _finish_plain(runner.trunk, runner.drafter, live, vts, cands)
@@ -397,9 +409,11 @@ def _finish_plain(trunk, drafter, live, vts, cands, rule: str = "greedy", q=None
     return emitted
 
 
-def _candidates(live, drafts, conf, nd: int):
-    """(verify widths, candidate blocks [anchor, d_1 .. d_{vt-1}]) of each session."""
+def _candidates(live, drafts, conf, nd: int, note: dict):
+    """(verify widths, candidate blocks [anchor, d_1 .. d_{vt-1}]) of each session; the mean width
+    goes in the cost model's `note` of the round."""
     vts = [min(verify_width(s, conf[i], nd), s.cache.capacity - s.cache.pos) for i, s in enumerate(live)]
+    note["width"] = float(np.mean(vts))
     cands = [np.concatenate([[s.last], drafts[i, : vts[i] - 1]]).astype(np.int32) for i, s in enumerate(live)]
     return vts, cands
 
@@ -417,6 +431,7 @@ def _settle(s: DsparkSpecSession, cand, vt: int, m: int, keep: int, nxt: int) ->
     toks = [int(t) for t in cand[:keep]]
     reason = _ends(s, toks)
     s.stats.record(vt - 1, m)
+    s.recent.append((m + 1, vt))  # dspark.gain's window
     s.rounds += 1
     s.m_prev = m
     s._emit(toks)
@@ -452,16 +467,21 @@ def replay(trunk: HybridTrunk, caches: list[Cache], tp, starts: np.ndarray, keep
     trunk.replay(caches, tp, starts, keep)
 
 
-def spec_burst(sessions: list[DsparkSpecSession], target: int | None = None) -> list[list[int]]:
-    """Rounds for a batch of sessions until each emitted `target` tokens or finished."""
+def spec_burst(sessions: list[DsparkSpecSession], target: int | None = None, stop=None) -> list[list[int]]:
+    """Rounds for a batch of sessions until each emitted `target` tokens or finished. `stop(s,
+    batch)`, asked after each round of every live session, ends that session's burst early when
+    true (a burst boundary: the caller demotes it there)."""
     got = {s.id: [] for s in sessions}
     want = {s.id: int(target or s.params.burst_target) for s in sessions}
+    stopped = set()
     while True:
-        todo = [s for s in sessions if s._finished is None and len(got[s.id]) < want[s.id]]
+        todo = [s for s in sessions if s._finished is None and len(got[s.id]) < want[s.id] and s.id not in stopped]
         if not todo:
             break
         for s, toks in zip(todo, spec_round(todo)):
             got[s.id].extend(toks)
+        if stop is not None:
+            stopped |= {s.id for s in todo if s._finished is None and stop(s, todo)}
     for s in sessions:
         s.check_invariant()
     return [got[s.id] for s in sessions]

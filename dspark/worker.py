@@ -1,11 +1,18 @@
-"""Worker: serves many requests on one backend, speculative while the load is light.
+"""Worker: serves many requests on one backend, speculative where it pays and the load is light.
 
-The gate (`GateConfig`): a new request gets a spec session while `active + 1 <= low`, else it
-goes to the plain batch. At a burst boundary, once `active >= high`, every live demotable spec
-session (greedy, or sampled with the coupled sampler: SpecParams.demotable) is demoted into the
-plain batch (one-way), where it goes on with its own sampling. A demotable request's text is
-therefore the same whatever load it met: that of plain decode with its seed. Sessions sampled by
-rejection are never demoted; finished ones simply finish. The worker also owns prefix
+The gate (`GateConfig`) is the outer bound: a new demotable request (greedy, or sampled with the
+coupled sampler: SpecParams.demotable) may get a spec session only while `active + 1 <= low`, and
+then only where its predicted gain beside the live sessions of its accept rule and the plain batch
+exceeds 1 + margin (SpecParams(policy="gain"), dspark.gain; policy "always" skips that test).
+During a burst, a spec session whose measured gain has stayed below 1 for `patience` checks ends
+its burst there and is demoted (reason: its gain). At a burst boundary, once `active >= high`,
+every live demotable spec session is demoted (reason: the gate). Demotion is one-way: the plain
+batch goes on with the session's own sampling, so a demotable request's text is the same whatever
+load or timing it met: that of plain decode with its seed. A request sampled by rejection keeps
+one mode for its whole life, chosen from the request and the prior alone
+(dspark.gain.rejection_mode), never from the gate, the load or a timing, and is never demoted;
+finished ones simply finish. Every admission and demotion is logged with its reason
+(GateEvent.why) and counted in `metrics()`. The worker also owns prefix
 publication: after each burst it drains every session's prompt-end capture into the
 `PrefixStore`, and a new request whose prompt equals a published entry in its namespace restores
 from it instead of priming.
@@ -23,6 +30,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .decode import PlainBatch, check_prompt, first_token, prefill_anchor
+from .gain import admit, demote_check, rejection_mode
 from .errors import CapacityError, DsparkError, StateError
 from .models.drafter import DsparkDrafter
 from .models.trunk import HybridTrunk
@@ -65,6 +73,8 @@ class Request:
     done_step: int | None = None
     session: DsparkSpecSession | None = None
     plain_id: int | None = None
+    why: str = ""                    # why it runs plain, speculative, or was demoted
+    gain: float | None = None        # its last measured gain (dspark.gain), once it left speculation
 
 
 @dataclass(frozen=True)
@@ -72,6 +82,7 @@ class GateEvent:
     step: int
     request: int
     what: str    # admit_spec, admit_plain, restore, demote, finish, fail
+    why: str = ""  # admissions and demotions: "gate" (the load), or the gain decision's reason
 
 
 class Worker:
@@ -132,13 +143,23 @@ class Worker:
         raise StateError(f"worker did not finish within {max_steps} steps")
 
     # ---- admission ----------------------------------------------------------------------------
+    def _mode(self, r: Request, params: SpecParams) -> tuple[bool, str]:
+        """Speculative or plain, and why. Rejection-sampled: from the request and the prior alone
+        (dspark.gain.rejection_mode), whatever the load. Otherwise the gate first (the load), then
+        the predicted gain beside the live sessions of the same accept rule."""
+        if params.accept == "rejection":
+            return rejection_mode(params, self.drafter, r.prompt.size)
+        if self.active() + 1 > self.gate.low:
+            return False, "gate"
+        group = [q.session for q in self.requests.values() if q.mode == "spec" and q.session.params.accept == params.accept]
+        return admit(params, self.drafter, r.prompt.size, group, len(self.plain.active()))
+
     def _admit(self, r: Request) -> None:
-        to_spec = self.active() + 1 <= self.gate.low
+        params = SpecParams(**{**self.spec.__dict__, "max_new_tokens": r.max_new_tokens, "sampling": r.sampling})
+        to_spec, why = self._mode(r, params)
         cap = self.store.lookup(r.namespace, r.prompt) if self.store is not None else None
         try:
             if to_spec:
-                params = SpecParams(**{**self.spec.__dict__, "max_new_tokens": r.max_new_tokens,
-                                       "sampling": r.sampling})
                 if cap is not None:
                     r.session = DsparkSpecSession.restore(self.trunk, self.drafter, cap, params)
                 else:
@@ -151,7 +172,8 @@ class Worker:
             self._fail(r, e)
             return
         r.restored = cap is not None
-        self._log(r, "admit_spec" if to_spec else "admit_plain")
+        r.why = why
+        self._log(r, "admit_spec" if to_spec else "admit_plain", why)
         if r.restored:
             self._log(r, "restore")
 
@@ -176,8 +198,17 @@ class Worker:
             if not group:
                 continue
             before = {r.id: len(r.session.emitted) for r in group}
+            demote: dict[int, str] = {}
+
+            plain_rows = len(self.plain.active())
+
+            def stop(s, batch):
+                down, why = demote_check(s, batch, plain_rows)
+                if down:
+                    demote[s.id] = why
+                return down
             try:
-                spec_burst([r.session for r in group])
+                spec_burst([r.session for r in group], stop=stop)
             except DsparkError:
                 # Find the culprit: run each session alone; the failing one is retired.
                 for r in group:
@@ -191,8 +222,11 @@ class Worker:
                 self._deliver(r, r.session.emitted[before[r.id]:], r.session.finished())
                 if r.session.finished():
                     self.stats = self.stats.merge(r.session.stats)
+                    r.gain = r.session.gain
                     r.session.close()
                     self._finish(r)
+                elif r.session.id in demote:
+                    self._demote(r, demote[r.session.id])
 
     def _publish(self) -> None:
         if self.store is None:
@@ -216,12 +250,18 @@ class Worker:
             s = r.session
             if r.mode != "spec" or not s.params.demotable or s.finished():
                 continue
-            self.stats = self.stats.merge(s.stats)
-            cache, last = s.into_demoted()
-            r.plain_id = self.plain.join(cache, last, r.max_new_tokens, list(s.emitted), r.sampling)
-            r.session = None
-            r.mode, r.demoted = "plain", True
-            self._log(r, "demote")
+            self._demote(r, "gate")
+
+    def _demote(self, r: Request, why: str) -> None:
+        """Hand a live demotable spec session to the plain batch at its burst boundary."""
+        s = r.session
+        self.stats = self.stats.merge(s.stats)
+        r.gain = s.gain
+        cache, last = s.into_demoted()
+        r.plain_id = self.plain.join(cache, last, r.max_new_tokens, list(s.emitted), r.sampling)
+        r.session = None
+        r.mode, r.demoted, r.why = "plain", True, why
+        self._log(r, "demote", why)
 
     # ---- plain decode -------------------------------------------------------------------------
     def _plain_steps(self, n: int) -> None:
@@ -275,8 +315,31 @@ class Worker:
         r.mode, r.error, r.done_step = "failed", f"{type(e).__name__}: {e}", self.steps
         self._log(r, "fail")
 
-    def _log(self, r: Request, what: str) -> None:
-        self.events.append(GateEvent(self.steps, r.id, what))
+    def _log(self, r: Request, what: str, why: str = "") -> None:
+        self.events.append(GateEvent(self.steps, r.id, what, why))
+
+    def metrics(self) -> dict:
+        """Counters in vLLM's speculative-decoding names where they exist (vllm:spec_decode_*),
+        and the gain decisions: admissions and demotions by reason ("gate", "gain"), and each live
+        or finished request's last measured gain."""
+        st = self.stats
+        for r in self.requests.values():
+            if r.mode == "spec":
+                st = st.merge(r.session.stats)
+        kinds = {"admit_spec": "admitted_spec", "admit_plain": "admitted_plain", "demote": "demoted"}
+        decisions = {f"dspark:spec_{v}": {} for v in kinds.values()}
+        for e in self.events:
+            if e.what in kinds:
+                reason = "gate" if e.why == "gate" else ("policy" if e.why == "policy always" else "gain")
+                d = decisions[f"dspark:spec_{kinds[e.what]}"]
+                d[reason] = d.get(reason, 0) + 1
+        gains = {r.id: (r.session.gain if r.mode == "spec" else r.gain) for r in self.requests.values()}
+        return {"vllm:spec_decode_num_drafts": st.rounds,
+                "vllm:spec_decode_num_draft_tokens": st.drafted,
+                "vllm:spec_decode_num_accepted_tokens": st.accepted,
+                "vllm:spec_decode_num_accepted_tokens_per_pos": list(st.accepted_at),
+                **decisions,
+                "dspark:spec_gain": {k: v for k, v in gains.items() if v is not None}}
 
     def result(self, request_id: int) -> list[int]:
         r = self.requests[request_id]

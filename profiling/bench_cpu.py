@@ -18,7 +18,8 @@ AutoModelForCausalLM and dspark.models.hf.load_target on the numpy backend. Then
   outside the clock; dspark's verify leaves its cache as it was).
 
 It prints the medians and the ratio table (transformers' time / dspark's: above 1, dspark is
-faster), and dspark's verify over its decode step. The `product` column is the part of a dspark
+faster), dspark's verify over its decode step, and the load average before and after each thread
+count (on a shared machine, how fair the run was). The `product` column is the part of a dspark
 step spent in dspark.ops.linear (the bound item 2 of the design aims the step at).
 """
 
@@ -28,6 +29,7 @@ import argparse
 import contextlib
 import copy
 import math
+import os
 import sys
 import tempfile
 import time
@@ -127,6 +129,7 @@ def run(arch: str, size: str, threads_list, prompt_len: int, steps: int, repeats
         for threads in threads_list:
             torch.set_num_threads(threads)
             dspark.set_num_threads(threads)
+            load = os.getloadavg()[0]  # a shared machine: how busy it was, beside the figures
             t = Times()
             same = True
             product = Clocked()
@@ -176,7 +179,7 @@ def run(arch: str, size: str, threads_list, prompt_len: int, steps: int, repeats
                         product.seconds = 0.0
                     same = same and toks["hf"] == toks["ds"]
                     state["ds"][0].free()
-            rows.append(dict(arch=arch, threads=threads, times=t, same=same))
+            rows.append(dict(arch=arch, threads=threads, times=t, same=same, load=(load, os.getloadavg()[0])))
     return rows
 
 
@@ -198,7 +201,7 @@ def report(rows: list[dict]) -> None:
     print()
     for row in rows:
         print(f"{row['arch']}, {row['threads']} thread(s): greedy tokens identical: "
-              f"{'yes' if row['same'] else 'NO'}")
+              f"{'yes' if row['same'] else 'NO'}; load average {row['load'][0]:.1f} before, {row['load'][1]:.1f} after")
 
 
 def main(argv=None) -> int:

@@ -2,16 +2,27 @@
 low/high = 0/1 (never speculate), 2/4 (the default) and 64/65 (always speculate).
 
     python profiling/bench_worker.py [--backend numpy] [--model default|tiny] [--requests 12]
+    python profiling/bench_worker.py --workload mixed [--requests 12]
 
 The same seeded arrival pattern runs under each gate; tokens/s is total emitted tokens over
 wall time, latency is each request's submit-to-finish wall time (median and p90). Ratios are
 against the 0/1 (plain) row of the same run.
+
+`--workload mixed`: every other request is greedy on held-out code (the embedded pair accepts it
+well), the others sampled at temperature 1.0, top-p 0.95 (coupled sampler: they accept poorly).
+`--arrivals-per-step 0` sends each request when the last one is done (one at a time). Rows: all plain (gate 0/1),
+all speculative (gate 64/65, SpecParams(policy="always")), and the gain policy (gate 64/65 and
+2/4, policy "gain", each with a fresh cost model: its decisions rest on what that run measured
+and the prior), with the decisions each gain row made (admitted speculative / plain, demoted, by
+reason). The ratio of the gain row to the better of the first two is the figure that matters.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import time
+from pathlib import Path
 
 import numpy as np
 from threadpoolctl import threadpool_limits
@@ -19,6 +30,7 @@ from threadpoolctl import threadpool_limits
 import dspark
 from dspark.models import load_default
 from dspark.models.presets import tiny_pair
+from dspark.params import SamplingParams, SpecParams
 from dspark.worker import GateConfig, Worker
 
 GATES = [GateConfig(0, 1), GateConfig(2, 4), GateConfig(64, 65)]
@@ -34,21 +46,68 @@ def corpus_prompts(rng, n: int, vocab_bytes: bool) -> list[np.ndarray]:
     return out if vocab_bytes else [p % 200 for p in out]
 
 
-def run(trunk, drafter, gate: GateConfig, prompts, max_new: int, arrivals_per_step: int) -> dict:
+def run(trunk, drafter, gate: GateConfig, prompts, max_new: int, arrivals_per_step: int, spec=None,
+        samplings=None) -> dict:
     done_at: dict[int, float] = {}
-    w = Worker(trunk, drafter, gate, on_tokens=lambda rid, toks, fin: fin and done_at.setdefault(rid, time.perf_counter()))
-    queue = list(prompts)
+    w = Worker(trunk, drafter, gate, spec=spec,
+               on_tokens=lambda rid, toks, fin: fin and done_at.setdefault(rid, time.perf_counter()))
+    queue = list(zip(prompts, samplings or [None] * len(prompts)))
     submitted: dict[int, float] = {}
     t0 = time.perf_counter()
     while queue or not w.done():
-        for _ in range(min(arrivals_per_step, len(queue))):
-            submitted[w.submit(queue.pop(0), max_new)] = time.perf_counter()
+        arrivals = arrivals_per_step if arrivals_per_step else int(w.done())  # 0: one request at a time
+        for _ in range(min(arrivals, len(queue))):
+            p, sampling = queue.pop(0)
+            submitted[w.submit(p, max_new, sampling)] = time.perf_counter()
         w.step()
     wall = time.perf_counter() - t0
     tokens = sum(len(w.result(r)) for r in submitted)
     lat = np.array([done_at[r] - submitted[r] for r in submitted])
     return {"tokens": tokens, "wall": wall, "tps": tokens / wall, "lat_med": float(np.median(lat)),
-            "lat_p90": float(np.quantile(lat, 0.9)), "mal": w.stats.mean_accepted_length}
+            "lat_p90": float(np.quantile(lat, 0.9)), "mal": w.stats.mean_accepted_length, "metrics": w.metrics()}
+
+
+def decisions(metrics: dict) -> str:
+    def part(name):
+        return "+".join(f"{n} {why}" for why, n in sorted(metrics[f"dspark:spec_{name}"].items())) or "0"
+    return f"spec {part('admitted_spec')}, plain {part('admitted_plain')}, demoted {part('demoted')}"
+
+
+def heldout_code(n: int) -> list[np.ndarray]:
+    """The last 96 bytes of the held-out prompts (code the embedded pair never saw, on which it
+    accepts well: tests/session/heldout_prompts.json)."""
+    path = Path(__file__).resolve().parent.parent / "tests" / "session" / "heldout_prompts.json"
+    hexes = json.loads(path.read_text())["prompts"]
+    return [np.frombuffer(bytes.fromhex(hexes[i % len(hexes)])[-96:], np.uint8).astype(np.int32) for i in range(n)]
+
+
+def mixed(trunk, drafter, prompts, args) -> None:
+    """Greedy held-out code and hot sampled requests, alternating: all plain, all speculative, by gain."""
+    from dspark import cost
+    code = [c if args.model == "default" else c % 200 for c in heldout_code(len(prompts))]
+    prompts = [code[i] if i % 2 == 0 else p for i, p in enumerate(prompts)]
+    samplings = [None if i % 2 == 0 else SamplingParams(temperature=1.0, top_p=0.95, seed=i) for i in range(len(prompts))]
+    rows = [("all plain", GateConfig(0, 1), SpecParams(policy="always")),
+            ("all spec", GateConfig(64, 65), SpecParams(policy="always")),
+            ("gain 64/65", GateConfig(64, 65), SpecParams(policy="gain")),
+            ("gain 2/4", GateConfig(2, 4), SpecParams(policy="gain"))]
+    results = {name: [] for name, _, _ in rows}
+    for _ in range(args.repeat):  # rows interleaved, so a slow spell of the machine hits every row
+        for name, gate, spec in rows:
+            drafter.acceptance.clear()  # each row learns only from its own sessions
+            with cost.using(trunk.be, cost.CostModel(cost.clock_for(trunk.be))):
+                results[name].append(run(trunk, drafter, gate, prompts, args.max_new, args.arrivals_per_step, spec,
+                                         samplings))
+    print(f"median of {args.repeat} interleaved runs per row")
+    print(f"{'policy':>10} | {'tokens':>6} | {'tok/s':>8} | {'vs best of plain/spec':>21} | {'mean acc len':>12} | "
+          "decisions (last run)")
+    med = {name: float(np.median([r["tps"] for r in rs])) for name, rs in results.items()}
+    best = max(med["all plain"], med["all spec"])
+    for name, rs in results.items():
+        r = rs[-1]
+        vs = f"{med[name] / best:20.2f}x" if not name.startswith("all") else " " * 21
+        print(f"{name:>10} | {r['tokens']:6d} | {med[name]:8.1f} | {vs} | {r['mal']:12.2f} | "
+              f"{decisions(r['metrics']) if 'gain' in name else ''}")
 
 
 def main(argv=None) -> None:
@@ -57,7 +116,9 @@ def main(argv=None) -> None:
     ap.add_argument("--model", default="default", choices=["default", "tiny"])
     ap.add_argument("--requests", type=int, default=12)
     ap.add_argument("--max-new", type=int, default=64)
-    ap.add_argument("--arrivals-per-step", type=int, default=2)
+    ap.add_argument("--arrivals-per-step", type=int, default=2, help="0: the next request arrives when the last is done")
+    ap.add_argument("--workload", default="code", choices=["code", "mixed"])
+    ap.add_argument("--repeat", type=int, default=3, help="--workload mixed: runs per row, interleaved")
     args = ap.parse_args(argv)
     be = dspark.get_backend(args.backend)
     trunk, drafter = load_default(be) if args.model == "default" else tiny_pair(be, 0)
@@ -65,6 +126,10 @@ def main(argv=None) -> None:
     print(f"worker on {be.name}, model {args.model}: {args.requests} requests, {args.max_new} new tokens each, "
           f"{args.arrivals_per_step} arrivals per step")
     blas_one_thread = threadpool_limits(limits=1, user_api="blas")  # as the CLI: tiny GEMMs, steady timings
+    if args.workload == "mixed":
+        mixed(trunk, drafter, prompts, args)
+        blas_one_thread.restore_original_limits()
+        return
     print(f"{'gate low/high':>14} | {'tokens':>6} | {'tok/s':>8} | {'vs 0/1':>6} | {'latency med s':>13} | "
           f"{'p90 s':>6} | {'mean acc len':>12}")
     base = None

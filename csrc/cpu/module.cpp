@@ -23,6 +23,8 @@ void product_avx2(int, const float*, const void*, bool, float*, ptrdiff_t, ptrdi
                   ptrdiff_t, ptrdiff_t, float*, float*);
 void product_base(int, const float*, const void*, bool, float*, ptrdiff_t, ptrdiff_t, ptrdiff_t, ptrdiff_t, ptrdiff_t,
                   ptrdiff_t, ptrdiff_t, float*, float*);
+void product_avx512(int, const float*, const void*, bool, float*, ptrdiff_t, ptrdiff_t, ptrdiff_t, ptrdiff_t, ptrdiff_t,
+                    ptrdiff_t, ptrdiff_t, float*, float*);
 void delta_columns(float* S, const float* q, const float* k, const float* v, const float* alpha, const float* beta,
                    const int* indptr, int sessions, int heads, int dv, int dk, float* out, float* ckpt);
 void rmsnorm(const float* x, const float* weight, float eps, ptrdiff_t rows, ptrdiff_t n, float* y);
@@ -35,7 +37,7 @@ namespace {
 using Product = void (*)(int, const float*, const void*, bool, float*, ptrdiff_t, ptrdiff_t, ptrdiff_t, ptrdiff_t,
                          ptrdiff_t, ptrdiff_t, ptrdiff_t, float*, float*);
 
-// Each thread's accumulators (product.h: rows x (strip + 16) floats), kept between calls.
+// Each thread's accumulators and panel (product.h), kept between calls.
 float* scratch(size_t floats) {
   thread_local std::vector<float> buf;
   if (buf.size() < floats) buf.resize(floats);
@@ -51,22 +53,47 @@ bool has_avx2() {
 #endif
 }
 
-// "avx2" or "base"; DSPARK_CPU_ISA=base forces the baseline (tests compare the two bitwise).
+bool has_avx512() {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx512f");
+#else
+  return false;
+#endif
+}
+
+// What this CPU runs, best first.
+std::vector<std::string> isas() {
+  std::vector<std::string> out;
+  if (has_avx512()) out.push_back("avx512");
+  if (has_avx2()) out.push_back("avx2");
+  out.push_back("base");
+  return out;
+}
+
+// "avx512", "avx2" or "base": the best this CPU runs, or DSPARK_CPU_ISA where the CPU runs it
+// (tests compare them bitwise; a bench can hold one fixed).
 std::string& isa() {
   static std::string name = [] {
+    const auto have = isas();
     const char* forced = std::getenv("DSPARK_CPU_ISA");
-    if (forced && std::string(forced) == "base") return std::string("base");
-    return std::string(has_avx2() ? "avx2" : "base");
+    for (const auto& h : have)
+      if (forced && h == forced) return h;
+    return have.front();
   }();
   return name;
 }
 
 Product product_of(const std::string& name) {
+  if (name == "avx512") return dspark_cpu::product_avx512;
   return name == "avx2" ? dspark_cpu::product_avx2 : dspark_cpu::product_base;
 }
 
-// A fixed pool: worker i runs part i + 1 of each job, the caller part 0. Workers sleep on a
-// condition variable between jobs after a short spin (back-to-back GEMMs of one step).
+// A fixed pool of `workers` threads besides the caller. A job is `chunks` pieces; the caller and
+// the workers claim them one at a time until none is left, and the caller returns once every
+// piece is done. On a shared machine a worker whose core is busy elsewhere claims nothing and is
+// not waited for: the caller (or a worker that runs) takes its pieces. Workers sleep on a
+// condition variable between jobs after a short spin (back-to-back products of one step).
 class Pool {
  public:
   ~Pool() {
@@ -79,54 +106,69 @@ class Pool {
     for (auto& t : workers_) t.join();
   }
 
-  void run(int parts, const std::function<void(int)>& fn) {
-    if (parts <= 1) {
-      fn(0);
+  void run(int workers, int chunks, const std::function<void(int)>& fn) {
+    if (workers <= 0 || chunks <= 1) {
+      for (int i = 0; i < chunks; ++i) fn(i);
       return;
     }
-    grow(parts - 1);
+    grow(workers);
+    uint64_t gen;
     {
       std::lock_guard<std::mutex> lk(mu_);
       job_ = &fn;
-      parts_ = parts;
-      pending_.store(parts - 1, std::memory_order_relaxed);
-      ++generation_;
-      gen_atomic_.store(generation_, std::memory_order_release);
+      chunks_ = chunks;
+      done_.store(0, std::memory_order_relaxed);
+      gen = ++generation_;
+      claims_.store(gen << 32, std::memory_order_release);  // this job's generation, piece 0 next
+      gen_atomic_.store(gen, std::memory_order_release);
     }
     cv_.notify_all();
-    fn(0);
-    while (pending_.load(std::memory_order_acquire) != 0) std::this_thread::yield();
+    for (int i; (i = claim(gen, chunks)) >= 0;) {
+      fn(i);
+      done_.fetch_add(1, std::memory_order_acq_rel);
+    }
+    while (done_.load(std::memory_order_acquire) != chunks) std::this_thread::yield();
   }
 
  private:
-  void grow(int n) {
-    while (int(workers_.size()) < n) {
-      int index = int(workers_.size()) + 1;
-      workers_.emplace_back([this, index] { loop(index); });
+  // The next piece of job `gen`, or -1 when that job has none left or is over. A compare-exchange,
+  // not an add: a late worker must not move a newer job's counter.
+  int claim(uint64_t gen, int chunks) {
+    uint64_t c = claims_.load(std::memory_order_acquire);
+    for (;;) {
+      if ((c >> 32) != gen || int(c & 0xffffffffu) >= chunks) return -1;
+      if (claims_.compare_exchange_weak(c, c + 1, std::memory_order_acq_rel)) return int(c & 0xffffffffu);
     }
   }
 
-  void loop(int index) {
+  void grow(int n) {
+    while (int(workers_.size()) < n) workers_.emplace_back([this] { loop(); });
+  }
+
+  void loop() {
     uint64_t seen = 0;
     for (;;) {
-      // spin a little before sleeping: the next GEMM of a step usually follows within microseconds
+      // spin a little before sleeping: the next product of a step usually follows within microseconds
       for (int i = 0; i < 20000 && gen_atomic_.load(std::memory_order_acquire) == seen; ++i) {
 #if defined(__x86_64__) || defined(__i386__)
         __builtin_ia32_pause();
 #endif
       }
       const std::function<void(int)>* job;
-      int parts;
+      int chunks;
       {
         std::unique_lock<std::mutex> lk(mu_);
         cv_.wait(lk, [&] { return generation_ != seen; });
         if (stop_) return;
         seen = generation_;
         job = job_;
-        parts = parts_;
+        chunks = chunks_;
       }
-      if (index < parts) (*job)(index);
-      if (index < parts) pending_.fetch_sub(1, std::memory_order_acq_rel);
+      // The job is alive while one of its pieces is claimed and not done (its caller waits for it).
+      for (int i; (i = claim(seen, chunks)) >= 0;) {
+        (*job)(i);
+        done_.fetch_add(1, std::memory_order_acq_rel);
+      }
     }
   }
 
@@ -134,10 +176,11 @@ class Pool {
   std::mutex mu_;
   std::condition_variable cv_;
   const std::function<void(int)>* job_ = nullptr;
-  int parts_ = 0;
+  int chunks_ = 0;
   uint64_t generation_ = 0;
   std::atomic<uint64_t> gen_atomic_{0};
-  std::atomic<int> pending_{0};
+  std::atomic<uint64_t> claims_{0};  // generation << 32 | the next piece
+  std::atomic<int> done_{0};
   bool stop_ = false;
 };
 
@@ -154,7 +197,8 @@ Pool& pool() {
   return *the_pool;
 }
 
-// out [rows, N] = x [rows, K] @ w [K, N] over `threads` column parts. Part boundaries are whole
+// out [rows, N] = x [rows, K] @ w [K, N] on `threads` threads, in two column pieces per thread
+// (the pool balances them across the threads that get a core). Piece boundaries are whole
 // `align`-column vectors; any split gives the same bits (each output's order is fixed by K).
 // The arrays are C-contiguous host arrays that Python checked.
 void product(int dtype, const py::array& x, const py::array& w, bool transposed, py::array& out, ptrdiff_t rows,
@@ -165,9 +209,11 @@ void product(int dtype, const py::array& x, const py::array& w, bool transposed,
   float* op = static_cast<float*>(out.mutable_data());
   const ptrdiff_t align = 32;
   const ptrdiff_t units = (N + align - 1) / align;
-  const int parts = int(std::max<ptrdiff_t>(1, std::min<ptrdiff_t>(threads, units)));
+  const int used = int(std::max<ptrdiff_t>(1, std::min<ptrdiff_t>(threads, units)));
+  const int parts = int(std::min<ptrdiff_t>(units, used > 1 ? 2 * used : 1));
+  // product.h's `acc` (rows x (strip + kPad)) and `buf` (one panel of up to 64 columns, x's block)
   const size_t acc_floats = size_t(rows) * size_t(strip + 64),
-               pack_floats = size_t(kblock + 1) * size_t(strip + 128) + size_t(rows) * size_t(kblock + 16);
+               pack_floats = size_t(kblock + 16) * size_t(64 + rows);
   auto part = [&](int i) {
     const ptrdiff_t c0 = std::min(N, units * i / parts * align), c1 = std::min(N, units * (i + 1) / parts * align);
     if (c0 < c1) {
@@ -176,7 +222,7 @@ void product(int dtype, const py::array& x, const py::array& w, bool transposed,
     }
   };
   py::gil_scoped_release release;
-  pool().run(parts, part);
+  pool().run(used - 1, parts, part);
 }
 
 template <typename T>
@@ -228,13 +274,12 @@ PYBIND11_MODULE(_cpu, m) {
         py::arg("rows"),
         py::arg("k"), py::arg("n"), py::arg("threads"), py::arg("strip"), py::arg("kblock"), py::arg("isa") = "",
         "out f32 [rows, N] = x f32 [rows, K] @ w [K, N] (dtype 0 f32, 1 f16, 2 bf16; w given as w^T [N, K] when transposed)");
-  m.def("isa", [] { return isa(); }, "the instruction set in use: avx2 or base");
+  m.def("isa", [] { return isa(); }, "the instruction set in use: avx512, avx2 or base");
   m.def("delta_columns", &delta_columns, "the gated delta rule over each session's columns (dspark.ops.host)");
   m.def("rmsnorm", &rmsnorm, "RMSNorm of rows, NumPy's summation order (dspark.ops.host)");
   m.def("attention_scores", &attention_scores, "q.k halving sums over D (dspark.ops.host)");
   m.def("attention_weighted", &attention_weighted, "p.v halving sums over the keys (dspark.ops.host)");
-  py::list isas;  // what this CPU runs, best first
-  if (has_avx2()) isas.append("avx2");
-  isas.append("base");
-  m.attr("isas") = py::tuple(isas);
+  py::list have;  // what this CPU runs, best first
+  for (const auto& h : isas()) have.append(h);
+  m.attr("isas") = py::tuple(have);
 }

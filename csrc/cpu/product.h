@@ -4,21 +4,23 @@
 // One order per output, fixed by K alone (never by the rows, the column split, the thread count or
 // the instruction set): acc = 0, then acc = acc + x[r, k] * w[k, n] for k = 0, 1, ..., K - 1, a
 // multiply rounded to f32 and then an add rounded to f32 (the build passes -ffp-contract=off and
-// enables no FMA, so nothing fuses them). dspark.ops.product.product_ref is that loop in NumPy and
-// gives the same bits. Every lane of a vector does exactly the scalar arithmetic, so the AVX2 build
+// the AVX-512 build's multiply is an asm statement, so nothing fuses them). dspark.ops.product.
+// product_ref is that loop in NumPy and gives the same bits. Every lane of a vector does exactly
+// the scalar arithmetic, so the AVX-512 build (product_avx512.cpp), the AVX2 build
 // (product_avx2.cpp), the baseline build (product_base.cpp) and the scalar tails all agree.
 //
 // Work. A thread owns columns [c0, c1) and walks them in strips of `strip` columns whose
 // accumulators (rows x strip f32, rows padded apart) stay in cache; the result is copied out once.
-// * One or two rows (decode): w streams in memory order. Each pass takes four rows of w and adds
-//   them to the strip's accumulators (a = a + x0 w0; a = a + x1 w1; ... per vector of columns),
-//   with the x values in registers and w prefetched kPrefetchRows ahead.
-// * More rows: K in blocks of `kblock` rows of w; tiles of up to kTileRows rows x kPanel columns
-//   keep their accumulators in registers over a block, one k at a time in order (`tile`), while
-//   they prefetch the next block. Up to kDirectRows rows (verify) the tiles read w in place
-//   (`tile` on w); more rows (prefill) first widen the block into panels [kblock][kPanel] contiguous
-//   (`pack`) that every tile of rows then reads from cache. A transposed w (a tied LM head) is
-//   always packed. Each weight is read from memory once per strip.
+// * One or two rows (decode): w streams in memory order. Each pass takes kUnroll rows of w and
+//   adds them to the strip's accumulators (a = a + x0 w0; a = a + x1 w1; ... per vector of
+//   columns), w prefetched kPrefetchRows ahead.
+// * More rows (verify, prefill): K in blocks of `kblock` rows of w; tiles of up to kTileRows rows
+//   x kPanel columns keep their accumulators in registers over a block, one k at a time in order
+//   (`tile`). The first group of rows reads a panel of w in place and prefetches the same columns
+//   of the next block toward L2 (a verify's 8 rows are one group in the AVX-512 build); the next
+//   groups read it again from cache. A transposed w (a tied LM head) and a strip's last, partial
+//   panel are widened into a contiguous panel first (`pack`). Each weight is read from memory
+//   once per strip.
 //
 // This header is compiled once per instruction set, inside namespace DSPARK_CPU_ISA, with the
 // vector width and tile shape that set's registers hold (generic GCC/Clang vector extensions).
@@ -26,7 +28,7 @@
 #include <cstddef>
 #include <cstdint>
 
-#if defined(DSPARK_CPU_AVX2)
+#if defined(DSPARK_CPU_AVX2) || defined(DSPARK_CPU_AVX512)
 #include <immintrin.h>
 #elif defined(__SSE2__)
 #include <emmintrin.h>
@@ -41,25 +43,20 @@
 #ifndef DSPARK_LANES  // the baseline: SSE2's sixteen 4-float registers
 #define DSPARK_LANES 4
 #define DSPARK_TILE_ROWS 4
-#define DSPARK_TILE_VECS 2
-#define DSPARK_DIRECT_TILE_ROWS 4
-#define DSPARK_DIRECT_TILE_VECS 3
+#define DSPARK_TILE_VECS 3
 #endif
 
 namespace DSPARK_CPU_ISA {
 
 constexpr int kLanes = DSPARK_LANES;          // floats per vector
-constexpr int kUnroll = 4;                    // rows of w per pass of `stream`
+constexpr int kUnroll = 8;                    // rows of w per pass of `stream`
 constexpr int kStreamRows = 2;                // up to this many rows: `stream`; more: tiles
-constexpr int kDirectRows = 8;                // up to this many rows, tiles read w in place; more: packed
-constexpr int kPrefetchRows = 16;             // rows of w ahead of use that `stream` and `pack` prefetch
-constexpr int kTileRows = DSPARK_TILE_ROWS;   // a tile's accumulators: kTileRows x kTileVecs vectors
+constexpr int kPrefetchRows = 32;             // rows of w ahead of use that `stream` prefetches
+constexpr int kTileRows = DSPARK_TILE_ROWS;   // a tile's accumulators: up to kTileRows x kTileVecs vectors
 constexpr int kTileVecs = DSPARK_TILE_VECS;
-constexpr int kPanel = kTileVecs * kLanes;    // columns of a packed panel
-constexpr int kDirectTileRows = DSPARK_DIRECT_TILE_ROWS;  // the tiles that read w in place
-constexpr int kDirectTileVecs = DSPARK_DIRECT_TILE_VECS;
-constexpr int kDirectPanel = kDirectTileVecs * kLanes;
+constexpr int kPanel = kTileVecs * kLanes;    // columns of a panel
 constexpr int kPad = 64;                      // floats between accumulator rows beyond the strip
+static_assert(kPanel <= kPad, "a tile's last panel runs up to kPanel - 1 columns past the strip");
 
 typedef float vf __attribute__((vector_size(4 * kLanes)));
 typedef uint32_t vu __attribute__((vector_size(4 * kLanes)));
@@ -77,7 +74,9 @@ template <typename To, typename From>
 static inline To bits_as(From f);
 
 static inline vf splat(float s) {  // one broadcast instruction where the target has one
-#if defined(DSPARK_CPU_AVX2)
+#if defined(DSPARK_CPU_AVX512)
+  return bits_as<vf>(_mm512_set1_ps(s));
+#elif defined(DSPARK_CPU_AVX2)
   return bits_as<vf>(_mm256_set1_ps(s));
 #elif defined(__SSE2__) && DSPARK_LANES == 4
   return bits_as<vf>(_mm_set1_ps(s));
@@ -87,6 +86,27 @@ static inline vf splat(float s) {  // one broadcast instruction where the target
   for (int i = 0; i < kLanes; ++i) v[i] = s;
   return v;
 #endif
+}
+
+// s[0] * b in every lane. AVX-512 takes the broadcast into the multiply (an operand {1to16}): a
+// broadcast of its own would take a slot of the multiply and add pipes on some cores (Zen 4).
+static inline vf mul_splat(const float* s, vf b) {
+#if defined(DSPARK_CPU_AVX512)
+  vf p;
+  asm("vmulps %1%{1to16%}, %2, %0" : "=v"(p) : "m"(*s), "v"(b));
+  return p;
+#else
+  return splat(*s) * b;
+#endif
+}
+
+// A loaded vector held in its register: around mul_splat's asm the compiler would otherwise load
+// it again for every row (R loads a k step instead of one).
+static inline vf keep(vf v) {
+#if defined(DSPARK_CPU_AVX512)
+  asm("" : "+v"(v));
+#endif
+  return v;
 }
 
 template <typename To, typename From>
@@ -129,7 +149,9 @@ template <> struct Weights<kBF16> {  // a bf16 is the high half of an f32
 template <> struct Weights<kF16> {
   using T = uint16_t;
   static inline vf vec(const T* p) {
-#if defined(DSPARK_CPU_AVX2)
+#if defined(DSPARK_CPU_AVX512)
+    return bits_as<vf>(_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))));
+#elif defined(DSPARK_CPU_AVX2)
     return bits_as<vf>(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
 #else
     vh h;
@@ -145,30 +167,25 @@ template <> struct Weights<kF16> {
 };
 
 // ---- one or two rows: w streamed in memory order ------------------------------------------------
-// acc[r][n] (r < R, n < cols) += x[r][j] * w[j][n] for j = 0 .. 3 in order (four rows of w).
+// acc[r][n] (r < R, n < cols) += x[r][j] * w[j][n] for j = 0 .. kUnroll - 1 in order.
 template <int DT, int R>
 static void quad(const float* x, ptrdiff_t ldx, const typename Weights<DT>::T* w, ptrdiff_t ldw, float* acc,
                  ptrdiff_t lda, int cols, bool fetch) {
   using Wt = Weights<DT>;
   constexpr int kLine = 64 / int(sizeof(typename Wt::T));  // columns per cache line
   const int whole = cols / kLanes * kLanes;
-  vf xs[R][kUnroll];
-  DSPARK_UNROLL
-  for (int r = 0; r < R; ++r)
-    DSPARK_UNROLL
-    for (int j = 0; j < kUnroll; ++j) xs[r][j] = splat(x[r * ldx + j]);
   for (int n = 0; n < whole; n += kLanes) {
     if (fetch && n % kLine == 0)
       DSPARK_UNROLL
-      for (int j = 0; j < kUnroll; ++j) __builtin_prefetch(w + (kPrefetchRows + j) * ldw + n);
+      for (int j = 0; j < kUnroll; ++j) __builtin_prefetch(w + (kPrefetchRows + j) * ldw + n, 0, 2);
     vf b[kUnroll];
     DSPARK_UNROLL
-    for (int j = 0; j < kUnroll; ++j) b[j] = Wt::vec(w + j * ldw + n);
+    for (int j = 0; j < kUnroll; ++j) b[j] = keep(Wt::vec(w + j * ldw + n));
     DSPARK_UNROLL
     for (int r = 0; r < R; ++r) {
       vf a = load(acc + r * lda + n);
       DSPARK_UNROLL
-      for (int j = 0; j < kUnroll; ++j) a = a + xs[r][j] * b[j];
+      for (int j = 0; j < kUnroll; ++j) a = a + mul_splat(x + r * ldx + j, b[j]);
       store(acc + r * lda + n, a);
     }
   }
@@ -182,7 +199,7 @@ static void quad(const float* x, ptrdiff_t ldx, const typename Weights<DT>::T* w
     }
 }
 
-// The same for one row of w (the last K % 4).
+// The same for one row of w (the last K % kUnroll).
 template <int DT, int R>
 static void single(const float* x, ptrdiff_t ldx, const typename Weights<DT>::T* w, float* acc, ptrdiff_t lda,
                    int cols) {
@@ -211,43 +228,49 @@ static void stream(const float* x, ptrdiff_t ldx, const typename Weights<DT>::T*
   for (; k < K; ++k) single<DT, R>(x + k, ldx, w + k * ldw, acc, lda, cols);
 }
 
-// ---- many rows: packed panels, register tiles ---------------------------------------------------
-// Panels sit a line more than their size apart: a row of w stores one vector into every panel, and
-// panels a power of two apart would all land in one L1 set.
-static inline ptrdiff_t panel_stride(ptrdiff_t kn) { return kn * kPanel + 16; }
+// ---- three rows and more: register tiles over blocks of w ------------------------------------------
+// Toward L2 (prefetcht1), the same columns `ahead` elements on: the next block's row while the
+// tiles read this block's (or the next strip's first block in the last block). Prefetches never fault,
+// so the address may run past the array: it is computed as an integer.
+template <typename T>
+static inline void fetch(const T* p, ptrdiff_t ahead) {
+  __builtin_prefetch(reinterpret_cast<const void*>(reinterpret_cast<uintptr_t>(p) + ahead * ptrdiff_t(sizeof(T))), 0, 2);
+}
 
-// w [kn, cols] (row stride ldw) widened into panels [cols / kPanel][kn][kPanel] kPanelStride(kn)
-// floats apart, the last one zero-filled past `cols`. Rows are read whole, in order, kPrefetchRows
-// ahead prefetched (the tiles of the block before have fetched most of them already).
-template <int DT>
-static void pack(const typename Weights<DT>::T* w, ptrdiff_t ldw, ptrdiff_t kn, int cols, float* buf) {
+// A panel: kn rows of `cols` (<= kPanel) columns of w (row stride ldw), widened into
+// panel [kn][kPanel], zero-filled past `cols`, fetching `ahead` (Fetch): a strip's last columns.
+template <int DT, bool Fetch>
+static void pack(const typename Weights<DT>::T* __restrict w, ptrdiff_t ldw, ptrdiff_t kn, int cols,
+                 float* __restrict panel, ptrdiff_t ahead) {
   using Wt = Weights<DT>;
-  constexpr int kLine = 64 / int(sizeof(typename Wt::T));
-  const int whole = cols / kPanel;
+  const int vecs = cols / kLanes;
   for (ptrdiff_t k = 0; k < kn; ++k) {
     const typename Wt::T* row = w + k * ldw;
-    for (int n = 0; n < cols; n += kLine) __builtin_prefetch(row + kPrefetchRows * ldw + n);
-    float* dst = buf + k * kPanel;
-    for (int p = 0; p < whole; ++p, dst += panel_stride(kn))
-      DSPARK_UNROLL
-      for (int v = 0; v < kTileVecs; ++v) store(dst + v * kLanes, Wt::vec(row + p * kPanel + v * kLanes));
-    for (int n = whole * kPanel; n < cols; ++n) dst[n - whole * kPanel] = Wt::one(row + n);
-    for (int n = cols; n < (cols + kPanel - 1) / kPanel * kPanel; ++n) dst[n - whole * kPanel] = 0.0f;
+    float* dst = panel + k * kPanel;
+    if constexpr (Fetch)
+      for (int n = 0; n < cols; n += kLanes) fetch(row + n, ahead);
+    for (int v = 0; v < vecs; ++v) store(dst + v * kLanes, Wt::vec(row + v * kLanes));
+    for (int n = vecs * kLanes; n < cols; ++n) dst[n] = Wt::one(row + n);
+    for (int n = cols; n < kPanel; ++n) dst[n] = 0.0f;
   }
 }
 
-// The same panels from w stored transposed, e = w^T [N, K] (row stride lde): a tied LM head, the
+// The same panel from w stored transposed, e = w^T [cols, kn] (row stride lde): a tied LM head, the
 // embedding. Four rows of e (columns of w) at a time are read along k; f32 goes through 4 x 4
 // transposes where the target has SSE.
 template <int DT>
-static void pack_transposed(const typename Weights<DT>::T* e, ptrdiff_t lde, ptrdiff_t kn, int cols, float* buf) {
+static void pack_transposed(const typename Weights<DT>::T* e, ptrdiff_t lde, ptrdiff_t kn, int cols, float* panel,
+                            ptrdiff_t ahead) {
   using Wt = Weights<DT>;
-  const int padded = (cols + kPanel - 1) / kPanel * kPanel;
+  constexpr int kLine = 64 / int(sizeof(typename Wt::T));
+  if (ahead)
+    for (int n = 0; n < cols; ++n)
+      for (ptrdiff_t k = 0; k < kn; k += kLine) fetch(e + n * lde + k, ahead);
   int n = 0;
 #if defined(__SSE__)
   if constexpr (DT == kF32) {
-    for (; n + 4 <= cols && (n % kPanel) + 4 <= kPanel; n += 4) {
-      float* dst = buf + (n / kPanel) * panel_stride(kn) + n % kPanel;
+    for (; n + 4 <= cols; n += 4) {
+      float* dst = panel + n;
       const float* r0 = e + n * lde;
       ptrdiff_t k = 0;
       for (; k + 4 <= kn; k += 4) {
@@ -264,8 +287,8 @@ static void pack_transposed(const typename Weights<DT>::T* e, ptrdiff_t lde, ptr
     }
   }
 #endif
-  for (; n < padded; ++n) {
-    float* dst = buf + (n / kPanel) * panel_stride(kn) + n % kPanel;
+  for (; n < kPanel; ++n) {
+    float* dst = panel + n;
     if (n < cols) {
       const typename Wt::T* row = e + n * lde;
       for (ptrdiff_t k = 0; k < kn; ++k) dst[k * kPanel] = Wt::one(row + k);
@@ -275,27 +298,13 @@ static void pack_transposed(const typename Weights<DT>::T* e, ptrdiff_t lde, ptr
   }
 }
 
-struct Fetch {  // the next block's rows, one cache line every `every` steps of the tiles' k loops
-  const char* row;   // the row being fetched
-  ptrdiff_t ld;      // bytes between rows
-  ptrdiff_t bytes;   // bytes of a row to fetch
-  ptrdiff_t col, rows_left;
-  int every, phase;
-  inline void step() {
-    if (rows_left > 0 && ++phase >= every) {
-      phase = 0;
-      __builtin_prefetch(row + col, 0, 1);  // toward L2: L1 keeps the block in use
-      col += 64;
-      if (col >= bytes) col = 0, row += ld, --rows_left;
-    }
-  }
-};
-
 // acc [R, V lanes] += x [R, kn] @ w [kn, V lanes] (row stride ldw, as stored, widened per load), k in
-// order, accumulators in registers: w a packed panel (f32, ldw = V lanes) or read in place.
-template <int DT, int R, int V>
-static void tile(const float* x, ptrdiff_t ldx, const typename Weights<DT>::T* w, ptrdiff_t ldw, ptrdiff_t kn,
-                  float* acc, ptrdiff_t lda, Fetch* f) {
+// order, the accumulators in registers; w a panel (f32, ldw = kPanel) or read in place, fetching
+// `ahead` (Fetch). A function of its own: its k loop is the product's inner loop (csrc/README.md).
+template <int DT, int R, int V, bool Fetch>
+__attribute__((noinline)) static void tile(const float* __restrict x, ptrdiff_t ldx,
+                                           const typename Weights<DT>::T* __restrict w, ptrdiff_t ldw, ptrdiff_t kn,
+                                           float* __restrict acc, ptrdiff_t lda, ptrdiff_t ahead) {
   using Wt = Weights<DT>;
   vf a[R][V];
   DSPARK_UNROLL
@@ -303,16 +312,16 @@ static void tile(const float* x, ptrdiff_t ldx, const typename Weights<DT>::T* w
     DSPARK_UNROLL
     for (int v = 0; v < V; ++v) a[r][v] = load(acc + r * lda + v * kLanes);
   for (ptrdiff_t k = 0; k < kn; ++k) {
-    f->step();
+    if constexpr (Fetch)
+      DSPARK_UNROLL
+      for (int v = 0; v < V; ++v) fetch(w + k * ldw + v * kLanes, ahead);
     vf b[V];
     DSPARK_UNROLL
-    for (int v = 0; v < V; ++v) b[v] = Wt::vec(w + k * ldw + v * kLanes);
+    for (int v = 0; v < V; ++v) b[v] = keep(Wt::vec(w + k * ldw + v * kLanes));
     DSPARK_UNROLL
-    for (int r = 0; r < R; ++r) {
-      const vf s = splat(x[r * ldx + k]);
+    for (int r = 0; r < R; ++r)
       DSPARK_UNROLL
-      for (int v = 0; v < V; ++v) a[r][v] = a[r][v] + s * b[v];
-    }
+      for (int v = 0; v < V; ++v) a[r][v] = a[r][v] + mul_splat(x + r * ldx + k, b[v]);
   }
   DSPARK_UNROLL
   for (int r = 0; r < R; ++r)
@@ -321,20 +330,26 @@ static void tile(const float* x, ptrdiff_t ldx, const typename Weights<DT>::T* w
 }
 
 // A tile of `rows` <= R rows: the instantiation for exactly that many.
-template <int DT, int R, int V>
+template <int DT, int R, bool Fetch>
 static void tile_of(int rows, const float* x, ptrdiff_t ldx, const typename Weights<DT>::T* w, ptrdiff_t ldw,
-                    ptrdiff_t kn, float* acc, ptrdiff_t lda, Fetch* f) {
+                    ptrdiff_t kn, float* acc, ptrdiff_t lda, ptrdiff_t ahead) {
   if constexpr (R > 1) {
-    if (rows < R) return tile_of<DT, R - 1, V>(rows, x, ldx, w, ldw, kn, acc, lda, f);
+    if (rows < R) return tile_of<DT, R - 1, Fetch>(rows, x, ldx, w, ldw, kn, acc, lda, ahead);
   }
-  tile<DT, R, V>(x, ldx, w, ldw, kn, acc, lda, f);
+  tile<DT, R, kTileVecs, Fetch>(x, ldx, w, ldw, kn, acc, lda, ahead);
 }
 
 // ---- a thread's columns -------------------------------------------------------------------------
 // Columns [c0, c1) of out [rows, N] = x [rows, K] @ w [K, N] (w given as e = w^T [N, K] when
-// `transposed`: always packed). `acc` holds rows x (strip + kPad) floats (rows of `out` N floats
-// apart could share L1 sets, and a load would wait on the store to the row before at the same low
-// address bits), `buf` the panels of a block.
+// `transposed`). `acc` holds rows x (strip + kPad) floats (rows of `out` N floats apart could share
+// L1 sets, and a load would wait on the store to the row before at the same low address bits);
+// `buf` one panel and x's block: (kblock + 16) (kPanel + rows) floats (module.cpp sizes it).
+//
+// Three rows and more, for each block of kblock rows of w and each panel of kPanel columns: every
+// group of rows (up to kTileRows each) reads a whole panel of w in place, the first one from
+// memory, the next ones from cache; a transposed w and the columns past the last whole panel are
+// widened into `panel` first, where each group reads them. Whatever reads w from memory also
+// fetches the same columns of the next block (or the next strip's first) toward L2.
 template <int DT>
 static void columns(const float* x, const void* w, bool transposed, float* out, ptrdiff_t rows, ptrdiff_t K,
                     ptrdiff_t N, ptrdiff_t c0, ptrdiff_t c1, ptrdiff_t strip, ptrdiff_t kblock, float* acc,
@@ -342,51 +357,48 @@ static void columns(const float* x, const void* w, bool transposed, float* out, 
   using T = typename Weights<DT>::T;
   const T* wt = static_cast<const T*>(w);
   const ptrdiff_t lda = strip + kPad;
+  const int groups = int((rows + kTileRows - 1) / kTileRows);  // tiles of rows, sizes as even as can be
+  float* panel = buf;
+  float* xb = buf + kblock * kPanel + 16;  // x's block, rows a line more than kn apart
+  const ptrdiff_t ldxb = kblock + 16;
   for (ptrdiff_t n0 = c0; n0 < c1; n0 += strip) {
     const int cols = int(c1 - n0 < strip ? c1 - n0 : strip);
-    const ptrdiff_t used = cols + kPanel;  // a packed tile's last panel adds zeros past cols
     for (ptrdiff_t r = 0; r < rows; ++r)
-      for (ptrdiff_t n = 0; n < used; ++n) acc[r * lda + n] = 0.0f;
+      for (ptrdiff_t n = 0; n < cols + kPanel; ++n) acc[r * lda + n] = 0.0f;  // a last panel runs past cols
     if (rows == 1 && !transposed) {
       stream<DT, 1>(x, K, wt + n0, N, K, acc, lda, cols);
     } else if (rows <= kStreamRows && !transposed) {
       stream<DT, 2>(x, K, wt + n0, N, K, acc, lda, cols);
     } else {
-      // Up to kDirectRows rows, tiles read w's whole panels of kDirectPanel columns where they are
-      // (at most two passes over a block the tiles before fetched into L2: packing would cost more
-      // than it saves); the columns past them, and every column for more rows, are packed.
-      const int direct = transposed || rows > kDirectRows ? 0 : cols / kDirectPanel;
-      const int packed_cols = cols - direct * kDirectPanel, panels = (packed_cols + kPanel - 1) / kPanel;
-      const int groups = int((rows + kTileRows - 1) / kTileRows);  // tiles of rows, sizes as even as can be
-      const int direct_groups = int((rows + kDirectTileRows - 1) / kDirectTileRows);
+      const int panels = (cols + kPanel - 1) / kPanel;
       for (ptrdiff_t k0 = 0; k0 < K; k0 += kblock) {
         const ptrdiff_t kn = K - k0 < kblock ? K - k0 : kblock;
-        const ptrdiff_t d0 = n0 + direct * kDirectPanel;  // the first packed column
-        if (transposed) pack_transposed<DT>(wt + d0 * K + k0, K, kn, packed_cols, buf);
-        else pack<DT>(wt + k0 * N + d0, N, kn, packed_cols, buf);
-        float* xb = buf + panels * panel_stride(kn);  // x's block, rows a line more than kn apart
-        const ptrdiff_t ldxb = kn + 16;
         for (ptrdiff_t r = 0; r < rows; ++r) __builtin_memcpy(xb + r * ldxb, x + r * K + k0, sizeof(float) * kn);
-        // the next block: rows k1 .. of w's columns n0 ..; of e, rows n0 .. from column k1
-        const ptrdiff_t k1 = k0 + kn, next = K - k1 < kblock ? K - k1 : kblock, sz = ptrdiff_t(sizeof(T));
-        const ptrdiff_t fetch_rows = transposed ? (next > 0 ? cols : 0) : next;
-        const ptrdiff_t row_bytes = (transposed ? next : cols) * sz, lines = fetch_rows * ((row_bytes + 63) / 64);
-        const ptrdiff_t steps = (ptrdiff_t(panels) * groups + ptrdiff_t(direct) * direct_groups) * kn;
-        Fetch f{reinterpret_cast<const char*>(transposed ? wt + n0 * K + k1 : wt + k1 * N + n0), (transposed ? K : N) * sz,
-                row_bytes, 0, fetch_rows, int(lines > 0 && steps > lines ? steps / lines : 1), 0};
-        for (int p = 0; p < direct; ++p)
-          for (int g = 0; g < direct_groups; ++g) {
-            const ptrdiff_t r0 = rows * g / direct_groups, r1 = rows * (g + 1) / direct_groups;
-            tile_of<DT, kDirectTileRows, kDirectTileVecs>(int(r1 - r0), xb + r0 * ldxb, ldxb,
-                                                          wt + k0 * N + n0 + p * kDirectPanel, N, kn,
-                                                          acc + r0 * lda + p * kDirectPanel, lda, &f);
+        // what to fetch while this block is read: the next block (w's rows k0 + kblock .., e's
+        // columns), else the next strip's first block, else nothing
+        const ptrdiff_t ahead = k0 + kn < K ? (transposed ? kblock : kblock * N)
+                                : n0 + strip < c1 ? (transposed ? strip * K - k0 : strip - k0 * N) : 0;
+        for (int p = 0; p < panels; ++p) {
+          const ptrdiff_t n = n0 + ptrdiff_t(p) * kPanel;
+          const int pcols = int(n0 + cols - n < kPanel ? n0 + cols - n : kPanel);
+          float* ap = acc + ptrdiff_t(p) * kPanel;
+          if (!transposed && pcols == kPanel) {  // in place: the first group fetches ahead
+            for (int g = 0; g < groups; ++g) {
+              const ptrdiff_t r0 = rows * g / groups, r1 = rows * (g + 1) / groups;
+              const T* wp = wt + k0 * N + n;
+              if (ahead && g == 0) tile_of<DT, kTileRows, true>(int(r1 - r0), xb, ldxb, wp, N, kn, ap, lda, ahead);
+              else tile_of<DT, kTileRows, false>(int(r1 - r0), xb + r0 * ldxb, ldxb, wp, N, kn, ap + r0 * lda, lda, 0);
+            }
+            continue;
           }
-        for (int p = 0; p < panels; ++p)
+          if (transposed) pack_transposed<DT>(wt + n * K + k0, K, kn, pcols, panel, ahead);
+          else if (ahead) pack<DT, true>(wt + k0 * N + n, N, kn, pcols, panel, ahead);
+          else pack<DT, false>(wt + k0 * N + n, N, kn, pcols, panel, 0);
           for (int g = 0; g < groups; ++g) {
             const ptrdiff_t r0 = rows * g / groups, r1 = rows * (g + 1) / groups;
-            tile_of<kF32, kTileRows, kTileVecs>(int(r1 - r0), xb + r0 * ldxb, ldxb, buf + p * panel_stride(kn),
-                                                kPanel, kn, acc + r0 * lda + (d0 - n0) + p * kPanel, lda, &f);
+            tile_of<kF32, kTileRows, false>(int(r1 - r0), xb + r0 * ldxb, ldxb, panel, kPanel, kn, ap + r0 * lda, lda, 0);
           }
+        }
       }
     }
     for (ptrdiff_t r = 0; r < rows; ++r) __builtin_memcpy(out + r * N + n0, acc + r * lda, sizeof(float) * cols);

@@ -1,5 +1,5 @@
-// The product (product.h) compiled for AVX2 + F16C: 8-float vectors, packed tiles of 6 rows x 2
-// vectors and in-place tiles of 4 rows x 3 vectors (12 accumulators of the 16 registers). module.cpp picks it at run time where the CPU has both.
+// The product (product.h) compiled for AVX2 + F16C: 8-float vectors, tiles of 4 rows x 3 vectors
+// (12 accumulators of the 16 registers). module.cpp picks it at run time where the CPU has both.
 // No FMA in the target: a multiply and an add stay two roundings, as in the baseline build.
 #include <cstddef>
 #include <cstdint>
@@ -18,10 +18,8 @@
 #define DSPARK_CPU_ISA avx2
 #define DSPARK_CPU_AVX2 1
 #define DSPARK_LANES 8
-#define DSPARK_TILE_ROWS 6
-#define DSPARK_TILE_VECS 2
-#define DSPARK_DIRECT_TILE_ROWS 4
-#define DSPARK_DIRECT_TILE_VECS 3
+#define DSPARK_TILE_ROWS 4
+#define DSPARK_TILE_VECS 3
 #include "product.h"
 
 namespace dspark_cpu {
@@ -31,8 +29,4 @@ void product_avx2(int dtype, const float* x, const void* w, bool transposed, flo
 }
 }  // namespace dspark_cpu
 
-#if defined(__clang__)
-#pragma clang attribute pop
-#else
-#pragma GCC pop_options
-#endif
+#include "target_pop.h"

@@ -1,5 +1,5 @@
-// The product (product.h) for any CPU: 4-float vectors (SSE2 on x86-64), packed tiles of 4 rows x 2
-// vectors, in-place tiles of 4 rows x 3. The same bits as the AVX2 build.
+// The product (product.h) for any CPU: 4-float vectors (SSE2 on x86-64), tiles of 4 rows x 3
+// vectors. The same bits as the AVX2 build.
 #include <cstddef>
 
 #define DSPARK_CPU_ISA base

@@ -23,6 +23,7 @@ class Backend:
     xp: object                   # the array module: numpy or cupy
     kernels: object | None       # executor with get_function(name); None on numpy
     alloc: Allocator = field(repr=False, default=None)
+    cost: object = field(repr=False, default=None, compare=False)  # dspark.cost.cost_model(self), made on first use
 
     def __post_init__(self):
         if self.alloc is None:

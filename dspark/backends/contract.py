@@ -905,13 +905,14 @@ class Stream(_Checked):
 
 class Event(_Checked):
     _where = "cupy.cuda.Event"
-    __slots__ = ("ptr",)
+    __slots__ = ("ptr", "at")
 
     def __init__(self, block=False, disable_timing=False, interprocess=False):
         self.ptr = next(_STREAM_HANDLES)
+        self.at = None  # host time of the record: work here runs as it is issued
 
     def record(self, stream=None) -> None:
-        pass
+        self.at = time.perf_counter()
 
     @_own
     def synchronize(self) -> None:
@@ -993,11 +994,18 @@ def _mem_get_info() -> tuple[int, int]:
     return host_available(), os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
+def _get_elapsed_time(start: Event, end: Event) -> float:
+    """Milliseconds between two recorded events (CuPy refuses an unrecorded one too)."""
+    if start.at is None or end.at is None:
+        raise RuntimeError("get_elapsed_time: both events must be recorded")
+    return (end.at - start.at) * 1e3
+
+
 _RUNTIME = _Namespace("cupy.cuda.runtime", getDeviceCount=lambda: 1, deviceSynchronize=_device_synchronize,
                       memGetInfo=_mem_get_info)
 _CUDA = _Namespace("cupy.cuda", Device=Device, Stream=Stream, Graph=Graph, Event=Event, MemoryPool=MemoryPool,
                    MemoryPointer=MemoryPointer, runtime=_RUNTIME, get_current_stream=lambda device=None: _current_stream(),
-                   is_available=lambda: True)
+                   is_available=lambda: True, get_elapsed_time=_get_elapsed_time)
 
 
 # ---- the cupy module ---------------------------------------------------------------------------------

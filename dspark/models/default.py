@@ -8,6 +8,7 @@ checkout read the same place.
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 DEFAULT_DIR = Path(__file__).with_name("default")
@@ -24,4 +25,14 @@ def load_default(backend=None):
         raise FileNotFoundError(f"the default weights are missing from {DEFAULT_DIR}: reinstall dspark, or "
                                 f"rebuild them with python -m dspark.train (see dspark/train/__init__.py)")
     trunk = HybridTrunk.load(DEFAULT_DIR, be)
-    return trunk, DsparkDrafter.load(DEFAULT_DIR, trunk)
+    drafter = DsparkDrafter.load(DEFAULT_DIR, trunk)
+    drafter.accept_floor = recorded_floors()["mean accepted length"]
+    return trunk, drafter
+
+
+def recorded_floors() -> dict[str, float]:
+    """measure -> floor, from the table under RECORD.md's "Acceptance floors" heading (greedy)."""
+    text = (DEFAULT_DIR / "RECORD.md").read_text()
+    section = text.split("## Acceptance floors", 1)[1].split("\n## ", 1)[0]
+    rows = re.findall(r"^\| ([a-z][^|]*?) \| [0-9.]+ \| ([0-9.]+) \|$", section, re.M)
+    return {name: float(floor) for name, floor in rows}

@@ -151,6 +151,8 @@ class DsparkDrafter:
         self.config, self.trunk, self.be = c, trunk, trunk.be
         self.taps = taps
         self.source = None  # a description when loaded from a released checkpoint (dspark.models.hf)
+        self.accept_floor = None  # greedy mean accepted length its record guarantees (the gain's prior), if any
+        self.acceptance = {}      # (accept rule, temperature): tokens per round this process's sessions measured
         # Window 0 means every committed row, as the references attend: the ring then holds the
         # whole context the trunk's cache can, seen from the anchor. A sliding layer's window is
         # measured as the checkpoint's format says (c.window_mode).

@@ -5,9 +5,10 @@ Row invariance (DESIGN section 3) without padding: every output is summed in one
 alone, acc = 0, then acc = acc + x[r, k] * w[k, n] for k = 0 .. K - 1, each multiply and each add
 rounded to f32 (no contracted multiply-add). No number of rows, no column split and no vector
 width changes that order, so a row alone, the same row among 300, a prefill row and the decode
-step at its position are bitwise equal, with any thread count and on either instruction set the
-module was built for (AVX2, or the baseline). w is read as stored (f32, f16, bf16), widened
-exactly, once per group of 8 rows; the columns are split across `get_num_threads()` threads.
+step at its position are bitwise equal, with any thread count and on any instruction set the
+module was built for (AVX-512, AVX2, the baseline: `dspark._cpu.isas`). w is read as stored (f32,
+f16, bf16) and widened exactly, from memory once per strip of columns; the columns are split
+across `get_num_threads()` threads.
 """
 
 from __future__ import annotations
@@ -91,13 +92,11 @@ def product_ref(x, w) -> np.ndarray:
 # ---- native -----------------------------------------------------------------------------------------
 def blocking(rows: int, transposed: bool = False) -> tuple[int, int]:
     """(strip, kblock) for a product of `rows` rows (csrc/cpu/product.h): the columns a thread
-    walks at once, sized so that their accumulators and the rows of w in use stay in cache, and the
-    rows of w per block of the tiles. Neither changes a single bit of the result."""
-    if transposed or rows > 8:  # packed: a block of w (128 KB in f32) in L2, a panel (8 KB) in L1
-        return 256, 128
-    if rows > 2:  # tiles on w in place: rows of 4 KB, blocks of 128 KB
-        return 1024, 32
-    return (8192 if rows == 1 else 2048), 1  # streamed: long runs of each row of w, accumulators in L1 / L2
+    walks at once and the rows of w per block of the tiles. Neither changes a single bit of the
+    result."""
+    if rows > 2 or transposed:  # tiles: a block of w (256 KB in f32) in L2 beside the next one
+        return 1024, 64
+    return 8192, 1  # streamed: long runs of each row of w, accumulators in L1 / L2
 
 
 def product(x: np.ndarray, w: np.ndarray, out: np.ndarray | None = None, *, threads: int | None = None,
@@ -105,7 +104,8 @@ def product(x: np.ndarray, w: np.ndarray, out: np.ndarray | None = None, *, thre
     """x f32 [rows, K] @ w [K, N] (f32, f16 or bf16) -> out f32 [rows, N]: x and out C-contiguous
     host arrays, w C-contiguous or the transpose of a C-contiguous [N, K] (a tied LM head, read in
     place). The op validates; this only computes. `threads` (default: get_num_threads(), fewer for
-    a small product) and `isa` ("avx2", "base"; default: the best this CPU runs) are for tests."""
+    a small product) and `isa` (one of dspark._cpu.isas: "avx512", "avx2", "base"; default: the
+    best this CPU runs) are for tests and benchmarks."""
     rows, k = x.shape
     n = w.shape[1]
     if out is None:
@@ -121,6 +121,8 @@ def product(x: np.ndarray, w: np.ndarray, out: np.ndarray | None = None, *, thre
     if not NATIVE:  # its twin: the same bits, slower
         out[...] = product_ref(x, w)
         return out
+    if isa and isa not in _cpu.isas:
+        raise BackendUnavailable(f"isa={isa!r}: expected one this CPU runs, {', '.join(_cpu.isas)}")
     if threads is None:  # a small product is not worth waking a thread for
         threads = max(1, min(get_num_threads(), k * n * (rows + 4) // WORK_PER_THREAD))
     strip, kblock = blocking(rows, transposed)

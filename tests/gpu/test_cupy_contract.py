@@ -125,7 +125,7 @@ def workload(be) -> dict:
     batch.run()
     out["demoted_coupled"] = batch.leave(sid).emitted
     assert out["demoted_coupled"] == plain_generate(trunk, p[1], 18, sampling=coupled)
-    w = Worker(trunk, drafter, GateConfig(low=2, high=3), store=PrefixStore(8 << 20), spec=SpecParams(burst_target=4))
+    w = Worker(trunk, drafter, GateConfig(low=2, high=3), store=PrefixStore(8 << 20), spec=SpecParams(burst_target=4, policy="always"))
     a = w.submit(p[2], 14)
     w.step()                                   # spec; its prompt-end capture is published
     b = w.submit(p[2], 14)                     # the same prompt: restored, not primed

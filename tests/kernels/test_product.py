@@ -17,9 +17,10 @@ _cpu = peer("dspark._cpu")  # built by pip install -e .; a tree without it (a GP
 
 DTYPES = [np.float32, np.float16, BF16]
 DTYPE_IDS = ["f32", "f16", "bf16"]
-ISAS = list(_cpu.isas)  # the AVX2 build where the CPU has it, and the baseline one always
-# (rows, K, N): streamed (1, 2 rows) and packed (3+), K past a block (128) and not a multiple of
-# 4, N past a packed strip (256) and the widest streamed one (8192), ragged vectors and panels
+ISAS = list(_cpu.isas)  # the AVX-512 and AVX2 builds where the CPU has them, the baseline one always
+# (rows, K, N): streamed (1, 2 rows) and tiled (3+: one group of rows, several), K past a block
+# (64) and not a multiple of 8, N past a tiled strip (1024) and the widest streamed one (8192),
+# ragged vectors and panels
 SIZES = [(1, 1, 1), (2, 5, 3), (3, 31, 127), (1, 1000, 8300), (2, 257, 8195), (7, 257, 513), (9, 130, 2050),
          (33, 129, 255), (1, 4, 9)]
 
@@ -79,13 +80,25 @@ def test_16_bit_weights_give_the_product_of_their_widening(rng, dtype):
 
 
 def test_special_values_follow_the_reference(rng):
-    """Subnormal, infinite and zero f16 weights widen exactly (the AVX2 build converts with F16C,
-    the baseline with integer arithmetic) and propagate as the reference's multiply-adds do."""
+    """Subnormal, infinite and zero f16 weights widen exactly (the AVX-512 and AVX2 builds convert
+    with vcvtph2ps, the baseline with integer arithmetic) and propagate as the reference's multiply-adds do."""
     x, w = inputs(rng, 3, 64, 40, np.float16)
     w[0, :8] = [np.inf, -np.inf, 6e-8, -6e-8, 0.0, -0.0, 65504, np.float16(1e-5)]
     x[1, 5] = 0.0
     for isa in ISAS:
         np.testing.assert_array_equal(native(x, w, 1, isa), prod.product_ref(x, w), err_msg=isa)
+
+
+def test_an_instruction_set_this_cpu_lacks_is_refused(rng):
+    """Running another set's code would stop the process on an illegal instruction."""
+    from dspark.errors import BackendUnavailable
+    x, w = inputs(rng, 3, 8, 8, np.float32)
+    out = poison(np, (3, 8), np.float32)
+    before = out.copy()
+    for bad in ("avx1024", "AVX2", "sse9"):
+        with pytest.raises(BackendUnavailable, match=rf"isa='{bad}': expected one this CPU runs, .*base"):
+            prod.product(x, w, out, isa=bad)
+    np.testing.assert_array_equal(out.view(np.uint32), before.view(np.uint32))  # untouched
 
 
 def test_linear_on_the_numpy_backend_is_the_native_product(numpy_backend, rng):

@@ -131,7 +131,7 @@ def test_generate_with_drafter_is_speculative_and_exact(capsys, model_dir, draft
     want = plain_generate(load_target(model_dir, numpy_backend), tok.encode(text), 12)
     for name, path in drafter_dirs.items():
         rc, out, err = run(capsys, "generate", text, "--model", str(model_dir), "--drafter", str(path),
-                           "--backend", "numpy", "--max-new-tokens", "12", "--verify", "full")
+                           "--backend", "numpy", "--max-new-tokens", "12", "--verify", "full", "--policy", "always")
         assert rc == 0, err
         assert out == text + tok.decode(want) + "\n", name
         fmt = {"deepspec": "DeepSpec DSpark", "dflash": "z-lab DFlash"}[name]

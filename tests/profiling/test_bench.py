@@ -148,6 +148,15 @@ def test_bench_worker_prints_every_gate():
     assert "tok/s" in out and "latency" in out
 
 
+def test_bench_worker_mixed_prints_every_policy_and_its_decisions():
+    r, _ = script("profiling/bench_worker.py", "--model", "tiny", "--requests", "4", "--max-new", "8",
+                  "--workload", "mixed", "--repeat", "1")
+    out = ok(r)
+    for row in ("all plain", "all spec", "gain 64/65", "gain 2/4"):
+        assert re.search(rf"^\s*{row} \|", out, re.M), out
+    assert re.search(r"gain 64/65 .*\| spec \d+ gain.*, plain .*, demoted ", out), out
+
+
 def test_bench_coupled_prints_both_samplers_and_checks_equality(capsys):
     """One prompt, one seed, a few tokens: each row has both samplers and the coupled text equals
     plain sampled decode's."""
@@ -171,6 +180,20 @@ def test_bench_cpu_runs_beside_transformers():
     for arch in ("qwen3_5", "qwen3"):
         assert re.search(rf"^\| {arch} \| 1 \| plain decode, per token \|", out, re.M), out
         assert f"{arch}, 1 thread(s): greedy tokens identical: yes" in out
+
+
+def test_bench_product_prints_each_row_count_against_one_row():
+    """profiling/bench_product.py at a small size: both shapes, every instruction set asked for,
+    the time over one row's."""
+    from tests.peers import peer
+    isas = peer("dspark._cpu").isas
+    r, _ = script("profiling/bench_product.py", "--k", "64", "--n", "256", "--rows", "1", "8", "--repeats", "1",
+                  "--isa", *isas)
+    out = ok(r)
+    for shape in ("memory", "cache"):
+        assert re.search(rf"^{shape}: w f32", out, re.M), out
+    for isa in isas:
+        assert re.search(rf"^{isa} +1 .* 1\.00$", out, re.M) and re.search(rf"^{isa} +8 ", out, re.M), out
 
 
 def test_bench_embedded_runs_beside_an_earlier_tree():

@@ -6,27 +6,18 @@ drafter that no longer ingests its context, a verify width stuck at 2, taps of t
 passes every exactness test. This one fails. Deterministic: numpy backend, greedy, no timing."""
 
 import json
-import re
 from pathlib import Path
 
 import numpy as np
 
 from dspark.cli import run_spec
 from dspark.models import load_default
-from dspark.models.default import DEFAULT_DIR
+from dspark.models.default import recorded_floors
 from dspark.session import SpecParams
 from dspark.stats import RepetitionSplit, SpecStats
 
 PROMPTS = Path(__file__).with_name("heldout_prompts.json")
 NEW_TOKENS = 160
-
-
-def recorded_floors() -> dict[str, float]:
-    """measure -> floor, from the table under RECORD.md's "Acceptance floors" heading."""
-    text = (DEFAULT_DIR / "RECORD.md").read_text()
-    section = text.split("## Acceptance floors", 1)[1].split("\n## ", 1)[0]
-    rows = re.findall(r"^\| ([a-z][^|]*?) \| [0-9.]+ \| ([0-9.]+) \|$", section, re.M)
-    return {name: float(floor) for name, floor in rows}
 
 
 def heldout_prompts() -> list[np.ndarray]:

@@ -21,7 +21,8 @@ def test_the_table_covers_the_bug_classes(mutants):
             "all-zero-drafter-distribution", "residual-drawn-from-p", "argmax-tie-to-the-higher-index",
             "markov-chain-missing-barrier", "kv-commit-ring-off-by-one", "accept-test-on-the-draft-stream",
             "model-every-flop-an-fma", "gpu-check-skipped-counts-as-ran", "interop-interface-before-dlpack",
-            "cpu-tiles-add-each-block-at-the-end", "cpu-avx2-build-contracts-multiply-adds"} <= ids
+            "cpu-tiles-add-each-block-at-the-end", "cpu-avx2-build-contracts-multiply-adds",
+            "cpu-avx512-build-contracts-multiply-adds"} <= ids
     assert {m.cls for m in table} == {"session", "sampling", "kernel", "native", "op", "tooling"}
     for m in table:  # the snippets are checked by every run of the runner; the kill tests here
         assert mutants.kill_test_reason(m) is None, f"{m.id}: {mutants.kill_test_reason(m)}"

@@ -68,7 +68,7 @@ def test_scripted_arrivals_pin_the_gate_transitions(shipped, sampler):
     trunk, drafter = shipped
     rng = np.random.default_rng(0)
     sampling = SamplingParams(temperature=0.7, top_k=20, seed=3)
-    w = Worker(trunk, drafter, GateConfig(low=2, high=3), spec=SpecParams(burst_target=16, sampler=sampler))
+    w = Worker(trunk, drafter, GateConfig(low=2, high=3), spec=SpecParams(burst_target=16, sampler=sampler, policy="always"))
     a = w.submit(code_prompt(trunk, rng, 90), 60)
     b = w.submit(code_prompt(trunk, rng, 100), 40, sampling)
     w.step()  # both admitted to spec (active 1 <= 2, then 2 <= 2)
@@ -98,7 +98,7 @@ def test_restore_from_a_published_prefix_is_exact(pair, gate, sampling):
     rng = np.random.default_rng(1)
     p = prompt(rng, 30)
     store = PrefixStore(10 * 2**20)
-    w = Worker(trunk, drafter, gate, store=store, spec=SpecParams(burst_target=8))
+    w = Worker(trunk, drafter, gate, store=store, spec=SpecParams(burst_target=8, policy="always"))
     first = w.submit(p, 25, sampling, namespace="tenant-a")
     w.run()
     if gate.low:  # published only by spec sessions
@@ -160,16 +160,16 @@ def test_bad_requests_are_refused_and_others_go_on(pair):
 def test_a_failing_request_never_takes_down_the_others(pair, monkeypatch):
     trunk, drafter = pair
     rng = np.random.default_rng(4)
-    w = Worker(trunk, drafter, GateConfig(low=3, high=8), spec=SpecParams(burst_target=4))
+    w = Worker(trunk, drafter, GateConfig(low=3, high=8), spec=SpecParams(burst_target=4, policy="always"))
     ids = [w.submit(prompt(rng, n), 20) for n in (6, 9, 12)]
     w.step()
     victim = w.requests[ids[1]].session
     orig = worker_mod.spec_burst
 
-    def burst(sessions, target=None):
+    def burst(sessions, target=None, stop=None):
         if victim in sessions:
             raise NonFiniteError("logits: row 0 contains NaN (injected)")
-        return orig(sessions, target)
+        return orig(sessions, target, stop)
 
     monkeypatch.setattr(worker_mod, "spec_burst", burst)
     w.run()
@@ -189,7 +189,7 @@ def test_tokens_stream_through_the_callback(pair):
 
 def alone(trunk, drafter, p, n, sampling):
     """The request sent alone to a fresh worker: speculative from its prime to its end."""
-    w = Worker(trunk, drafter, spec=SpecParams(burst_target=6, tau=0.35, max_verify=8))
+    w = Worker(trunk, drafter, spec=SpecParams(burst_target=6, tau=0.35, max_verify=8, policy="always"))
     rid = w.submit(p, n, sampling)
     w.run()
     assert not w.requests[rid].demoted
@@ -219,8 +219,8 @@ def test_seeded_simulated_load(shipped, monkeypatch):
     trunk, drafter = shipped
     spec_stats = {}  # session id -> (greedy, its SpecStats after its latest burst)
 
-    def spy_burst(sessions, target=None):
-        out = real_burst(sessions, target)
+    def spy_burst(sessions, target=None, stop=None):
+        out = real_burst(sessions, target, stop)
         spec_stats.update({s.id: (s.params.sampling.greedy, s.stats) for s in sessions})
         return out
 
@@ -243,7 +243,7 @@ def test_seeded_simulated_load(shipped, monkeypatch):
     store = PrefixStore(8 * 2**20)  # three or so captures of the shipped pair: entries get evicted
     budget_seen = []
     w = Worker(trunk, drafter, GateConfig(low=3, high=5), store=store,
-               spec=SpecParams(burst_target=6, tau=0.35, max_verify=8))  # the command line's width
+               spec=SpecParams(burst_target=6, tau=0.35, max_verify=8, policy="always"))  # the command line's width
     lookups, owner_ns = [], {}
     real_lookup, real_publish = store.lookup, store.publish
 

@@ -1,0 +1,225 @@
+"""What a speculative round costs against a plain decode step, measured as the process runs.
+
+A round at batch B, verify width w and context c costs `round_cost(B, w, c)` plain steps of batch
+B (plain steps of one row at B = 1). Both are timed where they run (`spec_round` and
+`PlainBatch.step` call `timed`): wall time on the CPU backends, CUDA events on `cuda`, read back
+only once the end event has completed (no synchronisation is added to a round). A plain step's
+measurements update an exponential average per (greedy or sampled, batch, context bucket). A
+round's update the scale of the prior per (accept rule, batch, context bucket): measured seconds over the prior's steps, pooled
+over widths because a round's width varies from round to round and a per-width average would
+rest on a few noisy samples; the prior's shape prices the width. A key never measured is priced
+by the prior at the scale of all measurements of its kind.
+
+The prior is the shape of the cost before anything is measured: a round is a drafter pass and
+fixed host work (ROUND_FIXED plain steps) plus ROUND_PER_COLUMN per verified column, measured on
+the embedded pair (profiling/RESULTS.md, "Speculation where it pays"); a plain step of B rows
+costs 1 + PLAIN_PER_ROW * (B - 1) steps of one row (weights are read once per step). `cuda` uses
+the same prior today: the performance model's per-shape prediction lives in profiling/ and is not
+yet a package module, so it is not this prior; measured rounds replace the prior's scale within a
+few rounds either way.
+
+The clock is injectable: anything with `mark()` and `seconds(a, b)` (None while not known yet).
+Tests drive the model with a scripted clock, never with real time.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+
+import numpy as np
+from dataclasses import dataclass, field
+
+ROUND_FIXED = 1.0        # plain steps: the drafter pass, proposal and host work of a round
+ROUND_PER_COLUMN = 0.16  # plain steps per verified column (the trunk's verify is one pass over w rows)
+PLAIN_PER_ROW = 0.25     # a plain step's extra cost per row beyond the first
+SMOOTHING = 0.25         # weight of a new measurement in the exponential averages
+MIN_ROW_SHARE = 0.02     # a plain row never costs less than this share of a one-row step
+CONTEXT_BUCKET = 1024    # contexts below this share bucket 0; each doubling above it is a bucket
+
+
+# Rounds of each accept rule and plain steps greedy or sampled cost differently (sampling a token
+# costs more than an argmax): each has its own measurements.
+RULES = (("round", "greedy"), ("round", "coupled"), ("round", "rejection"), ("plain", "greedy"), ("plain", "sampled"))
+
+
+def plain_rule(rule: str) -> str:
+    """The plain step a session of accept rule `rule` would run instead."""
+    return "greedy" if rule == "greedy" else "sampled"
+
+
+def context_bucket(context: int) -> int:
+    return int(max(0, context) // CONTEXT_BUCKET).bit_length()
+
+
+@dataclass(frozen=True)
+class Prior:
+    """The cost shape before any measurement, in plain steps of one row."""
+    round_fixed: float = ROUND_FIXED
+    round_per_column: float = ROUND_PER_COLUMN
+    plain_per_row: float = PLAIN_PER_ROW
+
+    def plain(self, batch: int, context: int) -> float:
+        return 1.0 + self.plain_per_row * (batch - 1)
+
+    def round(self, batch: int, width: float, context: int) -> float:
+        return self.plain(batch, context) * (self.round_fixed + self.round_per_column * width)
+
+
+class WallClock:
+    """Host wall time: the CPU backends run synchronously, so a step's wall time is its cost."""
+
+    def mark(self):
+        return time.perf_counter()
+
+    def seconds(self, a, b) -> float | None:
+        return b - a
+
+
+class CudaEventClock:
+    """CUDA events on the current stream; an interval is known once its end event completed."""
+
+    def __init__(self, cupy):
+        self.cupy = cupy
+
+    def mark(self):
+        e = self.cupy.cuda.Event()
+        e.record()
+        return e
+
+    def seconds(self, a, b) -> float | None:
+        if not b.done:
+            return None
+        return self.cupy.cuda.get_elapsed_time(a, b) / 1e3
+
+
+class Average:
+    """An exponential average; the first sample sets it."""
+    __slots__ = ("value", "n")
+
+    def __init__(self):
+        self.value, self.n = 0.0, 0
+
+    def add(self, x: float) -> None:
+        self.value = x if self.n == 0 else self.value + SMOOTHING * (x - self.value)
+        self.n += 1
+
+
+@dataclass
+class CostModel:
+    clock: object = field(default_factory=WallClock)
+    prior: Prior = field(default_factory=Prior)
+
+    def __post_init__(self):
+        self._rounds: dict[tuple, Average] = {}  # (batch, context bucket): seconds over the prior's steps
+        self._plain: dict[tuple, Average] = {}   # (batch, context bucket): seconds
+        self._scale: dict = {}  # (kind, rule) and kind: measured seconds over the prior's steps
+        self._pending: list[tuple] = []
+
+    # ---- measuring -------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def timed(self, kind: str, batch: int, context: int, width: float = 1.0, rule: str = "greedy"):
+        """Time the block as one round ("round", of accept rule `rule`) or one plain step ("plain",
+        `rule` "greedy" or "sampled"). It yields a dict: a round sets "width" (its mean verify width)
+        once it knows it."""
+        note = {"width": width}
+        start = self.clock.mark()
+        yield note
+        self._pending.append((kind, rule, int(batch), int(context), float(note["width"]), start, self.clock.mark()))
+        self._resolve()
+
+    def _resolve(self) -> None:
+        waiting = []
+        for kind, rule, batch, context, width, a, b in self._pending:
+            sec = self.clock.seconds(a, b)
+            if sec is None:
+                waiting.append((kind, rule, batch, context, width, a, b))
+            else:
+                self.record(kind, batch, context, sec, width, rule)
+        self._pending = waiting
+
+    def record(self, kind: str, batch: int, context: int, seconds: float, width: float = 1.0,
+               rule: str = "greedy") -> None:
+        """One measured round or plain step."""
+        if (kind, rule) not in RULES:
+            raise ValueError(f"(kind, rule)={(kind, rule)!r}: expected one of {RULES}")
+        if not (seconds > 0 and math.isfinite(seconds)):
+            return  # a clock that did not move says nothing
+        key = (rule, batch, context_bucket(context))
+        if kind == "round":
+            ratio = seconds / self.prior.round(batch, width, context)
+            self._rounds.setdefault(key, Average()).add(ratio)
+        else:
+            ratio = seconds / self.prior.plain(batch, context)
+            self._plain.setdefault(key, Average()).add(seconds)
+        self._scale.setdefault((kind, rule), Average()).add(ratio)
+        self._scale.setdefault(kind, Average()).add(ratio)
+
+    # ---- pricing ---------------------------------------------------------------------------------
+    def _scale_of(self, kind: str, rule: str) -> float:
+        """The prior's scale for a key never measured: the same kind and rule, else the same kind,
+        else the other kind, else 1."""
+        for key in ((kind, rule), kind, "plain" if kind == "round" else "round"):
+            a = self._scale.get(key)
+            if a is not None and a.n:
+                return a.value
+        return 1.0
+
+    def round_seconds(self, batch: int, width: float, context: int, rule: str = "greedy") -> float:
+        m = self._rounds.get((rule, batch, context_bucket(context)))
+        return self.prior.round(batch, width, context) * (m.value if m else self._scale_of("round", rule))
+
+    def plain_seconds(self, batch: int, context: int, rule: str = "greedy") -> float:
+        m = self._plain.get((rule, batch, context_bucket(context)))
+        return m.value if m else self.prior.plain(batch, context) * self._scale_of("plain", rule)
+
+    def plain_row_seconds(self, batch: int, context: int, rule: str = "greedy") -> float:
+        """What one more row adds to a plain step of `batch` rows: the slope of the measured steps of
+        this rule and context bucket over their batch sizes where two or more were measured (at
+        least MIN_ROW_SHARE of a one-row step), else the prior's slope at the measured level."""
+        cb = context_bucket(context)
+        pts = sorted((b, a.value) for (r, b, c), a in self._plain.items() if r == rule and c == cb and a.n)
+        one = self.plain_seconds(1, context, rule)
+        if len(pts) >= 2:
+            b, t = np.array(pts, float).T
+            slope = float(np.polyfit(b, t, 1)[0])
+            return max(slope, MIN_ROW_SHARE * one)
+        p = self.prior
+        return self.plain_seconds(batch, context, rule) * (p.plain(batch + 1, context) / p.plain(batch, context) - 1.0)
+
+    def round_cost(self, batch: int, width: float, context: int, rule: str = "greedy") -> float:
+        """A round's cost in plain steps of the same batch and sampling."""
+        return self.round_seconds(batch, width, context, rule) / self.plain_seconds(batch, context, plain_rule(rule))
+
+    def measured(self) -> dict:
+        """Counts of measurements, for stats."""
+        return {"rounds": self._scale["round"].n if "round" in self._scale else 0,
+                "plain_steps": self._scale["plain"].n if "plain" in self._scale else 0}
+
+
+def clock_for(be):
+    """Wall time on the CPU backends; CUDA events on `cuda` (a stand-in without events: wall time)."""
+    if be.name == "cuda":
+        try:
+            return CudaEventClock(be.xp) if callable(be.xp.cuda.Event) else WallClock()
+        except (AttributeError, NotImplementedError):  # the CuPy contract stand-in models no events
+            return WallClock()
+    return WallClock()
+
+
+def cost_model(be) -> CostModel:
+    """The backend's process-wide cost model (created on first use)."""
+    if be.cost is None:
+        be.cost = CostModel(clock_for(be))
+    return be.cost
+
+
+@contextlib.contextmanager
+def using(be, model: CostModel):
+    """Put `model` in place of the backend's cost model for the block (tests: a scripted clock)."""
+    old, be.cost = be.cost, model
+    try:
+        yield model
+    finally:
+        be.cost = old

@@ -1,0 +1,168 @@
+"""Speculation as a bet per session: expected tokens per round over the round's cost in plain
+steps (DESIGN section 10), and the decisions taken from it under SpecParams(policy="gain").
+
+Expected tokens per round: the mean of the session's last WINDOW rounds (tokens emitted, the
+anchor included). Before PRIOR_ROUNDS rounds the prior fills the missing weight: what the process's
+earlier sessions of the same accept rule and temperature measured with this drafter
+(`DsparkDrafter.acceptance`), else the drafter's recorded greedy floor
+(`DsparkDrafter.accept_floor`) for a greedy session where it has one, else NEUTRAL_TOKENS. The
+cost comes from the backend's cost model (dspark.cost).
+
+A round's weight reads are shared by its rows (and a plain step's by its rows), so the gain that
+decides is the batch's: the time for the same tokens with this session in plain decode (the other
+sessions' round, plus this session's tokens at what one more row costs the plain batch: a whole
+one-row step when there is no plain batch) over the time of the round with it. At B = 1 and no
+plain batch that is the session's own gain, tokens per round over the round's cost in plain
+steps; at B = 2 the second row of a round costs little, so a session accepting little can still
+pay; beside a running plain batch a row of plain decode costs little, so speculation must pay
+more. The same formula serves every B.
+
+Decisions (each returns (bool, reason)):
+* `admit`: start speculative only where the predicted gain exceeds 1 + params.margin.
+* `rejection_mode`: a request sampled by rejection keeps one mode for its whole life, chosen from
+  the request and the prior alone: the prior tokens over the cost model's *prior* at one row,
+  never a timing and never the load, so its text depends only on its seed and request.
+* `demote_check`: once a session has a full window of its own rounds, a demotable session whose
+  measured gain stays below 1 for params.patience consecutive checks (burst boundaries: the
+  worker and `dspark generate` check after every round, each a burst boundary) is demoted; one
+  check at or above 1 resets the count (the hysteresis: a dip does not demote, and demotion is
+  one-way, so nothing flaps). The first rounds of a text are often its least predictable, so no
+  check runs on fewer than WINDOW rounds.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .cost import Average, CostModel, cost_model, plain_rule
+from .params import SpecParams
+
+WINDOW = 8            # rounds of a session's own history that its gain reads
+PRIOR_ROUNDS = 3      # the prior's weight, in rounds; the first rounds replace it
+# Tokens per round expected of a session with no recorded floor (sampled, or a drafter without a
+# record). Optimistic on purpose: it admits wherever a round costs under about 3.6 plain steps, so
+# the first rounds measure the session; a demotable one that loses pays `patience` checks at most.
+NEUTRAL_TOKENS = 4.0
+
+
+def width_by_gain(model: CostModel, conf, cap: int, context: int, rule: str = "greedy") -> int:
+    """The verify width in [2, cap] of most expected tokens per unit of round cost: a width v
+    emits 1 + sum over k < v of c_1 ... c_k tokens in expectation (c_k: the confidence head's
+    probability that draft k is accepted once drafts 1..k-1 were), and costs the cost model's
+    round at width v."""
+    c = np.cumprod(np.asarray(conf[: cap - 1], np.float64))
+    widths = np.arange(2, cap + 1)
+    tokens = 1.0 + np.cumsum(c)[widths - 2]
+    cost = np.array([model.round_seconds(1, float(v), context, rule) for v in widths])
+    return int(widths[int(np.argmax(tokens / cost))])
+
+
+def prior_tokens(params: SpecParams, drafter) -> float:
+    """The static prior: the drafter's recorded greedy floor, else NEUTRAL_TOKENS."""
+    floor = getattr(drafter, "accept_floor", None)
+    return float(floor) if floor and params.accept == "greedy" else NEUTRAL_TOKENS
+
+
+def _kind(params: SpecParams) -> tuple:
+    return params.accept, round(params.sampling.temperature, 1)
+
+
+def predicted_tokens(params: SpecParams, drafter) -> float:
+    """Tokens per round expected of a new demotable session: what this process's sessions of the
+    same accept rule and temperature measured with this drafter (`remember`), else the static
+    prior. Never used for a rejection-sampled request's mode (that would make its text depend on
+    other requests)."""
+    seen = getattr(drafter, "acceptance", {}).get(_kind(params))
+    return seen.value if seen is not None else prior_tokens(params, drafter)
+
+
+def remember(s) -> None:
+    """Fold session `s`'s measured tokens per round (a full window of them) into its drafter's
+    memory of sessions like it."""
+    if len(s.recent) >= WINDOW:
+        s.drafter.acceptance.setdefault(_kind(s.params), Average()).add(float(np.mean([t for t, _ in s.recent])))
+
+
+def prior_width(params: SpecParams, drafter) -> int:
+    """The widest verify the session may run: the cost before its own widths are known."""
+    cap = drafter.config.drafts + 1
+    return min(params.max_verify or cap, cap)
+
+
+def expected_tokens(s) -> float:
+    """Tokens per round expected of session `s` from its recent rounds and the prior."""
+    recent = [t for t, _ in s.recent]
+    w = max(0, PRIOR_ROUNDS - len(recent))
+    return (predicted_tokens(s.params, s.drafter) * w + sum(recent)) / (w + len(recent))
+
+
+def expected_width(s) -> float:
+    if not s.recent:
+        return float(prior_width(s.params, s.drafter))
+    return float(np.mean([w for _, w in s.recent]))
+
+
+def batch_gain(model: CostModel, tokens: float, width: float, context: int, others: list[tuple[float, int]],
+               rule: str = "greedy", plain_rows: int = 0) -> float:
+    """Gain of one session of accept rule `rule` with `tokens` per round at verify `width` sharing
+    rounds with `others` ((width, context) of each other session of its batch), beside a plain
+    batch of `plain_rows` rows: the time for the same tokens with it in plain decode (the others'
+    round, and its tokens at what one more plain row costs) over the time of the round with it."""
+    b = len(others) + 1
+    widths = [width] + [w for w, _ in others]
+    ctx = max([context] + [c for _, c in others])
+    rest = model.round_seconds(b - 1, float(np.mean(widths[1:])), ctx, rule) if others else 0.0
+    pr = plain_rule(rule)
+    row = model.plain_row_seconds(plain_rows, context, pr) if plain_rows else model.plain_seconds(1, context, pr)
+    return (rest + tokens * row) / model.round_seconds(b, float(np.mean(widths)), ctx, rule)
+
+
+def session_gain(s, group, plain_rows: int = 0) -> float:
+    """The measured gain of live session `s` in its round batch `group` (s included), beside a
+    plain batch of `plain_rows` rows."""
+    others = [(expected_width(o), o.cache.pos) for o in group if o is not s]
+    return batch_gain(cost_model(s.be), expected_tokens(s), expected_width(s), s.cache.pos, others, s.params.accept,
+                      plain_rows)
+
+
+def admit(params: SpecParams, drafter, context: int, group=(), plain_rows: int = 0) -> tuple[bool, str]:
+    """Whether a new demotable request starts speculative beside the live sessions `group` of its
+    accept rule and a plain batch of `plain_rows` rows; with the reason."""
+    if params.policy == "always":
+        return True, "policy always"
+    others = [(expected_width(o), o.cache.pos) for o in group]
+    g = batch_gain(cost_model(drafter.be), predicted_tokens(params, drafter), prior_width(params, drafter), context, others,
+                   params.accept, plain_rows)
+    return verdict(g, params, "predicted gain")
+
+
+def rejection_mode(params: SpecParams, drafter, context: int) -> tuple[bool, str]:
+    """Speculative or plain for a request sampled by rejection, for its whole life: the request and
+    the prior alone (the cost model's prior at one row, not its measurements, not the load)."""
+    if params.policy == "always":
+        return True, "policy always"
+    prior = cost_model(drafter.be).prior
+    cost = prior.round(1, prior_width(params, drafter), context) / prior.plain(1, context)
+    return verdict(prior_tokens(params, drafter) / cost, params, "rejection sampling, prior gain")
+
+
+def verdict(g: float, params: SpecParams, what: str) -> tuple[bool, str]:
+    """Speculative only where the gain `g` exceeds 1 by the margin."""
+    if g > 1.0 + params.margin:
+        return True, f"{what} {g:.2f} > 1 + margin {params.margin:g}"
+    return False, f"{what} {g:.2f} <= 1 + margin {params.margin:g}"
+
+
+def demote_check(s, group, plain_rows: int = 0) -> tuple[bool, str]:
+    """At a burst boundary of live session `s` in round batch `group` beside a plain batch of
+    `plain_rows` rows: update its gain (every session's, for the stats) and, under the gain policy,
+    its count of consecutive checks below 1; demote a demotable session once that count reaches
+    params.patience."""
+    s.gain = session_gain(s, group, plain_rows)
+    if s.params.policy == "always" or not s.params.demotable or len(s.recent) < WINDOW:
+        return False, ""
+    remember(s)
+    s.below = s.below + 1 if s.gain < 1.0 else 0
+    if s.below >= s.params.patience:
+        return True, f"measured gain {s.gain:.2f} < 1 at {s.below} burst boundaries in a row"
+    return False, ""

@@ -1,0 +1,358 @@
+"""Speculation where it pays: the cost model under a scripted clock, the gain estimate, and each
+decision pinned at its boundary with a scripted cost model (never real time); then the Worker
+under SpecParams(policy="gain"): greedy streams equal plain decode whatever it demotes, and a
+sampled stream depends only on its seed and request.
+
+The bugs these guard keep every greedy stream exact: a gain with its sign flipped (admit the
+losers, demote the winners), hysteresis ignored (one dip demotes), a rejection-sampled mode chosen
+from a timing (the text then depends on the machine's speed). Each test below fails under one."""
+
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+import dspark
+from dspark import cost, gain
+from dspark.cost import CostModel, Prior
+from dspark.decode import plain_generate
+from dspark.params import SamplingParams, SpecParams
+from dspark.worker import GateConfig, Worker
+from tests.session.test_worker import code_prompt
+
+
+class ScriptedClock:
+    """mark() returns the next scripted time; seconds() is b - a, or None ("not done") for the
+    marks listed in `pending` until they are released."""
+
+    def __init__(self, times=()):
+        self.times, self.pending = list(times), set()
+
+    def mark(self):
+        return self.times.pop(0)
+
+    def seconds(self, a, b):
+        return None if b in self.pending else b - a
+
+
+class FrozenClock(ScriptedClock):
+    """A clock whose intervals never complete: the model keeps only what a test records."""
+
+    def mark(self):
+        return 0.0
+
+    def seconds(self, a, b):
+        return None
+
+
+FLAT = Prior(round_fixed=1.0, round_per_column=0.0, plain_per_row=0.0)  # every width and batch alike
+
+
+def scripted(round_steps: float, batches=(1, 2, 3)) -> CostModel:
+    """A cost model with no sharing between rows: a plain step of B rows costs B s (greedy or
+    sampled), a round of B rows B x `round_steps` s at every width and accept rule, in context
+    bucket 0; it never hears of a real timing."""
+    m = CostModel(FrozenClock(), FLAT)
+    for b in batches:
+        for kind, rule in cost.RULES:
+            m.record(kind, b, 0, (round_steps if kind == "round" else 1.0) * b, width=8, rule=rule)
+    return m
+
+
+# ---- the cost model ----------------------------------------------------------------------------------
+def test_cost_model_measures_with_the_clock_and_smooths():
+    clock = ScriptedClock([10.0, 13.0, 20.0, 21.0, 30.0, 35.0])
+    m = CostModel(clock)
+    with m.timed("round", 1, 100) as note:
+        note["width"] = 4
+    with m.timed("plain", 1, 100):
+        pass
+    assert m.round_cost(1, 4, 100) == pytest.approx(3.0)
+    with m.timed("round", 1, 100, width=4):
+        pass
+    assert m.round_seconds(1, 4, 100) == pytest.approx(3.0 + cost.SMOOTHING * (5.0 - 3.0))
+    assert m.measured() == {"rounds": 2, "plain_steps": 1}
+
+
+def test_cost_model_prices_unmeasured_keys_by_the_prior_scaled_by_measurements():
+    m = CostModel(FrozenClock(), Prior(round_fixed=1.0, round_per_column=0.5, plain_per_row=0.0))
+    assert m.round_cost(1, 4, 0) == pytest.approx(3.0)  # nothing measured: the prior's shape
+    m.record("plain", 1, 0, 0.01)
+    m.record("round", 1, 0, 0.06, width=2)  # the prior's 2 steps at 0.03 s a step
+    assert m.round_cost(1, 2, 0) == pytest.approx(6.0)
+    assert m.round_cost(1, 4, 0) == pytest.approx(9.0)  # the prior's 3 steps at the rounds' 0.03 s
+    assert m.round_cost(1, 4, 1 << 20) == pytest.approx(9.0)  # another context bucket, same scale
+
+
+def test_cost_model_reads_an_interval_only_once_it_is_done():
+    clock = ScriptedClock([0.0, 2.0])
+    clock.pending.add(2.0)
+    m = CostModel(clock)
+    with m.timed("plain", 1, 0):
+        pass
+    assert m.measured()["plain_steps"] == 0
+    clock.pending.clear()
+    m.record("round", 1, 0, 4.0, width=2)  # any later measurement resolves it
+    m._resolve()
+    assert m.plain_seconds(1, 0) == pytest.approx(2.0)
+
+
+def test_cost_model_is_per_backend_and_injectable():
+    be = dspark.get_backend("numpy")
+    model = scripted(2.0)
+    with cost.using(be, model):
+        assert cost.cost_model(be) is model
+    assert cost.cost_model(be) is not model
+
+
+def test_rounds_and_plain_steps_are_timed_where_they_run():
+    """spec_round and PlainBatch.step feed the backend's cost model (a scripted clock: 1 s each)."""
+    from dspark.models.presets import tiny_pair
+    from dspark.session import DsparkSpecSession
+    be = dspark.get_backend("numpy")
+    trunk, drafter = tiny_pair(be, 21)
+    model = CostModel(ScriptedClock(list(np.arange(1000.0))))
+    with cost.using(be, model):
+        s = DsparkSpecSession.prime(trunk, drafter, [1, 2, 3], SpecParams(max_new_tokens=6, capture=False))
+        while not s.finished():
+            s.round()
+        plain_generate(trunk, [1, 2, 3], 4)
+        s.close()
+    assert model.measured() == {"rounds": s.rounds, "plain_steps": 3}
+
+
+# ---- the gain estimate and the decisions ----------------------------------------------------------------
+def fake_session(tokens, width=8, pos=100, floor=None, params=None, be=None):
+    drafter = SimpleNamespace(accept_floor=floor, config=SimpleNamespace(drafts=7), be=be, acceptance={})
+    s = SimpleNamespace(params=params or SpecParams(), drafter=drafter, cache=SimpleNamespace(pos=pos),
+                        be=be, gain=None, below=0)
+    s.recent = [(t, width) for t in tokens]
+    return s
+
+
+def test_expected_tokens_start_at_the_prior_and_the_first_rounds_replace_it():
+    greedy = SpecParams()
+    assert gain.expected_tokens(fake_session([], floor=4.5)) == 4.5  # the drafter's recorded floor
+    assert gain.expected_tokens(fake_session([])) == gain.NEUTRAL_TOKENS
+    sampled = SpecParams(sampling=SamplingParams(temperature=0.8))
+    assert gain.expected_tokens(fake_session([], floor=4.5, params=sampled)) == gain.NEUTRAL_TOKENS  # floors are greedy
+    assert gain.expected_tokens(fake_session([1], floor=4.0, params=greedy)) == pytest.approx((4.0 * 2 + 1) / 3)
+    assert gain.expected_tokens(fake_session([1, 2, 3], floor=4.0)) == pytest.approx(2.0)  # prior gone
+
+
+def test_admission_is_pinned_at_one_plus_margin():
+    """Neutral prior: admitted iff NEUTRAL_TOKENS / round cost > 1 + margin."""
+    be = dspark.get_backend("numpy")
+    drafter = SimpleNamespace(accept_floor=None, config=SimpleNamespace(drafts=7), be=be, acceptance={})
+    params = SpecParams(margin=0.2)
+    edge = gain.NEUTRAL_TOKENS / 1.2
+    for steps, want in ((edge - 1e-6, True), (edge + 1e-6, False), (0.5, True), (10.0, False)):
+        with cost.using(be, scripted(steps)):
+            ok, why = gain.admit(params, drafter, 50)
+        assert ok is want, (steps, why)
+        assert ("predicted gain" in why) and (">" in why if want else "<=" in why)
+    with cost.using(be, scripted(10.0)):
+        assert gain.admit(SpecParams(policy="always"), drafter, 50) == (True, "policy always")
+
+
+def test_the_batch_gain_decides_at_two_rows():
+    """At B = 2 a round of both rows costs little more than one of one row: a session with 1.5
+    tokens per round stays (its own gain, 1.5 / 2, would demote it); at B = 3 the same formula."""
+    m = CostModel(FrozenClock())
+    m.record("plain", 1, 0, 1.0)
+    m.record("round", 1, 0, 2.0, width=4)
+    m.record("round", 2, 0, 2.2, width=4)
+    g = gain.batch_gain(m, 1.5, 4, 0, [(4, 0)])
+    assert g == pytest.approx((2.0 + 1.5) / 2.2)
+    assert gain.batch_gain(m, 1.5, 4, 0, []) == pytest.approx(0.75)
+    m.record("round", 3, 0, 6.0, width=4)
+    assert gain.batch_gain(m, 1.5, 4, 0, [(4, 0), (4, 0)]) == pytest.approx((2.2 + 1.5) / 6.0)  # every B alike
+
+
+def test_beside_a_plain_batch_a_row_costs_its_measured_slope():
+    """With plain steps measured at 1 and 3 rows (1.0 s, 1.5 s: 0.25 s a row), a session beside a
+    plain batch is priced at 0.25 s a token in plain decode, not a whole step."""
+    m = CostModel(FrozenClock())
+    m.record("plain", 1, 0, 1.0)
+    m.record("plain", 3, 0, 1.5)
+    m.record("round", 1, 0, 2.0, width=4)
+    assert m.plain_row_seconds(2, 0) == pytest.approx(0.25)
+    assert gain.batch_gain(m, 4.0, 4, 0, [], plain_rows=2) == pytest.approx(4.0 * 0.25 / 2.0)
+    assert gain.batch_gain(m, 4.0, 4, 0, []) == pytest.approx(4.0 / 2.0)  # no plain batch: a whole step
+    m.record("plain", 2, 0, 0.9)  # noise making the slope negative: floored at a share of a step
+    assert m.plain_row_seconds(2, 0) >= cost.MIN_ROW_SHARE * 1.0
+    fresh = CostModel(FrozenClock(), Prior(plain_per_row=0.5))
+    fresh.record("plain", 2, 0, 3.0)  # one batch measured: the prior's slope at the measured level
+    assert fresh.plain_row_seconds(2, 0) == pytest.approx(3.0 * (2.0 / 1.5 - 1.0))
+
+
+def test_demotion_needs_patience_boundaries_below_one():
+    be = dspark.get_backend("numpy")
+    s = fake_session([2] * gain.WINDOW, width=4, be=be, params=SpecParams(patience=2))
+    with cost.using(be, scripted(2.0 + 1e-6)):  # gain just below 1
+        assert gain.demote_check(s, [s]) == (False, "")  # one dip: kept
+        down, why = gain.demote_check(s, [s])
+        assert down and "measured gain 1.00 < 1 at 2 burst boundaries" in why
+    s.below = 0
+    with cost.using(be, scripted(2.0 + 1e-6)):
+        assert not gain.demote_check(s, [s])[0]
+    with cost.using(be, scripted(2.0)):  # gain exactly 1: not below, and the count starts again
+        assert not gain.demote_check(s, [s])[0] and s.below == 0
+    with cost.using(be, scripted(2.0 + 1e-6)):
+        assert not gain.demote_check(s, [s])[0]
+    with cost.using(be, scripted(1.0)):  # gain 2: never demoted
+        assert not any(gain.demote_check(s, [s])[0] for _ in range(5))
+    assert s.gain == pytest.approx(2.0)
+
+
+def test_demotion_waits_for_its_own_rounds_and_spares_rejection_and_always():
+    be = dspark.get_backend("numpy")
+    with cost.using(be, scripted(100.0)):
+        few = fake_session([1] * (gain.WINDOW - 1), be=be, params=SpecParams(patience=1))
+        assert gain.demote_check(few, [few]) == (False, "")
+        rej = fake_session([1] * 8, be=be, params=SpecParams(patience=1, sampler="rejection",
+                                                               sampling=SamplingParams(temperature=0.8)))
+        assert gain.demote_check(rej, [rej]) == (False, "")
+        always = fake_session([1] * 8, be=be, params=SpecParams(patience=1, policy="always"))
+        assert gain.demote_check(always, [always]) == (False, "")
+
+
+def test_rejection_mode_comes_from_the_request_and_the_prior_alone():
+    """Whatever the measured costs, the same request gets the same mode; the margin (a request
+    setting) moves it at the prior's gain."""
+    be = dspark.get_backend("numpy")
+    drafter = SimpleNamespace(accept_floor=4.7, config=SimpleNamespace(drafts=7), be=be,
+                              acceptance={("rejection", 0.8): cost.Average()})
+    drafter.acceptance[("rejection", 0.8)].add(0.5)  # what other requests measured: never read for the mode
+    p = SpecParams(sampler="rejection", sampling=SamplingParams(temperature=0.8), max_verify=8)
+    prior_gain = gain.NEUTRAL_TOKENS / FLAT.round(1, 8, 0)
+    modes = set()
+    for steps in (0.1, 1.0, 100.0):
+        with cost.using(be, scripted(steps)):
+            modes.add(gain.rejection_mode(p, drafter, 50))
+    assert len(modes) == 1 and next(iter(modes))[0] is True
+    with cost.using(be, scripted(0.1)):
+        assert gain.rejection_mode(SpecParams(**{**p.__dict__, "margin": prior_gain - 1 + 1e-6}), drafter, 50)[0] is False
+        assert gain.rejection_mode(SpecParams(**{**p.__dict__, "margin": prior_gain - 1 - 1e-6}), drafter, 50)[0] is True
+
+
+def test_later_sessions_start_from_what_earlier_ones_measured():
+    """A demotable session's prior is what earlier sessions of its accept rule and temperature
+    measured: after a hot coupled session accepted 1.2 a round, the next one starts plain where the
+    neutral prior would have admitted it; another temperature still gets the neutral prior."""
+    be = dspark.get_backend("numpy")
+    hot = SpecParams(sampling=SamplingParams(temperature=1.0, seed=1))
+    with cost.using(be, scripted(2.0)):
+        s = fake_session([1] * gain.WINDOW + [2] * 2, be=be, params=hot)
+        drafter = s.drafter
+        assert gain.admit(hot, drafter, 50)[0]  # 4 / 2
+        s.recent = s.recent[-gain.WINDOW:]
+        gain.demote_check(s, [s])
+        assert gain.predicted_tokens(hot, drafter) == pytest.approx(1.25)
+        assert not gain.admit(SpecParams(sampling=SamplingParams(temperature=1.0, seed=9)), drafter, 50)[0]
+        assert gain.admit(SpecParams(sampling=SamplingParams(temperature=0.3)), drafter, 50)[0]
+
+
+def test_verify_width_by_gain_maximises_tokens_per_cost():
+    """Confidences 0.9, 0.9, 0.1, 0.9: widths 2..5 expect 1.9, 2.71, 2.79, 2.86 tokens; at 0.16
+    plain steps a column (plus 1) they cost 1.32, 1.48, 1.64, 1.80: width 3 wins. Free columns
+    take every draft; dear ones take the fewest."""
+    conf = np.array([0.9, 0.9, 0.1, 0.9, 0.9], np.float32)
+    m = CostModel(FrozenClock())
+    assert gain.width_by_gain(m, conf, 5, 0) == 3
+    assert gain.width_by_gain(CostModel(FrozenClock(), Prior(round_per_column=0.0)), conf, 5, 0) == 5
+    assert gain.width_by_gain(CostModel(FrozenClock(), Prior(round_per_column=5.0)), conf, 5, 0) == 2
+    assert gain.width_by_gain(m, conf, 2, 0) == 2
+
+
+def test_verify_by_gain_runs_exact_and_needs_a_confidence_head(shipped):
+    from dspark.models.presets import tiny_pair
+    from dspark.session import DsparkSpecSession
+    trunk, drafter = shipped
+    p = code_prompt(trunk, np.random.default_rng(8), 60)
+    s = DsparkSpecSession.prime(trunk, drafter, p, SpecParams(max_new_tokens=40, verify="gain", capture=False))
+    while not s.finished():
+        s.round()
+    s.close()
+    assert s.emitted == plain_generate(trunk, p, 40)
+    assert len(s.stats.verified_at) > 2 and s.stats.verified_at[1] > 0  # wider than 2 where confident
+    t2, d2 = tiny_pair(trunk.be, 21)
+    if not d2.has_confidence:
+        with pytest.raises(ValueError, match="verify='gain': this drafter has no confidence head"):
+            DsparkSpecSession.prime(t2, d2, [1, 2, 3], SpecParams(verify="gain"))
+
+
+def test_spec_params_policy_checks():
+    for bad in (dict(policy="maybe"), dict(margin=-0.1), dict(patience=0), dict(patience=True)):
+        with pytest.raises(ValueError, match="SpecParams"):
+            SpecParams(**bad)
+
+
+# ---- the Worker under the gain policy -------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def shipped():
+    from dspark.models import load_default
+    return load_default(dspark.get_backend("numpy"))
+
+
+def run_worker(trunk, drafter, requests, model, low=4):
+    be = trunk.be
+    drafter.acceptance.clear()  # what earlier tests' sessions measured
+    with cost.using(be, model):
+        w = Worker(trunk, drafter, GateConfig(low=low, high=low + 4), spec=SpecParams(burst_target=8))
+        ids = [w.submit(p, n, s) for p, n, s in requests]
+        w.run()
+    return w, ids
+
+
+def test_worker_demotes_the_losers_and_streams_stay_plain_decode(shipped):
+    """Rounds of one row priced at 3 plain steps (6 at two rows): the code prompt (about 5 tokens
+    a round) stays speculative;
+    random bytes (about 1 a round) and a coupled sampled request at temperature 1.5 are demoted at
+    a burst boundary, and every stream equals plain decode with its sampling."""
+    trunk, drafter = shipped
+    rng = np.random.default_rng(5)
+    hot = SamplingParams(temperature=1.5, seed=11)
+    reqs = [(code_prompt(trunk, rng, 80), 40, None), (rng.integers(0, 256, 20).astype(np.int32), 40, None),
+            (rng.integers(0, 256, 20).astype(np.int32), 40, hot)]
+    w, ids = run_worker(trunk, drafter, reqs, scripted(3.0))
+    for rid, (p, n, s) in zip(ids, reqs):
+        assert w.result(rid) == plain_generate(trunk, p, n, sampling=s)
+    demoted = {e.request: e.why for e in w.events if e.what == "demote"}
+    assert ids[0] not in demoted and set(demoted) == {ids[1], ids[2]}, w.events
+    assert all("measured gain" in why for why in demoted.values())
+    met = w.metrics()
+    assert met["dspark:spec_demoted"] == {"gain": 2} and met["dspark:spec_admitted_spec"] == {"gain": 3}
+    assert met["vllm:spec_decode_num_drafts"] > 0 and set(met["dspark:spec_gain"]) == set(ids)
+    assert met["dspark:spec_gain"][ids[1]] < 1 <= met["dspark:spec_gain"][ids[0]]
+
+
+def test_worker_admits_plain_where_rounds_cost_too_much(shipped):
+    trunk, drafter = shipped
+    rng = np.random.default_rng(6)
+    reqs = [(code_prompt(trunk, rng, 60), 20, None)]
+    w, ids = run_worker(trunk, drafter, reqs, scripted(4.72 / 1.1 + 0.01))  # the floor 4.72 over the cost <= 1.1
+    assert [(e.what, e.why.split(" ")[0]) for e in w.events if e.what.startswith("admit")] == [("admit_plain", "predicted")]
+    assert w.result(ids[0]) == plain_generate(trunk, *reqs[0][:2])
+
+
+def test_rejection_sampled_text_depends_only_on_seed_and_request(shipped):
+    """The same rejection-sampled request under cheap and dear measured rounds and under a full gate
+    (where a greedy request goes plain) emits the same text: its mode never read a timing or the
+    load."""
+    trunk, drafter = shipped
+    rng = np.random.default_rng(7)
+    p = code_prompt(trunk, rng, 60)
+    rej = SamplingParams(temperature=0.8, top_p=0.95, seed=5)
+    spec = SpecParams(burst_target=8, sampler="rejection")
+    texts, modes = [], []
+    drafter.acceptance.clear()
+    for model, low in ((scripted(0.5), 4), (scripted(50.0), 4), (scripted(50.0), 0)):
+        with cost.using(trunk.be, model):
+            w = Worker(trunk, drafter, GateConfig(low=low, high=low + 4), spec=spec)
+            rid = w.submit(p, 24, rej)
+            w.run()
+        texts.append(w.result(rid))
+        modes.append([e.what for e in w.events if e.what.startswith("admit")])
+    assert texts[0] == texts[1] == texts[2]
+    assert modes == [["admit_spec"]] * 3
