@@ -24,6 +24,14 @@ def require_shape(a, shape: tuple, what: str) -> None:
         raise ShapeError(f"{what} has shape {tuple(a.shape)}: expected {tuple(shape)}")
 
 
+def output(be, out, shape: tuple, dtype, what: str = "out"):
+    """`out` checked for `shape` and `dtype`, or a fresh array of them when None."""
+    out = be.xp.empty(shape, dtype) if out is None else out
+    require_shape(out, shape, what)
+    require_dtype(out, dtype, what)
+    return out
+
+
 def require_indptr(indptr: np.ndarray, what: str, total: int) -> None:
     """A CSR row pointer: int32, starts at 0, non-decreasing, ends at `total`."""
     require_ndim(indptr, 1, what, "[B+1]")

@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..arrays import adopt
-from .checks import host_and_device, require_dtype, require_ndim, require_shape
+from .checks import host_and_device, output, require_dtype, require_ndim, require_shape
 
 F32 = np.float32
 THREADS = 256  # kHeadThreads
@@ -29,9 +29,7 @@ def gather_rows(be, src, rows, out=None):
     m = host_rows.shape[0]
     if np.any((host_rows < 0) | (host_rows >= n)):
         raise IndexError(f"rows: expected indices in [0, {n})")
-    out = be.xp.empty((m, width), F32) if out is None else out
-    require_shape(out, (m, width), "out")
-    require_dtype(out, F32, "out")
+    out = output(be, out, (m, width), F32)
     if be.kernels is None:
         out[...] = src[host_rows]
     elif m and width:
@@ -50,9 +48,7 @@ def logit_scale(be, logits, scale: float, cap: float, out=None):
     """logits * scale, then cap * tanh(. / cap) when cap > 0; f32, any shape (C-contiguous)."""
     logits, out = adopt(be, logits=logits, out=out, writes=("out",))
     require_dtype(logits, F32, "logits")
-    out = be.xp.empty(logits.shape, F32) if out is None else out
-    require_shape(out, logits.shape, "out")
-    require_dtype(out, F32, "out")
+    out = output(be, out, logits.shape, F32)
     if be.kernels is None:
         out[...] = logit_scale_ref(logits, scale, cap)
     elif logits.size:
@@ -86,9 +82,7 @@ def confidence_features(be, hidden, w1, anchors, drafts, out=None):
     d, r = hidden.shape[1], 0 if w1 is None else w1.shape[1]
     if w1 is not None:
         require_dtype(w1, F32, "w1")
-    out = be.xp.empty((B * nd, d + r), F32) if out is None else out
-    require_shape(out, (B * nd, d + r), "out")
-    require_dtype(out, F32, "out")
+    out = output(be, out, (B * nd, d + r), F32)
     if be.kernels is None:
         out[...] = confidence_features_ref(hidden, w1, host_anchors, drafts)
     elif B * nd:
