@@ -199,7 +199,9 @@ Pool& pool() {
 
 // out [rows, N] = x [rows, K] @ w [K, N] on `threads` threads, in two column pieces per thread
 // (the pool balances them across the threads that get a core). Piece boundaries are whole
-// `align`-column vectors; any split gives the same bits (each output's order is fixed by K).
+// `align`-column panels (48: the AVX-512 tile's panel, two AVX2 and four baseline ones), so only
+// the last piece can end in a narrower panel; any split gives the same bits (each output's order
+// is fixed by K).
 // The arrays are C-contiguous host arrays that Python checked.
 void product(int dtype, const py::array& x, const py::array& w, bool transposed, py::array& out, ptrdiff_t rows,
              ptrdiff_t K, ptrdiff_t N, int threads, ptrdiff_t strip, ptrdiff_t kblock, const std::string& which) {
@@ -207,7 +209,7 @@ void product(int dtype, const py::array& x, const py::array& w, bool transposed,
   const float* xp = static_cast<const float*>(x.data());
   const void* wp = w.data();
   float* op = static_cast<float*>(out.mutable_data());
-  const ptrdiff_t align = 32;
+  const ptrdiff_t align = 48;
   const ptrdiff_t units = (N + align - 1) / align;
   const int used = int(std::max<ptrdiff_t>(1, std::min<ptrdiff_t>(threads, units)));
   const int parts = int(std::min<ptrdiff_t>(units, used > 1 ? 2 * used : 1));
