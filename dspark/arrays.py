@@ -179,11 +179,14 @@ def as_array(be, obj, what: str, *, writable: bool = False):
     if obj is None or isinstance(obj, (int, float, bool, np.generic, str)):
         return obj
     xp = be.xp
+    if isinstance(obj, np.ndarray) or (xp is not np and isinstance(obj, xp.ndarray)):  # the backend's own, as it is
+        # (first, before any interface is looked up: a step passes hundreds of them)
+        if writable and readonly(obj):
+            raise _read_only(what)
+        return obj
     names = _interface_names(obj)
     device = _device_type(obj) if hasattr(obj, "__dlpack__") else None
-    if isinstance(obj, np.ndarray) or (xp is not np and isinstance(obj, xp.ndarray)):
-        arr, ro = obj, (lambda: readonly(obj))
-    elif device in (_DL_CUDA, _DL_CUDA_MANAGED):  # DLPack first: it names bfloat16
+    if device in (_DL_CUDA, _DL_CUDA_MANAGED):  # DLPack first: it names bfloat16
         _need_device(be, obj, what)
         arr, ro = xp.from_dlpack(obj), (lambda: _dlpack_readonly(obj))
     elif "__cuda_array_interface__" in names:
@@ -208,8 +211,12 @@ def as_array(be, obj, what: str, *, writable: bool = False):
     else:
         return obj
     if writable and ro():
-        raise KernelArgumentError(f"{what} is read-only (its array interface says so): the op writes it")
+        raise _read_only(what)
     return arr
+
+
+def _read_only(what: str) -> KernelArgumentError:
+    return KernelArgumentError(f"{what} is read-only (its array interface says so): the op writes it")
 
 
 def _interface_names(obj) -> tuple[str, ...]:

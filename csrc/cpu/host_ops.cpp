@@ -56,21 +56,23 @@ static void delta_step(const float* from, float* S, const float* q, const float*
 // gdn.gdn_scan_ref's walk: session b's columns indptr[b] .. indptr[b + 1] in order from its state
 // S[b] [H, dv, dk] (updated in place); q, k [cols, H, dk], v [cols, H, dv], alpha, beta [cols, H]
 // -> out [cols, H, dv], and ckpt [cols, H, dv, dk] (the state after each column) when not null.
+// Only the (session, head) pairs p0 .. p1 - 1 (p = b H + h): each pair's walk touches its own state,
+// outputs and checkpoints alone, so module.cpp splits the pairs across threads with the same bits.
 void delta_columns(float* S, const float* q, const float* k, const float* v, const float* alpha, const float* beta,
-                   const int* indptr, int sessions, int heads, int dv, int dk, float* out, float* ckpt) {
+                   const int* indptr, int heads, int dv, int dk, float* out, float* ckpt, int p0, int p1) {
   const ptrdiff_t state = ptrdiff_t(dv) * dk;
-  for (int b = 0; b < sessions; ++b)
-    for (int h = 0; h < heads; ++h) {
-      float* live = S + (ptrdiff_t(b) * heads + h) * state;
-      const float* from = live;
-      for (int c = indptr[b]; c < indptr[b + 1]; ++c) {  // with checkpoints, each column's state lands there
-        const ptrdiff_t ch = ptrdiff_t(c) * heads + h;
-        float* to = ckpt ? ckpt + ch * state : live;
-        delta_step(from, to, q + ch * dk, k + ch * dk, v + ch * dv, alpha[ch], beta[ch], dv, dk, out + ch * dv);
-        from = to;
-      }
-      if (from != live) std::memcpy(live, from, sizeof(float) * state);
+  for (int p = p0; p < p1; ++p) {
+    const int b = p / heads, h = p % heads;
+    float* live = S + (ptrdiff_t(b) * heads + h) * state;
+    const float* from = live;
+    for (int c = indptr[b]; c < indptr[b + 1]; ++c) {  // with checkpoints, each column's state lands there
+      const ptrdiff_t ch = ptrdiff_t(c) * heads + h;
+      float* to = ckpt ? ckpt + ch * state : live;
+      delta_step(from, to, q + ch * dk, k + ch * dk, v + ch * dv, alpha[ch], beta[ch], dv, dk, out + ch * dv);
+      from = to;
     }
+    if (from != live) std::memcpy(live, from, sizeof(float) * state);
+  }
 }
 
 // norm.rmsnorm_numpy over rows of n: y = (x / sqrt(mean(x * x) + eps)) * weight.

@@ -26,7 +26,7 @@ void product_base(int, const float*, const void*, bool, float*, ptrdiff_t, ptrdi
 void product_avx512(int, const float*, const void*, bool, float*, ptrdiff_t, ptrdiff_t, ptrdiff_t, ptrdiff_t, ptrdiff_t,
                     ptrdiff_t, ptrdiff_t, float*, float*);
 void delta_columns(float* S, const float* q, const float* k, const float* v, const float* alpha, const float* beta,
-                   const int* indptr, int sessions, int heads, int dv, int dk, float* out, float* ckpt);
+                   const int* indptr, int heads, int dv, int dk, float* out, float* ckpt, int p0, int p1);
 void rmsnorm(const float* x, const float* weight, float eps, ptrdiff_t rows, ptrdiff_t n, float* y);
 void attention_scores(const float* q, const float* k, int n, int hkv, int g, int L, int D, float* s);
 void attention_weighted(const float* p, const float* v, int n, int hkv, int g, int L, int D, float* o);
@@ -199,7 +199,9 @@ Pool& pool() {
 
 // out [rows, N] = x [rows, K] @ w [K, N] on `threads` threads, in two column pieces per thread
 // (the pool balances them across the threads that get a core). Piece boundaries are whole
-// `align`-column vectors; any split gives the same bits (each output's order is fixed by K).
+// `align`-column panels (48: the AVX-512 tile's panel, two AVX2 and four baseline ones), so only
+// the last piece can end in a narrower panel; any split gives the same bits (each output's order
+// is fixed by K).
 // The arrays are C-contiguous host arrays that Python checked.
 void product(int dtype, const py::array& x, const py::array& w, bool transposed, py::array& out, ptrdiff_t rows,
              ptrdiff_t K, ptrdiff_t N, int threads, ptrdiff_t strip, ptrdiff_t kblock, const std::string& which) {
@@ -207,7 +209,7 @@ void product(int dtype, const py::array& x, const py::array& w, bool transposed,
   const float* xp = static_cast<const float*>(x.data());
   const void* wp = w.data();
   float* op = static_cast<float*>(out.mutable_data());
-  const ptrdiff_t align = 32;
+  const ptrdiff_t align = 48;
   const ptrdiff_t units = (N + align - 1) / align;
   const int used = int(std::max<ptrdiff_t>(1, std::min<ptrdiff_t>(threads, units)));
   const int parts = int(std::min<ptrdiff_t>(units, used > 1 ? 2 * used : 1));
@@ -235,17 +237,25 @@ const T* cptr(const py::array& a) {
   return static_cast<const T*>(a.data());
 }
 
-// host_ops.cpp's walk of the gated delta rule (arrays checked by dspark.ops.host).
+// host_ops.cpp's walk of the gated delta rule (arrays checked by dspark.ops.host) on `threads`
+// threads, the (session, head) pairs split into two pieces per thread as the product's columns.
 void delta_columns(py::array& S, const py::array& q, const py::array& k, const py::array& v, const py::array& alpha,
                    const py::array& beta, const py::array& indptr, int sessions, int heads, int dv, int dk,
-                   py::array& out, py::object ckpt) {
+                   py::array& out, py::object ckpt, int threads) {
   py::array ck_array = ckpt.is_none() ? py::array() : ckpt.cast<py::array>();
   float* ck = ckpt.is_none() ? nullptr : ptr<float>(ck_array);
   float* s = ptr<float>(S);
   float* o = ptr<float>(out);
+  const int pairs = sessions * heads;
+  const int used = std::max(1, std::min(threads, pairs));
+  const int parts = std::min(pairs, used > 1 ? 2 * used : 1);
+  auto part = [&](int i) {
+    dspark_cpu::delta_columns(s, cptr<float>(q), cptr<float>(k), cptr<float>(v), cptr<float>(alpha),
+                              cptr<float>(beta), cptr<int>(indptr), heads, dv, dk, o, ck, pairs * i / parts,
+                              pairs * (i + 1) / parts);
+  };
   py::gil_scoped_release release;
-  dspark_cpu::delta_columns(s, cptr<float>(q), cptr<float>(k), cptr<float>(v), cptr<float>(alpha),
-                            cptr<float>(beta), cptr<int>(indptr), sessions, heads, dv, dk, o, ck);
+  pool().run(used - 1, parts, part);
 }
 
 void rmsnorm(const py::array& x, const py::array& weight, float eps, ptrdiff_t rows, ptrdiff_t n, py::array& y) {
@@ -275,7 +285,10 @@ PYBIND11_MODULE(_cpu, m) {
         py::arg("k"), py::arg("n"), py::arg("threads"), py::arg("strip"), py::arg("kblock"), py::arg("isa") = "",
         "out f32 [rows, N] = x f32 [rows, K] @ w [K, N] (dtype 0 f32, 1 f16, 2 bf16; w given as w^T [N, K] when transposed)");
   m.def("isa", [] { return isa(); }, "the instruction set in use: avx512, avx2 or base");
-  m.def("delta_columns", &delta_columns, "the gated delta rule over each session's columns (dspark.ops.host)");
+  m.def("delta_columns", &delta_columns, py::arg("S"), py::arg("q"), py::arg("k"), py::arg("v"), py::arg("alpha"),
+        py::arg("beta"), py::arg("indptr"), py::arg("sessions"), py::arg("heads"), py::arg("dv"), py::arg("dk"),
+        py::arg("out"), py::arg("ckpt"), py::arg("threads") = 1,
+        "the gated delta rule over each session's columns, (session, head) pairs split across threads (dspark.ops.host)");
   m.def("rmsnorm", &rmsnorm, "RMSNorm of rows, NumPy's summation order (dspark.ops.host)");
   m.def("attention_scores", &attention_scores, "q.k halving sums over D (dspark.ops.host)");
   m.def("attention_weighted", &attention_weighted, "p.v halving sums over the keys (dspark.ops.host)");

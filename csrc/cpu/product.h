@@ -18,9 +18,10 @@
 //   x kPanel columns keep their accumulators in registers over a block, one k at a time in order
 //   (`tile`). The first group of rows reads a panel of w in place and prefetches the same columns
 //   of the next block toward L2 (a verify's 8 rows are one group in the AVX-512 build); the next
-//   groups read it again from cache. A transposed w (a tied LM head) and a strip's last, partial
-//   panel are widened into a contiguous panel first (`pack`). Each weight is read from memory
-//   once per strip.
+//   groups read it again from cache. A strip's last panel, when narrower, is read in place by a
+//   tile of fewer vectors if its columns are whole vectors; a transposed w (a tied LM head) and
+//   a last panel with a partial vector are widened into a contiguous panel first (`pack`). Each
+//   weight is read from memory once per strip.
 //
 // This header is compiled once per instruction set, inside namespace DSPARK_CPU_ISA, with the
 // vector width and tile shape that set's registers hold (generic GCC/Clang vector extensions).
@@ -329,14 +330,18 @@ __attribute__((noinline)) static void tile(const float* __restrict x, ptrdiff_t 
     for (int v = 0; v < V; ++v) store(acc + r * lda + v * kLanes, a[r][v]);
 }
 
-// A tile of `rows` <= R rows: the instantiation for exactly that many.
-template <int DT, int R, bool Fetch>
-static void tile_of(int rows, const float* x, ptrdiff_t ldx, const typename Weights<DT>::T* w, ptrdiff_t ldw,
-                    ptrdiff_t kn, float* acc, ptrdiff_t lda, ptrdiff_t ahead) {
+// A tile of `rows` <= R rows and `vecs` <= V vectors: the instantiation for exactly that many (a
+// strip's last columns, when they are whole vectors, are read in place by a narrower tile).
+template <int DT, int R, int V, bool Fetch>
+static void tile_of(int rows, int vecs, const float* x, ptrdiff_t ldx, const typename Weights<DT>::T* w,
+                    ptrdiff_t ldw, ptrdiff_t kn, float* acc, ptrdiff_t lda, ptrdiff_t ahead) {
   if constexpr (R > 1) {
-    if (rows < R) return tile_of<DT, R - 1, Fetch>(rows, x, ldx, w, ldw, kn, acc, lda, ahead);
+    if (rows < R) return tile_of<DT, R - 1, V, Fetch>(rows, vecs, x, ldx, w, ldw, kn, acc, lda, ahead);
   }
-  tile<DT, R, kTileVecs, Fetch>(x, ldx, w, ldw, kn, acc, lda, ahead);
+  if constexpr (V > 1) {
+    if (vecs < V) return tile_of<DT, R, V - 1, Fetch>(rows, vecs, x, ldx, w, ldw, kn, acc, lda, ahead);
+  }
+  tile<DT, R, V, Fetch>(x, ldx, w, ldw, kn, acc, lda, ahead);
 }
 
 // ---- a thread's columns -------------------------------------------------------------------------
@@ -382,12 +387,16 @@ static void columns(const float* x, const void* w, bool transposed, float* out, 
           const ptrdiff_t n = n0 + ptrdiff_t(p) * kPanel;
           const int pcols = int(n0 + cols - n < kPanel ? n0 + cols - n : kPanel);
           float* ap = acc + ptrdiff_t(p) * kPanel;
-          if (!transposed && pcols == kPanel) {  // in place: the first group fetches ahead
+          if (!transposed && pcols % kLanes == 0) {  // in place: the first group fetches ahead
+            const int vecs = pcols / kLanes;
             for (int g = 0; g < groups; ++g) {
               const ptrdiff_t r0 = rows * g / groups, r1 = rows * (g + 1) / groups;
               const T* wp = wt + k0 * N + n;
-              if (ahead && g == 0) tile_of<DT, kTileRows, true>(int(r1 - r0), xb, ldxb, wp, N, kn, ap, lda, ahead);
-              else tile_of<DT, kTileRows, false>(int(r1 - r0), xb + r0 * ldxb, ldxb, wp, N, kn, ap + r0 * lda, lda, 0);
+              if (ahead && g == 0)
+                tile_of<DT, kTileRows, kTileVecs, true>(int(r1 - r0), vecs, xb, ldxb, wp, N, kn, ap, lda, ahead);
+              else
+                tile_of<DT, kTileRows, kTileVecs, false>(int(r1 - r0), vecs, xb + r0 * ldxb, ldxb, wp, N, kn,
+                                                          ap + r0 * lda, lda, 0);
             }
             continue;
           }
@@ -396,7 +405,8 @@ static void columns(const float* x, const void* w, bool transposed, float* out, 
           else pack<DT, false>(wt + k0 * N + n, N, kn, pcols, panel, 0);
           for (int g = 0; g < groups; ++g) {
             const ptrdiff_t r0 = rows * g / groups, r1 = rows * (g + 1) / groups;
-            tile_of<kF32, kTileRows, false>(int(r1 - r0), xb + r0 * ldxb, ldxb, panel, kPanel, kn, ap + r0 * lda, lda, 0);
+            tile_of<kF32, kTileRows, kTileVecs, false>(int(r1 - r0), kTileVecs, xb + r0 * ldxb, ldxb, panel, kPanel, kn,
+                                                       ap + r0 * lda, lda, 0);
           }
         }
       }

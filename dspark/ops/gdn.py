@@ -227,6 +227,19 @@ def gdn_proj(mixed, a, b, z=None) -> np.ndarray:
     return np.concatenate([mixed, np.asarray(z, F32).reshape(cols, -1), a, b], axis=1).astype(F32)
 
 
+def _ckpt_target(ckpt, col_count, shape):
+    """Where the scan writes a checkpoint: the caller's array itself when every column is taken
+    (no col_count) and it is a C-contiguous f32 host array (a verify's 8 columns of states, 2 MB a
+    layer at 16 heads of 64 x 64, are then written once, not zeroed, written and copied), else a
+    fresh one copied into it after."""
+    if ckpt is None:
+        return None
+    if (col_count is None and isinstance(ckpt, np.ndarray) and ckpt.dtype == F32 and ckpt.flags.c_contiguous
+            and ckpt.shape[1:] == shape[1:] and ckpt.shape[0] >= shape[0]):
+        return ckpt[: shape[0]]
+    return np.zeros(shape, F32)
+
+
 def gdn_layer_ref(proj, layout: ProjLayout, conv_weight, A_log, dt_bias, states, conv_windows, col_indptr, heads,
                   dk, dv, out=None, state_ckpt=None, conv_ckpt=None, k_heads=None, commit=True, col_count=None,
                   o_norm=None, eps: float = 1e-6, norm=None) -> None:
@@ -248,14 +261,14 @@ def gdn_layer_ref(proj, layout: ProjLayout, conv_weight, A_log, dt_bias, states,
     p = np.asarray(proj, F32)[rows]
     H = heads
     o = np.zeros((rows.size, H, dv), F32)
-    sck = np.zeros((rows.size, H, dv, dk), F32) if state_ckpt is not None else None
-    cck = np.zeros((rows.size, C, WINDOW), F32) if conv_ckpt is not None else None
+    sck = _ckpt_target(state_ckpt, col_count, (rows.size, H, dv, dk))
+    cck = _ckpt_target(conv_ckpt, col_count, (rows.size, C, WINDOW))
     gdn_scan_ref(p[:, layout.mixed : layout.mixed + C], p[:, layout.a : layout.a + H], p[:, layout.b : layout.b + H],
                  conv_weight, A_log, dt_bias, states, conv_windows, sub, heads, dk, dv, o, sck, cck, k_heads, commit,
                  walk=host.delta_walk if host.NATIVE else None)
-    if sck is not None:
+    if sck is not None and not np.may_share_memory(sck, state_ckpt):
         state_ckpt[rows] = sck
-    if cck is not None:
+    if cck is not None and not np.may_share_memory(cck, conv_ckpt):
         conv_ckpt[rows] = cck
     if out is not None:
         if o_norm is not None:

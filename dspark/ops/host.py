@@ -17,19 +17,22 @@ from __future__ import annotations
 
 import numpy as np
 
-from .product import NATIVE, _module
+from .product import NATIVE, _module, get_num_threads
 
 F32 = np.float32
+WALK_PER_THREAD = 1 << 18  # state entries updated (columns x H x dv x dk): less runs on one thread
 
 
 def _f32(a) -> np.ndarray:
     return np.ascontiguousarray(a, dtype=F32)
 
 
-def delta_walk(S, q, k, v, alpha, beta, col_indptr, out, state_ckpt=None) -> None:
+def delta_walk(S, q, k, v, alpha, beta, col_indptr, out, state_ckpt=None, *, threads: int | None = None) -> None:
     """gdn.delta_walk_ref natively: S [B, H, dv, dk] f32 (C-contiguous, updated in place), q, k
     [cols, H, dk], v [cols, H, dv], alpha, beta [cols, H] -> out [cols, H, dv] and state_ckpt
-    [cols, H, dv, dk] (the state after each column) when given."""
+    [cols, H, dv, dk] (the state after each column) when given. The (session, head) pairs are
+    split across `threads` (default: get_num_threads() when there are at least WALK_PER_THREAD
+    state updates a thread, else one); the bits do not depend on it."""
     B, H, dv, dk = S.shape
     cols = int(col_indptr[-1])
     o = out if out.flags.c_contiguous and out.shape[0] == cols else np.empty((cols, H, dv), F32)
@@ -37,8 +40,10 @@ def delta_walk(S, q, k, v, alpha, beta, col_indptr, out, state_ckpt=None) -> Non
     if state_ckpt is not None:
         ck = state_ckpt if state_ckpt.flags.c_contiguous and state_ckpt.shape[0] == cols else \
             np.empty((cols, H, dv, dk), F32)
+    if threads is None:  # a decode step's walk is not worth waking a thread for
+        threads = max(1, min(get_num_threads(), cols * H * dv * dk // WALK_PER_THREAD))
     _module().delta_columns(S, _f32(q), _f32(k), _f32(v), _f32(alpha), _f32(beta),
-                       np.ascontiguousarray(col_indptr, dtype=np.int32), B, H, dv, dk, o, ck)
+                            np.ascontiguousarray(col_indptr, dtype=np.int32), B, H, dv, dk, o, ck, threads)
     if o is not out:
         out[:cols] = o
     if ck is not None and ck is not state_ckpt:

@@ -27,8 +27,9 @@ def walk_inputs(rng, lens, heads, dk, dv):
 @pytest.mark.parametrize("dk,dv", [(16, 16), (32, 24), (64, 64), (128, 128), (64, 5)])
 @pytest.mark.parametrize("lens", [(1,), (8,), (3, 0, 5, 1), (32,)], ids=["decode", "verify", "ragged", "prompt"])
 def test_delta_walk_equals_its_reference_bitwise(rng, dk, dv, lens):
+    """With 1, 2 and 3 threads (the (session, head) pairs split across them)."""
     heads = 3
-    for checkpoints in (False, True):
+    for checkpoints, threads in ((False, 1), (True, 1), (False, 2), (True, 2), (True, 3)):
         args = walk_inputs(rng, lens, heads, dk, dv)
         cols = int(sum(lens))
         want = {"S": args["S"].copy(), "out": poison(np, (cols, heads, dv), F32),
@@ -37,9 +38,10 @@ def test_delta_walk_equals_its_reference_bitwise(rng, dk, dv, lens):
                "ckpt": poison(np, (cols, heads, dv, dk), F32) if checkpoints else None}
         rest = {k: v for k, v in args.items() if k != "S"}
         gdn.delta_walk_ref(want["S"], **rest, out=want["out"], state_ckpt=want["ckpt"])
-        host.delta_walk(got["S"], **rest, out=got["out"], state_ckpt=got["ckpt"])
+        host.delta_walk(got["S"], **rest, out=got["out"], state_ckpt=got["ckpt"], threads=threads)
         for name in want:
-            np.testing.assert_array_equal(got[name], want[name], err_msg=f"{name}, checkpoints={checkpoints}")
+            np.testing.assert_array_equal(got[name], want[name],
+                                          err_msg=f"{name}, checkpoints={checkpoints}, {threads} threads")
 
 
 def test_delta_walk_writes_through_strided_outputs(rng):

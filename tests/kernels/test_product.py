@@ -19,10 +19,11 @@ DTYPES = [np.float32, np.float16, BF16]
 DTYPE_IDS = ["f32", "f16", "bf16"]
 ISAS = list(_cpu.isas)  # the AVX-512 and AVX2 builds where the CPU has them, the baseline one always
 # (rows, K, N): streamed (1, 2 rows) and tiled (3+: one group of rows, several), K past a block
-# (64) and not a multiple of 8, N past a tiled strip (1024) and the widest streamed one (8192),
-# ragged vectors and panels
+# (64) and not a multiple of 8, N past a tiled strip (1008) and the widest streamed one (8192),
+# ragged vectors and panels, a strip's last panel of whole vectors read by a narrower tile (N =
+# 1040: 2 AVX-512 vectors, 1 AVX2 one past the strip; 112: 1 AVX-512 vector past two panels)
 SIZES = [(1, 1, 1), (2, 5, 3), (3, 31, 127), (1, 1000, 8300), (2, 257, 8195), (7, 257, 513), (9, 130, 2050),
-         (33, 129, 255), (1, 4, 9)]
+         (33, 129, 255), (1, 4, 9), (8, 70, 1040), (5, 65, 112)]
 
 
 def inputs(rng, rows, k, n, dtype):
