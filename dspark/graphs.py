@@ -55,7 +55,11 @@ from . import profile
 from .models.batch_tables import register_store
 from .models.trunk import moved
 from .ops.argmax import greedy_accept, raise_on_nan
+from .ops.coupled import PAD, coupled_accept
+from .ops.sampling import raise_rows, sample_filtered
 from .ops.workspace import Inputs, Outputs, Workspace
+from .spec_sampling import coupled_fields, coupled_proposals, fill_coupled, fill_picks, pick_fields, picks_of, \
+    run_coupled_propose
 
 MODES = ("graph", "eager", "plain")   # CUDA graphs, recorded launches issued by the host, op by op
 HORIZON_FLOOR = 2048
@@ -230,11 +234,16 @@ class Runner:
 _ROUNDS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
-def supported(trunk, drafter, greedy: bool) -> bool:
+RECORDED_RULES = ("greedy", "coupled")   # accept rules whose rounds are recorded (SpecParams.accept)
+
+
+def supported(trunk, drafter, rule: str) -> bool:
     """Whether a round of this pair can be recorded: the cuda backend, a drafter whose passes are
-    kernels only, greedy sessions, and the model's own methods (one replaced on the instance, as a
-    test does to poison a pass, is not what a recording would replay)."""
-    return trunk.be.name == "cuda" and drafter.recordable and greedy and not patched(trunk) and not patched(drafter)
+    kernels only, greedy or coupled sampled sessions (RECORDED_RULES), and the model's own methods
+    (one replaced on the instance, as a test does to poison a pass, is not what a recording would
+    replay)."""
+    return (trunk.be.name == "cuda" and drafter.recordable and rule in RECORDED_RULES and not patched(trunk)
+            and not patched(drafter))
 
 
 def patched(obj) -> bool:
@@ -251,7 +260,7 @@ def round_graphs(drafter, mode: str) -> "RoundGraphs":
 
 
 class RoundGraphs(Runner):
-    """The draft, verify (one per width) and commit passes of a greedy speculative round."""
+    """The draft, verify (one per width) and commit passes of a greedy or coupled speculative round."""
 
     def __init__(self, trunk, drafter, mode: str):
         super().__init__(trunk.be, mode)
@@ -260,61 +269,94 @@ class RoundGraphs(Runner):
 
     # -- draft
     def propose(self, sessions) -> tuple[np.ndarray, np.ndarray]:
-        """Drafts and confidences [B, nd] (host): the draft pass and its one copy back."""
+        """Drafts and confidences [B, nd] (host): the draft pass and its one copy back. Coupled
+        sessions draw each slot's pick at its position (spec_sampling.run_coupled_propose): their
+        filters, seeds and positions are fields of the pass's inputs block ("pick.")."""
         d, B = self.drafter, len(sessions)
         kvs = [s.kv for s in sessions]
         ws = self.workspace("draft", B, B * d.config.block)
         reach = horizon(max(kv.pos for kv in kvs) + d.config.block, d.trunk.config.max_ctx + d.config.block)
+        coupled, nd = sessions[0].params.coupled, d.config.drafts
+
+        def fields():
+            return {**d.block_fields(B), **({f"pick.{k}": v for k, v in pick_fields(B, nd * B).items()} if coupled
+                                            else {})}
+
+        def fill(inp):
+            d.fill_block(inp, kvs, [s.last for s in sessions])
+            if coupled:
+                fill_coupled(inp.scope("pick."), sessions, nd)
 
         def work(inp):
             hidden, logits = d.run_block(d.tables(kvs), inp, B, ws, harvest=True, reach=reach)
-            out = Outputs(self.be, d.proposal_fields(B), ws, "draft.outputs")
-            d.run_propose(hidden, logits, inp["anchors"], ws, out=out)
+            if coupled:
+                out = Outputs(self.be, coupled_fields(d, B), ws, "draft.outputs.coupled")
+                run_coupled_propose(d, hidden, logits, inp.scope("pick."), inp["anchors"], ws, out)
+            else:
+                out = Outputs(self.be, d.proposal_fields(B), ws, "draft.outputs")
+                d.run_propose(hidden, logits, inp["anchors"], ws, out=out)
             return None, out
 
-        entry = self.run(tuple(kv.version for kv in kvs), ("draft", reach), lambda: d.block_fields(B),
-                         lambda inp: d.fill_block(inp, kvs, [s.last for s in sessions]), work, (ws,))
+        entry = self.run(tuple(kv.version for kv in kvs), ("draft", reach, samplings_of(sessions)), fields, fill,
+                         work, (ws,))
         got = entry.outputs.fetch()
+        if coupled:
+            return coupled_proposals(d, B, got)
         return d.proposals(B, got["drafts"], got["flag"], got.get("conf"))
 
     # -- verify
     def verify(self, sessions, cands: list, vts) -> tuple[object, np.ndarray, np.ndarray]:
         """(the verify's TrunkPass, m, next): the verify at the widest width, padded, and the
-        greedy accept, read back in one copy with the NaN flags (which raise before anything of
-        the sessions changed)."""
+        accept (greedy, or coupled: every column's pick at the position it predicts, from the
+        pass's inputs block), read back in one copy with the NaN flags or row statuses (which raise
+        before anything of the sessions changed)."""
         t, B = self.trunk, len(sessions)
         W = int(max(vts))
         caches = [s.cache for s in sessions]
         rollback = sessions[0].params.rollback
+        coupled = sessions[0].params.coupled
         ws = self.workspace("verify", B, B * max(self.widths))
         reach = horizon(max(c.pos for c in caches) + W, min(c.capacity for c in caches))
         taps = self.drafter.taps
         ids = np.zeros((B, W), np.int32)
-        cand = np.full((B, W), -1, np.int32)
+        cand = np.full((B, W), PAD if coupled else -1, np.int32)  # after a session's last column: no pick's
         for b, (c, vt) in enumerate(zip(cands, vts)):
             ids[b, : len(c)] = c
             ids[b, len(c) :] = c[-1]   # padding columns: any token (never accepted nor committed)
             cand[b, :vt] = c[:vt]
 
         def fields():
-            return {**t.pass_fields(B, B * W), "cand": (B * W, np.int32)}
+            picks = {f"pick.{k}": v for k, v in pick_fields(B * W).items()} if coupled else {}
+            return {**t.pass_fields(B, B * W), "cand": (B * W, np.int32), **picks}
 
         def fill(inp):
             t.fill(inp, caches, ids.reshape(-1), np.full(B, W, np.int32), keep=np.zeros(B, np.int32))
             inp.set(cand=cand.reshape(-1))
+            if coupled:  # column j of a session picks the token at pos + j + 1
+                fill_picks(inp.scope("pick."), [s.params.sampling for s in sessions],
+                           np.array([c.pos for c in caches])[:, None] + np.arange(1, W + 1)[None, :], W)
 
         def work(inp):
             tp = t.run_pass(t.tables(caches), inp, B * W, commit=False, record_gdn=rollback == "replay",
                             checkpoints=rollback == "checkpoint", taps=taps, ws=ws, reach=reach)
-            out = Outputs(self.be, {"m": (B, np.int32), "next": (B, np.int32), "flag": (B, np.int32)}, ws,
-                          f"verify.outputs.{B}")
-            greedy_accept(self.be, tp.logits, inp["cand"], inp["indptr"], m_out=out["m"], next_out=out["next"],
-                          nan_flag=out["flag"], ws=ws)
+            flags = B * W if coupled else B   # coupled: every column's row status
+            out = Outputs(self.be, {"m": (B, np.int32), "next": (B, np.int32), "flag": (flags, np.int32)}, ws,
+                          f"verify.outputs.{B}.{flags}")
+            if coupled:
+                coupled_accept(self.be, tp.logits, inp["cand"], inp["indptr"], *picks_of(inp.scope("pick.")),
+                               m_out=out["m"], next_out=out["next"], status_out=out["flag"], ws=ws)
+            else:
+                greedy_accept(self.be, tp.logits, inp["cand"], inp["indptr"], m_out=out["m"], next_out=out["next"],
+                              nan_flag=out["flag"], ws=ws)
             return tp, out
 
-        entry = self.run(tuple(c.version for c in caches), ("verify", W, reach, rollback), fields, fill, work, (ws,))
+        entry = self.run(tuple(c.version for c in caches), ("verify", W, reach, rollback, samplings_of(sessions)),
+                         fields, fill, work, (ws,))
         got = entry.outputs.fetch()
-        raise_on_nan(got["flag"], "verify logits", "session")
+        if coupled:  # the statuses of the sessions' own columns, numbered as the op-by-op accept numbers them
+            raise_rows(np.concatenate([got["flag"][b * W : b * W + vt] for b, vt in enumerate(vts)]), "verify logits")
+        else:
+            raise_on_nan(got["flag"], "verify logits", "session")
         return entry.result, got["m"].copy(), got["next"].copy()
 
     # -- commit
@@ -350,6 +392,12 @@ class RoundGraphs(Runner):
         moved(caches, keep)  # a replayed rollback runs no host code: the chunk tails it outdates are marked here
 
 
+def samplings_of(sessions) -> tuple:
+    """What shapes a sampled pass's launches besides its buffers: the sessions' filter settings
+    (which sampling phases run); () for greedy sessions."""
+    return tuple(s.params.sampling for s in sessions) if sessions[0].params.coupled else ()
+
+
 # ---- plain batched decode ------------------------------------------------------------------------------------
 _DECODES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
@@ -362,34 +410,49 @@ def decode_graphs(trunk, mode: str) -> "DecodeGraphs":
 
 
 class DecodeGraphs(Runner):
-    """Plain batched decode steps (greedy): the trunk over each sequence's pending token, its K/V
-    and state committed, the argmax read back."""
+    """Plain batched decode steps: the trunk over each sequence's pending token, its K/V and state
+    committed, the argmax (greedy) or each sequence's pick at the position its next token fills
+    (sampled: filters, seeds and positions read from the inputs block) read back."""
 
     def __init__(self, trunk, mode: str):
         super().__init__(trunk.be, mode)
         self.trunk = trunk
 
-    def step(self, caches, tokens) -> np.ndarray:
-        """Next tokens (host) of one greedy step; the caches' pos advance by one."""
+    def step(self, caches, tokens, samplings=None) -> np.ndarray:
+        """Next tokens (host) of one step, greedy or (`samplings`, one per cache) sampled; the
+        caches' pos advance by one."""
         from .ops.argmax import argmax_rows
         t, B = self.trunk, len(caches)
         ws = self.workspace("decode", B, B)
         reach = horizon(max(c.pos for c in caches) + 1, min(c.capacity for c in caches))
         ids = t.check_tokens(np.asarray(tokens).reshape(-1), "tokens")
+        sampled = samplings is not None
+
+        def fields():
+            return {**t.pass_fields(B, B), **({f"pick.{k}": v for k, v in pick_fields(B).items()} if sampled else {})}
 
         def fill(inp):
             t.fill(inp, caches, ids, np.ones(B, np.int32), keep=np.ones(B, np.int32))
+            if sampled:  # the token after this row fills position pos + 1
+                fill_picks(inp.scope("pick."), samplings, [c.pos + 1 for c in caches])
 
         def work(inp):
             tp = t.run_pass(t.tables(caches), inp, B, commit=True, taps=(), ws=ws, reach=reach)
             out = Outputs(self.be, {"next": (B, np.int32), "flag": (B, np.int32)}, ws, f"decode.outputs.{B}")
-            argmax_rows(self.be, tp.logits, out=out["next"], nan_flag=out["flag"], ws=ws)
+            if sampled:
+                sample_filtered(self.be, tp.logits, *picks_of(inp.scope("pick.")), token_out=out["next"],
+                                status_out=out["flag"], ws=ws)
+            else:
+                argmax_rows(self.be, tp.logits, out=out["next"], nan_flag=out["flag"], ws=ws)
             return tp, out
 
-        entry = self.run(tuple(c.version for c in caches), ("decode", reach), lambda: t.pass_fields(B, B), fill, work,
-                         (ws,))
+        entry = self.run(tuple(c.version for c in caches), ("decode", reach, tuple(samplings or ())), fields, fill,
+                         work, (ws,))
         got = entry.outputs.fetch()
-        raise_on_nan(got["flag"], "logits", "row")
+        if sampled:
+            raise_rows(got["flag"], "logits")
+        else:
+            raise_on_nan(got["flag"], "logits", "row")
         for c in caches:
             c.pos += 1
         moved(caches, np.ones(B, np.int32))

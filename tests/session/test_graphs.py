@@ -19,12 +19,12 @@ import pytest
 
 from dspark import graphs, profile
 from dspark.backends import contract
-from dspark.decode import PlainBatch, plain_generate
+from dspark.decode import PlainBatch, plain_generate, prefill_anchor
 from dspark.errors import NonFiniteError
 from dspark.models.oracle import bigram_drafter, greedy_continuation
 from dspark.models.presets import tiny_pair
 from dspark.ops.attention import SplitRule, launch_plan
-from dspark.session import DsparkSpecSession, SpecParams, spec_round
+from dspark.session import DsparkSpecSession, SamplingParams, SpecParams, spec_round
 
 MAX_CTX = 320
 SPLIT = SplitRule.uniform(64)   # the trunk's attention splits: a context crosses one every 64 keys
@@ -32,11 +32,17 @@ BUDGETS = (30, 30, 26)
 WIDTH = 4                       # max_verify: the ladder verifies 3 or 4 columns
 
 
-@pytest.fixture(scope="module")
-def world():
-    """(trunk, drafter, prompts, budgets, plain streams): session A starts at 100 keys and crosses two
-    split boundaries of the trunk's attention (128, 192); B's budget ends inside one of its accepted
-    blocks, and the trunk's end-of-sequence id is a token C accepts inside a block (both cuts)."""
+GREEDY = (SamplingParams(),) * 3
+# Coupled sampled sessions, each with its own filters and seed (every sampling phase records).
+SAMPLED = (SamplingParams(temperature=0.7, top_k=20, seed=11), SamplingParams(temperature=0.9, top_p=0.9, seed=5),
+           SamplingParams(temperature=0.6, min_p=0.05, seed=2))
+
+
+def build_world(samplings):
+    """(trunk, drafter, prompts, budgets, plain streams, samplings): session A starts at 100 keys and
+    crosses two split boundaries of the trunk's attention (128, 192); B's budget ends inside one of
+    its accepted blocks, and the trunk's end-of-sequence id is a token C accepts inside a block (both
+    cuts). The drafter knows most of each plain stream (greedy, or sampled with the session's seed)."""
     be = contract.backend()
     rng = np.random.default_rng(7)
     prompts = [rng.integers(0, 256, n).astype(np.int32) for n in (100, 30, 40)]
@@ -47,25 +53,38 @@ def world():
         return trunk
     trunk = make()
     # The drafter knows most of each continuation, past any end (so a last round accepts past it).
-    ahead = [greedy_continuation(trunk, p, 40) for p in prompts]
+    ahead = [greedy_continuation(trunk, p, 40) if sp.greedy else plain_generate(trunk, p, 40, sampling=sp,
+                                                                                  launches="plain")
+             for p, sp in zip(prompts, samplings)]
     drafter = bigram_drafter(trunk, [np.concatenate([[p[-1]], s]) for p, s in zip(prompts, ahead)], 0.8, 3)
     # A session's rounds do not depend on its batch: where B's and C's blocks fall, alone.
-    blocks = [rounds_alone(trunk, drafter, p) for p in prompts[1:]]
+    blocks = [rounds_alone(trunk, drafter, p, sp) for p, sp in zip(prompts[1:], samplings[1:])]
     budget_b = next(a + 1 for a, b in blocks[0][4:] if b - a >= 3)
     eos = next(ahead[2][a] for a, b in blocks[1][3:] if b - a >= 3 and ahead[2][a] not in ahead[2][:a]
                and ahead[2][a] not in ahead[0][:BUDGETS[0]] and ahead[2][a] not in ahead[1][:budget_b])
     trunk = make(eos_id=int(eos))
     drafter = bigram_drafter(trunk, [np.concatenate([[p[-1]], s]) for p, s in zip(prompts, ahead)], 0.8, 3)
     budgets = (BUDGETS[0], budget_b, BUDGETS[2])
-    streams = [plain_generate(trunk, p, n, launches="plain") for p, n in zip(prompts, budgets)]
+    streams = [plain_generate(trunk, p, n, sampling=sp, launches="plain")
+               for p, n, sp in zip(prompts, budgets, samplings)]
     assert streams[2][-1] == eos and len(streams[2]) < budgets[2] and len(streams[1]) == budget_b
-    return trunk, drafter, prompts, budgets, streams
+    return trunk, drafter, prompts, budgets, streams, samplings
 
 
-def rounds_alone(trunk, drafter, prompt) -> list[tuple[int, int]]:
+@pytest.fixture(scope="module")
+def world():
+    return build_world(GREEDY)
+
+
+@pytest.fixture(scope="module")
+def sampled_world():
+    return build_world(SAMPLED)
+
+
+def rounds_alone(trunk, drafter, prompt, sampling) -> list[tuple[int, int]]:
     """[emitted before, after] of each round of a session alone (budget 40)."""
     s = DsparkSpecSession.prime(trunk, drafter, prompt, SpecParams(max_new_tokens=40, verify="ladder", max_verify=WIDTH,
-                                                                   launches="plain", capture=False))
+                                                                   launches="plain", capture=False, sampling=sampling))
     out = []
     while not s.finished():
         before = len(s.emitted)
@@ -86,10 +105,10 @@ def scenario(world, launches: str):
     """A alone, then A with B (a join), then A with C (C joins as B leaves), then each batch to its
     end. Returns (per round: each session's emitted tokens and (m, vt-1) history), final states,
     sessions)."""
-    trunk, drafter, prompts, budgets, _ = world
+    trunk, drafter, prompts, budgets, _, samplings = world
     be = trunk.be
-    params = [SpecParams(max_new_tokens=n, verify="ladder", max_verify=WIDTH, launches=launches, capture=False)
-              for n in budgets]
+    params = [SpecParams(max_new_tokens=n, verify="ladder", max_verify=WIDTH, launches=launches, capture=False,
+                         sampling=sp) for n, sp in zip(budgets, samplings)]
     log = []
 
     def rounds(batch, n):
@@ -119,11 +138,13 @@ def runs(world):
     return {mode: scenario(world, mode) for mode in ("plain", "graph", "eager")}
 
 
-def test_recorded_rounds_equal_plain_rounds_bitwise(world, runs):
-    """Graph replays and host-issued recordings give, round by round, the tokens, accepted
-    counts and verify widths of the op-by-op round, and leave every cache, state and draft KV
-    bitwise the same; all three streams are plain decode's."""
-    streams = world[-1]
+@pytest.fixture(scope="module")
+def sampled_runs(sampled_world):
+    return {mode: scenario(sampled_world, mode) for mode in ("plain", "graph", "eager")}
+
+
+def check_equal_bitwise(world, runs) -> None:
+    streams = world[4]
     plain_log, plain_state, plain_sessions = runs["plain"]
     for mode in ("graph", "eager"):
         log, state, sessions = runs[mode]
@@ -134,11 +155,32 @@ def test_recorded_rounds_equal_plain_rounds_bitwise(world, runs):
     assert reasons == ["budget", "budget", "eos"]
 
 
-def test_the_run_holds_what_it_must(world, runs):
+def test_recorded_rounds_equal_plain_rounds_bitwise(world, runs):
+    """Graph replays and host-issued recordings give, round by round, the tokens, accepted
+    counts and verify widths of the op-by-op round, and leave every cache, state and draft KV
+    bitwise the same; all three streams are plain decode's."""
+    check_equal_bitwise(world, runs)
+
+
+def test_recorded_sampled_rounds_equal_plain_rounds_bitwise(sampled_world, sampled_runs):
+    """The same for coupled sampled sessions (their own filters and seeds): recorded rounds whose
+    drafter picks and verify picks read their positions, seeds and filters from the passes' inputs
+    blocks give the op-by-op round's tokens, accepted counts, widths and buffers, and the streams
+    are plain sampled decode's."""
+    check_equal_bitwise(sampled_world, sampled_runs)
+    trunk, drafter = sampled_world[:2]
+    assert graphs.supported(trunk, drafter, "coupled") and not graphs.supported(trunk, drafter, "rejection")
+    assert graphs.round_graphs(drafter, "graph").store.records > 0
+
+
+@pytest.mark.parametrize("which", ["greedy", "sampled"])
+def test_the_run_holds_what_it_must(request, which):
     """Every accepted length 0..vt-1 of the widths verified, two widths in one batch (padding),
     the verify attention's split count changing between recorded rounds, cuts at the budget and at
     EOS inside an accepted block."""
-    trunk, drafter, prompts, _, _ = world
+    world = request.getfixturevalue("world" if which == "greedy" else "sampled_world")
+    runs = request.getfixturevalue("runs" if which == "greedy" else "sampled_runs")
+    trunk, drafter, prompts = world[:3]
     log, _, sessions = runs["graph"]
     accepted = {m for rnd in log for (_, m, _) in rnd}
     assert accepted >= set(range(WIDTH)), accepted
@@ -157,7 +199,7 @@ def test_the_run_holds_what_it_must(world, runs):
 def test_recordings_are_keyed_by_the_batch_and_dropped_with_a_session(world):
     """A join records the new batch's passes; a session's recordings go when its buffers are
     freed, the other batches' stay."""
-    trunk, drafter, prompts, _, _ = world
+    trunk, drafter, prompts = world[:3]
     params = SpecParams(max_new_tokens=12, verify="full", max_verify=3, launches="graph", capture=False)
     a, b, c = (DsparkSpecSession.prime(trunk, drafter, p[:20], params) for p in prompts)
     runner = graphs.round_graphs(drafter, "graph")
@@ -177,14 +219,20 @@ def test_recordings_are_keyed_by_the_batch_and_dropped_with_a_session(world):
     b.close()
 
 
-def test_demotion_after_recorded_rounds_equals_plain_decode(world):
-    trunk, drafter, prompts, budgets, streams = world
+@pytest.mark.parametrize("which", ["greedy", "sampled"])
+def test_demotion_after_recorded_rounds_equals_plain_decode(request, which):
+    """A session demoted after recorded rounds (greedy, or coupled sampled) finishes in recorded
+    plain decode steps with plain decode's stream."""
+    trunk, drafter, prompts, budgets, streams, samplings = request.getfixturevalue(
+        "world" if which == "greedy" else "sampled_world")
     s = DsparkSpecSession.prime(trunk, drafter, prompts[1], SpecParams(max_new_tokens=budgets[1], burst_target=6,
-                                                                      max_verify=WIDTH, capture=False))
+                                                                      max_verify=WIDTH, capture=False,
+                                                                      sampling=samplings[1]))
     s.burst()
+    assert s.rounds >= 2 and graphs.round_graphs(drafter, "graph").store.records
     cache, last = s.into_demoted()
     batch = PlainBatch(trunk, "graph")
-    sid = batch.join(cache, last, budgets[1], list(s.emitted))
+    sid = batch.join(cache, last, budgets[1], list(s.emitted), sampling=samplings[1])
     with profile.counting() as counts:
         batch.run()
     assert batch.leave(sid).emitted == streams[1]
@@ -194,11 +242,38 @@ def test_demotion_after_recorded_rounds_equals_plain_decode(world):
     cache.free()
 
 
+@pytest.mark.parametrize("launches", ["graph", "eager"])
+def test_recorded_sampled_decode_steps_equal_plain_decode(sampled_world, launches):
+    """Plain sampled decode of a batch of two, each step a recorded pass whose picks read their
+    positions from its inputs block: the plain streams (sequences joining and leaving the batch
+    as they finish)."""
+    trunk, _, prompts, budgets, streams, samplings = sampled_world
+    got = [plain_generate(trunk, prompts[0], budgets[0], sampling=samplings[0], launches=launches)]
+    assert got == streams[:1]
+    runner = graphs.decode_graphs(trunk, launches)
+    made = runner.store.records
+    caches, batch = [], PlainBatch(trunk, launches)
+    ids = []
+    for i in (1, 2):
+        caches.append(trunk.new_cache())
+        last, _ = prefill_anchor(trunk, caches[-1], prompts[i], samplings[i])
+        ids.append(batch.join(caches[-1], last, budgets[i], sampling=samplings[i]))
+    batch.step()
+    with profile.counting() as counts:  # a step of a recorded batch: no array operation, one pass
+        batch.step()
+    assert runner.store.records > made and counts.array_ops == 0 and counts.graphs == (launches == "graph"), \
+        counts.line()
+    batch.run()
+    assert [batch.leave(i).emitted for i in ids] == streams[1:]
+    for c in caches:
+        c.free()
+
+
 def test_recorded_round_counts(world):
     """A recorded round: two copies back (its two waits), three uploads (one per pass), three
     graph launches and no launch or array operation issued by the host; eager: the recording's
     launches issued by the host, nothing else."""
-    trunk, drafter, prompts, _, _ = world
+    trunk, drafter, prompts = world[:3]
     for launches in ("graph", "eager"):
         s = DsparkSpecSession.prime(trunk, drafter, prompts[1][:24], SpecParams(max_new_tokens=40, verify="full",
                                                                                 max_verify=3, launches=launches,
@@ -219,7 +294,7 @@ def test_nan_in_a_recorded_round_raises_and_changes_nothing(world):
     """A NaN reaching session 1's drafter logits (its draft KV ring) raises at the first copy back,
     one reaching session 0's verify logits (its K cache) at the second, naming the session; no
     session's caches or positions changed."""
-    trunk, drafter, prompts, _, _ = world
+    trunk, drafter, prompts = world[:3]
     be = trunk.be
     params = SpecParams(max_new_tokens=20, max_verify=WIDTH, launches="graph", capture=False)
     sessions = [DsparkSpecSession.prime(trunk, drafter, p[:16], params) for p in prompts[:2]]
