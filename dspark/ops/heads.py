@@ -12,6 +12,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..arrays import adopt
+from ..errors import ShapeError, TokenRangeError
 from .argmax import markov_bias_ref
 from .checks import host_and_device, output, require_dtype, require_ndim, require_shape
 
@@ -127,9 +128,9 @@ def markov_logits(be, logits, w1, w2, anchors, picks, slot: int, nd: int, drafts
     require_shape(host_anchors, (B,), "anchors")
     require_dtype(host_anchors, np.int32, "anchors")
     if np.any((host_anchors < 0) | (host_anchors >= vocab)):
-        raise IndexError(f"anchors: expected token ids in [0, {vocab})")
+        raise TokenRangeError(f"anchors: expected token ids in [0, {vocab}), got {host_anchors.tolist()}")
     if not 0 <= slot <= nd:
-        raise ValueError(f"slot={slot}: expected 0 .. {nd}")
+        raise ShapeError(f"slot={slot}: expected a slot in [0, {nd}] (nd: the last slot's picks alone)")
     if slot:
         require_shape(picks, (B,), "picks")
         require_dtype(picks, np.int32, "picks")

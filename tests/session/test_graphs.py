@@ -269,6 +269,33 @@ def test_recorded_sampled_decode_steps_equal_plain_decode(sampled_world, launche
         c.free()
 
 
+def test_a_prompt_pass_after_recorded_rounds_equals_the_op_by_op_path(world):
+    """Recorded rounds move the recurrent state with no host code, so the host marks the chunk
+    tails they outdate (graphs.RoundGraphs.commit). A prompt pass in chunks on the same cache
+    afterwards (a follow-up turn, trunk.prompt_passes) gives the op-by-op path's logits and leaves
+    its cache bitwise: the rounds end exactly 64 rows past the prompt, where a stale tail (the
+    prompt's) would line up with the position and be resumed."""
+    trunk, drafter, prompts = world[:3]
+    assert trunk.chunked_gdn
+    prompt = prompts[0]
+    more = np.random.default_rng(3).integers(0, 256, 50).astype(np.int32)
+    got = {}
+    for launches in ("plain", "graph"):
+        s = DsparkSpecSession.prime(trunk, drafter, prompt, SpecParams(max_new_tokens=64, verify="ladder",
+                                                                        max_verify=WIDTH, launches=launches,
+                                                                        capture=False))
+        while not s.finished():
+            spec_round([s])
+        assert s.cache.pos == len(prompt) + 64 and s.cache.pos % 64 == len(prompt) % 64, s.cache.pos
+        logits = [trunk.be.to_host(tp.logits) for tp in trunk.prompt_passes(s.cache, more, chunk=16)
+                  if tp.logits is not None]
+        got[launches] = (s.emitted, logits, state_of(trunk.be, s))
+        s.close()
+    assert got["graph"][0] == got["plain"][0]
+    np.testing.assert_array_equal(got["graph"][1][-1], got["plain"][1][-1])
+    assert got["graph"][2] == got["plain"][2]
+
+
 def test_recorded_round_counts(world):
     """A recorded round: two copies back (its two waits), three uploads (one per pass), three
     graph launches and no launch or array operation issued by the host; eager: the recording's
