@@ -133,12 +133,17 @@ def record(be, work, workspaces=()):
 
 class PassStore:
     """Key (sessions' buffer versions, what shaped the pass) -> its Recording (and inputs block);
-    every recording holding a freed or replaced buffer version is dropped with it."""
+    every recording holding a freed or replaced buffer version is dropped with it, and then
+    `dropped()` runs (the runner releases the workspaces no recording holds any more)."""
 
-    def __init__(self):
+    def __init__(self, dropped=None):
         self._entries: dict[tuple, object] = {}
         self.records = 0    # recordings made (tests count reuses against it)
+        self._dropped = dropped
         register_store(self)
+
+    def entries(self):
+        return self._entries.values()
 
     def get(self, versions: tuple, extra: tuple):
         return self._entries.get((versions, extra))
@@ -148,12 +153,14 @@ class PassStore:
         self.records += 1
 
     def drop(self, version: int) -> None:
-        for key in [k for k in self._entries if version in k[0]]:
-            del self._entries[key]
+        self.drop_where(lambda k: version not in k[0])
 
     def drop_where(self, keep) -> None:
-        for key in [k for k in self._entries if not keep(k)]:
+        gone = [k for k in self._entries if not keep(k)]
+        for key in gone:
             del self._entries[key]
+        if gone and self._dropped is not None:
+            self._dropped()
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -166,12 +173,13 @@ def horizon(top: int, capacity: int) -> int:
 
 
 class Entry:
-    """A recorded pass with its inputs block (rewritten and uploaded every round), its outputs and
-    the pass's own results (what a later pass reads)."""
-    __slots__ = ("recording", "inputs", "outputs", "result")
+    """A recorded pass with its inputs block (rewritten and uploaded every round), its outputs, the
+    pass's own results (what a later pass reads) and the workspaces its launches point into."""
+    __slots__ = ("recording", "inputs", "outputs", "result", "workspaces")
 
-    def __init__(self, recording, inputs, outputs, result):
+    def __init__(self, recording, inputs, outputs, result, workspaces=()):
         self.recording, self.inputs, self.outputs, self.result = recording, inputs, outputs, result
+        self.workspaces = tuple(workspaces)
 
 
 class Runner:
@@ -181,18 +189,30 @@ class Runner:
         if mode not in MODES[:2]:
             raise ValueError(f"mode={mode!r}: expected 'graph' or 'eager'")
         self.be, self.mode, self.id = be, mode, next(_ids)
-        self.store = PassStore()
+        self.store = PassStore(dropped=self._release_idle)
         self._workspaces: dict[tuple, Workspace] = {}
         self.stream = be.xp.cuda.Stream(non_blocking=True)
 
     def workspace(self, kind: str, sessions: int, rows: int) -> Workspace:
+        """The workspace of one pass kind and batch size, made when first asked for; it lives while
+        some recording points into it (`_release_idle`)."""
         key = (kind, sessions)
         if key not in self._workspaces:
             self._workspaces[key] = Workspace(self.be, rows, owner=f"graphs/{self.id}/{kind}/{sessions}")
         return self._workspaces[key]
 
     def workspace_bytes(self) -> int:
+        """The bytes of the workspaces held now: those of the batch sizes some recording holds."""
         return sum(ws.bytes for ws in self._workspaces.values())
+
+    def _release_idle(self) -> None:
+        """Free the workspaces no recording points into any more (their batch's sessions left): a
+        runner holds the batch sizes in use, not every size it ever ran."""
+        held = {id(ws) for e in self.store.entries() for ws in e.workspaces}
+        for key, ws in list(self._workspaces.items()):
+            if id(ws) not in held:
+                ws.free()
+                del self._workspaces[key]
 
     def run(self, versions: tuple, extra: tuple, fields, fill, work, workspaces) -> Entry:
         """The pass keyed (versions, extra): fill(inputs) writes this round's values; the first time,
@@ -204,7 +224,7 @@ class Runner:
             fill(inputs)
             inputs.upload()
             recording, (result, outputs) = record(self.be, lambda: work(inputs), workspaces)
-            entry = Entry(recording, inputs, outputs, result)
+            entry = Entry(recording, inputs, outputs, result, workspaces)
             if self.mode == "graph":
                 recording.capture(self.stream)
             self.store.put(versions, extra, entry)

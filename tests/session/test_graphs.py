@@ -173,6 +173,31 @@ def test_recorded_sampled_rounds_equal_plain_rounds_bitwise(sampled_world, sampl
     assert graphs.round_graphs(drafter, "graph").store.records > 0
 
 
+def test_a_recorded_coupled_proposal_draws_at_each_rounds_positions(world):
+    """The bigram drafter's picks hardly depend on their noise, so a stale position in a replayed
+    draft pass would leave the rounds above exact. A random drafter's do: round after round, the
+    recorded draft pass (replayed after the first) proposes the op-by-op proposal's drafts and
+    confidences, bit for bit."""
+    trunk, _, prompts = world[:3]
+    from dspark.models.presets import random_drafter
+    from dspark.spec_sampling import propose_sampled
+    drafter = random_drafter(trunk, 3)
+    nd = drafter.config.drafts
+    s = DsparkSpecSession.prime(trunk, drafter, prompts[2][:20], SpecParams(
+        max_new_tokens=40, max_verify=WIDTH, capture=False, sampling=SamplingParams(temperature=1.0, seed=9)))
+    runner = graphs.round_graphs(drafter, "graph")
+    for _ in range(3):
+        with runner:
+            drafts, conf = runner.propose([s])
+        dh, dl = drafter.draft([s.kv], [s.last])
+        want, want_conf, _ = propose_sampled([s], drafter, dl, dh, nd)
+        np.testing.assert_array_equal(drafts, want)
+        np.testing.assert_array_equal(conf, want_conf)
+        spec_round([s])
+    assert runner.store.records >= 1 and len({int(t) for t in drafts[0]}) > 1
+    s.close()
+
+
 @pytest.mark.parametrize("which", ["greedy", "sampled"])
 def test_the_run_holds_what_it_must(request, which):
     """Every accepted length 0..vt-1 of the widths verified, two widths in one batch (padding),
@@ -198,7 +223,8 @@ def test_the_run_holds_what_it_must(request, which):
 
 def test_recordings_are_keyed_by_the_batch_and_dropped_with_a_session(world):
     """A join records the new batch's passes; a session's recordings go when its buffers are
-    freed, the other batches' stay."""
+    freed, the other batches' stay; the workspaces of a batch size no recording holds any more are
+    freed with them."""
     trunk, drafter, prompts = world[:3]
     params = SpecParams(max_new_tokens=12, verify="full", max_verify=3, launches="graph", capture=False)
     a, b, c = (DsparkSpecSession.prime(trunk, drafter, p[:20], params) for p in prompts)
@@ -209,12 +235,17 @@ def test_recordings_are_keyed_by_the_batch_and_dropped_with_a_session(world):
     assert runner.store.records == made, "the same batch recorded again"
     spec_round([a, c])
     assert runner.store.records > made, "a new batch replayed another batch's recording"
+    spec_round([a, b, c])   # the only batch of three: its workspaces go with its recordings
+    assert ("verify", 3) in runner._workspaces
+    before = runner.workspace_bytes()
     held_c = [k for k in runner.store._entries if c.cache.version in k[0]]
-    held_b = [k for k in runner.store._entries if b.cache.version in k[0]]
+    held_b = [k for k in runner.store._entries if b.cache.version in k[0] and k not in held_c]
     assert held_c and held_b
     c.close()
     assert all(k in runner.store._entries for k in held_b)
     assert not any(k in runner.store._entries for k in held_c)
+    assert not any(n == 3 for _, n in runner._workspaces) and ("verify", 2) in runner._workspaces
+    assert runner.workspace_bytes() < before
     a.close()
     b.close()
 
