@@ -6,7 +6,9 @@ the greedy proposal: drafts, confidences and NaN flags, fetched in one copy: the
 synchronisation), the verify (the trunk over [anchor, d_1 .. d_{W-1}] of every session and the
 greedy accept: (m, next) and NaN flags, the second synchronisation) and the commit (K/V rows into
 the caches, the rollback of the recurrent state, the ingest of the kept rows into the draft KV).
-A plain batched decode step is one pass. Each pass is recorded on the `cuda` backend the first
+A coupled sampled round (dspark.spec_sampling) is the same three passes: the draft pass draws
+each slot's pick with the noise of its position, the verify picks every column at the position it
+predicts and walks the coupled accept. A plain batched decode step, greedy or sampled, is one pass. Each pass is recorded on the `cuda` backend the first
 time its key is seen: the model code runs once (every op validated, every launch plan built), its
 launches go to a list while they run, and that list is the pass from then on: the host issues it
 launch by launch with the arguments checked when it was recorded, or captures it once into a CUDA
@@ -16,10 +18,16 @@ What makes a recording valid for the next round:
 * Buffers. Every output and temporary of a pass is a named buffer of a workspace
   (dspark.ops.workspace) made when the pass is first recorded, and the same memory after: one per
   pass kind and batch size, sized for the widest verify, so the verify passes of every width share
-  it. `workspace_bytes()` says how much that is.
-* Per-round values. Token ids, positions, row pointers, kept counts, anchors: one inputs block per
-  pass (dspark.ops.workspace.Inputs), written by the host and uploaded in one copy before the pass
-  runs; kernels read them there. No host scalar that changes from round to round is an argument.
+  it; freed when the last recording pointing into it goes (its batch size's sessions left).
+  `workspace_bytes()` says how much is held. At Qwen3.5-27B, B = 1, it is 1.41 GiB, 92 % of it the
+  verify's per-column gdn state checkpoints of rollback="checkpoint" (3 MiB a layer a column, for
+  drafts + 1 columns); rollback="replay" keeps the columns' scan inputs instead: 88 MiB. It scales
+  with B (profiling/RESULTS.md).
+* Per-round values. Token ids, positions, row pointers, kept counts, anchors, and a sampled pass's
+  pick positions (the stream counters), seeds, stream words and filter settings: one inputs block
+  per pass (dspark.ops.workspace.Inputs), written by the host and uploaded in one copy before the
+  pass runs; kernels read them there. No host scalar that changes from round to round is an
+  argument.
 * Grids. The attention grids are sized for a horizon (the next power of two above the sessions'
   positions, at least HORIZON_FLOOR, at most the cache): their CTAs past the live keys leave at once
   (dspark.ops.attention.launch_plan's `reach`). Crossing the horizon records the passes again: at
@@ -27,11 +35,12 @@ What makes a recording valid for the next round:
   host path; between crossings a grid holds at most twice the splits it needs.
 * Verify width: one recording per width W in `widths` (1 .. drafts + 1); a batch verifies at its
   widest session's width, the others padded: a padded session's extra columns are computed and
-  never accepted (the accept's candidate after its last column is -1, which no argmax equals), never
-  committed (its keep is at most its width). What a padded column costs: its share of the verify's
+  never accepted (the accept's candidate after its last column is -1, which no argmax equals, or
+  dspark.ops.coupled.PAD, which no pick equals), never committed (its keep is at most its width). What a padded column costs: its share of the verify's
   attention and scan, as its GEMM rows ride in the same 16-row tile at B <= 2.
 * Keys. A pass is keyed by the buffer versions of its sessions' caches and draft KVs (in batch
-  order) and by what shaped it (width, horizon, rollback); a session that joins or leaves makes new
+  order) and by what shaped it (width, horizon, rollback, a sampled pass's SamplingParams: which
+  sampling phases it launches); a session that joins or leaves makes new
   keys, and freeing or replacing a session's buffers drops exactly the recordings that held them
   (dspark.models.batch_tables.forget). Nothing else can change a recording.
 
@@ -39,9 +48,16 @@ The round is issued on its own stream (capture needs one that is not the legacy 
 ordered after the work before it and before the work after it by two events per round.
 
 Recorded rounds are bitwise the eager rounds (tests/session/test_graphs.py): the same kernels with
-the same arguments, in the same order. Layouts whose round needs array operations of the glue (the
-gated and rnn Markov heads, the candidate selector, a draft vocabulary, DFlash2's convolutions) and
-sampled rounds run eagerly, op by op (`supported`).
+the same arguments, in the same order (the op-by-op coupled proposal runs the recorded one's kernels,
+spec_sampling.run_coupled_propose). Layouts whose round needs array operations of the glue (the
+gated and rnn Markov heads, the candidate selector, a draft vocabulary, DFlash2's convolutions) run
+op by op (`supported`), and so do rejection-sampled rounds: their accept (spec_accept_f32) reads
+each session's target rows packed at its own width (p[draft_indptr[b] + b + j]) and stops after its
+own drafts, while a recorded verify packs every session at the widest width; recording them needs
+the accept to take a per-session draft count apart from its row layout, and the drafter's q rows
+written slot by slot into a workspace (today a strided copy per slot and a concatenation per
+round, array operations). A plain decode step of a batch mixing greedy and sampled sequences runs
+op by op too.
 """
 
 from __future__ import annotations
