@@ -1,6 +1,7 @@
 """dspark's own host work per speculative round at real shapes, measured on the CPU.
 
     python profiling/host_round.py [--model qwen3.5-27b qwen3-8b] [--batch 1 2] [--rounds 8] [--temperature T]
+                                   [--rollback checkpoint|replay]
 
 The null executor: the `cuda` code path on the CuPy contract stand-in (dspark.backends.contract)
 with kernel execution off, over null memory (every array a shape, a dtype and a pointer of its
@@ -66,12 +67,13 @@ def null_pair(shape: pm.Shape):
 
 
 def sessions_at(trunk, drafter, batch: int, context: int, width: int, mode: str = "graph",
-                temperature: float = 0.0) -> list:
+                temperature: float = 0.0, rollback: str = "checkpoint") -> list:
     """`batch` sessions, greedy or (temperature > 0) coupled sampled, primed on 8 tokens and moved to
     `context` committed rows."""
     def params(b):
         return SpecParams(max_new_tokens=1 << 30, verify="full", max_verify=width, capture=False, launches=mode,
-                          sampling=SamplingParams(temperature=temperature, top_k=50 if temperature else 0, seed=b))
+                          sampling=SamplingParams(temperature=temperature, top_k=50 if temperature else 0, seed=b),
+                          rollback=rollback)
     with contract.null_memory(), contract.executing(False):
         sessions = [DsparkSpecSession.prime(trunk, drafter, np.arange(8, dtype=np.int32) + b, params(b))
                     for b in range(batch)]
@@ -116,6 +118,8 @@ def main(argv=None) -> int:
     ap.add_argument("--mode", nargs="+", default=["plain", "eager", "graph"], choices=["plain", "eager", "graph"])
     ap.add_argument("--temperature", type=float, default=0.0,
                     help="0: greedy sessions; > 0: coupled sampled sessions at this temperature (top-k 50)")
+    ap.add_argument("--rollback", default="checkpoint", choices=["checkpoint", "replay"],
+                    help="SpecParams.rollback: what the verify keeps for the commit (per-column states, or inputs)")
     a = ap.parse_args(argv)
     dev = pm.H200
     shapes = pm.shapes()
@@ -124,7 +128,7 @@ def main(argv=None) -> int:
         trunk, drafter = null_pair(shapes[name])
         for b in a.batch:
             for mode in a.mode:
-                sessions = sessions_at(trunk, drafter, b, a.context, a.width, mode, a.temperature)
+                sessions = sessions_at(trunk, drafter, b, a.context, a.width, mode, a.temperature, a.rollback)
                 per_round, c, phases = time_rounds(sessions, a.rounds)
                 if mode != "plain":
                     runner = graphs.round_graphs(drafter, mode)
@@ -142,7 +146,8 @@ def main(argv=None) -> int:
                 total = sum(phases.values())
                 where.append([shapes[name].label, str(b), mode]
                              + [f"{phases.get(p, 0) / total:.0%}" for p in PHASES])
-    rule = f"coupled sampled sessions (T = {a.temperature:g}, top-k 50)" if a.temperature else "greedy sessions"
+    rule = (f"coupled sampled sessions (T = {a.temperature:g}, top-k 50)" if a.temperature else "greedy sessions") \
+        + f", rollback {a.rollback}"
     print(f"dspark's own host time per round on the null executor (CuPy {contract.CUPY_VERSION} stand-in, execution "
           f"off, null memory), {rule}, context {a.context}, {a.width} verify columns, median of {a.rounds} rounds; CuPy's own "
           f"cost per call priced at launch {dev.cupy_launch * 1e6:.0f} us, array op {dev.cupy_array_op * 1e6:.0f} us, "

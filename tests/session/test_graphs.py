@@ -302,28 +302,41 @@ def test_recorded_sampled_decode_steps_equal_plain_decode(sampled_world, launche
 
 def test_a_prompt_pass_after_recorded_rounds_equals_the_op_by_op_path(world):
     """Recorded rounds move the recurrent state with no host code, so the host marks the chunk
-    tails they outdate (graphs.RoundGraphs.commit). A prompt pass in chunks on the same cache
-    afterwards (a follow-up turn, trunk.prompt_passes) gives the op-by-op path's logits and leaves
-    its cache bitwise: the rounds end exactly 64 rows past the prompt, where a stale tail (the
-    prompt's) would line up with the position and be resumed."""
+    tails they outdate (graphs.RoundGraphs.commit). Rounds, a prompt pass in chunks on the same
+    cache (a follow-up turn, trunk.prompt_passes), replayed rounds, and a second prompt pass give
+    the op-by-op path's logits and leave its cache bitwise. The replayed rounds commit exactly 64
+    rows (a budget cut), so a chunk tail left from the first prompt pass would line up with the
+    position and be resumed."""
+    from dataclasses import replace
     trunk, drafter, prompts = world[:3]
     assert trunk.chunked_gdn
-    prompt = prompts[0]
-    more = np.random.default_rng(3).integers(0, 256, 50).astype(np.int32)
+    rng = np.random.default_rng(3)
+    more = [rng.integers(0, 256, n).astype(np.int32) for n in (40, 50)]
     got = {}
     for launches in ("plain", "graph"):
-        s = DsparkSpecSession.prime(trunk, drafter, prompt, SpecParams(max_new_tokens=64, verify="ladder",
-                                                                        max_verify=WIDTH, launches=launches,
-                                                                        capture=False))
-        while not s.finished():
-            spec_round([s])
-        assert s.cache.pos == len(prompt) + 64 and s.cache.pos % 64 == len(prompt) % 64, s.cache.pos
-        logits = [trunk.be.to_host(tp.logits) for tp in trunk.prompt_passes(s.cache, more, chunk=16)
-                  if tp.logits is not None]
+        s = DsparkSpecSession.prime(trunk, drafter, prompts[0][:60], SpecParams(
+            max_new_tokens=1000, verify="ladder", max_verify=WIDTH, launches=launches, capture=False))
+        logits = []
+        for turn in range(2):
+            if turn:  # the replayed rounds: to a budget 64 tokens on
+                s.params = replace(s.params, max_new_tokens=len(s.emitted) + 64)
+                while not s.finished():
+                    spec_round([s])
+            else:
+                for _ in range(3):
+                    spec_round([s])
+            pos, tail = s.cache.pos, s.cache.chunk_len
+            logits += [trunk.be.to_host(tp.logits) for tp in trunk.prompt_passes(s.cache, more[turn], chunk=16)
+                       if tp.logits is not None]
+            if turn:
+                assert pos % 64 == tail_after_first and tail == -1, (pos, tail, tail_after_first)
+            tail_after_first = s.cache.chunk_len
+            assert tail_after_first >= 0   # the prompt pass's tails describe the live state
         got[launches] = (s.emitted, logits, state_of(trunk.be, s))
         s.close()
     assert got["graph"][0] == got["plain"][0]
-    np.testing.assert_array_equal(got["graph"][1][-1], got["plain"][1][-1])
+    for a, b in zip(got["graph"][1], got["plain"][1]):
+        np.testing.assert_array_equal(a, b)
     assert got["graph"][2] == got["plain"][2]
 
 
