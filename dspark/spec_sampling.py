@@ -32,6 +32,8 @@ run the same launches; the other layouts draw through the Chain's array operatio
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
 from . import philox
@@ -80,10 +82,17 @@ def pick_fields(rows: int, counters: int | None = None) -> dict:
 def fill_picks(inp, samplings, positions, rows_each=1) -> None:
     """Write pick_fields (host side): SamplingParams i's filters and seed for rows_each (or
     rows_each[i]) rows, and the positions the draws pick (the counters)."""
+    inp.set(**_pick_settings(tuple(samplings), rows_each if np.isscalar(rows_each) else tuple(rows_each)),
+            counter=np.asarray(positions, np.uint64).reshape(-1))
+
+
+@functools.lru_cache(maxsize=256)
+def _pick_settings(samplings: tuple, rows_each) -> dict:
+    """The per-row settings of pick_fields, which a batch keeps round after round (made once)."""
     f = filters_for(samplings, rows_each)
-    inp.set(temperature=f.temperature, top_k=f.top_k, top_p=f.top_p, min_p=f.min_p,
-            seed=np.repeat(np.array([sp.seed for sp in samplings], np.uint64), rows_each),
-            counter=np.asarray(positions, np.uint64).reshape(-1), stream=philox.stream_word(int(Tag.PICK), 0))
+    return {"temperature": f.temperature, "top_k": f.top_k, "top_p": f.top_p, "min_p": f.min_p,
+            "seed": np.repeat(np.array([sp.seed for sp in samplings], np.uint64), rows_each),
+            "stream": philox.stream_word(int(Tag.PICK), 0)}
 
 
 def picks_of(inp, counter=None) -> tuple[Filters, Streams]:
@@ -137,7 +146,7 @@ def coupled_proposals(drafter, B: int, got: dict) -> tuple[np.ndarray, np.ndarra
     the first slot and session whose drafter logits were bad."""
     nd = drafter.config.drafts
     status = got["status"].reshape(nd, B)
-    for k in range(nd):
+    for k in np.flatnonzero(status.any(axis=1))[:1]:   # the first slot holding a bad row names it
         raise_rows(status[k], f"drafter logits (slot {k})")
     conf = got["conf"].reshape(B, nd).copy() if "conf" in got else np.full((B, nd), np.nan, np.float32)
     return got["drafts"].reshape(B, nd).astype(np.int32), conf
