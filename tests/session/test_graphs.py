@@ -198,6 +198,47 @@ def test_a_recorded_coupled_proposal_draws_at_each_rounds_positions(world):
     s.close()
 
 
+def test_the_kernels_only_coupled_proposal_is_the_references(world):
+    """The coupled proposal that rounds record (spec_sampling.run_coupled_propose, simt kernels)
+    against NumPy: slot k's draft is the filtered Gumbel-max pick of the chain's logits (the block
+    rows plus the greedy chain's bias of x_{k-1}) with the noise of (seed, PICK, position pos + k +
+    1), for two sessions with their own filters and seeds; the confidences are the head's of those
+    drafts. Exactness cannot see this: the emitted tokens are the target's picks whatever the
+    drafter proposes."""
+    from dspark.models.presets import random_drafter
+    from dspark.ops.heads import markov_logits_ref
+    from dspark.ops.sampling import sample_filtered_ref
+    from dspark.spec_sampling import filters_for, pick_streams, propose_sampled
+    trunk, _, prompts = world[:3]
+    be = trunk.be
+    drafter = random_drafter(trunk, 4)
+    nd = drafter.config.drafts
+    samplings = (SamplingParams(temperature=1.0, top_k=30, seed=3), SamplingParams(temperature=0.8, top_p=0.9, seed=8))
+    live = [DsparkSpecSession.prime(trunk, drafter, p[:n], SpecParams(sampling=sp, capture=False))
+            for p, n, sp in zip(prompts, (20, 27), samplings)]
+    dh, dl = drafter.draft([s.kv for s in live], [s.last for s in live])
+    drafts, conf, _ = propose_sampled(live, drafter, dl, dh, nd)
+    logits, hidden = be.to_host(dl), be.to_host(dh)
+    w1, w2 = (be.to_host(drafter.w[k]) for k in ("markov.w1", "markov.w2"))
+    anchors = np.array([s.last for s in live], np.int32)
+    want, prev = np.zeros((2, nd), np.int32), None
+    for k in range(nd):
+        row = markov_logits_ref(logits, w1, w2, anchors, prev, k, nd)
+        prev = sample_filtered_ref(row, filters_for(samplings), pick_streams(samplings, [s.cache.pos + k + 1 for s in live]),
+                                   "gumbel")["token"]
+        want[:, k] = prev
+    np.testing.assert_array_equal(drafts, want)
+    assert len(set(want.reshape(-1).tolist())) > 2
+    if drafter.has_confidence:
+        from dspark.ops.heads import confidence_features_ref
+        feats = confidence_features_ref(hidden, w1 if drafter.config.confidence == "markov" else None, anchors, want)
+        lin = feats @ be.to_host(drafter.w["conf.w"]).astype(np.float64)
+        np.testing.assert_allclose(conf.reshape(-1), 1 / (1 + np.exp(-(lin + float(be.to_host(drafter.w["conf.b"])[0])))),
+                                   rtol=1e-5)
+    for s in live:
+        s.close()
+
+
 @pytest.mark.parametrize("which", ["greedy", "sampled"])
 def test_the_run_holds_what_it_must(request, which):
     """Every accepted length 0..vt-1 of the widths verified, two widths in one batch (padding),
