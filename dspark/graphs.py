@@ -278,8 +278,14 @@ def supported(trunk, drafter, rule: str) -> bool:
     kernels only, greedy or coupled sampled sessions (RECORDED_RULES), and the model's own methods
     (one replaced on the instance, as a test does to poison a pass, is not what a recording would
     replay)."""
-    return (trunk.be.name == "cuda" and drafter.recordable and rule in RECORDED_RULES and not patched(trunk)
-            and not patched(drafter))
+    return trunk.be.name == "cuda" and kernels_only(drafter) and rule in RECORDED_RULES and not patched(trunk)
+
+
+def kernels_only(drafter) -> bool:
+    """Whether the drafter's round passes are kernels only: a recordable layout none of whose
+    methods is replaced on the instance (a test's steering). Its coupled proposal then runs
+    spec_sampling.run_coupled_propose op by op too (the recorded round's launches)."""
+    return drafter.recordable and not patched(drafter)
 
 
 def patched(obj) -> bool:

@@ -342,7 +342,7 @@ def _plain_round(trunk: HybridTrunk, drafter: DsparkDrafter, live: list[DsparkSp
             q = None
         else:
             from .spec_sampling import propose_sampled
-            drafts, conf, q = propose_sampled(live, drafter, dl, dh, nd)
+            drafts, conf, q = propose_sampled(live, drafter, dl, dh, nd, graphs.kernels_only(drafter))
     vts, cands = _candidates(live, drafts, conf, nd, note)
     return _finish_plain(trunk, drafter, live, vts, cands, rule, q)
 

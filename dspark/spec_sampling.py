@@ -152,7 +152,7 @@ def coupled_proposals(drafter, B: int, got: dict) -> tuple[np.ndarray, np.ndarra
     return got["drafts"].reshape(B, nd).astype(np.int32), conf
 
 
-def propose_sampled(live, drafter, dl, dh, nd: int):
+def propose_sampled(live, drafter, dl, dh, nd: int, kernels: bool = False):
     """Draft slot by slot from the drafter's Markov chain, each slot a filtered draw from the
     chain's logits mapped to the target vocabulary, filtered with each session's own settings:
     coupled, slot k is the Gumbel-max pick with the noise of position pos + k + 1 (the target's
@@ -163,7 +163,7 @@ def propose_sampled(live, drafter, dl, dh, nd: int):
     be, xp = drafter.be, drafter.be.xp
     B, V = len(live), drafter.trunk.config.vocab
     coupled = live[0].params.coupled
-    if coupled and kernels_only(drafter):
+    if coupled and kernels:  # dspark.graphs.kernels_only(drafter): the recorded rounds' proposal, op by op
         inp = Inputs(be, {"anchors": (B, np.int32), **pick_fields(B, nd * B)})
         inp.set(anchors=[s.last for s in live])
         fill_coupled(inp, live, nd)
@@ -196,13 +196,6 @@ def propose_sampled(live, drafter, dl, dh, nd: int):
     for k in range(nd):
         raise_rows(status[k], f"drafter logits (slot {k})")
     return drafts, conf, q
-
-
-def kernels_only(drafter) -> bool:
-    """Whether the drafter's coupled proposal runs as kernels only (run_coupled_propose): its
-    round is recordable and none of its methods is replaced on the instance (a test's steering)."""
-    from .graphs import patched
-    return drafter.recordable and not patched(drafter)
 
 
 def accept_coupled(live, tp, cands, vts):

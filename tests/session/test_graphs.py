@@ -190,7 +190,7 @@ def test_a_recorded_coupled_proposal_draws_at_each_rounds_positions(world):
         with runner:
             drafts, conf = runner.propose([s])
         dh, dl = drafter.draft([s.kv], [s.last])
-        want, want_conf, _ = propose_sampled([s], drafter, dl, dh, nd)
+        want, want_conf, _ = propose_sampled([s], drafter, dl, dh, nd, kernels=True)
         np.testing.assert_array_equal(drafts, want)
         np.testing.assert_array_equal(conf, want_conf)
         spec_round([s])
@@ -217,7 +217,7 @@ def test_the_kernels_only_coupled_proposal_is_the_references(world):
     live = [DsparkSpecSession.prime(trunk, drafter, p[:n], SpecParams(sampling=sp, capture=False))
             for p, n, sp in zip(prompts, (20, 27), samplings)]
     dh, dl = drafter.draft([s.kv for s in live], [s.last for s in live])
-    drafts, conf, _ = propose_sampled(live, drafter, dl, dh, nd)
+    drafts, conf, _ = propose_sampled(live, drafter, dl, dh, nd, kernels=True)
     logits, hidden = be.to_host(dl), be.to_host(dh)
     w1, w2 = (be.to_host(drafter.w[k]) for k in ("markov.w1", "markov.w2"))
     anchors = np.array([s.last for s in live], np.int32)
