@@ -15,6 +15,15 @@
 //   (the chain's own previous draft, read on the device): the confidence head's features.
 //   Grid (B * nd, ceil((d + r) / 256)).
 //
+// markov_logits_f32(logits [B * nd, V], w1 [V, r] or null, w2 [r, V], anchors [B], picks [B] or null,
+//                   slot, B, nd, V, r, drafts [B, nd], out [B, V])
+//   Slot `slot` of the sampled Markov chain: out[b] = logits[b * nd + slot] + w2^T w1[x_{slot-1}],
+//   the greedy chain's bias (markov_chain, csrc/argmax.cu): summed over r in increasing order with
+//   round-to-nearest multiplies and adds, then one rounded add. x_{-1} is the anchor, x_{slot-1} the
+//   previous slot's pick picks[b] (read on the device; a bad row's -1 reads row 0, as the greedy chain
+//   does), which CTA (b, 0) also stores into drafts[b, slot - 1]. Without w1 (no Markov head) out is
+//   the slot's row. slot = nd only stores the last pick (out unused). Grid (B, ceil(V / 256)).
+//
 // Copies and one product per element: exact, and independent of the batch.
 #include "common.cuh"
 
@@ -49,4 +58,23 @@ extern "C" __global__ void __launch_bounds__(kHeadThreads)
     v = w1[(int64_t)prev * r + j - d];
   }
   out[(int64_t)row * (d + r) + j] = v;
+}
+
+extern "C" __global__ void __launch_bounds__(kHeadThreads)
+    markov_logits_f32(const float* __restrict__ logits, const float* __restrict__ w1, const float* __restrict__ w2,
+                      const int* __restrict__ anchors, const int* __restrict__ picks, int slot, int sessions, int nd,
+                      int vocab, int r, int* __restrict__ drafts, float* __restrict__ out) {
+  const int b = blockIdx.x, j = blockIdx.y * kHeadThreads + threadIdx.x;
+  if (b >= sessions) return;
+  const int prev = slot == 0 ? anchors[b] : picks[b];
+  if (slot > 0 && blockIdx.y == 0 && threadIdx.x == 0) drafts[b * nd + slot - 1] = prev;
+  if (slot >= nd || j >= vocab) return;
+  float bias = 0.0f;
+  if (w1 != nullptr) {
+    const float* emb = w1 + (int64_t)(prev < 0 || prev >= vocab ? 0 : prev) * r;
+#pragma unroll 1
+    for (int i = 0; i < r; ++i) bias = __fadd_rn(bias, __fmul_rn(emb[i], w2[(int64_t)i * vocab + j]));
+  }
+  const float x = logits[((int64_t)b * nd + slot) * vocab + j];
+  out[(int64_t)b * vocab + j] = w1 != nullptr ? __fadd_rn(x, bias) : x;
 }

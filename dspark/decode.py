@@ -36,8 +36,9 @@ class PlainSequence:
 
 class PlainBatch:
     """Batched decode of many sequences on one trunk, each greedy or sampled. `launches`: on cuda a
-    greedy step is a pass recorded once per batch and replayed as a CUDA graph ("graph") or launch
-    by launch by the host ("eager"), or run op by op ("plain"); dspark.graphs."""
+    step of a batch all greedy or all sampled is a pass recorded once per batch and replayed as a
+    CUDA graph ("graph") or launch by launch by the host ("eager"), or run op by op ("plain");
+    dspark.graphs."""
 
     def __init__(self, trunk: HybridTrunk, launches: str = "graph"):
         from .params import LAUNCHES
@@ -92,13 +93,15 @@ class PlainBatch:
         return out
 
     def _step(self, todo: list[PlainSequence]):
-        """The next token of each sequence in `todo`: a recorded decode step (greedy batches on
-        cuda, unless launches="plain") or one op by op."""
+        """The next token of each sequence in `todo`: a recorded decode step (on cuda, unless
+        launches="plain": batches all greedy or all sampled) or one op by op."""
         from . import graphs
+        greedy, sampled = (all(s.sampling is None for s in todo), all(s.sampling is not None for s in todo))
         if self.launches != "plain" and self.trunk.be.name == "cuda" and not graphs.patched(self.trunk) \
-                and all(s.sampling is None for s in todo):
+                and (greedy or sampled):
             with graphs.decode_graphs(self.trunk, self.launches) as runner:
-                return runner.step([s.cache for s in todo], [s.last for s in todo])
+                return runner.step([s.cache for s in todo], [s.last for s in todo],
+                                   [s.sampling for s in todo] if sampled else None)
         tp = self.trunk.decode([s.cache for s in todo], [s.last for s in todo])
         return pick_tokens(self.trunk.be, tp.logits, todo)
 

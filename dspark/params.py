@@ -55,7 +55,7 @@ class SpecParams:
     sampling: SamplingParams = field(default_factory=SamplingParams)
     launches: str = "graph"      # on cuda: each pass recorded once per batch and replayed as a CUDA graph
                                  # ("graph") or by the host launch by launch ("eager"), or run op by op
-                                 # ("plain"); dspark.graphs
+                                 # ("plain"); dspark.graphs (greedy and coupled rounds; rejection: op by op)
     sampler: str = "coupled"     # sampled sessions: "coupled" (plain sampled decode's stream, demotable) or
                                  # "rejection" (lossless rejection sampling); dspark.spec_sampling
     policy: str = "gain"         # where to speculate (dspark.gain): "gain" admits where the predicted gain exceeds

@@ -324,7 +324,7 @@ def _round(trunk: HybridTrunk, drafter: DsparkDrafter, live: list[DsparkSpecSess
     if any(s.params.launches != launches for s in live):
         raise ValueError(f"a batch mixes launch modes {sorted({s.params.launches for s in live})}: run them in "
                          "separate rounds")
-    if launches != "plain" and graphs.supported(trunk, drafter, rule == "greedy"):
+    if launches != "plain" and graphs.supported(trunk, drafter, rule):
         with graphs.round_graphs(drafter, launches) as runner:
             return _recorded_round(runner, live, note)
     return _plain_round(trunk, drafter, live, rule, note)
@@ -342,22 +342,22 @@ def _plain_round(trunk: HybridTrunk, drafter: DsparkDrafter, live: list[DsparkSp
             q = None
         else:
             from .spec_sampling import propose_sampled
-            drafts, conf, q = propose_sampled(live, drafter, dl, dh, nd)
+            drafts, conf, q = propose_sampled(live, drafter, dl, dh, nd, graphs.kernels_only(drafter))
     vts, cands = _candidates(live, drafts, conf, nd, note)
     return _finish_plain(trunk, drafter, live, vts, cands, rule, q)
 
 
 def _recorded_round(runner, live: list[DsparkSpecSession], note: dict) -> list[list[int]]:
-    """A round of recorded passes (dspark.graphs): the draft, the verify at the batch's widest
-    width and the commit, each one recording replayed; the host only decides the verify width and
-    the cut between the two copies back. Bitwise the plain round."""
+    """A round of recorded passes (dspark.graphs), greedy or coupled sampled: the draft, the verify
+    at the batch's widest width and the commit, each one recording replayed; the host only decides
+    the verify width and the cut between the two copies back. Bitwise the plain round."""
     nd = runner.drafter.config.drafts
     with phase("draft"):  # the draft pass ends with the first wait: drafts, confidences, NaN flags
         drafts, conf = runner.propose(live)
     vts, cands = _candidates(live, drafts, conf, nd, note)
     W = max(vts)
     if any(s.cache.pos + W > s.cache.capacity for s in live):  # a padded column past a cache's end
-        return _finish_plain(runner.trunk, runner.drafter, live, vts, cands)
+        return _finish_plain(runner.trunk, runner.drafter, live, vts, cands, live[0].params.accept)
     with phase("verify"):  # and the accept: the second wait, (m, next) and NaN flags
         tp, m, nxt = runner.verify(live, cands, vts)
     keep = np.array([_cut(s, cands[i][: int(m[i]) + 1]) for i, s in enumerate(live)], np.int32)

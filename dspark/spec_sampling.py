@@ -22,16 +22,27 @@ the device twice, as a greedy one: the drafts, confidences and the drafter rows'
 back in one copy after the chain, (m, next) and the statuses of the target rows (and of the
 rejection accept) in one copy after it. Filters and stream words are built on the host and
 uploaded (Staged), never read back.
+
+A coupled proposal of a drafter whose round is kernels only (DsparkDrafter.recordable) runs as
+kernels only (`run_coupled_propose`): per slot the chain's logits (dspark.ops.heads.markov_logits:
+the greedy chain's bias, bit for bit) and their pick, every filter, seed and position read from
+the pass's inputs block (`pick_fields`). So the op-by-op round and a recorded one (dspark.graphs)
+run the same launches; the other layouts draw through the Chain's array operations.
 """
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
+from . import philox
 from .ops.checks import Staged
 from .ops.coupled import coupled_accept
+from .ops.heads import markov_logits
 from .ops.sampling import (Filters, Streams, filtered_probs, raise_accept, raise_rows, sample_filtered,
                            speculative_accept)
+from .ops.workspace import Inputs, Outputs, buffer, fixed
 from .philox import Tag
 
 
@@ -60,7 +71,88 @@ def staged(be, f: Filters) -> Filters:
     return Filters(*(Staged(be, a) for a in (f.temperature, f.top_k, f.top_p, f.min_p)))
 
 
-def propose_sampled(live, drafter, dl, dh, nd: int):
+def pick_fields(rows: int, counters: int | None = None) -> dict:
+    """The inputs-block fields of `rows` picks: each row's filters, seed and PICK stream word, and
+    `counters` (default: rows) positions, the stream counters of its draws."""
+    return {"temperature": (rows, np.float32), "top_k": (rows, np.int32), "top_p": (rows, np.float32),
+            "min_p": (rows, np.float32), "seed": (rows, np.uint64), "counter": (counters or rows, np.uint64),
+            "stream": (rows, np.uint32)}
+
+
+def fill_picks(inp, samplings, positions, rows_each=1) -> None:
+    """Write pick_fields (host side): SamplingParams i's filters and seed for rows_each (or
+    rows_each[i]) rows, and the positions the draws pick (the counters)."""
+    inp.set(**_pick_settings(tuple(samplings), rows_each if np.isscalar(rows_each) else tuple(rows_each)),
+            counter=np.asarray(positions, np.uint64).reshape(-1))
+
+
+@functools.lru_cache(maxsize=256)
+def _pick_settings(samplings: tuple, rows_each) -> dict:
+    """The per-row settings of pick_fields, which a batch keeps round after round (made once)."""
+    f = filters_for(samplings, rows_each)
+    return {"temperature": f.temperature, "top_k": f.top_k, "top_p": f.top_p, "min_p": f.min_p,
+            "seed": np.repeat(np.array([sp.seed for sp in samplings], np.uint64), rows_each),
+            "stream": philox.stream_word(int(Tag.PICK), 0)}
+
+
+def picks_of(inp, counter=None) -> tuple[Filters, Streams]:
+    """The Filters and PICK Streams of pick_fields (device views, read by the kernels)."""
+    return (Filters(inp["temperature"], inp["top_k"], inp["top_p"], inp["min_p"]),
+            Streams(inp["seed"], inp["counter"] if counter is None else counter, inp["stream"]))
+
+
+def coupled_fields(drafter, B: int) -> dict:
+    """What a coupled proposal hands back in one copy: drafts [B nd], the drafter rows' statuses
+    [nd B] (slot-major) and confidences [B nd]."""
+    nd = drafter.config.drafts
+    return {"drafts": (B * nd, np.int32), "status": (nd * B, np.int32),
+            **({"conf": (B * nd, np.float32)} if drafter.has_confidence else {})}
+
+
+def fill_coupled(inp, live, nd: int) -> None:
+    """The coupled proposal's pick fields: slot k of session b picks position pos_b + k + 1
+    (counter [nd B], slot-major)."""
+    pos = np.array([s.cache.pos for s in live], np.int64)
+    fill_picks(inp, [s.params.sampling for s in live], pos[None, :] + np.arange(1, nd + 1)[:, None])
+
+
+def run_coupled_propose(drafter, hidden, logits, picks, anchors, ws=None, out: Outputs | None = None) -> Outputs:
+    """The coupled proposal's device work, kernels only: slot by slot the chain's logits
+    (markov_logits, x_{k-1} read on the device) and their pick with the noise of the slot's
+    position; then the confidences of the chain's drafts. `picks`: the pick fields (a Scope of the
+    pass's inputs block), `anchors` Staged int32 [B]. Writes `out` (coupled_fields), unread."""
+    be, c, nd = drafter.be, drafter.config, drafter.config.drafts
+    B, V = np.asarray(anchors).shape[0], logits.shape[1]
+    out = out or Outputs(be, coupled_fields(drafter, B))
+    drafts = out["drafts"].reshape(B, nd)
+    slot_picks = fixed(be, ws, "coupled.slot_picks", (nd, B), np.int32)
+    w1, w2 = (drafter.w["markov.w1"], drafter.w["markov.w2"]) if c.markov == "vanilla" else (None, None)
+    filters, _ = picks_of(picks)
+    counter = picks["counter"]
+    row = buffer(be, ws, "coupled.logits", B, (V,))
+    for k in range(nd):
+        markov_logits(be, logits, w1, w2, anchors, slot_picks[k - 1] if k else None, k, nd, drafts, out=row)
+        at = slice(k * B, (k + 1) * B)
+        streams = Streams(picks["seed"], Staged.of(counter.host[at], counter.device[at]), picks["stream"])
+        sample_filtered(be, row, filters, streams, token_out=slot_picks[k], status_out=out["status"][at], ws=ws)
+    markov_logits(be, logits, w1, w2, anchors, slot_picks[nd - 1], nd, nd, drafts, out=row)  # the last slot's picks
+    if drafter.has_confidence:
+        drafter.slot_confidence(hidden, anchors, drafts, ws, out["conf"])
+    return out
+
+
+def coupled_proposals(drafter, B: int, got: dict) -> tuple[np.ndarray, np.ndarray]:
+    """Host (drafts, conf) [B, nd] from a coupled proposal's copy back, or NonFiniteError naming
+    the first slot and session whose drafter logits were bad."""
+    nd = drafter.config.drafts
+    status = got["status"].reshape(nd, B)
+    for k in np.flatnonzero(status.any(axis=1))[:1]:   # the first slot holding a bad row names it
+        raise_rows(status[k], f"drafter logits (slot {k})")
+    conf = got["conf"].reshape(B, nd).copy() if "conf" in got else np.full((B, nd), np.nan, np.float32)
+    return got["drafts"].reshape(B, nd).astype(np.int32), conf
+
+
+def propose_sampled(live, drafter, dl, dh, nd: int, kernels: bool = False):
     """Draft slot by slot from the drafter's Markov chain, each slot a filtered draw from the
     chain's logits mapped to the target vocabulary, filtered with each session's own settings:
     coupled, slot k is the Gumbel-max pick with the noise of position pos + k + 1 (the target's
@@ -71,6 +163,12 @@ def propose_sampled(live, drafter, dl, dh, nd: int):
     be, xp = drafter.be, drafter.be.xp
     B, V = len(live), drafter.trunk.config.vocab
     coupled = live[0].params.coupled
+    if coupled and kernels:  # dspark.graphs.kernels_only(drafter): the recorded rounds' proposal, op by op
+        inp = Inputs(be, {"anchors": (B, np.int32), **pick_fields(B, nd * B)})
+        inp.set(anchors=[s.last for s in live])
+        fill_coupled(inp, live, nd)
+        out = run_coupled_propose(drafter, dh, dl, inp.upload(), inp["anchors"])
+        return (*coupled_proposals(drafter, B, out.fetch()), None)
     samplings = [s.params.sampling for s in live]
     filters = staged(be, filters_for(samplings))
     if coupled:

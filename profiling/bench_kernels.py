@@ -48,7 +48,7 @@ from dspark.ops.argmax import argmax_rows, greedy_accept, greedy_accept_plan, ma
 from dspark.ops.argmax import argmax_plan
 from dspark.ops.activation import attn_gate, sigmoid_bias, swiglu
 from dspark.ops.gdn import channels, gdn_layer
-from dspark.ops.heads import confidence_features, gather_rows, logit_scale
+from dspark.ops.heads import confidence_features, gather_rows, logit_scale, markov_logits
 from dspark.ops.kv_commit import kv_commit
 from dspark.ops.linear import linear, linear_plan
 from dspark.ops.coupled import coupled_accept, coupled_accept_plan
@@ -432,7 +432,8 @@ def rope_benches(be, s: Sizes) -> Iterator[Bench]:
 # ---- heads: the drafter's glue before its Markov chain and confidence head -----------------------------------
 def heads_benches(be, s: Sizes) -> Iterator[Bench]:
     """The drafter's draft rows of a mask-fill block (gathered before its LM head), the
-    confidence features [h ; W1[x]] and the logits' soft cap, over B * nd slots."""
+    confidence features [h ; W1[x]], one slot's chain logits of a sampled proposal and the logits'
+    soft cap, over B * nd slots."""
     d, r, nd, V = s.d_model, s.markov_rank, s.drafts, s.vocab
     w1 = randn(be, (V, r))
     for B in s.batches:
@@ -449,6 +450,15 @@ def heads_benches(be, s: Sizes) -> Iterator[Bench]:
                     ("confidence_features_f32",),
                     lambda b, h=hid, a=anchors, x=drafts, o=feats: confidence_features(b, h, w1, a, x, out=o),
                     pm.elementwise("bench", "features", "confidence_features_f32", n * (d + r), F32 * 2 * n * (d + r), 0,
+                                   pm.H200).time)
+        w2, slot_logits, picks = randn(be, (r, V)), randn(be, (n, V)), be.asarray(np.arange(B, dtype=np.int32) % V)
+        row, drafts_out = be.xp.empty((B, V), np.float32), be.xp.empty((B, nd), np.int32)
+        bias_bytes = F32 * (2 * B * V + r * V)   # a slot's rows in, its chain logits out, w2 once (from L2 after)
+        yield Bench("heads", "sampled chain slot logits", {"B": B, "V": V, "r": r}, bias_bytes, 2 * B * r * V,
+                    ("markov_logits_f32",),
+                    lambda b, x=slot_logits, w=w2, a=anchors, p=picks, o=row, dr=drafts_out:
+                    markov_logits(b, x, w1, w, a, p, 1, nd, dr, out=o),
+                    pm.elementwise("bench", "slot logits", "markov_logits_f32", B * V, bias_bytes, 2 * B * r * V,
                                    pm.H200).time)
         logits = randn(be, (n, V))
         yield Bench("heads", "logit scale + cap", {"B": B, "rows": n, "V": V}, F32 * 2 * n * V, 3 * n * V,

@@ -3,6 +3,7 @@ graphs, on a GPU; and CuPy's own per-call costs, which the CPU measurements pric
 
     python profiling/graph_rounds.py                      # on the GPU: Qwen3.5-27B, B = 1 and 2, 32k
     python profiling/graph_rounds.py --backend contract   # anywhere: the tiny pair on the CuPy stand-in
+    python profiling/graph_rounds.py --temperature 0.8    # coupled sampled rounds and sampled steps
 
 A round's time is its wall time from the first launch to the end of its last pass (a device
 synchronisation after it: the commit pass is asynchronous), median over --rounds rounds after two
@@ -64,18 +65,20 @@ def seconds(be, run, reps: int) -> list[float]:
     return out
 
 
-def rounds(be, trunk, drafter, batch: int, context: int, width: int, reps: int) -> dict:
-    """mode -> (median seconds of a spec round, of a plain decode step)."""
+def rounds(be, trunk, drafter, batch: int, context: int, width: int, reps: int, temperature: float = 0.0) -> dict:
+    """mode -> (median seconds of a spec round, of a plain decode step): greedy, or coupled sampled
+    rounds and sampled decode steps at `temperature`."""
     out = {}
     for mode in MODES:
-        sessions = host_round.sessions_at(trunk, drafter, batch, context, width, mode)
+        sessions = host_round.sessions_at(trunk, drafter, batch, context, width, mode, temperature)
+        samplings = [s.params.sampling if temperature else None for s in sessions]
         for _ in range(2):
             spec_round(sessions)
         spec = statistics.median(seconds(be, lambda: spec_round(sessions), reps))
         caches = [s.into_demoted()[0] for s in sessions]
         plain = PlainBatch(trunk, mode)
-        for c in caches:
-            plain.join(c, 0, 1 << 30)
+        for c, sp in zip(caches, samplings):
+            plain.join(c, 0, 1 << 30, sampling=sp)
         for _ in range(2):
             plain.step()
         step = statistics.median(seconds(be, plain.step, reps))
@@ -140,6 +143,8 @@ def main(argv=None) -> int:
     ap.add_argument("--width", type=int, default=8)
     ap.add_argument("--rounds", type=int, default=10)
     ap.add_argument("--calls", type=int, default=500)
+    ap.add_argument("--temperature", type=float, default=0.0,
+                    help="0: greedy; > 0: coupled sampled rounds and sampled decode steps (top-k 50)")
     a = ap.parse_args(argv)
     on_gpu = a.backend == "cuda"
     model = a.model or ("qwen3.5-27b" if on_gpu else "embedded")
@@ -150,15 +155,16 @@ def main(argv=None) -> int:
     trunk, drafter = pair(be, shape)
     rows = []
     for B in batches:
-        got = rounds(be, trunk, drafter, B, context, a.width, a.rounds)
+        got = rounds(be, trunk, drafter, B, context, a.width, a.rounds, a.temperature)
         for mode in MODES:
             r = pm.spec_round(shape, B, context, a.width, mode=mode)
             spec, step = got[mode]
             rows.append([shape.label, str(B), str(context), mode, f"{step * 1e6:,.0f}", pm.us(r.plain_time()),
                          f"{spec * 1e6:,.0f}", pm.us(r.time()), f"{step / spec:.2f}"])
     where = "the GPU" if on_gpu else "the CuPy stand-in (CPU: not the GPU's figures)"
-    print(f"rounds on {where}: wall time per plain decode step and per speculative round, median of {a.rounds}, "
-          f"beside profiling/perf_model.py's prediction for the same mode")
+    rule = f"coupled sampled at T = {a.temperature:g}" if a.temperature else "greedy"
+    print(f"rounds on {where} ({rule}): wall time per plain decode step and per speculative round, median of "
+          f"{a.rounds}, beside profiling/perf_model.py's prediction for the same mode (a greedy one)")
     print(table(["shape", "B", "context", "mode", "step us", "model step us", "round us", "model round us",
                  "step / round"], rows))
     costs = cupy_costs(be, a.calls, on_gpu)

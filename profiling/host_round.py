@@ -1,6 +1,7 @@
 """dspark's own host work per speculative round at real shapes, measured on the CPU.
 
-    python profiling/host_round.py [--model qwen3.5-27b qwen3-8b] [--batch 1 2] [--rounds 8]
+    python profiling/host_round.py [--model qwen3.5-27b qwen3-8b] [--batch 1 2] [--rounds 8] [--temperature T]
+                                   [--rollback checkpoint|replay]
 
 The null executor: the `cuda` code path on the CuPy contract stand-in (dspark.backends.contract)
 with kernel execution off, over null memory (every array a shape, a dtype and a pointer of its
@@ -8,7 +9,9 @@ own, no memory: contract.null_memory) and placeholder weights (HybridTrunk.place
 DsparkDrafter.placeholder), so Qwen3.5-27B's real weights, caches and per-column checkpoints fit
 on this machine. Every launch is validated, packed and counted; nothing runs. Sessions are primed
 on a short prompt and moved to `--context` committed rows (the positions the launch plans see);
-every round verifies `--width` columns (the model's 8).
+every round verifies `--width` columns (the model's 8). Sessions are greedy, or with `--temperature`
+T > 0 coupled sampled (top-k 50, each session its own seed): their picks' positions, seeds and
+filters are inputs-block fields of the recorded passes.
 
 Time: each round's CPU time in this thread (time.thread_time: waiting for a shared core does not
 count), less the time the stand-in spends inside CuPy's
@@ -46,7 +49,7 @@ from dspark.backends import contract
 from dspark.dtypes import BF16
 from dspark.models.drafter import DsparkDrafter
 from dspark.models.trunk import HybridTrunk
-from dspark.params import SpecParams
+from dspark.params import SamplingParams, SpecParams
 from dspark.session import DsparkSpecSession, spec_round
 from timing import table
 
@@ -63,11 +66,16 @@ def null_pair(shape: pm.Shape):
     return trunk, drafter
 
 
-def sessions_at(trunk, drafter, batch: int, context: int, width: int, mode: str = "graph") -> list:
-    """`batch` greedy sessions primed on 8 tokens and moved to `context` committed rows."""
-    params = SpecParams(max_new_tokens=1 << 30, verify="full", max_verify=width, capture=False, launches=mode)
+def sessions_at(trunk, drafter, batch: int, context: int, width: int, mode: str = "graph",
+                temperature: float = 0.0, rollback: str = "checkpoint") -> list:
+    """`batch` sessions, greedy or (temperature > 0) coupled sampled, primed on 8 tokens and moved to
+    `context` committed rows."""
+    def params(b):
+        return SpecParams(max_new_tokens=1 << 30, verify="full", max_verify=width, capture=False, launches=mode,
+                          sampling=SamplingParams(temperature=temperature, top_k=50 if temperature else 0, seed=b),
+                          rollback=rollback)
     with contract.null_memory(), contract.executing(False):
-        sessions = [DsparkSpecSession.prime(trunk, drafter, np.arange(8, dtype=np.int32) + b, params)
+        sessions = [DsparkSpecSession.prime(trunk, drafter, np.arange(8, dtype=np.int32) + b, params(b))
                     for b in range(batch)]
     for s in sessions:
         s.cache.pos = s.kv.pos = s.prompt_len = context
@@ -108,6 +116,10 @@ def main(argv=None) -> int:
     ap.add_argument("--width", type=int, default=8)
     ap.add_argument("--rounds", type=int, default=8)
     ap.add_argument("--mode", nargs="+", default=["plain", "eager", "graph"], choices=["plain", "eager", "graph"])
+    ap.add_argument("--temperature", type=float, default=0.0,
+                    help="0: greedy sessions; > 0: coupled sampled sessions at this temperature (top-k 50)")
+    ap.add_argument("--rollback", default="checkpoint", choices=["checkpoint", "replay"],
+                    help="SpecParams.rollback: what the verify keeps for the commit (per-column states, or inputs)")
     a = ap.parse_args(argv)
     dev = pm.H200
     shapes = pm.shapes()
@@ -116,7 +128,7 @@ def main(argv=None) -> int:
         trunk, drafter = null_pair(shapes[name])
         for b in a.batch:
             for mode in a.mode:
-                sessions = sessions_at(trunk, drafter, b, a.context, a.width, mode)
+                sessions = sessions_at(trunk, drafter, b, a.context, a.width, mode, a.temperature, a.rollback)
                 per_round, c, phases = time_rounds(sessions, a.rounds)
                 if mode != "plain":
                     runner = graphs.round_graphs(drafter, mode)
@@ -134,8 +146,10 @@ def main(argv=None) -> int:
                 total = sum(phases.values())
                 where.append([shapes[name].label, str(b), mode]
                              + [f"{phases.get(p, 0) / total:.0%}" for p in PHASES])
+    rule = (f"coupled sampled sessions (T = {a.temperature:g}, top-k 50)" if a.temperature else "greedy sessions") \
+        + f", rollback {a.rollback}"
     print(f"dspark's own host time per round on the null executor (CuPy {contract.CUPY_VERSION} stand-in, execution "
-          f"off, null memory), context {a.context}, {a.width} verify columns, median of {a.rounds} rounds; CuPy's own "
+          f"off, null memory), {rule}, context {a.context}, {a.width} verify columns, median of {a.rounds} rounds; CuPy's own "
           f"cost per call priced at launch {dev.cupy_launch * 1e6:.0f} us, array op {dev.cupy_array_op * 1e6:.0f} us, "
           f"copy {dev.cupy_copy * 1e6:.0f} us, graph launch {dev.graph_launch * 1e6:.0f} us (perf_model.Device)")
     print(table(["shape", "B", "mode", "launches", "array ops", "copies", "graphs", "dspark us", "us per call",

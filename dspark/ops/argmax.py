@@ -206,6 +206,17 @@ def greedy_accept(be, logits, cand, col_indptr, m_out=None, next_out=None, nan_f
     return m_out, next_out
 
 
+def markov_bias_ref(w1, w2, prev) -> np.ndarray:
+    """w2^T w1[prev] [n, V] as the kernels sum it: running sums over the rank in increasing order
+    (accumulate is sequential), one rounded multiply and add at a time; "+ 0" turns an all-(-0)
+    sum into the +0 of the kernels' 0-initialised accumulator."""
+    w1, w2 = np.asarray(w1, np.float32), np.asarray(w2, np.float32)
+    prev = np.asarray(prev, np.int64)
+    if w1.shape[1] == 0:
+        return np.zeros((len(prev), w2.shape[1]), np.float32)
+    return np.add.accumulate(w1[prev][:, :, None] * w2[None], axis=1)[:, -1] + np.float32(0)
+
+
 def markov_chain_ref(logits, w1, w2, anchors, nd: int) -> tuple[np.ndarray, np.ndarray]:
     """(drafts [B, nd] int32, nan_flag [B] int32): x_k = argmax(logits_k + w2^T w1[x_{k-1}]).
 
@@ -217,10 +228,7 @@ def markov_chain_ref(logits, w1, w2, anchors, nd: int) -> tuple[np.ndarray, np.n
     flag = np.zeros(B, np.int32)
     prev = np.asarray(anchors, np.int64)
     for k in range(nd):
-        # Running sums over the rank in increasing order (accumulate is sequential); "+ 0" turns
-        # an all-(-0) sum into the +0 the kernel's 0-initialised accumulator gives.
-        bias = np.add.accumulate(w1[prev][:, :, None] * w2[None], axis=1)[:, -1] + np.float32(0)
-        idx, nan = argmax_rows_ref(x[:, k] + bias)
+        idx, nan = argmax_rows_ref(x[:, k] + markov_bias_ref(w1, w2, prev))
         drafts[:, k] = idx
         flag |= nan
         prev = np.maximum(idx, 0)

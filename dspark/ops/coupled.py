@@ -25,11 +25,13 @@ from ..arrays import adopt
 from ..errors import TokenRangeError
 from .checks import Staged, host_and_device, require_dtype, require_indptr, require_ndim, require_shape
 from .rowsplit import Launch, Plan
+from .workspace import fixed
 from .sampling import (Filters, Streams, check_streams, prepare_rows, raise_rows, sample_filtered,
                        sample_filtered_ref, sample_plan)
 
 PICK_ACCEPT_THREADS = 128    # 4 sessions (a warp each) per CTA
 I32 = 4
+PAD = -2                     # a padded verify column's candidate: equal to no pick (a bad row's pick is -1)
 
 
 # ---- NumPy reference ----------------------------------------------------------------------------
@@ -121,7 +123,7 @@ def pick_accept(be, picks, cand, col_indptr, m_out=None, next_out=None):
 
 
 def coupled_accept(be, logits, cand, col_indptr, filters: Filters, streams: Streams, m_out=None, next_out=None,
-                   status_out=None, picks_out=None):
+                   status_out=None, picks_out=None, ws=None):
     """The coupled accept for a ragged batch of sessions -> (m, next), int32 [B].
 
     `logits` [cols, V] (f32/f16/bf16) are the verify columns, `cand` [cols] int32 each session's
@@ -131,7 +133,9 @@ def coupled_accept(be, logits, cand, col_indptr, filters: Filters, streams: Stre
     m = drafts accepted, next = the target's pick after them. `picks_out` (int32 [cols]) receives
     every column's pick. With `status_out` (int32 [cols]) the columns' row statuses go there
     unread (`raise_rows` at the caller's synchronisation); otherwise a bad column raises here.
-    Nothing is read back from the device."""
+    Nothing is read back from the device. A candidate PAD marks a column past a session's own
+    width in a padded verify (dspark.graphs): never accepted. `ws`: the workspace of the picks and
+    the sampling kernels' scratch (a recorded pass)."""
     logits, cand, col_indptr, filters, streams, m_out, next_out, status_out, picks_out = adopt(
         be, logits=logits, cand=cand, col_indptr=col_indptr, filters=filters, streams=streams, m_out=m_out,
         next_out=next_out, status_out=status_out, picks_out=picks_out,
@@ -142,14 +146,14 @@ def coupled_accept(be, logits, cand, col_indptr, filters: Filters, streams: Stre
     require_ndim(host_cand, 1, "cand", "[cols]")
     require_dtype(host_cand, np.int32, "cand")
     require_shape(host_cand, (cols,), "cand")
-    bad = np.flatnonzero((host_cand < 0) | (host_cand >= vocab))
+    bad = np.flatnonzero(((host_cand < 0) & (host_cand != PAD)) | (host_cand >= vocab))
     if bad.size:
         raise TokenRangeError(f"cand[{bad[0]}]={host_cand[bad[0]]} is outside the vocabulary [0, {vocab})")
     host_indptr, col_indptr = host_and_device(be, col_indptr)
     require_indptr(host_indptr, "col_indptr", cols)
     m_out, next_out = _session_outs(be, host_indptr.shape[0] - 1, m_out, next_out)
     xp = be.xp
-    picks = xp.empty(cols, xp.int32) if picks_out is None else picks_out
+    picks = fixed(be, ws, f"coupled.picks.{cols}", (cols,), np.int32) if picks_out is None else picks_out
     status = xp.empty(cols, xp.int32) if status_out is None else status_out
     if be.kernels is None:
         _, _, dev_filters, _ = prepare_rows(be, logits, filters)
@@ -161,7 +165,7 @@ def coupled_accept(be, logits, cand, col_indptr, filters: Filters, streams: Stre
         picks[...], status[...], m_out[...], next_out[...] = r["picks"], r["status"], r["m"], r["next"]
     else:
         # validates logits, filters, streams and the outputs; with status_out, reads nothing back
-        sample_filtered(be, logits, filters, streams, "gumbel", token_out=picks, status_out=status)
+        sample_filtered(be, logits, filters, streams, "gumbel", token_out=picks, status_out=status, ws=ws)
         pick_accept(be, picks, cand, Staged(be, host_indptr, col_indptr), m_out, next_out)
     if status_out is None:
         raise_rows(be.to_host(status), "logits")

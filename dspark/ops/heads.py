@@ -1,6 +1,7 @@
 """The drafter's glue between its block pass and its heads (kernels: csrc/heads.cu): the draft
-rows of a mask-fill block, the logits' output multiplier and soft cap, and the confidence head's
-features [h_k ; W1[x_{k-1}]] with x_{k-1} read on the device.
+rows of a mask-fill block, the logits' output multiplier and soft cap, the confidence head's
+features [h_k ; W1[x_{k-1}]] with x_{k-1} read on the device, and one slot's logits of the sampled
+Markov chain (the greedy chain's bias, bit for bit).
 
 Copies, and one product and tanh per logit: the NumPy functions (the numpy backend's and the
 oracle) agree with the kernels bit for bit for the copies, up to tanh's last bit for the cap.
@@ -11,6 +12,8 @@ from __future__ import annotations
 import numpy as np
 
 from ..arrays import adopt
+from ..errors import ShapeError, TokenRangeError
+from .argmax import markov_bias_ref
 from .checks import host_and_device, output, require_dtype, require_ndim, require_shape
 
 F32 = np.float32
@@ -90,4 +93,63 @@ def confidence_features(be, hidden, w1, anchors, drafts, out=None):
             (B * nd, -(-(d + r) // THREADS)), (THREADS,),
             (be.xp.ascontiguousarray(hidden), w1, dev_anchors, be.xp.ascontiguousarray(drafts), np.int32(B),
              np.int32(nd), np.int32(d), np.int32(r), out))
+    return out
+
+
+def markov_logits_ref(logits, w1, w2, anchors, picks, slot: int, nd: int) -> np.ndarray:
+    """Slot `slot`'s chain logits [B, V]: its block rows plus w2^T w1[x_{slot-1}] (markov_bias_ref),
+    x_{-1} = anchors, x_{slot-1} = picks (a -1 pick reads row 0); the rows alone without w1."""
+    B = len(np.asarray(anchors))
+    x = np.asarray(logits, F32).reshape(B, nd, -1)[:, slot]
+    if w1 is None:
+        return x.copy()
+    prev = np.asarray(anchors if slot == 0 else picks, np.int64)
+    prev = np.where((prev < 0) | (prev >= x.shape[1]), 0, prev)
+    return x + markov_bias_ref(w1, w2, prev)
+
+
+def markov_logits(be, logits, w1, w2, anchors, picks, slot: int, nd: int, drafts, out=None):
+    """One slot of the sampled Markov chain, on the device: out [B, V] = the slot's rows of
+    `logits` [B * nd, V] plus w2^T w1[x_{slot-1}] (w1 None: no Markov head, the rows alone), with
+    x_{-1} = `anchors` (int32 [B], host or Staged) and x_{slot-1} = `picks` (int32 [B] on the
+    device: the previous slot's draws, never read back), which it also stores into drafts[:, slot
+    - 1] (int32 [B, nd]). slot = nd stores the last slot's picks and computes nothing."""
+    logits, w1, w2, picks, drafts, out = adopt(be, logits=logits, w1=w1, w2=w2, picks=picks, drafts=drafts, out=out,
+                                               writes=("drafts", "out"))
+    require_ndim(drafts, 2, "drafts", "[B, nd]")
+    require_dtype(drafts, np.int32, "drafts")
+    B = drafts.shape[0]
+    require_shape(drafts, (B, nd), "drafts")
+    require_ndim(logits, 2, "logits", "[B * nd, V]")
+    require_dtype(logits, F32, "logits")
+    vocab = logits.shape[1]
+    require_shape(logits, (B * nd, vocab), "logits")
+    host_anchors, dev_anchors = host_and_device(be, anchors, "anchors")
+    require_shape(host_anchors, (B,), "anchors")
+    require_dtype(host_anchors, np.int32, "anchors")
+    if np.any((host_anchors < 0) | (host_anchors >= vocab)):
+        raise TokenRangeError(f"anchors: expected token ids in [0, {vocab}), got {host_anchors.tolist()}")
+    if not 0 <= slot <= nd:
+        raise ShapeError(f"slot={slot}: expected a slot in [0, {nd}] (nd: the last slot's picks alone)")
+    if slot:
+        require_shape(picks, (B,), "picks")
+        require_dtype(picks, np.int32, "picks")
+    r = 0
+    if w1 is not None:
+        require_dtype(w1, F32, "w1")
+        require_dtype(w2, F32, "w2")
+        r = w1.shape[1]
+        require_shape(w1, (vocab, r), "w1")
+        require_shape(w2, (r, vocab), "w2")
+    out = output(be, out, (B, vocab), F32)
+    if be.kernels is None:
+        if slot:
+            drafts[:, slot - 1] = picks
+        if slot < nd:
+            out[...] = markov_logits_ref(logits, w1, w2, host_anchors, picks, slot, nd)
+    elif B:
+        be.kernels.get_function("markov_logits_f32")(
+            (B, max(1, -(-vocab // THREADS)) if slot < nd else 1), (THREADS,),
+            (logits, w1, w2, dev_anchors, picks, np.int32(slot), np.int32(B), np.int32(nd), np.int32(vocab),
+             np.int32(r), drafts, out))
     return out

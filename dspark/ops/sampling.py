@@ -47,7 +47,7 @@ from ..dtypes import suffix, to_f32
 from ..errors import CapacityError, DsparkError, DTypeError, NonFiniteError, TokenRangeError
 from ..philox import Tag
 from ..arrays import adopt
-from . import rowsplit
+from . import rowsplit, workspace
 from .checks import host_and_device, require_dtype, require_indptr, require_ndim, require_shape
 from .rowsplit import PART_WORDS, Launch, Plan, splits, threads
 
@@ -450,16 +450,15 @@ def _status_out(be, status_out, rows: int):
 
 
 # ---- ops ----------------------------------------------------------------------------------------
-def _launch_filtered(be, logits, filters, streams, method_code, token, prob, dist, status, plan_flags):
+def _launch_filtered(be, logits, filters, streams, method_code, token, prob, dist, status, plan_flags, ws=None):
     rows, vocab = logits.shape
-    xp = be.xp
     if rows:
         plan = sample_plan(rows, vocab, logits.dtype.itemsize, **plan_flags)
         S = plan.splits
-        state = xp.empty(rows * STATE_WORDS, u64)
-        part = xp.empty(rows * S * PART_WORDS, u64)
+        state = workspace.fixed(be, ws, f"sample.state.{rows}", (rows * STATE_WORDS,), u64)
+        part = workspace.fixed(be, ws, f"sample.part.{rows * S}", (rows * S * PART_WORDS,), u64)
         radix = S > 1 and (plan_flags["top_k"] or plan_flags["top_p"])
-        tickets, hist = rowsplit.scratch(be, rows, rows if radix else 0)
+        tickets, hist = rowsplit.scratch(be, rows, rows if radix else 0, ws=ws)
         kernel = f"sample_filtered_{suffix(logits.dtype, 'logits')}"
         phases = plan.notes["phases"] if S > 1 else [PHASE_ALL]
         for phase, run in zip(phases, plan.launches):
@@ -486,13 +485,15 @@ def prepare_rows(be, logits, filters):
 
 
 def sample_filtered(be, logits, filters: Filters, streams: Streams, method: str = "gumbel",
-                    token_out=None, prob_out=None, dist_out=None, status_out=None):
+                    token_out=None, prob_out=None, dist_out=None, status_out=None, ws=None):
     """Draw one token per row of `logits` [rows, V] (f32/f16/bf16) from its filtered
     distribution -> (token int32 [rows], prob float32 [rows] = pi_token). `dist_out` float32
     [rows, V], when given, receives the filtered distributions (the rows the residual needs).
     With `status_out` (int32 [rows]) the row statuses go there unread and the caller checks them
     (`raise_rows`) at its own synchronisation; otherwise a bad row raises here. Host filter and
-    stream arrays are checked on the host and uploaded: nothing is read back."""
+    stream arrays are checked on the host and uploaded: nothing is read back. `ws`: the workspace of
+    the prob output and the kernels' state, partials and tickets (a recorded pass, whose filters and
+    streams come Staged from its inputs block)."""
     logits, filters, streams, token_out, prob_out, dist_out, status_out = adopt(
         be, logits=logits, filters=filters, streams=streams, token_out=token_out, prob_out=prob_out,
         dist_out=dist_out, status_out=status_out, writes=("token_out", "prob_out", "dist_out", "status_out"))
@@ -501,6 +502,8 @@ def sample_filtered(be, logits, filters: Filters, streams: Streams, method: str 
     if method not in METHODS:
         raise SamplingParamError(f"method={method!r}: expected one of {', '.join(METHODS)}")
     token = _out(be, token_out, (rows,), np.int32, "token_out")
+    if prob_out is None and ws is not None:
+        prob_out = workspace.fixed(be, ws, f"sample.prob.{rows}", (rows,), f32)
     prob = _out(be, prob_out, (rows,), f32, "prob_out")
     if dist_out is not None:
         require_shape(dist_out, (rows, vocab), "dist_out")
@@ -514,7 +517,7 @@ def sample_filtered(be, logits, filters: Filters, streams: Streams, method: str 
             dist_out[ok] = r["dist"][ok]
     else:
         _launch_filtered(be, logits, filters, streams, METHODS[method], token, prob, dist_out, status,
-                         _plan_flags(host, vocab, method, dist_out is not None))
+                         _plan_flags(host, vocab, method, dist_out is not None), ws)
     if status_out is None:
         raise_rows(be.to_host(status), "logits")
     return token, prob

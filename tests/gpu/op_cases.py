@@ -52,6 +52,14 @@ def _greedy(rng):
             "next_out": np.full(2, -7, I32)}
 
 
+def _markov_slot(rng):
+    """Slot 1 of a sampled chain: B = 2 sessions of nd = 3 slots, slot 0's picks on the device."""
+    a = _markov(rng)
+    B, V = a["out"].shape[0], a["logits"].shape[1]
+    return {**{k: a[k] for k in ("logits", "w1", "w2", "anchors")}, "picks": rng.integers(0, V, B).astype(I32),
+            "drafts": np.full((B, 3), -7, I32), "out": np.full((B, V), np.nan, F32)}
+
+
 def _markov(rng):
     B, nd, V, r = 2, 3, 40, 4
     return {"logits": _logits(rng, B * nd, V), "w1": (0.3 * rng.standard_normal((V, r))).astype(F32),
@@ -312,12 +320,15 @@ CASES = [
         be, a["hidden"], a["w1"], a["anchors"], a["drafts"], out=a["features"]), ("features",)),
     Case("gather_rows", _heads, lambda be, a: heads.gather_rows(be, a["hidden"], a["rows"]), ()),
     Case("logit_scale", _heads, lambda be, a: heads.logit_scale(be, a["logits"], 0.5, 20.0), ()),
+    Case("markov_logits", _markov_slot, lambda be, a: heads.markov_logits(
+        be, a["logits"], a["w1"], a["w2"], a["anchors"], a["picks"], 1, 3, a["drafts"], out=a["out"]),
+         ("drafts", "out")),
 ]
 OPS = {"argmax_rows", "greedy_accept", "markov_chain", "linear", "attention", "kv_commit", "gdn_scan", "snapshot_save",
        "snapshot_restore", "checkpoint_select", "sample_filtered", "filtered_probs", "speculative_accept",
        "coupled_accept", "pick_accept", "philox_random", "gdn_layer", "checkpoint_select_layers", "add_rmsnorm",
        "embed_rmsnorm", "swiglu", "attn_gate", "sigmoid_bias", "qk_prepare", "confidence_features", "gather_rows",
-       "logit_scale", "rmsnorm"}
+       "logit_scale", "rmsnorm", "markov_logits"}
 # every public op of dspark.ops, covered by CASES
 
 

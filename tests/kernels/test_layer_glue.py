@@ -19,6 +19,9 @@ from dspark.dtypes import BF16
 from dspark.errors import ShapeError
 from dspark.ops import dense
 from dspark.ops.activation import attn_gate, attn_gate_ref, sigmoid_bias, swiglu, swiglu_ref
+from dspark.errors import TokenRangeError
+from dspark.ops.argmax import argmax_rows_ref, markov_chain_ref
+from dspark.ops.heads import markov_logits, markov_logits_ref
 from dspark.ops.heads import (confidence_features, confidence_features_ref, gather_rows, logit_scale,
                               logit_scale_ref)
 from dspark.ops.norm import add_rmsnorm, add_rmsnorm_ref, embed_rmsnorm, rmsnorm_ref
@@ -145,3 +148,42 @@ def test_draft_rows_features_and_logit_cap(kbe, rng):
     x = (40 * rng.standard_normal((4, 33))).astype(F32)
     close(be.to_host(logit_scale(be, be.asarray(x), 0.75, 30.0)), logit_scale_ref(x, 0.75, 30.0))
     np.testing.assert_array_equal(be.to_host(logit_scale(be, be.asarray(x), 0.75, 0.0)), x * F32(0.75))
+
+
+def test_markov_logits_is_the_greedy_chains_bias_bitwise(kbe, rng):
+    """One slot of the sampled chain: the slot's rows plus the greedy chain's bias, bit for bit
+    (its argmax walk is markov_chain's drafts), x_{k-1} read from the device picks, which also land
+    in drafts[:, k - 1]; a -1 pick reads row 0; without w1 the rows alone; bad slots and anchors
+    raise."""
+    be = kbe
+    B, nd, V, r = 3, 4, 300, 7   # two column CTAs per row
+    logits = rng.standard_normal((B * nd, V)).astype(F32)
+    w1, w2 = rng.standard_normal((V, r)).astype(F32), rng.standard_normal((r, V)).astype(F32)
+    anchors = rng.integers(0, V, B).astype(np.int32)
+    dl, dw1, dw2 = be.asarray(logits), be.asarray(w1), be.asarray(w2)
+    drafts = poison(be.xp, (B, nd), np.int32)
+    picks, walk = None, []
+    for k in range(nd + 1):
+        out = poison(be.xp, (B, V), F32)
+        markov_logits(be, dl, dw1, dw2, anchors, picks, k, nd, drafts, out=out)
+        if k:
+            np.testing.assert_array_equal(be.to_host(drafts)[:, k - 1], be.to_host(picks))
+        if k == nd:
+            break
+        got = be.to_host(out)
+        np.testing.assert_array_equal(got, markov_logits_ref(logits, w1, w2, anchors, None if k == 0 else
+                                                             be.to_host(picks), k, nd))
+        idx, _ = argmax_rows_ref(got)
+        walk.append(idx)
+        picks = be.asarray(idx)
+    np.testing.assert_array_equal(np.stack(walk, 1), markov_chain_ref(logits, w1, w2, anchors, nd)[0])
+    bad = be.asarray(np.array([-1, 5, 2], np.int32))
+    out = poison(be.xp, (B, V), F32)
+    markov_logits(be, dl, dw1, dw2, anchors, bad, 1, nd, drafts, out=out)
+    np.testing.assert_array_equal(be.to_host(out)[0], markov_logits_ref(logits, w1, w2, anchors, [0, 5, 2], 1, nd)[0])
+    plain = markov_logits(be, dl, None, None, anchors, bad, 2, nd, drafts)
+    np.testing.assert_array_equal(be.to_host(plain), logits.reshape(B, nd, V)[:, 2])
+    with pytest.raises(ShapeError, match="slot=5"):
+        markov_logits(be, dl, dw1, dw2, anchors, bad, 5, nd, drafts)
+    with pytest.raises(TokenRangeError, match="anchors"):
+        markov_logits(be, dl, dw1, dw2, np.array([0, V, 1], np.int32), None, 0, nd, drafts)
