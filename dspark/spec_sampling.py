@@ -30,7 +30,7 @@ import numpy as np
 
 from .ops.checks import Staged
 from .ops.coupled import coupled_accept
-from .ops.sampling import (Filters, Streams, filtered_probs, raise_accept, raise_rows, sample_filtered,
+from .ops.sampling import (Filters, Streams, draw_ahead, filtered_probs, raise_accept, raise_rows, sample_filtered,
                            speculative_accept)
 from .philox import Tag
 
@@ -77,6 +77,9 @@ def propose_sampled(live, drafter, dl, dh, nd: int):
         pos = np.array([s.cache.pos for s in live], np.int64)
         seeds, q = Staged(be, np.array([sp.seed for sp in samplings], np.uint64)), None
         pick = Staged(be, pick_streams(samplings, pos).stream)
+        ahead = np.arange(1, nd + 1)  # the round's positions: its proposals and its verify's picks
+        draw_ahead(be, np.repeat(seeds.host, nd), (pos[:, None] + ahead).reshape(-1).astype(np.uint64),
+                   np.repeat(pick.host, nd), V)
     else:
         base = Streams.full(B, [sp.seed for sp in samplings], [s.counter for s in live], Tag.DRAFT)
         seeds, counters = Staged(be, base.seed), Staged(be, base.counter)
