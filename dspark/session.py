@@ -34,7 +34,7 @@ from .cost import cost_model
 from .decode import check_prompt, first_token
 from .params import SamplingParams, SpecParams
 from .errors import StateError
-from .gain import WINDOW, width_by_gain
+from .gain import HISTORY, width_by_gain
 from .models.cache import Cache
 from .models.drafter import DraftKV, DsparkDrafter
 from .models.trunk import HybridTrunk
@@ -89,7 +89,7 @@ class DsparkSpecSession:
         s.rounds = 0
         s.emitted: list[int] = []
         s.stats = SpecStats()
-        s.recent = deque(maxlen=WINDOW)  # (tokens emitted, verify width) of the last rounds: dspark.gain
+        s.recent = deque(maxlen=HISTORY)  # (tokens emitted, verify width) of the last rounds: dspark.gain
         s.gain = None            # the gain at the last check (dspark.gain.demote_check)
         s.below = 0              # consecutive checks with the gain below 1
         s.last = -1

@@ -130,14 +130,44 @@ def fake_session(tokens, width=8, pos=100, floor=None, params=None, be=None):
     return s
 
 
-def test_expected_tokens_start_at_the_prior_and_the_first_rounds_replace_it():
+def test_expected_tokens_pool_the_prior_with_the_rounds():
+    """The prior weighs PRIOR_ROUNDS rounds beside at most HISTORY of the session's own: a first
+    window that accepts little does not outweigh it, a long history does."""
     greedy = SpecParams()
+    k = gain.PRIOR_ROUNDS
     assert gain.expected_tokens(fake_session([], floor=4.5)) == 4.5  # the drafter's recorded floor
     assert gain.expected_tokens(fake_session([])) == gain.NEUTRAL_TOKENS
     sampled = SpecParams(sampling=SamplingParams(temperature=0.8))
     assert gain.expected_tokens(fake_session([], floor=4.5, params=sampled)) == gain.NEUTRAL_TOKENS  # floors are greedy
-    assert gain.expected_tokens(fake_session([1], floor=4.0, params=greedy)) == pytest.approx((4.0 * 2 + 1) / 3)
-    assert gain.expected_tokens(fake_session([1, 2, 3], floor=4.0)) == pytest.approx(2.0)  # prior gone
+    assert gain.expected_tokens(fake_session([1], floor=4.0, params=greedy)) == pytest.approx((4.0 * k + 1) / (k + 1))
+    s = fake_session([1] * gain.WINDOW, floor=4.0)
+    assert gain.expected_tokens(s) == pytest.approx((4.0 * k + gain.WINDOW) / (k + gain.WINDOW))
+    s = fake_session([1] * gain.HISTORY, floor=4.0)
+    assert gain.expected_tokens(s) == pytest.approx((4.0 * k + gain.HISTORY) / (k + gain.HISTORY))
+    assert gain.HISTORY >= 3 * k  # a long history outweighs the prior
+
+
+def test_coupled_prior_is_the_drafters_record_at_its_temperature():
+    """The embedded drafter's recorded coupled acceptance (RECORD.md) is the prior of a coupled
+    session: read at its temperature, linear between rows, the greedy floor at 0; greedy sessions
+    read the floor, rejection-sampled ones the neutral prior. A prior taken at the wrong
+    temperature would admit the hot sessions it should run plain."""
+    from dspark.models.default import recorded_sampled_acceptance
+    table = recorded_sampled_acceptance()
+    assert table and min(table) > 0 and all(a > b for a, b in zip([table[t] for t in sorted(table)],
+                                                                  [table[t] for t in sorted(table)][1:]))
+    drafter = SimpleNamespace(accept_floor=4.7, sampled_accept={0.3: 4.0, 0.8: 2.5, 1.0: 2.0})
+
+    def prior(t, sampler="coupled"):
+        return gain.prior_tokens(SpecParams(sampling=SamplingParams(temperature=t), sampler=sampler), drafter)
+
+    assert prior(0.3) == pytest.approx(4.0) and prior(1.0) == pytest.approx(2.0)
+    assert prior(0.55) == pytest.approx(3.25) and prior(0.15) == pytest.approx((4.7 + 4.0) / 2)
+    assert prior(1.5) == pytest.approx(2.0)  # beyond the hottest row: that row
+    assert prior(0.0) == pytest.approx(4.7)  # greedy: the floor
+    assert prior(0.8, "rejection") == gain.NEUTRAL_TOKENS
+    assert gain.prior_tokens(SpecParams(sampling=SamplingParams(temperature=0.8)),
+                             SimpleNamespace(accept_floor=4.7)) == gain.NEUTRAL_TOKENS  # no record
 
 
 def test_admission_is_pinned_at_one_plus_margin():
@@ -188,7 +218,7 @@ def test_beside_a_plain_batch_a_row_costs_its_measured_slope():
 
 def test_demotion_needs_patience_boundaries_below_one():
     be = dspark.get_backend("numpy")
-    s = fake_session([2] * gain.WINDOW, width=4, be=be, params=SpecParams(patience=2))
+    s = fake_session([2] * gain.WINDOW, width=4, be=be, params=SpecParams(patience=2), floor=2.0)
     with cost.using(be, scripted(2.0 + 1e-6)):  # gain just below 1
         assert gain.demote_check(s, [s]) == (False, "")  # one dip: kept
         down, why = gain.demote_check(s, [s])
@@ -308,11 +338,12 @@ def run_worker(trunk, drafter, requests, model, low=4):
 def test_worker_demotes_the_losers_and_streams_stay_plain_decode(shipped):
     """Rounds of one row priced at 3 plain steps (6 at two rows): the code prompt (about 5 tokens
     a round) stays speculative;
-    random bytes (about 1 a round) and a coupled sampled request at temperature 1.5 are demoted at
-    a burst boundary, and every stream equals plain decode with its sampling."""
+    random bytes (about 1 a round), greedy and coupled sampled at temperature 0.3 (admitted on
+    the drafter's record at 0.3), are demoted at a burst boundary, and every stream equals plain
+    decode with its sampling."""
     trunk, drafter = shipped
     rng = np.random.default_rng(5)
-    hot = SamplingParams(temperature=1.5, seed=11)
+    hot = SamplingParams(temperature=0.3, seed=11)
     reqs = [(code_prompt(trunk, rng, 80), 40, None), (rng.integers(0, 256, 20).astype(np.int32), 40, None),
             (rng.integers(0, 256, 20).astype(np.int32), 40, hot)]
     w, ids = run_worker(trunk, drafter, reqs, scripted(3.0))
