@@ -181,3 +181,35 @@ def demote_check(s, group, plain_rows: int = 0) -> tuple[bool, str]:
     if s.below >= s.params.patience:
         return True, f"measured gain {s.gain:.2f} < 1 at {s.below} burst boundaries in a row"
     return False, ""
+
+
+def step_rate(model: CostModel, spec: list[tuple[float, float, str]], plain_rows: int, context: int,
+              plain_kind: str = "greedy") -> float:
+    """Tokens per second of one worker step: one round of each accept rule's speculative sessions
+    `spec` ((tokens, width, rule) each) and one plain step of `plain_rows` rows (plain_kind
+    "greedy" or "sampled"), each pass priced by the cost model at its batch; an empty pass costs
+    nothing."""
+    seconds = 0.0
+    for rule in sorted({r for _, _, r in spec}):
+        rows = [(t, w) for t, w, r in spec if r == rule]
+        seconds += model.round_seconds(len(rows), float(np.mean([w for _, w in rows])), context, rule)
+    if plain_rows:
+        seconds += model.plain_seconds(plain_rows, context, plain_kind)
+    return (sum(t for t, _, _ in spec) + plain_rows) / seconds if seconds > 0 else 0.0
+
+
+def joint_split(model: CostModel, cands: list[tuple[float, float, str, bool]], plain_rows: int, context: int,
+                plain_kind: str = "greedy", margin: float = 0.0) -> tuple[int, list[float]]:
+    """The joint decision under concurrency: which of the demotable sessions `cands` ((tokens,
+    width, rule, new) each, sorted by tokens per round, most first; `new`: an arrival, not yet
+    speculative) speculate beside a plain batch of `plain_rows` rows that stay plain. Tries the top
+    k for k = 0 .. n, the rest joining the plain batch, and returns (k, the step rate of each k):
+    the k of most tokens per second (the fewest on a tie), where a k that admits an arrival must
+    beat all plain by 1 + margin. A row joining a running plain batch costs a fraction of a step,
+    a session speculating a whole round of its own: a per-session gain misses that trade."""
+    rates = [step_rate(model, [c[:3] for c in cands[:k]], plain_rows + len(cands) - k, context, plain_kind)
+             for k in range(len(cands) + 1)]
+    arrivals = np.cumsum([0] + [bool(c[3]) for c in cands])
+    ok = [k for k in range(len(rates)) if not arrivals[k] or rates[k] > rates[0] * (1.0 + margin)]
+    best = max(ok, key=lambda k: (rates[k], -k))
+    return best, rates

@@ -283,6 +283,60 @@ def test_later_sessions_start_from_what_earlier_ones_measured():
         assert gain.admit(SpecParams(sampling=SamplingParams(temperature=0.3)), drafter, 50)[0]
 
 
+def shared(round_per_row: float, plain_per_row: float, batches=(1, 2, 3, 4)) -> CostModel:
+    """A scripted cost model whose plain steps share their weight reads: a plain step of B rows
+    costs 1 + plain_per_row (B - 1) s, a round of B rows round_per_row x B s (every rule)."""
+    m = CostModel(FrozenClock(), FLAT)
+    for b in batches:
+        for kind, rule in cost.RULES:
+            m.record(kind, b, 0, round_per_row * b if kind == "round" else 1.0 + plain_per_row * (b - 1), width=8,
+                     rule=rule)
+    return m
+
+
+def test_joint_split_moves_a_session_into_a_running_plain_batch():
+    """Rounds at 2 s a row, plain rows 0.1 s beyond the first: beside 2 plain rows, a session
+    with t tokens a round speculates iff (t + 2) / (2 + 1.1) > 3 / 1.2, i.e. t > 5.75, though its
+    own gain t / 2 is far above 1 either side. A joint decision that leaves the running plain
+    batch out of the step (its rows neither emit nor cost) keeps it speculative at 5.7."""
+    m = shared(2.0, 0.1)
+    edge = 3 / 1.2 * 3.1 - 2
+    for t, want in ((edge - 0.05, 0), (edge + 0.05, 1)):
+        k, rates = gain.joint_split(m, [(t, 8.0, "greedy", False)], 2, 0)
+        assert k == want, (t, rates)
+        assert rates[0] == pytest.approx(3 / 1.2) and rates[1] == pytest.approx((t + 2) / 3.1)
+    # with no plain batch an empty plain step is free: both speculate at 5 tokens (10 / 4 > 2 / 1.1)
+    assert gain.joint_split(m, [(5.0, 8.0, "greedy", False)] * 2, 0, 0)[0] == 2
+    # a second rule runs its own round: its cost adds to the step
+    assert gain.step_rate(m, [(5.0, 8.0, "greedy"), (5.0, 8.0, "coupled")], 0, 0) == pytest.approx(10 / 4)
+
+
+def test_joint_split_admits_an_arrival_only_past_the_margin():
+    m = shared(2.0, 0.1)
+    for t, want in ((2.0 * 1.1 - 1e-6, 0), (2.0 * 1.1 + 1e-6, 1)):  # alone: t / 2 against 1 / 1
+        assert gain.joint_split(m, [(t, 8.0, "greedy", True)], 0, 0, margin=0.1)[0] == want
+    # a live session past the same point is kept without the margin (it already speculates)
+    assert gain.joint_split(m, [(2.0 * 1.05, 8.0, "greedy", False)], 0, 0, margin=0.1)[0] == 1
+
+
+def test_worker_under_concurrency_decides_jointly(shipped):
+    """Three greedy requests at once, rounds at 2 s a row, plain rows 0.1 s beyond the first: each
+    alone would speculate (4.72 / 2 > 1.1), together the plain batch wins (3 / 1.2 against at most
+    14.16 / 6), so all three start plain, by the joint decision; a lone request still speculates.
+    Every stream is plain decode's."""
+    trunk, drafter = shipped
+    rng = np.random.default_rng(9)
+    reqs = [(code_prompt(trunk, rng, 40 + 10 * i), 16, None) for i in range(3)]
+    w, ids = run_worker(trunk, drafter, reqs, shared(2.0, 0.1))
+    admits = [(e.what, e.why.split(" ")[0]) for e in w.events if e.what.startswith("admit")]
+    assert admits == [("admit_plain", "joint:")] * 3, w.events
+    for rid, (p, n, _) in zip(ids, reqs):
+        assert w.result(rid) == plain_generate(trunk, p, n)
+    w, ids = run_worker(trunk, drafter, reqs[:1], shared(2.0, 0.1))
+    assert [e.what for e in w.events if e.what.startswith("admit")] == ["admit_spec"]
+    assert w.result(ids[0]) == plain_generate(trunk, *reqs[0][:2])
+
+
 def test_verify_width_by_gain_maximises_tokens_per_cost():
     """Confidences 0.9, 0.9, 0.1, 0.9: widths 2..5 expect 1.9, 2.71, 2.79, 2.86 tokens; at 0.16
     plain steps a column (plus 1) they cost 1.32, 1.48, 1.64, 1.80: width 3 wins. Free columns
@@ -335,15 +389,16 @@ def run_worker(trunk, drafter, requests, model, low=4):
     return w, ids
 
 
-def test_worker_demotes_the_losers_and_streams_stay_plain_decode(shipped):
+def test_worker_demotes_the_losers_and_streams_stay_plain_decode(shipped, monkeypatch):
     """Rounds of one row priced at 3 plain steps (6 at two rows): the code prompt (about 5 tokens
     a round) stays speculative;
-    random bytes (about 1 a round), greedy and coupled sampled at temperature 0.3 (admitted on
-    the drafter's record at 0.3), are demoted at a burst boundary, and every stream equals plain
-    decode with its sampling."""
+    random bytes (about 1 a round), greedy and coupled sampled at temperature 1.5 (admitted on a
+    record that promises 6 a round there), are demoted at a burst boundary, and every stream
+    equals plain decode with its sampling."""
     trunk, drafter = shipped
     rng = np.random.default_rng(5)
-    hot = SamplingParams(temperature=0.3, seed=11)
+    hot = SamplingParams(temperature=1.5, seed=11)
+    monkeypatch.setattr(drafter, "sampled_accept", {1.5: 6.0})
     reqs = [(code_prompt(trunk, rng, 80), 40, None), (rng.integers(0, 256, 20).astype(np.int32), 40, None),
             (rng.integers(0, 256, 20).astype(np.int32), 40, hot)]
     w, ids = run_worker(trunk, drafter, reqs, scripted(3.0))
@@ -363,7 +418,7 @@ def test_worker_admits_plain_where_rounds_cost_too_much(shipped):
     rng = np.random.default_rng(6)
     reqs = [(code_prompt(trunk, rng, 60), 20, None)]
     w, ids = run_worker(trunk, drafter, reqs, scripted(4.72 / 1.1 + 0.01))  # the floor 4.72 over the cost <= 1.1
-    assert [(e.what, e.why.split(" ")[0]) for e in w.events if e.what.startswith("admit")] == [("admit_plain", "predicted")]
+    assert [(e.what, e.why.split(" ")[0]) for e in w.events if e.what.startswith("admit")] == [("admit_plain", "joint:")]
     assert w.result(ids[0]) == plain_generate(trunk, *reqs[0][:2])
 
 
