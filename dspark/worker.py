@@ -1,10 +1,12 @@
 """Worker: serves many requests on one backend, speculative where it pays and the load is light.
 
 The gate (`GateConfig`) is the outer bound: a new demotable request (greedy, or sampled with the
-coupled sampler: SpecParams.demotable) may get a spec session only while `active + 1 <= low`, and
-then only where its predicted gain beside the live sessions of its accept rule and the plain batch
-exceeds 1 + margin (SpecParams(policy="gain"), dspark.gain; policy "always" skips that test).
-During a burst, a spec session whose measured gain has stayed below 1 for `patience` checks ends
+coupled sampler: SpecParams.demotable) may get a spec session only while `active + 1 <= low`.
+Under SpecParams(policy="gain") the decision inside the gate is joint (dspark.gain.joint_split):
+at each step the demotable sessions, live and arriving, sorted by expected tokens per round, the
+top k speculate, k giving the whole step the most tokens per second beside the plain batch (an
+arrival only where that beats all plain by 1 + margin); a live one left out for `patience` steps
+in a row, once it ran WINDOW rounds, is demoted (policy "always" skips all this). During a burst, a spec session whose measured gain has stayed below 1 for `patience` checks ends
 its burst there and is demoted (reason: its gain). At a burst boundary, once `active >= high`,
 every live demotable spec session is demoted (reason: the gate). Demotion is one-way: the plain
 batch goes on with the session's own sampling, so a demotable request's text is the same whatever
@@ -17,7 +19,7 @@ publication: after each burst it drains every session's prompt-end capture into 
 `PrefixStore`, and a new request whose prompt equals a published entry in its namespace restores
 from it instead of priming.
 
-One `step()`: admit arrivals, one burst for every spec session (batched by accept rule: greedy,
+One `step()`: admit arrivals (the joint decision), one burst for every spec session (batched by accept rule: greedy,
 coupled, rejection), publish captures, apply the demotion gate, then as many plain steps as a
 burst target, and report tokens. A request that fails is retired with its error; the others go on.
 """
