@@ -10,6 +10,15 @@ over widths because a round's width varies from round to round and a per-width a
 rest on a few noisy samples; the prior's shape prices the width. A key never measured is priced
 by the prior at the scale of all measurements of its kind.
 
+A speculative run runs no plain steps (`dspark generate` measures them in its warm-up only, at the
+prompt's context), while the machine's load and the context the steps attend over change. So the
+verify pass of each round run op by op (a trunk pass at the round's context) is timed too
+("verify"; rounds replayed from CUDA graphs do not time it apart, and keep 1), and its
+level, seconds over the prior's verify at that width, is kept as a slow average: a plain step's
+measured seconds are priced at the level now over the level when they were measured (the first
+level measured, for plain steps measured before any verify). Plain steps measured as often as
+verifies carry a ratio near 1.
+
 The prior is the shape of the cost before anything is measured: a round is a drafter pass and
 fixed host work (ROUND_FIXED plain steps) plus ROUND_PER_COLUMN per verified column, measured on
 the embedded pair (profiling/RESULTS.md, "Speculation where it pays"); a plain step of B rows
@@ -35,13 +44,15 @@ ROUND_FIXED = 1.0        # plain steps: the drafter pass, proposal and host work
 ROUND_PER_COLUMN = 0.16  # plain steps per verified column (the trunk's verify is one pass over w rows)
 PLAIN_PER_ROW = 0.25     # a plain step's extra cost per row beyond the first
 SMOOTHING = 0.25         # weight of a new measurement in the exponential averages
+LEVEL_SMOOTHING = 0.1    # weight of a new verify pass in the verify level
 MIN_ROW_SHARE = 0.02     # a plain row never costs less than this share of a one-row step
 CONTEXT_BUCKET = 1024    # contexts below this share bucket 0; each doubling above it is a bucket
 
 
 # Rounds of each accept rule and plain steps greedy or sampled cost differently (sampling a token
 # costs more than an argmax): each has its own measurements.
-RULES = (("round", "greedy"), ("round", "coupled"), ("round", "rejection"), ("plain", "greedy"), ("plain", "sampled"))
+RULES = (("round", "greedy"), ("round", "coupled"), ("round", "rejection"), ("plain", "greedy"), ("plain", "sampled"),
+         ("verify", "greedy"))
 
 
 def plain_rule(rule: str) -> str:
@@ -65,6 +76,10 @@ class Prior:
 
     def round(self, batch: int, width: float, context: int) -> float:
         return self.plain(batch, context) * (self.round_fixed + self.round_per_column * width)
+
+    def verify(self, batch: int, width: float, context: int) -> float:
+        """The trunk's verify pass: a plain step's pass over `width` rows a session."""
+        return self.plain(batch, context) * (1.0 + self.round_per_column * (width - 1.0))
 
 
 class WallClock:
@@ -116,13 +131,16 @@ class CostModel:
         self._plain: dict[tuple, Average] = {}   # (batch, context bucket): seconds
         self._scale: dict = {}  # (kind, rule) and kind: measured seconds over the prior's steps
         self._pending: list[tuple] = []
+        self._level: float | None = None        # verify seconds over the prior's verify, slowly averaged
+        self._first_level: float | None = None  # the first of them
+        self._plain_level: dict[tuple, float | None] = {}  # plain key: the level at its last measurement
 
     # ---- measuring -------------------------------------------------------------------------------
     @contextlib.contextmanager
     def timed(self, kind: str, batch: int, context: int, width: float = 1.0, rule: str = "greedy"):
-        """Time the block as one round ("round", of accept rule `rule`) or one plain step ("plain",
-        `rule` "greedy" or "sampled"). It yields a dict: a round sets "width" (its mean verify width)
-        once it knows it."""
+        """Time the block as one round ("round", of accept rule `rule`), one plain step ("plain",
+        `rule` "greedy" or "sampled") or a round's verify pass ("verify", "greedy"). It yields a
+        dict: a round sets "width" (its mean verify width) once it knows it."""
         note = {"width": width}
         start = self.clock.mark()
         yield note
@@ -147,12 +165,18 @@ class CostModel:
         if not (seconds > 0 and math.isfinite(seconds)):
             return  # a clock that did not move says nothing
         key = (rule, batch, context_bucket(context))
+        if kind == "verify":
+            level = seconds / self.prior.verify(batch, width, context)
+            self._level = level if self._level is None else self._level + LEVEL_SMOOTHING * (level - self._level)
+            self._first_level = self._first_level or level
+            return
         if kind == "round":
             ratio = seconds / self.prior.round(batch, width, context)
             self._rounds.setdefault(key, Average()).add(ratio)
         else:
             ratio = seconds / self.prior.plain(batch, context)
             self._plain.setdefault(key, Average()).add(seconds)
+            self._plain_level[key] = self._level
         self._scale.setdefault((kind, rule), Average()).add(ratio)
         self._scale.setdefault(kind, Average()).add(ratio)
 
@@ -171,8 +195,15 @@ class CostModel:
         return self.prior.round(batch, width, context) * (m.value if m else self._scale_of("round", rule))
 
     def plain_seconds(self, batch: int, context: int, rule: str = "greedy") -> float:
-        m = self._plain.get((rule, batch, context_bucket(context)))
-        return m.value if m else self.prior.plain(batch, context) * self._scale_of("plain", rule)
+        key = (rule, batch, context_bucket(context))
+        m = self._plain.get(key)
+        return m.value * self._drift(key) if m else self.prior.plain(batch, context) * self._scale_of("plain", rule)
+
+    def _drift(self, key) -> float:
+        """The verify level now over the level when plain key `key` was last measured (1 while
+        no verify was timed)."""
+        then = self._plain_level.get(key) or self._first_level
+        return self._level / then if self._level is not None and then else 1.0
 
     def plain_row_seconds(self, batch: int, context: int, rule: str = "greedy") -> float:
         """What one more row adds to a plain step of `batch` rows: the slope of the measured steps of

@@ -379,7 +379,8 @@ def _finish_plain(trunk, drafter, live, vts, cands, rule: str = "greedy", q=None
     be = trunk.be
     # No snapshot: the verify leaves the recurrent state as it is (module doc), so anything that
     # fails before the commit leaves every session exactly as it was.
-    with phase("verify"):
+    with phase("verify"), cost_model(be).timed("verify", len(live), max(s.cache.pos for s in live),
+                                              width=float(np.mean(vts))):
         tp = trunk.verify([s.cache for s in live], cands, checkpoints=live[0].params.rollback == "checkpoint",
                           taps=drafter.taps)
     with phase("accept"):  # the second wait: (m, next) and the verify's NaN flags

@@ -45,6 +45,7 @@ class FrozenClock(ScriptedClock):
         return None
 
 
+PRICED = [kr for kr in cost.RULES if kr[0] != "verify"]  # what the scripted models record
 FLAT = Prior(round_fixed=1.0, round_per_column=0.0, plain_per_row=0.0)  # every width and batch alike
 
 
@@ -54,7 +55,7 @@ def scripted(round_steps: float, batches=(1, 2, 3)) -> CostModel:
     bucket 0; it never hears of a real timing."""
     m = CostModel(FrozenClock(), FLAT)
     for b in batches:
-        for kind, rule in cost.RULES:
+        for kind, rule in PRICED:
             m.record(kind, b, 0, (round_steps if kind == "round" else 1.0) * b, width=8, rule=rule)
     return m
 
@@ -95,6 +96,27 @@ def test_cost_model_reads_an_interval_only_once_it_is_done():
     m.record("round", 1, 0, 4.0, width=2)  # any later measurement resolves it
     m._resolve()
     assert m.plain_seconds(1, 0) == pytest.approx(2.0)
+
+
+def test_plain_steps_are_priced_at_the_verify_level_now():
+    """A speculative run times no plain steps: a plain step measured before (1 s) is priced at the
+    verify passes' level now over its level then. Verifies twice as slow as the first (the load
+    or the context grew) price it at 2 s, so a round of 4 s costs 2 plain steps, not 4; a plain
+    step measured at the new level is taken as it is. A model that kept the old plain seconds
+    would demote a session whose rounds only grew with everything else."""
+    m = CostModel(FrozenClock(), FLAT)
+    m.record("plain", 1, 0, 1.0)
+    assert m.plain_seconds(1, 0) == pytest.approx(1.0)  # no verify timed yet
+    m.record("verify", 1, 0, 3.0, width=4)  # the first level: what the plain step is measured against
+    m.record("round", 1, 0, 4.0, width=4)
+    assert m.plain_seconds(1, 0) == pytest.approx(1.0)
+    for _ in range(200):
+        m.record("verify", 1, 0, 6.0, width=4)
+    assert m.plain_seconds(1, 0) == pytest.approx(2.0)
+    assert m.round_cost(1, 4, 0) == pytest.approx(2.0)
+    m.record("plain", 1, 0, 2.5)  # measured now: its own level
+    assert m.plain_seconds(1, 0) == pytest.approx(1.0 + cost.SMOOTHING * 1.5)
+    assert m.measured() == {"rounds": 1, "plain_steps": 2}  # a verify is neither
 
 
 def test_cost_model_is_per_backend_and_injectable():
@@ -288,7 +310,7 @@ def shared(round_per_row: float, plain_per_row: float, batches=(1, 2, 3, 4)) -> 
     costs 1 + plain_per_row (B - 1) s, a round of B rows round_per_row x B s (every rule)."""
     m = CostModel(FrozenClock(), FLAT)
     for b in batches:
-        for kind, rule in cost.RULES:
+        for kind, rule in PRICED:
             m.record(kind, b, 0, round_per_row * b if kind == "round" else 1.0 + plain_per_row * (b - 1), width=8,
                      rule=rule)
     return m
