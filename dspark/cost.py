@@ -14,10 +14,11 @@ A speculative run runs no plain steps (`dspark generate` measures them in its wa
 prompt's context), while the machine's load and the context the steps attend over change. So the
 verify pass of each round run op by op (a trunk pass at the round's context) is timed too
 ("verify"; rounds replayed from CUDA graphs do not time it apart, and keep 1), and its
-level, seconds over the prior's verify at that width, is kept as a slow average: a plain step's
-measured seconds are priced at the level now over the level when they were measured (the first
-level measured, for plain steps measured before any verify). Plain steps measured as often as
-verifies carry a ratio near 1.
+level, seconds over the prior's verify at that width, is the median of the last LEVEL_WINDOW
+verifies (a process's first, cold pass does not move it): a plain step's measured seconds are
+priced at the level now over the level when they were last measured (the first level known, for
+plain steps measured before any verify). Plain steps measured as often as verifies carry a ratio
+near 1.
 
 The prior is the shape of the cost before anything is measured: a round is a drafter pass and
 fixed host work (ROUND_FIXED plain steps) plus ROUND_PER_COLUMN per verified column, measured on
@@ -36,6 +37,7 @@ from __future__ import annotations
 import contextlib
 import math
 import time
+from collections import deque
 
 import numpy as np
 from dataclasses import dataclass, field
@@ -44,7 +46,7 @@ ROUND_FIXED = 1.0        # plain steps: the drafter pass, proposal and host work
 ROUND_PER_COLUMN = 0.16  # plain steps per verified column (the trunk's verify is one pass over w rows)
 PLAIN_PER_ROW = 0.25     # a plain step's extra cost per row beyond the first
 SMOOTHING = 0.25         # weight of a new measurement in the exponential averages
-LEVEL_SMOOTHING = 0.1    # weight of a new verify pass in the verify level
+LEVEL_WINDOW = 16        # verify passes whose median is the verify level
 MIN_ROW_SHARE = 0.02     # a plain row never costs less than this share of a one-row step
 CONTEXT_BUCKET = 1024    # contexts below this share bucket 0; each doubling above it is a bucket
 
@@ -131,8 +133,8 @@ class CostModel:
         self._plain: dict[tuple, Average] = {}   # (batch, context bucket): seconds
         self._scale: dict = {}  # (kind, rule) and kind: measured seconds over the prior's steps
         self._pending: list[tuple] = []
-        self._level: float | None = None        # verify seconds over the prior's verify, slowly averaged
-        self._first_level: float | None = None  # the first of them
+        self._levels: deque = deque(maxlen=LEVEL_WINDOW)  # verify seconds over the prior's verify
+        self._first_level: float | None = None  # the first level known
         self._plain_level: dict[tuple, float | None] = {}  # plain key: the level at its last measurement
 
     # ---- measuring -------------------------------------------------------------------------------
@@ -166,9 +168,8 @@ class CostModel:
             return  # a clock that did not move says nothing
         key = (rule, batch, context_bucket(context))
         if kind == "verify":
-            level = seconds / self.prior.verify(batch, width, context)
-            self._level = level if self._level is None else self._level + LEVEL_SMOOTHING * (level - self._level)
-            self._first_level = self._first_level or level
+            self._levels.append(seconds / self.prior.verify(batch, width, context))
+            self._first_level = self._first_level or self._level
             return
         if kind == "round":
             ratio = seconds / self.prior.round(batch, width, context)
@@ -198,6 +199,10 @@ class CostModel:
         key = (rule, batch, context_bucket(context))
         m = self._plain.get(key)
         return m.value * self._drift(key) if m else self.prior.plain(batch, context) * self._scale_of("plain", rule)
+
+    @property
+    def _level(self) -> float | None:
+        return float(np.median(self._levels)) if self._levels else None
 
     def _drift(self, key) -> float:
         """The verify level now over the level when plain key `key` was last measured (1 while
