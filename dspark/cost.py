@@ -28,6 +28,11 @@ the same prior today: the performance model's per-shape prediction lives in prof
 yet a package module, so it is not this prior; measured rounds replace the prior's scale within a
 few rounds either way.
 
+The first timed pass of each kind and rule in a process is not kept: it is cold (allocations,
+first-touched pages, tables built on first use; on the embedded pair a first coupled round took
+several times the next ones), and an average seeded by it would price rounds by it for many
+rounds after.
+
 The clock is injectable: anything with `mark()` and `seconds(a, b)` (None while not known yet).
 Tests drive the model with a scripted clock, never with real time.
 """
@@ -133,6 +138,7 @@ class CostModel:
         self._plain: dict[tuple, Average] = {}   # (batch, context bucket): seconds
         self._scale: dict = {}  # (kind, rule) and kind: measured seconds over the prior's steps
         self._pending: list[tuple] = []
+        self._warm: set = set()  # (kind, rule) timed at least once
         self._levels: deque = deque(maxlen=LEVEL_WINDOW)  # verify seconds over the prior's verify
         self._first_level: float | None = None  # the first level known
         self._plain_level: dict[tuple, float | None] = {}  # plain key: the level at its last measurement
@@ -146,7 +152,11 @@ class CostModel:
         note = {"width": width}
         start = self.clock.mark()
         yield note
-        self._pending.append((kind, rule, int(batch), int(context), float(note["width"]), start, self.clock.mark()))
+        end = self.clock.mark()
+        if (kind, rule) not in self._warm:  # the first pass of its kind is cold (module doc)
+            self._warm.add((kind, rule))
+            return
+        self._pending.append((kind, rule, int(batch), int(context), float(note["width"]), start, end))
         self._resolve()
 
     def _resolve(self) -> None:
