@@ -178,10 +178,6 @@ def as_array(be, obj, what: str, *, writable: bool = False):
     refused."""
     if obj is None or isinstance(obj, (int, float, bool, np.generic, str)):
         return obj
-    if type(obj) is np.ndarray:  # the common case, without reading interfaces: its flags say the same
-        if writable and not obj.flags.writeable:
-            raise KernelArgumentError(f"{what} is read-only (its array interface says so): the op writes it")
-        return obj
     xp = be.xp
     names = _interface_names(obj)
     device = _device_type(obj) if hasattr(obj, "__dlpack__") else None
@@ -243,8 +239,6 @@ def _need_device(be, obj, what: str) -> None:
 
 
 def _convert(be, obj, what: str, writable: bool, host: bool):
-    if type(obj) is np.ndarray:
-        return as_array(be, obj, what, writable=writable and not host)  # host_array reads it as it is
     if isinstance(obj, (list, tuple)):  # per-session caches, per-layer lists of them
         return [_convert(be, x, f"{what}[{i}]", writable, host) for i, x in enumerate(obj)]
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):  # Filters, Streams: arrays per field
