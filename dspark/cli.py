@@ -330,17 +330,20 @@ def cmd_generate(args) -> int:
         trunk, drafter = load_pair(be, args)
         text, prompt = decode, encode(args.prompt)
     # Warm both paths on the prompt itself, as the demo does: these are also the cost model's first
-    # measurements, so they are taken at the context the request starts from.
+    # measurements, so they are taken at the context the request starts from: plain steps (the
+    # process's first, cold passes), the rounds, then plain steps again, measured against the verify
+    # level of their time (dspark.cost).
+    params = SpecParams(max_new_tokens=args.max_new_tokens, verify=args.verify, tau=args.tau,
+                        max_verify=args.max_verify, capture=False, sampling=sampling, sampler=args.sampler,
+                        policy=args.policy)
     if drafter is not None:
+        run_plain(trunk, prompt, 8, sampling)
+        run_spec(trunk, drafter, prompt, replace(params, max_new_tokens=8))
         run_plain(trunk, prompt, 8, sampling)
     if args.no_spec or drafter is None:
         out, dt, _ = run_plain(trunk, prompt, args.max_new_tokens, sampling)
         note, stats = ("plain: --no-spec" if drafter is not None else "plain: no --drafter for --model"), None
     else:
-        params = SpecParams(max_new_tokens=args.max_new_tokens, verify=args.verify, tau=args.tau,
-                            max_verify=args.max_verify, capture=False, sampling=sampling, sampler=args.sampler,
-                            policy=args.policy)
-        run_spec(trunk, drafter, prompt, replace(params, max_new_tokens=8))
         out, dt, stats, note = run_request(trunk, drafter, prompt, params)
     print(args.prompt + text(body(trunk, out)))
     print(f"[{len(out)} tokens in {dt:.2f}s, {len(out) / dt:.1f} tokens/s, {note}; stopped: "

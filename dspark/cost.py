@@ -10,6 +10,16 @@ over widths because a round's width varies from round to round and a per-width a
 rest on a few noisy samples; the prior's shape prices the width. A key never measured is priced
 by the prior at the scale of all measurements of its kind.
 
+A speculative run runs no plain steps (`dspark generate` measures them in its warm-up only, at the
+prompt's context), while the machine's load and the context the steps attend over change. So the
+verify pass of each round run op by op (a trunk pass at the round's context) is timed too
+("verify"; rounds replayed from CUDA graphs do not time it apart, and keep 1), and its
+level, seconds over the prior's verify at that width, is the median of the last LEVEL_WINDOW
+verifies (a process's first, cold pass does not move it): a plain step's measured seconds are
+priced at the level now over the level when they were last measured (the first level known, for
+plain steps measured before any verify). Plain steps measured as often as verifies carry a ratio
+near 1.
+
 The prior is the shape of the cost before anything is measured: a round is a drafter pass and
 fixed host work (ROUND_FIXED plain steps) plus ROUND_PER_COLUMN per verified column, measured on
 the embedded pair (profiling/RESULTS.md, "Speculation where it pays"); a plain step of B rows
@@ -17,6 +27,11 @@ costs 1 + PLAIN_PER_ROW * (B - 1) steps of one row (weights are read once per st
 the same prior today: the performance model's per-shape prediction lives in profiling/ and is not
 yet a package module, so it is not this prior; measured rounds replace the prior's scale within a
 few rounds either way.
+
+The first timed pass of each kind and rule in a process is not kept: it is cold (allocations,
+first-touched pages, tables built on first use; on the embedded pair a first coupled round took
+several times the next ones), and an average seeded by it would price rounds by it for many
+rounds after.
 
 The clock is injectable: anything with `mark()` and `seconds(a, b)` (None while not known yet).
 Tests drive the model with a scripted clock, never with real time.
@@ -27,6 +42,7 @@ from __future__ import annotations
 import contextlib
 import math
 import time
+from collections import deque
 
 import numpy as np
 from dataclasses import dataclass, field
@@ -35,13 +51,15 @@ ROUND_FIXED = 1.0        # plain steps: the drafter pass, proposal and host work
 ROUND_PER_COLUMN = 0.16  # plain steps per verified column (the trunk's verify is one pass over w rows)
 PLAIN_PER_ROW = 0.25     # a plain step's extra cost per row beyond the first
 SMOOTHING = 0.25         # weight of a new measurement in the exponential averages
+LEVEL_WINDOW = 16        # verify passes whose median is the verify level
 MIN_ROW_SHARE = 0.02     # a plain row never costs less than this share of a one-row step
 CONTEXT_BUCKET = 1024    # contexts below this share bucket 0; each doubling above it is a bucket
 
 
 # Rounds of each accept rule and plain steps greedy or sampled cost differently (sampling a token
 # costs more than an argmax): each has its own measurements.
-RULES = (("round", "greedy"), ("round", "coupled"), ("round", "rejection"), ("plain", "greedy"), ("plain", "sampled"))
+RULES = (("round", "greedy"), ("round", "coupled"), ("round", "rejection"), ("plain", "greedy"), ("plain", "sampled"),
+         ("verify", "greedy"))
 
 
 def plain_rule(rule: str) -> str:
@@ -65,6 +83,10 @@ class Prior:
 
     def round(self, batch: int, width: float, context: int) -> float:
         return self.plain(batch, context) * (self.round_fixed + self.round_per_column * width)
+
+    def verify(self, batch: int, width: float, context: int) -> float:
+        """The trunk's verify pass: a plain step's pass over `width` rows a session."""
+        return self.plain(batch, context) * (1.0 + self.round_per_column * (width - 1.0))
 
 
 class WallClock:
@@ -116,17 +138,25 @@ class CostModel:
         self._plain: dict[tuple, Average] = {}   # (batch, context bucket): seconds
         self._scale: dict = {}  # (kind, rule) and kind: measured seconds over the prior's steps
         self._pending: list[tuple] = []
+        self._warm: set = set()  # (kind, rule) timed at least once
+        self._levels: deque = deque(maxlen=LEVEL_WINDOW)  # verify seconds over the prior's verify
+        self._first_level: float | None = None  # the first level known
+        self._plain_level: dict[tuple, float | None] = {}  # plain key: the level at its last measurement
 
     # ---- measuring -------------------------------------------------------------------------------
     @contextlib.contextmanager
     def timed(self, kind: str, batch: int, context: int, width: float = 1.0, rule: str = "greedy"):
-        """Time the block as one round ("round", of accept rule `rule`) or one plain step ("plain",
-        `rule` "greedy" or "sampled"). It yields a dict: a round sets "width" (its mean verify width)
-        once it knows it."""
+        """Time the block as one round ("round", of accept rule `rule`), one plain step ("plain",
+        `rule` "greedy" or "sampled") or a round's verify pass ("verify", "greedy"). It yields a
+        dict: a round sets "width" (its mean verify width) once it knows it."""
         note = {"width": width}
         start = self.clock.mark()
         yield note
-        self._pending.append((kind, rule, int(batch), int(context), float(note["width"]), start, self.clock.mark()))
+        end = self.clock.mark()
+        if (kind, rule) not in self._warm:  # the first pass of its kind is cold (module doc)
+            self._warm.add((kind, rule))
+            return
+        self._pending.append((kind, rule, int(batch), int(context), float(note["width"]), start, end))
         self._resolve()
 
     def _resolve(self) -> None:
@@ -147,12 +177,17 @@ class CostModel:
         if not (seconds > 0 and math.isfinite(seconds)):
             return  # a clock that did not move says nothing
         key = (rule, batch, context_bucket(context))
+        if kind == "verify":
+            self._levels.append(seconds / self.prior.verify(batch, width, context))
+            self._first_level = self._first_level or self._level
+            return
         if kind == "round":
             ratio = seconds / self.prior.round(batch, width, context)
             self._rounds.setdefault(key, Average()).add(ratio)
         else:
             ratio = seconds / self.prior.plain(batch, context)
             self._plain.setdefault(key, Average()).add(seconds)
+            self._plain_level[key] = self._level
         self._scale.setdefault((kind, rule), Average()).add(ratio)
         self._scale.setdefault(kind, Average()).add(ratio)
 
@@ -171,8 +206,19 @@ class CostModel:
         return self.prior.round(batch, width, context) * (m.value if m else self._scale_of("round", rule))
 
     def plain_seconds(self, batch: int, context: int, rule: str = "greedy") -> float:
-        m = self._plain.get((rule, batch, context_bucket(context)))
-        return m.value if m else self.prior.plain(batch, context) * self._scale_of("plain", rule)
+        key = (rule, batch, context_bucket(context))
+        m = self._plain.get(key)
+        return m.value * self._drift(key) if m else self.prior.plain(batch, context) * self._scale_of("plain", rule)
+
+    @property
+    def _level(self) -> float | None:
+        return float(np.median(self._levels)) if self._levels else None
+
+    def _drift(self, key) -> float:
+        """The verify level now over the level when plain key `key` was last measured (1 while
+        no verify was timed)."""
+        then = self._plain_level.get(key) or self._first_level
+        return self._level / then if self._level is not None and then else 1.0
 
     def plain_row_seconds(self, batch: int, context: int, rule: str = "greedy") -> float:
         """What one more row adds to a plain step of `batch` rows: the slope of the measured steps of

@@ -1,12 +1,17 @@
 """Speculation as a bet per session: expected tokens per round over the round's cost in plain
 steps (DESIGN section 10), and the decisions taken from it under SpecParams(policy="gain").
 
-Expected tokens per round: the mean of the session's last WINDOW rounds (tokens emitted, the
-anchor included). Before PRIOR_ROUNDS rounds the prior fills the missing weight: what the process's
-earlier sessions of the same accept rule and temperature measured with this drafter
-(`DsparkDrafter.acceptance`), else the drafter's recorded greedy floor
-(`DsparkDrafter.accept_floor`) for a greedy session where it has one, else NEUTRAL_TOKENS. The
-cost comes from the backend's cost model (dspark.cost).
+Expected tokens per round: the session's last HISTORY rounds (tokens emitted, the anchor
+included) and the prior at the weight of PRIOR_ROUNDS rounds, pooled. The prior: what the
+process's earlier sessions of the same accept rule and temperature measured with this drafter
+(`DsparkDrafter.acceptance`), else the drafter's record: its greedy floor
+(`DsparkDrafter.accept_floor`) for a greedy session, its coupled sampler's acceptance at the
+session's temperature (`DsparkDrafter.sampled_accept`) for a coupled one; else NEUTRAL_TOKENS.
+The prior keeps its weight because demotion is one-way and a text's first rounds are often its
+least predictable (on the embedded pair, code at temperature 0.3 accepts 1.9 a round over its
+first 16 rounds and 3.5 over its whole 256 tokens): a session is demoted on the evidence of many
+rounds against its prior, not on its first window. The cost comes from the backend's cost model
+(dspark.cost).
 
 A round's weight reads are shared by its rows (and a plain step's by its rows), so the gain that
 decides is the batch's: the time for the same tokens with this session in plain decode (the other
@@ -37,8 +42,9 @@ import numpy as np
 from .cost import Average, CostModel, cost_model, plain_rule
 from .params import SpecParams
 
-WINDOW = 8            # rounds of a session's own history that its gain reads
-PRIOR_ROUNDS = 3      # the prior's weight, in rounds; the first rounds replace it
+WINDOW = 8            # rounds a session runs before its first demotion check
+HISTORY = 32          # rounds of a session's own history that its gain reads
+PRIOR_ROUNDS = 8      # the prior's weight, in rounds, beside at most HISTORY of the session's own
 # Tokens per round expected of a session with no recorded floor (sampled, or a drafter without a
 # record). Optimistic on purpose: it admits wherever a round costs under about 3.6 plain steps, so
 # the first rounds measure the session; a demotable one that loses pays `patience` checks at most.
@@ -58,9 +64,19 @@ def width_by_gain(model: CostModel, conf, cap: int, context: int, rule: str = "g
 
 
 def prior_tokens(params: SpecParams, drafter) -> float:
-    """The static prior: the drafter's recorded greedy floor, else NEUTRAL_TOKENS."""
+    """The static prior: the drafter's recorded greedy floor (greedy), its recorded coupled
+    acceptance at the session's temperature (coupled: linear between the recorded temperatures,
+    the greedy floor at 0, the hottest row beyond it), else NEUTRAL_TOKENS."""
     floor = getattr(drafter, "accept_floor", None)
-    return float(floor) if floor and params.accept == "greedy" else NEUTRAL_TOKENS
+    if params.accept == "greedy":
+        return float(floor) if floor else NEUTRAL_TOKENS
+    table = dict(getattr(drafter, "sampled_accept", None) or {})
+    if params.accept != "coupled" or not table:
+        return NEUTRAL_TOKENS
+    if floor:
+        table.setdefault(0.0, float(floor))
+    ts = sorted(table)
+    return float(np.interp(params.sampling.temperature, ts, [table[t] for t in ts]))
 
 
 def _kind(params: SpecParams) -> tuple:
@@ -92,8 +108,7 @@ def prior_width(params: SpecParams, drafter) -> int:
 def expected_tokens(s) -> float:
     """Tokens per round expected of session `s` from its recent rounds and the prior."""
     recent = [t for t, _ in s.recent]
-    w = max(0, PRIOR_ROUNDS - len(recent))
-    return (predicted_tokens(s.params, s.drafter) * w + sum(recent)) / (w + len(recent))
+    return (predicted_tokens(s.params, s.drafter) * PRIOR_ROUNDS + sum(recent)) / (PRIOR_ROUNDS + len(recent))
 
 
 def expected_width(s) -> float:
@@ -166,3 +181,35 @@ def demote_check(s, group, plain_rows: int = 0) -> tuple[bool, str]:
     if s.below >= s.params.patience:
         return True, f"measured gain {s.gain:.2f} < 1 at {s.below} burst boundaries in a row"
     return False, ""
+
+
+def step_rate(model: CostModel, spec: list[tuple[float, float, str]], plain_rows: int, context: int,
+              plain_kind: str = "greedy") -> float:
+    """Tokens per second of one worker step: one round of each accept rule's speculative sessions
+    `spec` ((tokens, width, rule) each) and one plain step of `plain_rows` rows (plain_kind
+    "greedy" or "sampled"), each pass priced by the cost model at its batch; an empty pass costs
+    nothing."""
+    seconds = 0.0
+    for rule in sorted({r for _, _, r in spec}):
+        rows = [(t, w) for t, w, r in spec if r == rule]
+        seconds += model.round_seconds(len(rows), float(np.mean([w for _, w in rows])), context, rule)
+    if plain_rows:
+        seconds += model.plain_seconds(plain_rows, context, plain_kind)
+    return (sum(t for t, _, _ in spec) + plain_rows) / seconds if seconds > 0 else 0.0
+
+
+def joint_split(model: CostModel, cands: list[tuple[float, float, str, bool]], plain_rows: int, context: int,
+                plain_kind: str = "greedy", margin: float = 0.0) -> tuple[int, list[float]]:
+    """The joint decision under concurrency: which of the demotable sessions `cands` ((tokens,
+    width, rule, new) each, sorted by tokens per round, most first; `new`: an arrival, not yet
+    speculative) speculate beside a plain batch of `plain_rows` rows that stay plain. Tries the top
+    k for k = 0 .. n, the rest joining the plain batch, and returns (k, the step rate of each k):
+    the k of most tokens per second (the fewest on a tie), where a k that admits an arrival must
+    beat all plain by 1 + margin. A row joining a running plain batch costs a fraction of a step,
+    a session speculating a whole round of its own: a per-session gain misses that trade."""
+    rates = [step_rate(model, [c[:3] for c in cands[:k]], plain_rows + len(cands) - k, context, plain_kind)
+             for k in range(len(cands) + 1)]
+    arrivals = np.cumsum([0] + [bool(c[3]) for c in cands])
+    ok = [k for k in range(len(rates)) if not arrivals[k] or rates[k] > rates[0] * (1.0 + margin)]
+    best = max(ok, key=lambda k: (rates[k], -k))
+    return best, rates

@@ -165,3 +165,31 @@ def exp_f32(d) -> np.ndarray:
 def gumbel(x) -> np.ndarray:
     """Gumbel(0, 1) noise -log(-log(u)) from words x, u = uniform_open(x)."""
     return -log_f32(-log_f32(uniform_open(x)))
+
+
+class GumbelRows:
+    """Whole rows of Gumbel noise, gumbel(row_words(seed, counter, stream, vocab)), memoised by
+    (seed, counter, stream, vocab): the host reference's noise for narrow vocabularies. A coupled
+    round draws the noise of one position several times (the drafter's proposal there, the
+    verify's pick, the next round's proposal again), each a dozen NumPy passes over a few words
+    at small sizes; the rows are a pure function of their key, so the memo changes no bit. It
+    holds at most `max_bytes` of rows (the oldest go first)."""
+
+    def __init__(self, max_bytes: int = 1 << 24):
+        self.max_bytes, self.nbytes = max_bytes, 0
+        self._rows: dict[tuple, np.ndarray] = {}
+
+    def __call__(self, seed, counter, stream, vocab: int) -> np.ndarray:
+        """float32 [rows, vocab] for per-row seed, counter and stream word arrays [rows]; missing
+        rows are drawn in one batch."""
+        seed, counter, stream = (np.asarray(a, dt).reshape(-1) for a, dt in ((seed, u64), (counter, u64), (stream, u32)))
+        keys = list(zip(seed.tolist(), counter.tolist(), stream.tolist(), [vocab] * len(seed)))
+        todo = [k for k in dict.fromkeys(keys) if k not in self._rows]
+        if todo:
+            s, c, t = (np.array([k[j] for k in todo], dt) for j, dt in ((0, u64), (1, u64), (2, u32)))
+            self._rows.update(zip(todo, gumbel(row_words(s, c, t, vocab))))
+            self.nbytes += len(todo) * vocab * 4
+        out = np.stack([self._rows[k] for k in keys]) if keys else np.zeros((0, vocab), f32)
+        while self.nbytes > self.max_bytes:
+            self.nbytes -= self._rows.pop(next(iter(self._rows))).nbytes
+        return out

@@ -34,7 +34,7 @@ from .cost import cost_model
 from .decode import check_prompt, first_token
 from .params import SamplingParams, SpecParams
 from .errors import StateError
-from .gain import WINDOW, width_by_gain
+from .gain import HISTORY, width_by_gain
 from .models.cache import Cache
 from .models.drafter import DraftKV, DsparkDrafter
 from .models.trunk import HybridTrunk
@@ -89,7 +89,7 @@ class DsparkSpecSession:
         s.rounds = 0
         s.emitted: list[int] = []
         s.stats = SpecStats()
-        s.recent = deque(maxlen=WINDOW)  # (tokens emitted, verify width) of the last rounds: dspark.gain
+        s.recent = deque(maxlen=HISTORY)  # (tokens emitted, verify width) of the last rounds: dspark.gain
         s.gain = None            # the gain at the last check (dspark.gain.demote_check)
         s.below = 0              # consecutive checks with the gain below 1
         s.last = -1
@@ -379,7 +379,8 @@ def _finish_plain(trunk, drafter, live, vts, cands, rule: str = "greedy", q=None
     be = trunk.be
     # No snapshot: the verify leaves the recurrent state as it is (module doc), so anything that
     # fails before the commit leaves every session exactly as it was.
-    with phase("verify"):
+    with phase("verify"), cost_model(be).timed("verify", len(live), max(s.cache.pos for s in live),
+                                              width=float(np.mean(vts))):
         tp = trunk.verify([s.cache for s in live], cands, checkpoints=live[0].params.rollback == "checkpoint",
                           taps=drafter.taps)
     with phase("accept"):  # the second wait: (m, next) and the verify's NaN flags

@@ -40,7 +40,7 @@ from . import philox
 from .ops.checks import Staged
 from .ops.coupled import coupled_accept
 from .ops.heads import markov_logits
-from .ops.sampling import (Filters, Streams, filtered_probs, raise_accept, raise_rows, sample_filtered,
+from .ops.sampling import (Filters, Streams, draw_ahead, filtered_probs, raise_accept, raise_rows, sample_filtered,
                            speculative_accept)
 from .ops.workspace import Inputs, Outputs, buffer, fixed
 from .philox import Tag
@@ -175,6 +175,9 @@ def propose_sampled(live, drafter, dl, dh, nd: int, kernels: bool = False):
         pos = np.array([s.cache.pos for s in live], np.int64)
         seeds, q = Staged(be, np.array([sp.seed for sp in samplings], np.uint64)), None
         pick = Staged(be, pick_streams(samplings, pos).stream)
+        ahead = np.arange(1, nd + 1)  # the round's positions: its proposals and its verify's picks
+        draw_ahead(be, np.repeat(seeds.host, nd), (pos[:, None] + ahead).reshape(-1).astype(np.uint64),
+                   np.repeat(pick.host, nd), V)
     else:
         base = Streams.full(B, [sp.seed for sp in samplings], [s.counter for s in live], Tag.DRAFT)
         seeds, counters = Staged(be, base.seed), Staged(be, base.counter)

@@ -1,10 +1,12 @@
 """Worker: serves many requests on one backend, speculative where it pays and the load is light.
 
 The gate (`GateConfig`) is the outer bound: a new demotable request (greedy, or sampled with the
-coupled sampler: SpecParams.demotable) may get a spec session only while `active + 1 <= low`, and
-then only where its predicted gain beside the live sessions of its accept rule and the plain batch
-exceeds 1 + margin (SpecParams(policy="gain"), dspark.gain; policy "always" skips that test).
-During a burst, a spec session whose measured gain has stayed below 1 for `patience` checks ends
+coupled sampler: SpecParams.demotable) may get a spec session only while `active + 1 <= low`.
+Under SpecParams(policy="gain") the decision inside the gate is joint (dspark.gain.joint_split):
+at each step the demotable sessions, live and arriving, sorted by expected tokens per round, the
+top k speculate, k giving the whole step the most tokens per second beside the plain batch (an
+arrival only where that beats all plain by 1 + margin); a live one left out for `patience` steps
+in a row, once it ran WINDOW rounds, is demoted (policy "always" skips all this). During a burst, a spec session whose measured gain has stayed below 1 for `patience` checks ends
 its burst there and is demoted (reason: its gain). At a burst boundary, once `active >= high`,
 every live demotable spec session is demoted (reason: the gate). Demotion is one-way: the plain
 batch goes on with the session's own sampling, so a demotable request's text is the same whatever
@@ -17,7 +19,7 @@ publication: after each burst it drains every session's prompt-end capture into 
 `PrefixStore`, and a new request whose prompt equals a published entry in its namespace restores
 from it instead of priming.
 
-One `step()`: admit arrivals, one burst for every spec session (batched by accept rule: greedy,
+One `step()`: admit arrivals (the joint decision), one burst for every spec session (batched by accept rule: greedy,
 coupled, rejection), publish captures, apply the demotion gate, then as many plain steps as a
 burst target, and report tokens. A request that fails is retired with its error; the others go on.
 """
@@ -30,7 +32,9 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .decode import PlainBatch, check_prompt, first_token, prefill_anchor
-from .gain import admit, demote_check, rejection_mode
+from .cost import cost_model
+from .gain import (WINDOW, admit, demote_check, expected_tokens, expected_width, joint_split, predicted_tokens, prior_width,
+                   rejection_mode)
 from .errors import CapacityError, DsparkError, StateError
 from .models.drafter import DsparkDrafter
 from .models.trunk import HybridTrunk
@@ -74,6 +78,7 @@ class Request:
     session: DsparkSpecSession | None = None
     plain_id: int | None = None
     why: str = ""                    # why it runs plain, speculative, or was demoted
+    outside: int = 0                 # consecutive steps the joint decision left it out of speculation
     gain: float | None = None        # its last measured gain (dspark.gain), once it left speculation
 
 
@@ -127,9 +132,16 @@ class Worker:
     # ---- the scheduling step ------------------------------------------------------------------
     def step(self) -> None:
         self.steps += 1
+        held = []  # demotable arrivals inside the gate: the joint decision places them
         for r in list(self.pending):
-            self._admit(r)
+            params = self._params(r)
+            if params.policy == "gain" and params.demotable and self.active() + len(held) + 1 <= self.gate.low:
+                held.append((r, params))
+            else:
+                self._admit(r, params, *self._mode(r, params))
         self.pending.clear()
+        if self.spec.policy == "gain":
+            self._joint(held)
         self._spec_bursts()
         self._publish()
         self._demote_gate()
@@ -154,9 +166,42 @@ class Worker:
         group = [q.session for q in self.requests.values() if q.mode == "spec" and q.session.params.accept == params.accept]
         return admit(params, self.drafter, r.prompt.size, group, len(self.plain.active()))
 
-    def _admit(self, r: Request) -> None:
-        params = SpecParams(**{**self.spec.__dict__, "max_new_tokens": r.max_new_tokens, "sampling": r.sampling})
-        to_spec, why = self._mode(r, params)
+    def _params(self, r: Request) -> SpecParams:
+        return SpecParams(**{**self.spec.__dict__, "max_new_tokens": r.max_new_tokens, "sampling": r.sampling})
+
+    def _joint(self, held: list[tuple[Request, SpecParams]]) -> None:
+        """The joint decision (dspark.gain.joint_split): of the live demotable spec sessions and the
+        arrivals `held`, sorted by expected tokens per round, the top k speculate, where k gives the
+        whole step the most tokens per second beside the plain batch; arrivals outside it start
+        plain, live sessions outside it for `patience` steps in a row, once they ran WINDOW rounds,
+        are demoted (the hysteresis)."""
+        live = [r for r in self.requests.values()
+                if r.mode == "spec" and r.session.params.demotable and not r.session.finished()]
+        if not live and not held:
+            return
+        cands = [(expected_tokens(r.session), expected_width(r.session), r.session.params.accept, False, r, None)
+                 for r in live]
+        cands += [(predicted_tokens(p, self.drafter), float(prior_width(p, self.drafter)), p.accept, True, r, p)
+                  for r, p in held]
+        cands.sort(key=lambda c: -c[0])
+        plain = [r for r in self.requests.values() if r.mode == "plain"]
+        ctx = int(np.mean([r.prompt.size + len(r.tokens) for r in plain + live + [r for r, _ in held]]))
+        kind = "sampled" if any(not r.sampling.greedy for r in plain + [c[4] for c in cands]) else "greedy"
+        k, rates = joint_split(cost_model(self.trunk.be), [c[:4] for c in cands], len(self.plain.active()), ctx, kind,
+                               self.spec.margin)
+        why = (f"joint: {k} of {len(cands)} speculative beside {len(plain)} plain, {rates[k]:.3g} tokens/s "
+               f"against {rates[0]:.3g} all plain and {rates[-1]:.3g} all speculative")
+        for i, (_, _, _, new, r, p) in enumerate(cands):
+            if new:
+                self._admit(r, p, i < k, why)
+            elif i < k or len(r.session.recent) < WINDOW:  # no demotion on fewer rounds than demote_check
+                r.outside = 0
+            else:
+                r.outside += 1
+                if r.outside >= r.session.params.patience:
+                    self._demote(r, why)
+
+    def _admit(self, r: Request, params: SpecParams, to_spec: bool, why: str) -> None:
         cap = self.store.lookup(r.namespace, r.prompt) if self.store is not None else None
         try:
             if to_spec:

@@ -2,10 +2,12 @@
 decode measured in the same run, on the embedded pair.
 
     python profiling/bench_tau.py [--backend numpy] [--tokens 256] [--prompts demo|heldout]
+                                  [--only "tau 0.35 <=8" "gain <=8" ...]
 
 A lower tau verifies more of each draft: more tokens per round, a wider verify pass (capped at 8
 columns, the drafter's whole block). Where a verify column is cheap next to a round's fixed work,
-the best tau is below the library's 0.5.
+the best tau is below the library's 0.5. "gain" is SpecParams(verify="gain"): the width of most
+expected tokens (from the confidence head) per unit of the cost model's round cost.
 
 Every speculative run sits between two plain runs of the same prompts, and its ratio is taken
 against their mean: spec and plain always come from this run, minutes apart at most, so a load
@@ -34,6 +36,10 @@ from dspark.stats import RepetitionSplit, SpecStats
 HELDOUT = Path(__file__).resolve().parents[1] / "tests" / "session" / "heldout_prompts.json"
 
 
+def policy_name(verify: str, tau: float, max_verify: int) -> str:
+    return ({"confidence": f"tau {tau}"}.get(verify, verify)) + (f" <={max_verify}" if max_verify else "")
+
+
 def prompts_of(which: str) -> list[np.ndarray]:
     if which == "demo":
         return [encode(DEMO_PROMPT)]
@@ -56,12 +62,15 @@ def main(argv=None) -> None:
     ap.add_argument("--tokens", type=int, default=256)
     ap.add_argument("--prompts", choices=["demo", "heldout"], default="demo",
                     help="the demo prompt, or the first 6 held-out prompts (tests/session/heldout_prompts.json)")
+    ap.add_argument("--only", nargs="*", help='policies to run, by their printed name ("tau 0.35 <=8", "gain <=8")')
     args = ap.parse_args(argv)
     be = dspark.get_backend(args.backend)
     trunk, drafter = load_default(be)
     prompts = prompts_of(args.prompts)
     policies = [("confidence", t, m) for m in (0, 8) for t in (0.7, 0.5, 0.35, 0.25, 0.1)]
-    policies += [("ladder", 0.5, 0), ("ladder", 0.5, 8)]
+    policies += [("ladder", 0.5, 0), ("ladder", 0.5, 8), ("gain", 0.5, 8)]
+    if args.only:
+        policies = [p for p in policies if policy_name(*p) in args.only]
     with threadpool_limits(limits=1, user_api="blas"):
         run_spec(trunk, drafter, prompts[0][:8], SpecParams(max_new_tokens=8))  # warm up
         run_plain(trunk, prompts[0][:8], 8)
@@ -83,7 +92,7 @@ def main(argv=None) -> None:
             again, t_after = plain_pass(trunk, prompts, args.tokens)
             plain_tps = n_plain / ((t_before + t_after) / 2)  # the plain passes either side of this spec run
             spec_tps = sum(map(len, outs)) / t_spec
-            name = (f"tau {tau}" if verify == "confidence" else "ladder") + (f" <={max_verify}" if max_verify else "")
+            name = policy_name(verify, tau, max_verify)
             print(f"{name:>16} | {total.mean_accepted_length:12.2f} | {split.fresh.mean_accepted_length:5.2f} | "
                   f"{split.repeat.mean_accepted_length:6.2f} | {total.drafted / total.rounds:12.2f} | "
                   f"{spec_tps:10.1f} | {plain_tps:11.1f} | {spec_tps / plain_tps:.2f}x"

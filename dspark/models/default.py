@@ -27,6 +27,7 @@ def load_default(backend=None):
     trunk = HybridTrunk.load(DEFAULT_DIR, be)
     drafter = DsparkDrafter.load(DEFAULT_DIR, trunk)
     drafter.accept_floor = recorded_floors()["mean accepted length"]
+    drafter.sampled_accept = recorded_sampled_acceptance()
     return trunk, drafter
 
 
@@ -36,3 +37,11 @@ def recorded_floors() -> dict[str, float]:
     section = text.split("## Acceptance floors", 1)[1].split("\n## ", 1)[0]
     rows = re.findall(r"^\| ([a-z][^|]*?) \| [0-9.]+ \| ([0-9.]+) \|$", section, re.M)
     return {name: float(floor) for name, floor in rows}
+
+
+def recorded_sampled_acceptance() -> dict[float, float]:
+    """temperature -> the coupled sampler's mean accepted length, from RECORD.md's "Coupled sampled
+    acceptance" table."""
+    text = (DEFAULT_DIR / "RECORD.md").read_text()
+    section = text.split("## Coupled sampled acceptance", 1)[1].split("\n## ", 1)[0]
+    return {float(t): float(m) for t, m in re.findall(r"^\| ([0-9.]+) \| ([0-9.]+) \|$", section, re.M)}

@@ -152,6 +152,7 @@ class DsparkDrafter:
         self.taps = taps
         self.source = None  # a description when loaded from a released checkpoint (dspark.models.hf)
         self.accept_floor = None  # greedy mean accepted length its record guarantees (the gain's prior), if any
+        self.sampled_accept = {}  # temperature: the coupled sampler's recorded mean accepted length (a prior)
         self.acceptance = {}      # (accept rule, temperature): tokens per round this process's sessions measured
         # Window 0 means every committed row, as the references attend: the ring then holds the
         # whole context the trunk's cache can, seen from the anchor. A sliding layer's window is

@@ -202,7 +202,8 @@ def filter_rows(x, filters) -> dict:
     topp = live & (p < 1)
     if topp.any():
         keep[topp] &= w[topp].view(u32) >= _top_p_threshold(w[topp], in_k[topp], p[topp])[:, None]
-    keep &= w >= mp[:, None]
+    if (mp > 0).any():  # w >= 0 everywhere
+        keep &= w >= mp[:, None]
     kept = np.where(keep, W, u64(0))
     return {"status": status, "greedy": greedy, "argmax": argmax, "d": d, "kept": kept,
             "total": kept.sum(axis=1, dtype=u64)}
@@ -218,9 +219,27 @@ def _in_top_k(x, k, vocab):
     return out
 
 
+# Vocabularies up to this width draw whole rows of noise through the memo (philox.GumbelRows):
+# there a row costs about what a few entries do, and a coupled round draws each row several times.
+MEMO_VOCAB = 4096
+GUMBEL_ROWS = philox.GumbelRows()
+
+
+def draw_ahead(be, seed, counter, stream, vocab: int) -> None:
+    """A hint that the rows (seed, counter, stream word) [rows] of a `vocab`-wide vocabulary will
+    be drawn soon (a coupled round's positions): the host reference draws their noise now, in one
+    batch; kernels draw their own, so with kernels this does nothing."""
+    if be.kernels is None and vocab <= MEMO_VOCAB:
+        GUMBEL_ROWS(seed, counter, stream, vocab)
+
+
 def _gumbel_max(d, keep, seed, counter, stream):
-    """argmax over kept i of d_i + G_i per row (first index on ties). Noise is drawn only where
-    something is kept, like the kernel: per entry when few are, per row otherwise."""
+    """argmax over kept i of d_i + G_i per row (first index on ties). Narrow rows take whole rows
+    of noise from the memo; otherwise noise is drawn only where something is kept, like the
+    kernel: per entry when few are, per row otherwise. The noise of an entry is the same either way."""
+    if keep.shape[1] <= MEMO_VOCAB:
+        score = np.where(keep, d + GUMBEL_ROWS(seed, counter, stream, keep.shape[1]), f32(-np.inf))
+        return np.where(keep.any(axis=1), score.argmax(axis=1), -1)
     r, i = np.nonzero(keep)
     if 4 * len(r) < keep.size:
         noise = philox.gumbel(philox.draw_words(seed[r], counter[r], stream[r], i))
@@ -414,7 +433,7 @@ def check_streams(be, streams: Streams, rows: int) -> Streams:
                                                   _vector(be, streams.counter, rows, u64, "counter"),
                                                   _vector(be, streams.stream, rows, u32, "stream"))
     tag = stream >> u32(philox.SLOT_BITS)
-    _check_range(tag, np.isin(tag, [int(t) for t in Tag]), "stream tag", f"the tags {[int(t) for t in Tag]}")
+    _check_range(tag, (tag >= min(Tag)) & (tag <= max(Tag)), "stream tag", f"the tags {[int(t) for t in Tag]}")
     return Streams(seed, counter, dstream)
 
 

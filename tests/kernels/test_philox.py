@@ -125,6 +125,22 @@ def test_seed_key_and_stream_word_layout():
                                   philox.draw_words(seed, n, stream, np.arange(10)))
 
 
+def test_gumbel_rows_memo_is_the_rows_it_memoises():
+    """The host reference's memo of noise rows (ops.sampling draws narrow rows through it) returns
+    gumbel(row_words) of each key, with repeated and evicted keys: a memo returning a stale or
+    another key's row would shift every coupled pick while greedy output stays exact."""
+    memo = philox.GumbelRows(max_bytes=3 * 10 * 4)  # three rows of 10
+    seed = np.array([1, 1, 2, 1, 1], np.uint64)
+    n = np.array([5, 6, 5, 5, 7], np.uint64)
+    stream = np.full(5, philox.stream_word(Tag.PICK, 0), u32)
+    want = philox.gumbel(philox.row_words(seed, n, stream, 10))
+    for _ in range(2):  # the second call: some rows from the memo, the evicted ones drawn again
+        np.testing.assert_array_equal(memo(seed, n, stream, 10), want)
+        assert memo.nbytes <= memo.max_bytes
+    np.testing.assert_array_equal(memo(seed[:2], n[:2], stream[:2], 7), want[:2, :7])  # the width is in the key
+    assert memo(seed[:0], n[:0], stream[:0], 10).shape == (0, 10)
+
+
 def test_tags_mirror_the_kernel_header():
     text = (csrc_dir() / "philox.cuh").read_text()
     tags = {name.upper(): int(v) for name, v in re.findall(r"kTag(\w+) = (\d+)", text)}

@@ -45,6 +45,7 @@ class FrozenClock(ScriptedClock):
         return None
 
 
+PRICED = [kr for kr in cost.RULES if kr[0] != "verify"]  # what the scripted models record
 FLAT = Prior(round_fixed=1.0, round_per_column=0.0, plain_per_row=0.0)  # every width and batch alike
 
 
@@ -54,15 +55,21 @@ def scripted(round_steps: float, batches=(1, 2, 3)) -> CostModel:
     bucket 0; it never hears of a real timing."""
     m = CostModel(FrozenClock(), FLAT)
     for b in batches:
-        for kind, rule in cost.RULES:
+        for kind, rule in PRICED:
             m.record(kind, b, 0, (round_steps if kind == "round" else 1.0) * b, width=8, rule=rule)
     return m
 
 
 # ---- the cost model ----------------------------------------------------------------------------------
 def test_cost_model_measures_with_the_clock_and_smooths():
-    clock = ScriptedClock([10.0, 13.0, 20.0, 21.0, 30.0, 35.0])
+    """The first timed pass of a kind is cold and not kept (100 s each here); then the clock's
+    intervals are the measurements, smoothed."""
+    clock = ScriptedClock([0.0, 100.0, 0.0, 100.0, 10.0, 13.0, 20.0, 21.0, 30.0, 35.0])
     m = CostModel(clock)
+    for kind in ("round", "plain"):
+        with m.timed(kind, 1, 100):
+            pass
+    assert m.measured() == {"rounds": 0, "plain_steps": 0}
     with m.timed("round", 1, 100) as note:
         note["width"] = 4
     with m.timed("plain", 1, 100):
@@ -85,9 +92,11 @@ def test_cost_model_prices_unmeasured_keys_by_the_prior_scaled_by_measurements()
 
 
 def test_cost_model_reads_an_interval_only_once_it_is_done():
-    clock = ScriptedClock([0.0, 2.0])
+    clock = ScriptedClock([0.0, 0.0, 0.0, 2.0])
     clock.pending.add(2.0)
     m = CostModel(clock)
+    with m.timed("plain", 1, 0):  # cold: not kept
+        pass
     with m.timed("plain", 1, 0):
         pass
     assert m.measured()["plain_steps"] == 0
@@ -95,6 +104,27 @@ def test_cost_model_reads_an_interval_only_once_it_is_done():
     m.record("round", 1, 0, 4.0, width=2)  # any later measurement resolves it
     m._resolve()
     assert m.plain_seconds(1, 0) == pytest.approx(2.0)
+
+
+def test_plain_steps_are_priced_at_the_verify_level_now():
+    """A speculative run times no plain steps: a plain step measured before (1 s) is priced at the
+    verify passes' level now over its level then. Verifies twice as slow as the first (the load
+    or the context grew) price it at 2 s, so a round of 4 s costs 2 plain steps, not 4; a plain
+    step measured at the new level is taken as it is. A model that kept the old plain seconds
+    would demote a session whose rounds only grew with everything else."""
+    m = CostModel(FrozenClock(), FLAT)
+    m.record("plain", 1, 0, 1.0)
+    assert m.plain_seconds(1, 0) == pytest.approx(1.0)  # no verify timed yet
+    m.record("verify", 1, 0, 3.0, width=4)  # the first level: what the plain step is measured against
+    m.record("round", 1, 0, 4.0, width=4)
+    assert m.plain_seconds(1, 0) == pytest.approx(1.0)
+    for _ in range(200):
+        m.record("verify", 1, 0, 6.0, width=4)
+    assert m.plain_seconds(1, 0) == pytest.approx(2.0)
+    assert m.round_cost(1, 4, 0) == pytest.approx(2.0)
+    m.record("plain", 1, 0, 2.5)  # measured now: its own level
+    assert m.plain_seconds(1, 0) == pytest.approx(1.0 + cost.SMOOTHING * 1.5)
+    assert m.measured() == {"rounds": 1, "plain_steps": 2}  # a verify is neither
 
 
 def test_cost_model_is_per_backend_and_injectable():
@@ -118,7 +148,7 @@ def test_rounds_and_plain_steps_are_timed_where_they_run():
             s.round()
         plain_generate(trunk, [1, 2, 3], 4)
         s.close()
-    assert model.measured() == {"rounds": s.rounds, "plain_steps": 3}
+    assert model.measured() == {"rounds": s.rounds - 1, "plain_steps": 3 - 1}  # the first of each kind is cold
 
 
 # ---- the gain estimate and the decisions ----------------------------------------------------------------
@@ -130,14 +160,44 @@ def fake_session(tokens, width=8, pos=100, floor=None, params=None, be=None):
     return s
 
 
-def test_expected_tokens_start_at_the_prior_and_the_first_rounds_replace_it():
+def test_expected_tokens_pool_the_prior_with_the_rounds():
+    """The prior weighs PRIOR_ROUNDS rounds beside at most HISTORY of the session's own: a first
+    window that accepts little does not outweigh it, a long history does."""
     greedy = SpecParams()
+    k = gain.PRIOR_ROUNDS
     assert gain.expected_tokens(fake_session([], floor=4.5)) == 4.5  # the drafter's recorded floor
     assert gain.expected_tokens(fake_session([])) == gain.NEUTRAL_TOKENS
     sampled = SpecParams(sampling=SamplingParams(temperature=0.8))
     assert gain.expected_tokens(fake_session([], floor=4.5, params=sampled)) == gain.NEUTRAL_TOKENS  # floors are greedy
-    assert gain.expected_tokens(fake_session([1], floor=4.0, params=greedy)) == pytest.approx((4.0 * 2 + 1) / 3)
-    assert gain.expected_tokens(fake_session([1, 2, 3], floor=4.0)) == pytest.approx(2.0)  # prior gone
+    assert gain.expected_tokens(fake_session([1], floor=4.0, params=greedy)) == pytest.approx((4.0 * k + 1) / (k + 1))
+    s = fake_session([1] * gain.WINDOW, floor=4.0)
+    assert gain.expected_tokens(s) == pytest.approx((4.0 * k + gain.WINDOW) / (k + gain.WINDOW))
+    s = fake_session([1] * gain.HISTORY, floor=4.0)
+    assert gain.expected_tokens(s) == pytest.approx((4.0 * k + gain.HISTORY) / (k + gain.HISTORY))
+    assert gain.HISTORY >= 3 * k  # a long history outweighs the prior
+
+
+def test_coupled_prior_is_the_drafters_record_at_its_temperature():
+    """The embedded drafter's recorded coupled acceptance (RECORD.md) is the prior of a coupled
+    session: read at its temperature, linear between rows, the greedy floor at 0; greedy sessions
+    read the floor, rejection-sampled ones the neutral prior. A prior taken at the wrong
+    temperature would admit the hot sessions it should run plain."""
+    from dspark.models.default import recorded_sampled_acceptance
+    table = recorded_sampled_acceptance()
+    assert table and min(table) > 0 and all(a > b for a, b in zip([table[t] for t in sorted(table)],
+                                                                  [table[t] for t in sorted(table)][1:]))
+    drafter = SimpleNamespace(accept_floor=4.7, sampled_accept={0.3: 4.0, 0.8: 2.5, 1.0: 2.0})
+
+    def prior(t, sampler="coupled"):
+        return gain.prior_tokens(SpecParams(sampling=SamplingParams(temperature=t), sampler=sampler), drafter)
+
+    assert prior(0.3) == pytest.approx(4.0) and prior(1.0) == pytest.approx(2.0)
+    assert prior(0.55) == pytest.approx(3.25) and prior(0.15) == pytest.approx((4.7 + 4.0) / 2)
+    assert prior(1.5) == pytest.approx(2.0)  # beyond the hottest row: that row
+    assert prior(0.0) == pytest.approx(4.7)  # greedy: the floor
+    assert prior(0.8, "rejection") == gain.NEUTRAL_TOKENS
+    assert gain.prior_tokens(SpecParams(sampling=SamplingParams(temperature=0.8)),
+                             SimpleNamespace(accept_floor=4.7)) == gain.NEUTRAL_TOKENS  # no record
 
 
 def test_admission_is_pinned_at_one_plus_margin():
@@ -188,7 +248,7 @@ def test_beside_a_plain_batch_a_row_costs_its_measured_slope():
 
 def test_demotion_needs_patience_boundaries_below_one():
     be = dspark.get_backend("numpy")
-    s = fake_session([2] * gain.WINDOW, width=4, be=be, params=SpecParams(patience=2))
+    s = fake_session([2] * gain.WINDOW, width=4, be=be, params=SpecParams(patience=2), floor=2.0)
     with cost.using(be, scripted(2.0 + 1e-6)):  # gain just below 1
         assert gain.demote_check(s, [s]) == (False, "")  # one dip: kept
         down, why = gain.demote_check(s, [s])
@@ -253,6 +313,60 @@ def test_later_sessions_start_from_what_earlier_ones_measured():
         assert gain.admit(SpecParams(sampling=SamplingParams(temperature=0.3)), drafter, 50)[0]
 
 
+def shared(round_per_row: float, plain_per_row: float, batches=(1, 2, 3, 4)) -> CostModel:
+    """A scripted cost model whose plain steps share their weight reads: a plain step of B rows
+    costs 1 + plain_per_row (B - 1) s, a round of B rows round_per_row x B s (every rule)."""
+    m = CostModel(FrozenClock(), FLAT)
+    for b in batches:
+        for kind, rule in PRICED:
+            m.record(kind, b, 0, round_per_row * b if kind == "round" else 1.0 + plain_per_row * (b - 1), width=8,
+                     rule=rule)
+    return m
+
+
+def test_joint_split_moves_a_session_into_a_running_plain_batch():
+    """Rounds at 2 s a row, plain rows 0.1 s beyond the first: beside 2 plain rows, a session
+    with t tokens a round speculates iff (t + 2) / (2 + 1.1) > 3 / 1.2, i.e. t > 5.75, though its
+    own gain t / 2 is far above 1 either side. A joint decision that leaves the running plain
+    batch out of the step (its rows neither emit nor cost) keeps it speculative at 5.7."""
+    m = shared(2.0, 0.1)
+    edge = 3 / 1.2 * 3.1 - 2
+    for t, want in ((edge - 0.05, 0), (edge + 0.05, 1)):
+        k, rates = gain.joint_split(m, [(t, 8.0, "greedy", False)], 2, 0)
+        assert k == want, (t, rates)
+        assert rates[0] == pytest.approx(3 / 1.2) and rates[1] == pytest.approx((t + 2) / 3.1)
+    # with no plain batch an empty plain step is free: both speculate at 5 tokens (10 / 4 > 2 / 1.1)
+    assert gain.joint_split(m, [(5.0, 8.0, "greedy", False)] * 2, 0, 0)[0] == 2
+    # a second rule runs its own round: its cost adds to the step
+    assert gain.step_rate(m, [(5.0, 8.0, "greedy"), (5.0, 8.0, "coupled")], 0, 0) == pytest.approx(10 / 4)
+
+
+def test_joint_split_admits_an_arrival_only_past_the_margin():
+    m = shared(2.0, 0.1)
+    for t, want in ((2.0 * 1.1 - 1e-6, 0), (2.0 * 1.1 + 1e-6, 1)):  # alone: t / 2 against 1 / 1
+        assert gain.joint_split(m, [(t, 8.0, "greedy", True)], 0, 0, margin=0.1)[0] == want
+    # a live session past the same point is kept without the margin (it already speculates)
+    assert gain.joint_split(m, [(2.0 * 1.05, 8.0, "greedy", False)], 0, 0, margin=0.1)[0] == 1
+
+
+def test_worker_under_concurrency_decides_jointly(shipped):
+    """Three greedy requests at once, rounds at 2 s a row, plain rows 0.1 s beyond the first: each
+    alone would speculate (4.72 / 2 > 1.1), together the plain batch wins (3 / 1.2 against at most
+    14.16 / 6), so all three start plain, by the joint decision; a lone request still speculates.
+    Every stream is plain decode's."""
+    trunk, drafter = shipped
+    rng = np.random.default_rng(9)
+    reqs = [(code_prompt(trunk, rng, 40 + 10 * i), 16, None) for i in range(3)]
+    w, ids = run_worker(trunk, drafter, reqs, shared(2.0, 0.1))
+    admits = [(e.what, e.why.split(" ")[0]) for e in w.events if e.what.startswith("admit")]
+    assert admits == [("admit_plain", "joint:")] * 3, w.events
+    for rid, (p, n, _) in zip(ids, reqs):
+        assert w.result(rid) == plain_generate(trunk, p, n)
+    w, ids = run_worker(trunk, drafter, reqs[:1], shared(2.0, 0.1))
+    assert [e.what for e in w.events if e.what.startswith("admit")] == ["admit_spec"]
+    assert w.result(ids[0]) == plain_generate(trunk, *reqs[0][:2])
+
+
 def test_verify_width_by_gain_maximises_tokens_per_cost():
     """Confidences 0.9, 0.9, 0.1, 0.9: widths 2..5 expect 1.9, 2.71, 2.79, 2.86 tokens; at 0.16
     plain steps a column (plus 1) they cost 1.32, 1.48, 1.64, 1.80: width 3 wins. Free columns
@@ -305,14 +419,16 @@ def run_worker(trunk, drafter, requests, model, low=4):
     return w, ids
 
 
-def test_worker_demotes_the_losers_and_streams_stay_plain_decode(shipped):
+def test_worker_demotes_the_losers_and_streams_stay_plain_decode(shipped, monkeypatch):
     """Rounds of one row priced at 3 plain steps (6 at two rows): the code prompt (about 5 tokens
     a round) stays speculative;
-    random bytes (about 1 a round) and a coupled sampled request at temperature 1.5 are demoted at
-    a burst boundary, and every stream equals plain decode with its sampling."""
+    random bytes (about 1 a round), greedy and coupled sampled at temperature 1.5 (admitted on a
+    record that promises 6 a round there), are demoted at a burst boundary, and every stream
+    equals plain decode with its sampling."""
     trunk, drafter = shipped
     rng = np.random.default_rng(5)
     hot = SamplingParams(temperature=1.5, seed=11)
+    monkeypatch.setattr(drafter, "sampled_accept", {1.5: 6.0})
     reqs = [(code_prompt(trunk, rng, 80), 40, None), (rng.integers(0, 256, 20).astype(np.int32), 40, None),
             (rng.integers(0, 256, 20).astype(np.int32), 40, hot)]
     w, ids = run_worker(trunk, drafter, reqs, scripted(3.0))
@@ -332,7 +448,7 @@ def test_worker_admits_plain_where_rounds_cost_too_much(shipped):
     rng = np.random.default_rng(6)
     reqs = [(code_prompt(trunk, rng, 60), 20, None)]
     w, ids = run_worker(trunk, drafter, reqs, scripted(4.72 / 1.1 + 0.01))  # the floor 4.72 over the cost <= 1.1
-    assert [(e.what, e.why.split(" ")[0]) for e in w.events if e.what.startswith("admit")] == [("admit_plain", "predicted")]
+    assert [(e.what, e.why.split(" ")[0]) for e in w.events if e.what.startswith("admit")] == [("admit_plain", "joint:")]
     assert w.result(ids[0]) == plain_generate(trunk, *reqs[0][:2])
 
 

@@ -1,0 +1,91 @@
+"""What a round and a plain step take on the host, greedy and coupled sampled, in one run: the
+figures the gain policy's cost model divides (dspark.cost), measured outside it.
+
+    python profiling/round_seconds.py [--backend numpy] [--rounds 40] [--repeat 3]
+
+The embedded pair on the demo's code prompt, one BLAS thread: a greedy session and a coupled
+session at temperature 0.3 (seed 1) run `--rounds` rounds each after 3 untimed ones, and plain
+decode greedy and sampled runs as many steps from the same prompt, in alternating order,
+`--repeat` times. Printed per mode: the median milliseconds of a round or step, tokens per round,
+and the round's cost in plain steps of its kind (a coupled round against a sampled plain step).
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import numpy as np
+from threadpoolctl import threadpool_limits
+
+import dspark
+from dspark.byte_vocab import encode
+from dspark.cli import DEMO_PROMPT
+from dspark.decode import PlainBatch, prefill_anchor
+from dspark.models import load_default
+from dspark.params import SamplingParams
+from dspark.session import DsparkSpecSession, SpecParams
+
+SAMPLED = SamplingParams(temperature=0.3, seed=1)
+
+
+def round_ms(trunk, drafter, prompt, sampling, n: int) -> tuple[float, float]:
+    """(milliseconds a round, tokens a round) over n rounds after 3 untimed ones."""
+    s = DsparkSpecSession.prime(trunk, drafter, prompt, SpecParams(max_new_tokens=10**6, policy="always",
+                                                                   sampling=sampling or SamplingParams(),
+                                                                   capture=False))
+    for _ in range(3):
+        s.round()
+    toks, t0 = 0, time.perf_counter()
+    for _ in range(n):
+        toks += len(s.round())
+    dt = time.perf_counter() - t0
+    s.close()
+    return 1e3 * dt / n, toks / n
+
+
+def step_ms(trunk, prompt, sampling, n: int) -> float:
+    """Milliseconds a plain decode step over n steps after 3 untimed ones."""
+    cache = trunk.new_cache()
+    last, _ = prefill_anchor(trunk, cache, prompt, sampling)
+    batch = PlainBatch(trunk)
+    batch.join(cache, last, 10**6, sampling=sampling)
+    for _ in range(3):
+        batch.step()
+    t0 = time.perf_counter()
+    for _ in range(n):
+        batch.step()
+    dt = time.perf_counter() - t0
+    cache.free()
+    return 1e3 * dt / n
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--backend", default="numpy")
+    ap.add_argument("--rounds", type=int, default=40)
+    ap.add_argument("--repeat", type=int, default=3)
+    args = ap.parse_args(argv)
+    be = dspark.get_backend(args.backend)
+    trunk, drafter = load_default(be)
+    prompt = encode(DEMO_PROMPT)
+    runs = {k: [] for k in ("greedy round", "coupled round", "greedy step", "sampled step")}
+    tokens = {"greedy round": [], "coupled round": []}
+    with threadpool_limits(limits=1, user_api="blas"):
+        for i in range(args.repeat):
+            order = [("greedy", None), ("sampled", SAMPLED)]
+            for name, sampling in order if i % 2 == 0 else order[::-1]:
+                ms, tok = round_ms(trunk, drafter, prompt, sampling, args.rounds)
+                kind = "greedy round" if sampling is None else "coupled round"
+                runs[kind].append(ms)
+                tokens[kind].append(tok)
+                runs[f"{name} step"].append(step_ms(trunk, prompt, sampling, args.rounds))
+    med = {k: float(np.median(v)) for k, v in runs.items()}
+    print(f"embedded pair on {be.name}, demo prompt, {args.rounds} rounds / steps, median of {args.repeat}")
+    for kind, step in (("greedy round", "greedy step"), ("coupled round", "sampled step")):
+        print(f"{kind:>14}: {med[kind]:7.2f} ms, {np.mean(tokens[kind]):.2f} tokens a round, "
+              f"{med[kind] / med[step]:.2f} plain steps ({step} {med[step]:.2f} ms)")
+
+
+if __name__ == "__main__":
+    main()
