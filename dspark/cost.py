@@ -28,6 +28,12 @@ the same prior today: the performance model's per-shape prediction lives in prof
 yet a package module, so it is not this prior; measured rounds replace the prior's scale within a
 few rounds either way.
 
+Plain rows riding a round's trunk pass (the worker's mixed passes, dspark.session.Riders) cost
+their marginal rows: `rider_seconds` is the measured slope of plain steps over batch (the prior's
+slope until two batch sizes were measured), never a plain step of their own, whose weight reads the
+round already pays. A round that carried riders is recorded less that price, so a round is priced
+the same with or without them.
+
 The first timed pass of each kind and rule in a process is not kept: it is cold (allocations,
 first-touched pages, tables built on first use; on the embedded pair a first coupled round took
 several times the next ones), and an average seeded by it would price rounds by it for many

@@ -3,6 +3,9 @@
 A `PlainBatch` steps many (cache, last) pairs together, one trunk row per sequence per step.
 `last` is the pending token: decided, not yet emitted, not yet in the cache (the same shape a
 speculative session hands over at a burst boundary). Sequences may join and leave between steps.
+A step decodes before anything moves, so one that raises leaves every sequence as it was. A step
+may also take its next tokens from a speculative round that carried the batch's rows in its trunk
+pass (`riders()`, `step(picks=...)`; dspark.session.Riders): the same tokens, bitwise.
 """
 
 from __future__ import annotations

@@ -22,6 +22,11 @@ steps; at B = 2 the second row of a round costs little, so a session accepting l
 pay; beside a running plain batch a row of plain decode costs little, so speculation must pay
 more. The same formula serves every B.
 
+Where the worker's plain rows ride the rounds' trunk pass (mixed passes, dspark.session.Riders),
+`step_rate` and `joint_split` price them at their marginal rows (CostModel.rider_seconds) in place
+of a plain step, and a live session's gain beside them is the step's tokens per second with it
+speculative over with it one more riding row (`session_gain` with a plain_kind).
+
 Decisions (each returns (bool, reason)):
 * `admit`: start speculative only where the predicted gain exceeds 1 + params.margin.
 * `rejection_mode`: a request sampled by rejection keeps one mode for its whole life, chosen from

@@ -17,6 +17,11 @@ checkpoint after column keep - 1, replay re-scans the kept columns from it. So t
 rollback can select is all a round keeps (the per-column checkpoints, or the scan inputs), and a
 round that fails before its commit leaves every session exactly as it was, with no copy to undo.
 
+Riders. A round may carry plain decode sequences in its trunk pass (`Riders`): each one column,
+its pending token, a verify of width 1 with no drafts; its row is committed and its state moved on
+by one column with the sessions', and its next token is picked as plain decode picks it. Row
+invariance makes that column bitwise the decode step, so a plain stream does not depend on riding.
+
 Invariant at every burst boundary of an unfinished session: cache.pos == prompt rows + emitted
 tokens, and `last` (the anchor) is pending. That is what makes `into_demoted` exact.
 """

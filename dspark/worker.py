@@ -19,9 +19,16 @@ publication: after each burst it drains every session's prompt-end capture into 
 `PrefixStore`, and a new request whose prompt equals a published entry in its namespace restores
 from it instead of priming.
 
-One `step()`: admit arrivals (the joint decision), one burst for every spec session (batched by accept rule: greedy,
-coupled, rejection), publish captures, apply the demotion gate, then as many plain steps as a
-burst target, and report tokens. A request that fails is retired with its error; the others go on.
+One `step()`: admit arrivals (the joint decision), one burst for every spec session (batched by
+accept rule: greedy, coupled, rejection), publish captures, apply the demotion gate, and report
+tokens. The plain batch rides the first burst's rounds (mixed passes): each round's trunk pass
+carries one column per plain sequence beside the sessions' verify columns (dspark.session.Riders:
+bitwise the plain decode step, its row committed with the round's), so the weights are read once
+for both and the plain batch steps once a round. With no live spec session (or with `mix=False`,
+or rounds replayed from recordings, which carry no riders) the step ends with as many plain steps
+as a burst target instead, passes of their own. A request that fails is retired with its error;
+the others go on: a round that raises moves nothing, riders included, and each plain sequence then
+steps alone.
 """
 
 from __future__ import annotations
