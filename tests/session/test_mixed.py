@@ -50,19 +50,25 @@ def plain_batch(trunk, rng_seed: int) -> PlainBatch:
 
 def same_cache(trunk, a, b) -> bool:
     """Bitwise the same rows and state (and chunk tails where the trunk's prompt passes read them)."""
+    host = trunk.be.to_host
     return a.pos == b.pos and (a.chunk_len == b.chunk_len or not trunk.chunked_gdn) and all(
-        np.array_equal(x, y) for name in ("k", "v", "state", "conv") for x, y in zip(getattr(a, name), getattr(b, name)))
+        np.array_equal(host(x), host(y)) for name in ("k", "v", "state", "conv")
+        for x, y in zip(getattr(a, name), getattr(b, name)))
 
 
-@pytest.mark.parametrize("rollback", ["checkpoint", "replay"])
-def test_riders_decode_as_plain_steps_in_the_rounds_pass(numpy_backend, rollback, monkeypatch):
+@pytest.mark.parametrize("backend, rollback", [("numpy", "checkpoint"), ("numpy", "replay"), ("simt", "checkpoint"),
+                                               ("cuda", "checkpoint")])
+def test_riders_decode_as_plain_steps_in_the_rounds_pass(request, backend, rollback, monkeypatch):
     """Two speculative sessions carry three plain sequences round after round: each round is ONE
     trunk pass; every rider's token, cache (K/V, recurrent state, conv window, pos) and sampled
-    pick equal a plain batch stepping alone, bitwise; the sessions emit what they emit alone."""
-    trunk, drafter = tiny_pair(numpy_backend, 21)
+    pick equal a plain batch stepping alone, bitwise; the sessions emit what they emit alone. On
+    the kernels (simt, cuda) too: a verify column of width 1 beside wider ones is a decode step."""
+    be = request.getfixturevalue({"numpy": "numpy_backend"}.get(backend, backend))
+    trunk, drafter = tiny_pair(be, 21)
     rng = np.random.default_rng(8)
     prompts = [prompt(rng, n) for n in (11, 26)]
-    params = SpecParams(max_new_tokens=200, rollback=rollback)
+    # launches="plain": rounds op by op (rounds replayed from recordings carry no riders)
+    params = SpecParams(max_new_tokens=200, rollback=rollback, launches="plain")
     spec = [DsparkSpecSession.prime(trunk, drafter, p, params) for p in prompts]
     twins = [DsparkSpecSession.prime(trunk, drafter, p, params) for p in prompts]
     mixed, alone = plain_batch(trunk, 4), plain_batch(trunk, 4)
@@ -87,6 +93,7 @@ def test_riders_decode_as_plain_steps_in_the_rounds_pass(numpy_backend, rollback
 
 
 def test_step_refuses_picks_for_other_sequences(numpy_backend):
+    """Picks for other sequences than the riders are refused, and nothing moves."""
     trunk, _ = tiny_pair(numpy_backend, 21)
     batch = plain_batch(trunk, 4)
     ids = [s.id for s in batch.riders()]
