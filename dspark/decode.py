@@ -94,9 +94,11 @@ class PlainBatch:
         for s in live:
             s.emitted.append(s.last)
             out[s.id] = s.last
-            self._check_done(s)
         for s in todo:
             s.last = int(picks[s.id])
+        decoded = {s.id for s in todo}
+        for s in live:  # finished by what it emitted (or a full context), as decided before the decode
+            s.finished = s.finished or s.id not in decoded
         return out
 
     def riders(self) -> list[PlainSequence]:
