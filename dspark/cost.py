@@ -28,6 +28,12 @@ the same prior today: the performance model's per-shape prediction lives in prof
 yet a package module, so it is not this prior; measured rounds replace the prior's scale within a
 few rounds either way.
 
+Plain rows riding a round's trunk pass (the worker's mixed passes, dspark.session.Riders) cost
+their marginal rows: `rider_seconds` is the measured slope of plain steps over batch (the prior's
+slope until two batch sizes were measured), never a plain step of their own, whose weight reads the
+round already pays. A round that carried riders is recorded less that price, so a round is priced
+the same with or without them.
+
 The first timed pass of each kind and rule in a process is not kept: it is cold (allocations,
 first-touched pages, tables built on first use; on the embedded pair a first coupled round took
 several times the next ones), and an average seeded by it would price rounds by it for many
@@ -148,34 +154,40 @@ class CostModel:
     def timed(self, kind: str, batch: int, context: int, width: float = 1.0, rule: str = "greedy"):
         """Time the block as one round ("round", of accept rule `rule`), one plain step ("plain",
         `rule` "greedy" or "sampled") or a round's verify pass ("verify", "greedy"). It yields a
-        dict: a round sets "width" (its mean verify width) once it knows it."""
-        note = {"width": width}
+        dict: a round sets "width" (its mean verify width) once it knows it, and "riders" and
+        "rider_rule" when plain rows rode its trunk pass (dspark.session.Riders)."""
+        note = {"width": width, "riders": 0, "rider_rule": "greedy"}
         start = self.clock.mark()
         yield note
         end = self.clock.mark()
         if (kind, rule) not in self._warm:  # the first pass of its kind is cold (module doc)
             self._warm.add((kind, rule))
             return
-        self._pending.append((kind, rule, int(batch), int(context), float(note["width"]), start, end))
+        self._pending.append((kind, rule, int(batch), int(context), float(note["width"]), start, end,
+                              int(note["riders"]), note["rider_rule"]))
         self._resolve()
 
     def _resolve(self) -> None:
         waiting = []
-        for kind, rule, batch, context, width, a, b in self._pending:
+        for kind, rule, batch, context, width, a, b, riders, rider_rule in self._pending:
             sec = self.clock.seconds(a, b)
             if sec is None:
-                waiting.append((kind, rule, batch, context, width, a, b))
+                waiting.append((kind, rule, batch, context, width, a, b, riders, rider_rule))
             else:
-                self.record(kind, batch, context, sec, width, rule)
+                self.record(kind, batch, context, sec, width, rule, riders, rider_rule)
         self._pending = waiting
 
     def record(self, kind: str, batch: int, context: int, seconds: float, width: float = 1.0,
-               rule: str = "greedy") -> None:
-        """One measured round or plain step."""
+               rule: str = "greedy", riders: int = 0, rider_rule: str = "greedy") -> None:
+        """One measured round or plain step. A round that carried `riders` plain rows (of plain
+        step rule `rider_rule`) is recorded less their price (`rider_seconds`): the round's own
+        cost, so that a round's price is the same whether rows rode it or not."""
         if (kind, rule) not in RULES:
             raise ValueError(f"(kind, rule)={(kind, rule)!r}: expected one of {RULES}")
+        if kind == "round" and riders:
+            seconds -= self.rider_seconds(riders, context, rider_rule)
         if not (seconds > 0 and math.isfinite(seconds)):
-            return  # a clock that did not move says nothing
+            return  # a clock that did not move (or riders priced above the whole round) says nothing
         key = (rule, batch, context_bucket(context))
         if kind == "verify":
             self._levels.append(seconds / self.prior.verify(batch, width, context))
@@ -233,6 +245,12 @@ class CostModel:
             return max(slope, MIN_ROW_SHARE * one)
         p = self.prior
         return self.plain_seconds(batch, context, rule) * (p.plain(batch + 1, context) / p.plain(batch, context) - 1.0)
+
+    def rider_seconds(self, riders: int, context: int, rule: str = "greedy") -> float:
+        """What `riders` plain rows (of plain step rule `rule`) add to a round's trunk pass: the
+        marginal rows of the plain batch (`plain_row_seconds`), never a pass of their own, whose
+        weight reads the round already pays."""
+        return riders * self.plain_row_seconds(riders, context, rule) if riders else 0.0
 
     def round_cost(self, batch: int, width: float, context: int, rule: str = "greedy") -> float:
         """A round's cost in plain steps of the same batch and sampling."""

@@ -3,6 +3,9 @@
 A `PlainBatch` steps many (cache, last) pairs together, one trunk row per sequence per step.
 `last` is the pending token: decided, not yet emitted, not yet in the cache (the same shape a
 speculative session hands over at a burst boundary). Sequences may join and leave between steps.
+A step decodes before anything moves, so one that raises leaves every sequence as it was. A step
+may also take its next tokens from a speculative round that carried the batch's rows in its trunk
+pass (`riders()`, `step(picks=...)`; dspark.session.Riders): the same tokens, bitwise.
 """
 
 from __future__ import annotations
@@ -73,24 +76,35 @@ class PlainBatch:
     def active(self) -> list[PlainSequence]:
         return [s for s in self.sequences.values() if not s.finished]
 
-    def step(self, only: list[int] | None = None) -> dict[int, int]:
+    def step(self, only: list[int] | None = None, picks: dict[int, int] | None = None) -> dict[int, int]:
         """Emit every live sequence's pending token (or only those in `only`) and decode it to
-        get the next one. Returns {sequence id: token emitted}."""
+        get the next one. Returns {sequence id: token emitted}. `picks`: the next tokens a mixed
+        pass already decoded ({sequence id: token}, for exactly the sequences `riders()` named:
+        dspark.session.spec_round with riders); then no decode runs here."""
         live = [s for s in self.active() if only is None or s.id in only]
-        if not live:
-            return {}
+        todo = [s for s in live if not self._ends(s, s.last, 1)]
+        if picks is not None and {s.id for s in todo} != set(picks):
+            raise StateError(f"picks for sequences {sorted(picks)}: expected exactly the riders "
+                             f"{sorted(s.id for s in todo)}")
+        if todo and picks is None:  # decoded before anything moves: a step that raises leaves every sequence as it was
+            with cost_model(self.trunk.be).timed("plain", len(todo), max(s.cache.pos for s in todo),
+                                                 rule=plain_step_rule(todo)):
+                picks = dict(zip((s.id for s in todo), self._step(todo)))
         out = {}
         for s in live:
             s.emitted.append(s.last)
             out[s.id] = s.last
-        todo = [s for s in live if not self._check_done(s)]
-        if todo:
-            rule = "greedy" if all(s.sampling is None for s in todo) else "sampled"
-            with cost_model(self.trunk.be).timed("plain", len(todo), max(s.cache.pos for s in todo), rule=rule):
-                picks = self._step(todo)
-            for s, t in zip(todo, picks):
-                s.last = int(t)
+        for s in todo:
+            s.last = int(picks[s.id])
+        decoded = {s.id for s in todo}
+        for s in live:  # finished by what it emitted (or a full context), as decided before the decode
+            s.finished = s.finished or s.id not in decoded
         return out
+
+    def riders(self) -> list[PlainSequence]:
+        """The sequences the next step decodes (live, and not finished by emitting their pending
+        token): what rides a speculative round's trunk pass as one column each, in this order."""
+        return [s for s in self.active() if not self._ends(s, s.last, 1)]
 
     def _step(self, todo: list[PlainSequence]):
         """The next token of each sequence in `todo`: a recorded decode step (on cuda, unless
@@ -108,19 +122,30 @@ class PlainBatch:
     def _check_done(self, s: PlainSequence) -> bool:
         """Finished on an end-of-sequence id (any of config.eos_ids), the budget, or a full context
         (no row left for the pending token)."""
-        eos = bool(s.emitted) and s.emitted[-1] in self.trunk.config.eos_ids
-        if eos or len(s.emitted) >= s.max_new_tokens or s.cache.pos >= s.cache.capacity:
+        if self._ends(s, s.emitted[-1] if s.emitted else None, 0):
             s.finished = True
         return s.finished
+
+    def _ends(self, s: PlainSequence, last_emitted, more: int) -> bool:
+        """Whether `s` is finished once `more` more tokens were emitted, the last of them
+        `last_emitted` (None: none yet)."""
+        return (last_emitted in self.trunk.config.eos_ids or len(s.emitted) + more >= s.max_new_tokens
+                or s.cache.pos >= s.cache.capacity)
 
     def run(self) -> None:
         while self.active():
             self.step()
 
 
-def pick_tokens(be, logits, seqs: list[PlainSequence]) -> np.ndarray:
+def plain_step_rule(seqs: list[PlainSequence]) -> str:
+    """The cost model's rule of a plain step of `seqs`: "greedy" when all are, else "sampled"."""
+    return "greedy" if all(s.sampling is None for s in seqs) else "sampled"
+
+
+def pick_tokens(be, logits, seqs: list[PlainSequence], positions=None) -> np.ndarray:
     """The next token of each sequence from its logits row: argmax, or the sampled pick keyed by
-    the sequence's seed and the position the token will fill (its cache position)."""
+    the sequence's seed and the position the token will fill (`positions`; default its cache
+    position, after the step that made the logits committed its row)."""
     greedy = [i for i, s in enumerate(seqs) if s.sampling is None]
     out = np.zeros(len(seqs), np.int64)
     if greedy:
@@ -128,8 +153,10 @@ def pick_tokens(be, logits, seqs: list[PlainSequence]) -> np.ndarray:
         out[greedy] = be.to_host(argmax_rows(be, rows))
     sampled = [i for i in range(len(seqs)) if seqs[i].sampling is not None]
     if sampled:
-        from .spec_sampling import sample_plain
-        out[sampled] = sample_plain(be, logits[be.xp.asarray(sampled)], [seqs[i] for i in sampled])
+        from .spec_sampling import pick_at
+        at = [s.cache.pos for s in seqs] if positions is None else list(positions)
+        out[sampled] = pick_at(be, logits[be.xp.asarray(sampled)], [seqs[i].sampling for i in sampled],
+                               [at[i] for i in sampled])
     return out
 
 

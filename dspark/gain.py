@@ -22,6 +22,11 @@ steps; at B = 2 the second row of a round costs little, so a session accepting l
 pay; beside a running plain batch a row of plain decode costs little, so speculation must pay
 more. The same formula serves every B.
 
+Where the worker's plain rows ride the rounds' trunk pass (mixed passes, dspark.session.Riders),
+`step_rate` and `joint_split` price them at their marginal rows (CostModel.rider_seconds) in place
+of a plain step, and a live session's gain beside them is the step's tokens per second with it
+speculative over with it one more riding row (`session_gain` with a plain_kind).
+
 Decisions (each returns (bool, reason)):
 * `admit`: start speculative only where the predicted gain exceeds 1 + params.margin.
 * `rejection_mode`: a request sampled by rejection keeps one mode for its whole life, chosen from
@@ -132,9 +137,19 @@ def batch_gain(model: CostModel, tokens: float, width: float, context: int, othe
     return (rest + tokens * row) / model.round_seconds(b, float(np.mean(widths)), ctx, rule)
 
 
-def session_gain(s, group, plain_rows: int = 0) -> float:
+def session_gain(s, group, plain_rows: int = 0, plain_kind: str | None = None) -> float:
     """The measured gain of live session `s` in its round batch `group` (s included), beside a
-    plain batch of `plain_rows` rows."""
+    plain batch of `plain_rows` rows. `plain_kind` ("greedy" or "sampled"): the plain rows ride
+    the round's trunk pass (dspark.session.Riders), and the gain is the step's tokens per second
+    with `s` speculative over with `s` one more riding row (step_rate, mixed)."""
+    if plain_kind is not None and plain_rows:
+        model, ctx = cost_model(s.be), max(o.cache.pos for o in group)
+        spec = [(expected_tokens(o), expected_width(o), o.params.accept) for o in group]
+        kind = "sampled" if s.params.accept != "greedy" else plain_kind
+        mine = [o is s for o in group]
+        without = [c for c, me in zip(spec, mine) if not me]
+        return (step_rate(model, spec, plain_rows, ctx, plain_kind, True)
+                / step_rate(model, without, plain_rows + 1, ctx, kind, True))
     others = [(expected_width(o), o.cache.pos) for o in group if o is not s]
     return batch_gain(cost_model(s.be), expected_tokens(s), expected_width(s), s.cache.pos, others, s.params.accept,
                       plain_rows)
@@ -168,12 +183,12 @@ def verdict(g: float, params: SpecParams, what: str) -> tuple[bool, str]:
     return False, f"{what} {g:.2f} <= 1 + margin {params.margin:g}"
 
 
-def demote_check(s, group, plain_rows: int = 0) -> tuple[bool, str]:
+def demote_check(s, group, plain_rows: int = 0, plain_kind: str | None = None) -> tuple[bool, str]:
     """At a burst boundary of live session `s` in round batch `group` beside a plain batch of
-    `plain_rows` rows: update its gain (every session's, for the stats) and, under the gain policy,
-    its count of consecutive checks below 1; demote a demotable session once that count reaches
-    params.patience."""
-    s.gain = session_gain(s, group, plain_rows)
+    `plain_rows` rows (riding the round's pass where `plain_kind` is given: session_gain): update
+    its gain (every session's, for the stats) and, under the gain policy, its count of consecutive
+    checks below 1; demote a demotable session once that count reaches params.patience."""
+    s.gain = session_gain(s, group, plain_rows, plain_kind)
     if s.params.policy == "always" or not s.params.demotable or len(s.recent) < WINDOW:
         return False, ""
     remember(s)
@@ -183,31 +198,38 @@ def demote_check(s, group, plain_rows: int = 0) -> tuple[bool, str]:
     return False, ""
 
 
+RIDE_ORDER = ("greedy", "coupled", "rejection")  # the worker's round batches, in order; the plain rows ride the first
+
+
 def step_rate(model: CostModel, spec: list[tuple[float, float, str]], plain_rows: int, context: int,
-              plain_kind: str = "greedy") -> float:
+              plain_kind: str = "greedy", mixed: bool = False) -> float:
     """Tokens per second of one worker step: one round of each accept rule's speculative sessions
     `spec` ((tokens, width, rule) each) and one plain step of `plain_rows` rows (plain_kind
     "greedy" or "sampled"), each pass priced by the cost model at its batch; an empty pass costs
-    nothing."""
+    nothing. `mixed`: the plain rows ride the first round's trunk pass (dspark.session.Riders)
+    where there is one, priced at their marginal rows (CostModel.rider_seconds), not as a pass."""
     seconds = 0.0
-    for rule in sorted({r for _, _, r in spec}):
+    for rule in sorted({r for _, _, r in spec}, key=RIDE_ORDER.index):
         rows = [(t, w) for t, w, r in spec if r == rule]
         seconds += model.round_seconds(len(rows), float(np.mean([w for _, w in rows])), context, rule)
     if plain_rows:
-        seconds += model.plain_seconds(plain_rows, context, plain_kind)
+        seconds += (model.rider_seconds(plain_rows, context, plain_kind) if mixed and spec
+                    else model.plain_seconds(plain_rows, context, plain_kind))
     return (sum(t for t, _, _ in spec) + plain_rows) / seconds if seconds > 0 else 0.0
 
 
 def joint_split(model: CostModel, cands: list[tuple[float, float, str, bool]], plain_rows: int, context: int,
-                plain_kind: str = "greedy", margin: float = 0.0) -> tuple[int, list[float]]:
+                plain_kind: str = "greedy", margin: float = 0.0, mixed: bool = False) -> tuple[int, list[float]]:
     """The joint decision under concurrency: which of the demotable sessions `cands` ((tokens,
     width, rule, new) each, sorted by tokens per round, most first; `new`: an arrival, not yet
     speculative) speculate beside a plain batch of `plain_rows` rows that stay plain. Tries the top
     k for k = 0 .. n, the rest joining the plain batch, and returns (k, the step rate of each k):
     the k of most tokens per second (the fewest on a tie), where a k that admits an arrival must
     beat all plain by 1 + margin. A row joining a running plain batch costs a fraction of a step,
-    a session speculating a whole round of its own: a per-session gain misses that trade."""
-    rates = [step_rate(model, [c[:3] for c in cands[:k]], plain_rows + len(cands) - k, context, plain_kind)
+    a session speculating a whole round of its own: a per-session gain misses that trade. `mixed`:
+    the plain rows ride the round's trunk pass (step_rate), so a k > 0 pays the round's marginal
+    rows over the plain step's, not a second pass."""
+    rates = [step_rate(model, [c[:3] for c in cands[:k]], plain_rows + len(cands) - k, context, plain_kind, mixed)
              for k in range(len(cands) + 1)]
     arrivals = np.cumsum([0] + [bool(c[3]) for c in cands])
     ok = [k for k in range(len(rates)) if not arrivals[k] or rates[k] > rates[0] * (1.0 + margin)]

@@ -17,6 +17,11 @@ checkpoint after column keep - 1, replay re-scans the kept columns from it. So t
 rollback can select is all a round keeps (the per-column checkpoints, or the scan inputs), and a
 round that fails before its commit leaves every session exactly as it was, with no copy to undo.
 
+Riders. A round may carry plain decode sequences in its trunk pass (`Riders`): each one column,
+its pending token, a verify of width 1 with no drafts; its row is committed and its state moved on
+by one column with the sessions', and its next token is picked as plain decode picks it. Row
+invariance makes that column bitwise the decode step, so a plain stream does not depend on riding.
+
 Invariant at every burst boundary of an unfinished session: cache.pos == prompt rows + emitted
 tokens, and `last` (the anchor) is pending. That is what makes `into_demoted` exact.
 """
@@ -25,13 +30,13 @@ from __future__ import annotations
 
 import itertools
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
 from . import graphs
 from .cost import cost_model
-from .decode import check_prompt, first_token
+from .decode import check_prompt, first_token, pick_tokens, plain_step_rule
 from .params import SamplingParams, SpecParams
 from .errors import StateError
 from .gain import HISTORY, width_by_gain
@@ -288,8 +293,22 @@ def verify_width(s: DsparkSpecSession, conf: np.ndarray, nd: int) -> int:
     return min(max(s.m_prev + 2, 3), cap)
 
 
-def spec_round(sessions: list[DsparkSpecSession]) -> list[list[int]]:
-    """One round for each unfinished session; returns the tokens each emitted (finished: [])."""
+@dataclass
+class Riders:
+    """Plain decode sequences (dspark.decode.PlainSequence, `PlainBatch.riders()`) riding a round's
+    trunk pass, one column each: a verify of width 1 with no drafts, whose column is bitwise the
+    decode step at that position (DESIGN section 3), committed and rolled forward by one row with
+    the round's sessions. The weights are read once for both. `picks` ({sequence id: next token},
+    the pick plain decode takes from that column) is set once a round carried them; it stays None
+    where the round did not (no live session, or a round replayed from recordings): the caller
+    then runs the plain step itself."""
+    seqs: list
+    picks: dict | None = None
+
+
+def spec_round(sessions: list[DsparkSpecSession], riders: Riders | None = None) -> list[list[int]]:
+    """One round for each unfinished session; returns the tokens each emitted (finished: []).
+    `riders`: plain sequences to decode in the same trunk pass (Riders)."""
     out = {s.id: [] for s in sessions}
     live = [s for s in sessions if s._finished is None]
     if not live:
@@ -306,7 +325,7 @@ def spec_round(sessions: list[DsparkSpecSession]) -> list[list[int]]:
         try:
             with cost_model(trunk.be).timed("round", len(live), max(s.cache.pos for s in live),
                                             rule=live[0].params.accept) as note:
-                emitted = _round(trunk, drafter, live, note)
+                emitted = _round(trunk, drafter, live, note, riders if riders is not None and riders.seqs else None)
             for s, toks in zip(live, emitted):
                 out[s.id] = toks
         finally:
@@ -315,7 +334,8 @@ def spec_round(sessions: list[DsparkSpecSession]) -> list[list[int]]:
     return [out[s.id] for s in sessions]
 
 
-def _round(trunk: HybridTrunk, drafter: DsparkDrafter, live: list[DsparkSpecSession], note: dict) -> list[list[int]]:
+def _round(trunk: HybridTrunk, drafter: DsparkDrafter, live: list[DsparkSpecSession], note: dict,
+           riders: Riders | None = None) -> list[list[int]]:
     rule = live[0].params.accept
     if any(s.params.accept != rule for s in live):
         raise ValueError(f"a batch mixes accept rules {sorted({s.params.accept for s in live})} (greedy, coupled and "
@@ -324,13 +344,20 @@ def _round(trunk: HybridTrunk, drafter: DsparkDrafter, live: list[DsparkSpecSess
     if any(s.params.launches != launches for s in live):
         raise ValueError(f"a batch mixes launch modes {sorted({s.params.launches for s in live})}: run them in "
                          "separate rounds")
-    if launches != "plain" and graphs.supported(trunk, drafter, rule):
+    if recorded(live[0].params, trunk, drafter):  # riders are not carried: the caller steps them (Riders)
         with graphs.round_graphs(drafter, launches) as runner:
             return _recorded_round(runner, live, note)
-    return _plain_round(trunk, drafter, live, rule, note)
+    return _plain_round(trunk, drafter, live, rule, note, riders)
 
 
-def _plain_round(trunk: HybridTrunk, drafter: DsparkDrafter, live: list[DsparkSpecSession], rule: str, note: dict):
+def recorded(params: SpecParams, trunk: HybridTrunk, drafter: DsparkDrafter) -> bool:
+    """Whether rounds of sessions with `params` are replayed from recordings (dspark.graphs); such
+    a round carries no riders."""
+    return params.launches != "plain" and graphs.supported(trunk, drafter, params.accept)
+
+
+def _plain_round(trunk: HybridTrunk, drafter: DsparkDrafter, live: list[DsparkSpecSession], rule: str, note: dict,
+                 riders: Riders | None = None):
     """A round op by op: every launch planned and checked as it is issued."""
     nd = drafter.config.drafts
     greedy = rule == "greedy"
@@ -344,7 +371,9 @@ def _plain_round(trunk: HybridTrunk, drafter: DsparkDrafter, live: list[DsparkSp
             from .spec_sampling import propose_sampled
             drafts, conf, q = propose_sampled(live, drafter, dl, dh, nd, graphs.kernels_only(drafter))
     vts, cands = _candidates(live, drafts, conf, nd, note)
-    return _finish_plain(trunk, drafter, live, vts, cands, rule, q)
+    if riders is not None:
+        note["riders"], note["rider_rule"] = len(riders.seqs), plain_step_rule(riders.seqs)
+    return _finish_plain(trunk, drafter, live, vts, cands, rule, q, riders)
 
 
 def _recorded_round(runner, live: list[DsparkSpecSession], note: dict) -> list[list[int]]:
@@ -373,16 +402,25 @@ def _recorded_round(runner, live: list[DsparkSpecSession], note: dict) -> list[l
     return emitted
 
 
-def _finish_plain(trunk, drafter, live, vts, cands, rule: str = "greedy", q=None) -> list[list[int]]:
+def _finish_plain(trunk, drafter, live, vts, cands, rule: str = "greedy", q=None,
+                  riders: Riders | None = None) -> list[list[int]]:
     """Verify, accept, commit, roll back and ingest op by op, from the candidates (accept `rule`:
-    SpecParams.accept)."""
+    SpecParams.accept). `riders`' columns follow the sessions' in the same verify pass."""
     be = trunk.be
+    ride = riders.seqs if riders is not None else []
+    caches = [s.cache for s in live] + [r.cache for r in ride]
+    widths = list(vts) + [1] * len(ride)
     # No snapshot: the verify leaves the recurrent state as it is (module doc), so anything that
-    # fails before the commit leaves every session exactly as it was.
-    with phase("verify"), cost_model(be).timed("verify", len(live), max(s.cache.pos for s in live),
-                                              width=float(np.mean(vts))):
-        tp = trunk.verify([s.cache for s in live], cands, checkpoints=live[0].params.rollback == "checkpoint",
-                          taps=drafter.taps)
+    # fails before the commit leaves every session (and rider) exactly as it was.
+    with phase("verify"), cost_model(be).timed("verify", len(caches), max(c.pos for c in caches),
+                                              width=float(np.mean(widths))):
+        tp = trunk.verify(caches, cands + [np.array([r.last], np.int32) for r in ride],
+                          checkpoints=live[0].params.rollback == "checkpoint", taps=drafter.taps)
+    rows = int(tp.row_indptr[len(live)])
+    picks = None
+    if ride:  # before anything commits; the pick at the position the token will fill, as PlainBatch.step takes it
+        picks = pick_tokens(be, tp.logits[rows:], ride, [r.cache.pos + 1 for r in ride])
+        tp = replace(tp, logits=tp.logits[:rows], row_indptr=tp.row_indptr[: len(live) + 1])
     with phase("accept"):  # the second wait: (m, next) and the verify's NaN flags
         if rule == "greedy":
             flag = be.xp.empty(len(live), be.xp.int32)
@@ -396,10 +434,17 @@ def _finish_plain(trunk, drafter, live, vts, cands, rule: str = "greedy", q=None
             from .spec_sampling import accept_rejection
             m, nxt = accept_rejection(live, tp, cands, q, vts)
     keep = np.array([_cut(s, cands[i][: int(m[i]) + 1]) for i, s in enumerate(live)], np.int32)
+    if ride:  # a rider keeps its one column: its decode step
+        keep_all = np.concatenate([keep, np.ones(len(ride), np.int32)])
+        full = replace(tp, row_indptr=np.concatenate([tp.row_indptr, rows + np.arange(1, len(ride) + 1)]).astype(np.int32))
+    else:
+        keep_all, full = keep, tp
     with phase("commit"):
-        trunk.commit_rows([s.cache for s in live], tp, keep)
+        trunk.commit_rows(caches, full, keep_all)
     with phase("rollback"):
-        rollback(trunk, live, tp, keep, np.array(vts, np.int32))
+        rollback(trunk, caches, live[0].params.rollback, full, keep_all)
+    if ride:
+        riders.picks = {r.id: int(t) for r, t in zip(ride, picks)}
     emitted = [_settle(s, cands[i], vts[i], int(m[i]), int(keep[i]), int(nxt[i])) for i, s in enumerate(live)]
     with phase("ingest"):
         ing = [i for i, s in enumerate(live) if s._finished is None]
@@ -452,12 +497,12 @@ def _cut(s: DsparkSpecSession, toks: np.ndarray) -> int:
     return min(n, s.params.max_new_tokens - len(s.emitted))
 
 
-def rollback(trunk: HybridTrunk, live: list[DsparkSpecSession], tp, keep: np.ndarray, vts: np.ndarray) -> None:
-    """Move each session's recurrent state, which the verify left at the round start, on by
-    exactly `keep` columns: select the checkpoint after column keep - 1, or replay the kept
-    columns. Both are bit-exact with plain decode; each is the other's oracle in the tests."""
-    caches = [s.cache for s in live]
-    if live[0].params.rollback == "checkpoint":
+def rollback(trunk: HybridTrunk, caches: list[Cache], how: str, tp, keep: np.ndarray) -> None:
+    """Move each cache's recurrent state, which the verify left at the round start, on by exactly
+    `keep` columns: select the checkpoint after column keep - 1, or replay the kept columns
+    (`how`: SpecParams.rollback). Both are bit-exact with plain decode; each is the other's
+    oracle in the tests."""
+    if how == "checkpoint":
         trunk.select(caches, tp, keep)
     else:
         replay(trunk, caches, tp, tp.row_indptr[:-1], keep)
@@ -468,10 +513,12 @@ def replay(trunk: HybridTrunk, caches: list[Cache], tp, starts: np.ndarray, keep
     trunk.replay(caches, tp, starts, keep)
 
 
-def spec_burst(sessions: list[DsparkSpecSession], target: int | None = None, stop=None) -> list[list[int]]:
+def spec_burst(sessions: list[DsparkSpecSession], target: int | None = None, stop=None, ride=None) -> list[list[int]]:
     """Rounds for a batch of sessions until each emitted `target` tokens or finished. `stop(s,
     batch)`, asked after each round of every live session, ends that session's burst early when
-    true (a burst boundary: the caller demotes it there)."""
+    true (a burst boundary: the caller demotes it there). `ride()`, asked before each round,
+    returns the Riders of that round's trunk pass (or None); `ride(riders)` after it (the round
+    ran, or raised) settles them."""
     got = {s.id: [] for s in sessions}
     want = {s.id: int(target or s.params.burst_target) for s in sessions}
     stopped = set()
@@ -479,7 +526,13 @@ def spec_burst(sessions: list[DsparkSpecSession], target: int | None = None, sto
         todo = [s for s in sessions if s._finished is None and len(got[s.id]) < want[s.id] and s.id not in stopped]
         if not todo:
             break
-        for s, toks in zip(todo, spec_round(todo)):
+        riders = ride() if ride is not None else None
+        try:
+            out = spec_round(todo, riders)
+        finally:
+            if riders is not None:
+                ride(riders)
+        for s, toks in zip(todo, out):
             got[s.id].extend(toks)
         if stop is not None:
             stopped |= {s.id for s in todo if s._finished is None and stop(s, todo)}
@@ -488,4 +541,4 @@ def spec_burst(sessions: list[DsparkSpecSession], target: int | None = None, sto
     return [got[s.id] for s in sessions]
 
 
-__all__ = ["DsparkSpecSession", "SamplingParams", "SpecBoundaryCapture", "SpecParams", "spec_burst", "spec_round"]
+__all__ = ["DsparkSpecSession", "Riders", "SamplingParams", "SpecBoundaryCapture", "SpecParams", "spec_burst", "spec_round"]

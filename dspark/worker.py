@@ -19,9 +19,16 @@ publication: after each burst it drains every session's prompt-end capture into 
 `PrefixStore`, and a new request whose prompt equals a published entry in its namespace restores
 from it instead of priming.
 
-One `step()`: admit arrivals (the joint decision), one burst for every spec session (batched by accept rule: greedy,
-coupled, rejection), publish captures, apply the demotion gate, then as many plain steps as a
-burst target, and report tokens. A request that fails is retired with its error; the others go on.
+One `step()`: admit arrivals (the joint decision), one burst for every spec session (batched by
+accept rule: greedy, coupled, rejection), publish captures, apply the demotion gate, and report
+tokens. The plain batch rides the first burst's rounds (mixed passes): each round's trunk pass
+carries one column per plain sequence beside the sessions' verify columns (dspark.session.Riders:
+bitwise the plain decode step, its row committed with the round's), so the weights are read once
+for both and the plain batch steps once a round. With no live spec session (or with `mix=False`,
+or rounds replayed from recordings, which carry no riders) the step ends with as many plain steps
+as a burst target instead, passes of their own. A request that fails is retired with its error;
+the others go on: a round that raises moves nothing, riders included, and each plain sequence then
+steps alone.
 """
 
 from __future__ import annotations
@@ -31,7 +38,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .decode import PlainBatch, check_prompt, first_token, prefill_anchor
+from .decode import PlainBatch, check_prompt, first_token, plain_step_rule, prefill_anchor
 from .cost import cost_model
 from .gain import (WINDOW, admit, demote_check, expected_tokens, expected_width, joint_split, predicted_tokens, prior_width,
                    rejection_mode)
@@ -39,7 +46,7 @@ from .errors import CapacityError, DsparkError, StateError
 from .models.drafter import DsparkDrafter
 from .models.trunk import HybridTrunk
 from .prefix_store import PrefixStore
-from .session import DsparkSpecSession, SamplingParams, SpecParams, spec_burst
+from .session import DsparkSpecSession, Riders, SamplingParams, SpecParams, recorded, spec_burst
 from .stats import SpecStats
 
 
@@ -92,12 +99,16 @@ class GateEvent:
 
 class Worker:
     def __init__(self, trunk: HybridTrunk, drafter: DsparkDrafter, gate: GateConfig | None = None,
-                 store: PrefixStore | None = None, spec: SpecParams | None = None, on_tokens=None):
+                 store: PrefixStore | None = None, spec: SpecParams | None = None, on_tokens=None, mix: bool = True):
         self.trunk, self.drafter = trunk, drafter
         self.gate = gate or GateConfig()
         self.store = store
         self.spec = spec or SpecParams()
         self.on_tokens = on_tokens          # callback(request id, new tokens, finished)
+        # The plain batch rides the rounds' trunk passes (module doc) unless rounds are replayed
+        # from recordings, which carry no riders (dspark.session.Riders).
+        self.mix = bool(mix) and not recorded(SpecParams(launches=self.spec.launches), trunk, drafter)
+        self.passes = {"plain": 0, "mixed": 0}  # plain steps run as passes of their own, rounds that carried them
         self.plain = PlainBatch(trunk)
         self.requests: dict[int, Request] = {}
         self.pending: list[Request] = []
@@ -142,10 +153,13 @@ class Worker:
         self.pending.clear()
         if self.spec.policy == "gain":
             self._joint(held)
-        self._spec_bursts()
+        carried = self._spec_bursts()
         self._publish()
         self._demote_gate()
-        self._plain_steps(self.spec.burst_target)
+        if carried is None:  # a mixed round raised: each plain sequence steps alone, the failing one is retired
+            self._plain_steps(1, alone=True)
+        elif not carried:
+            self._plain_steps(self.spec.burst_target)
 
     def run(self, max_steps: int = 1_000_000) -> None:
         for _ in range(max_steps):
@@ -188,7 +202,7 @@ class Worker:
         ctx = int(np.mean([r.prompt.size + len(r.tokens) for r in plain + live + [r for r, _ in held]]))
         kind = "sampled" if any(not r.sampling.greedy for r in plain + [c[4] for c in cands]) else "greedy"
         k, rates = joint_split(cost_model(self.trunk.be), [c[:4] for c in cands], len(self.plain.active()), ctx, kind,
-                               self.spec.margin)
+                               self.spec.margin, self.mix)
         why = (f"joint: {k} of {len(cands)} speculative beside {len(plain)} plain, {rates[k]:.3g} tokens/s "
                f"against {rates[0]:.3g} all plain and {rates[-1]:.3g} all speculative")
         for i, (_, _, _, new, r, p) in enumerate(cands):
@@ -236,24 +250,31 @@ class Worker:
         r.plain_id = self.plain.join(cache, last, r.max_new_tokens, sampling=r.sampling)
 
     # ---- speculative bursts -------------------------------------------------------------------
-    def _spec_bursts(self) -> None:
+    def _spec_bursts(self) -> int | None:
+        """One burst of each accept rule's spec sessions; the plain batch rides the first burst's
+        rounds (self.mix). Returns the rounds that carried the plain batch (None: one raised)."""
         spec = [r for r in self.requests.values() if r.mode == "spec"]
         groups = [[r for r in spec if r.session.params.accept == rule] for rule in ("greedy", "coupled", "rejection")]
+        carried, ride = 0, None
         for group in groups:
             if not group:
                 continue
             before = {r.id: len(r.session.emitted) for r in group}
             demote: dict[int, str] = {}
-
             plain_rows = len(self.plain.active())
+            if self.mix and ride is None:
+                ride = self._rider()
+                mixed = plain_step_rule(self.plain.active()) if plain_rows else None
+            else:
+                mixed = None  # this burst carries no plain rows: the plain batch is a pass of its own
 
             def stop(s, batch):
-                down, why = demote_check(s, batch, plain_rows)
+                down, why = demote_check(s, batch, plain_rows, mixed)
                 if down:
                     demote[s.id] = why
                 return down
             try:
-                spec_burst([r.session for r in group], stop=stop)
+                spec_burst([r.session for r in group], stop=stop, ride=ride if mixed else None)
             except DsparkError:
                 # Find the culprit: run each session alone; the failing one is retired.
                 for r in group:
@@ -272,6 +293,29 @@ class Worker:
                     self._finish(r)
                 elif r.session.id in demote:
                     self._demote(r, demote[r.session.id])
+        return ride.carried if ride is not None else 0
+
+    def _rider(self):
+        """The `ride` callback of spec_burst (dspark.session.Riders): before a round, the plain
+        sequences the next plain step decodes; after it, that step taken from the round's picks
+        (nothing moved where the round did not carry them)."""
+        by_plain = {r.plain_id: r for r in self.requests.values() if r.mode == "plain"}
+
+        def ride(riders=None):
+            if riders is None:
+                seqs = self.plain.riders()
+                if not seqs and self.plain.active():  # each ends on its pending token: a step with nothing to decode
+                    self._plain_out(self.plain.step(picks={}), by_plain)
+                return Riders(seqs) if seqs else None
+            if riders.picks is None:  # the round raised, or ran no trunk pass: a plain step follows the bursts
+                ride.carried = None
+                return
+            if ride.carried is not None:
+                ride.carried += 1
+            self.passes["mixed"] += 1
+            self._plain_out(self.plain.step(picks=riders.picks), by_plain)
+        ride.carried = 0
+        return ride
 
     def _publish(self) -> None:
         if self.store is None:
@@ -309,18 +353,23 @@ class Worker:
         self._log(r, "demote", why)
 
     # ---- plain decode -------------------------------------------------------------------------
-    def _plain_steps(self, n: int) -> None:
+    def _plain_steps(self, n: int, alone: bool = False) -> None:
+        """`n` plain steps of the batch (`alone`: one step of each sequence by itself)."""
         by_plain = {r.plain_id: r for r in self.requests.values() if r.mode == "plain"}
         for _ in range(n):
             if not self.plain.active():
                 break
+            self.passes["plain"] += 1
             try:
-                out = self.plain.step()
+                out = self._isolate_plain_failure(by_plain) if alone else self.plain.step()
             except DsparkError:
                 out = self._isolate_plain_failure(by_plain)
-            for pid, tok in out.items():
-                r = by_plain[pid]
-                self._deliver(r, [tok], self.plain.sequences[pid].finished)
+            self._plain_out(out, by_plain)
+
+    def _plain_out(self, out: dict[int, int], by_plain: dict[int, Request]) -> None:
+        """Deliver a plain step's tokens; retire the sequences it finished."""
+        for pid, tok in out.items():
+            self._deliver(by_plain[pid], [tok], self.plain.sequences[pid].finished)
         for pid, r in by_plain.items():
             if r.mode == "plain" and self.plain.sequences[pid].finished:
                 self.plain.leave(pid).cache.free()
@@ -384,6 +433,7 @@ class Worker:
                 "vllm:spec_decode_num_accepted_tokens": st.accepted,
                 "vllm:spec_decode_num_accepted_tokens_per_pos": list(st.accepted_at),
                 **decisions,
+                "dspark:plain_steps": self.passes["plain"], "dspark:mixed_rounds": self.passes["mixed"],
                 "dspark:spec_gain": {k: v for k, v in gains.items() if v is not None}}
 
     def result(self, request_id: int) -> list[int]:

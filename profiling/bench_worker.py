@@ -13,14 +13,19 @@ well), the others sampled at temperature 1.0, top-p 0.95 (coupled sampler: they 
 `--arrivals-per-step 0` sends each request when the last one is done (one at a time). Rows: all plain (gate 0/1),
 all speculative (gate 64/65, SpecParams(policy="always")), and the gain policy (gate 64/65 and
 2/4, policy "gain", each with a fresh cost model: its decisions rest on what that run measured
-and the prior), with the decisions each gain row made (admitted speculative / plain, demoted, by
-reason). The ratio of the gain row to the better of the first two is the figure that matters.
+and the prior), and the gain policy at 64/65 with the plain batch a pass of its own
+(Worker(mix=False), the worker before plain rows rode the rounds), with the decisions each gain
+row made (admitted speculative / plain, demoted, by reason; rounds that carried the plain batch
+and plain steps run alone). The ratio of the gain row to the better of the first two is the
+figure that matters: the median over `--repeat` interleaved runs, and each run's own ratio (the
+rows of one repeat run back to back, each repeat starting at the next row). The load average is printed before and after.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 from pathlib import Path
 
@@ -47,9 +52,9 @@ def corpus_prompts(rng, n: int, vocab_bytes: bool) -> list[np.ndarray]:
 
 
 def run(trunk, drafter, gate: GateConfig, prompts, max_new: int, arrivals_per_step: int, spec=None,
-        samplings=None) -> dict:
+        samplings=None, mix: bool = True) -> dict:
     done_at: dict[int, float] = {}
-    w = Worker(trunk, drafter, gate, spec=spec,
+    w = Worker(trunk, drafter, gate, spec=spec, mix=mix,
                on_tokens=lambda rid, toks, fin: fin and done_at.setdefault(rid, time.perf_counter()))
     queue = list(zip(prompts, samplings or [None] * len(prompts)))
     submitted: dict[int, float] = {}
@@ -70,7 +75,8 @@ def run(trunk, drafter, gate: GateConfig, prompts, max_new: int, arrivals_per_st
 def decisions(metrics: dict) -> str:
     def part(name):
         return "+".join(f"{n} {why}" for why, n in sorted(metrics[f"dspark:spec_{name}"].items())) or "0"
-    return f"spec {part('admitted_spec')}, plain {part('admitted_plain')}, demoted {part('demoted')}"
+    return (f"spec {part('admitted_spec')}, plain {part('admitted_plain')}, demoted {part('demoted')}; "
+            f"{metrics['dspark:mixed_rounds']} rounds carried plain rows, {metrics['dspark:plain_steps']} plain steps alone")
 
 
 def heldout_code(n: int) -> list[np.ndarray]:
@@ -87,26 +93,33 @@ def mixed(trunk, drafter, prompts, args) -> None:
     code = [c if args.model == "default" else c % 200 for c in heldout_code(len(prompts))]
     prompts = [code[i] if i % 2 == 0 else p for i, p in enumerate(prompts)]
     samplings = [None if i % 2 == 0 else SamplingParams(temperature=1.0, top_p=0.95, seed=i) for i in range(len(prompts))]
-    rows = [("all plain", GateConfig(0, 1), SpecParams(policy="always")),
-            ("all spec", GateConfig(64, 65), SpecParams(policy="always")),
-            ("gain 64/65", GateConfig(64, 65), SpecParams(policy="gain")),
-            ("gain 2/4", GateConfig(2, 4), SpecParams(policy="gain"))]
-    results = {name: [] for name, _, _ in rows}
-    for _ in range(args.repeat):  # rows interleaved, so a slow spell of the machine hits every row
-        for name, gate, spec in rows:
+    rows = [("all plain", GateConfig(0, 1), SpecParams(policy="always"), True),
+            ("all spec", GateConfig(64, 65), SpecParams(policy="always"), True),
+            ("gain 64/65", GateConfig(64, 65), SpecParams(policy="gain"), True),
+            ("gain 2/4", GateConfig(2, 4), SpecParams(policy="gain"), True),
+            ("gain apart", GateConfig(64, 65), SpecParams(policy="gain"), False)]
+    results = {name: [] for name, _, _, _ in rows}
+    print(f"load average before: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+    for i in range(args.repeat):  # rows interleaved, so a slow spell of the machine hits every row, in turn first
+        for name, gate, spec, mix in rows[i % len(rows):] + rows[: i % len(rows)]:
             drafter.acceptance.clear()  # each row learns only from its own sessions
             with cost.using(trunk.be, cost.CostModel(cost.clock_for(trunk.be))):
                 results[name].append(run(trunk, drafter, gate, prompts, args.max_new, args.arrivals_per_step, spec,
-                                         samplings))
-    print(f"median of {args.repeat} interleaved runs per row")
-    print(f"{'policy':>10} | {'tokens':>6} | {'tok/s':>8} | {'vs best of plain/spec':>21} | {'mean acc len':>12} | "
-          "decisions (last run)")
+                                         samplings, mix))
+    print(f"load average after: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+    print(f"median of {args.repeat} interleaved runs per row; 'gain apart': gain 64/65 with the plain batch a pass "
+          "of its own (Worker(mix=False))")
+    print(f"{'policy':>10} | {'tokens':>6} | {'tok/s':>8} | {'vs best of plain/spec':>21} | {'each run (all: tok/s)':>22} | "
+          f"{'mean acc len':>12} | decisions (last run)")
     med = {name: float(np.median([r["tps"] for r in rs])) for name, rs in results.items()}
     best = max(med["all plain"], med["all spec"])
     for name, rs in results.items():
         r = rs[-1]
         vs = f"{med[name] / best:20.2f}x" if not name.startswith("all") else " " * 21
-        print(f"{name:>10} | {r['tokens']:6d} | {med[name]:8.1f} | {vs} | {r['mal']:12.2f} | "
+        each = [x["tps"] / max(p["tps"], s["tps"]) for x, p, s in zip(rs, results["all plain"], results["all spec"])]
+        runs = " ".join(f"{e:.2f}" for e in each) if not name.startswith("all") else \
+            " ".join(f"{x['tps']:.0f}" for x in rs)
+        print(f"{name:>10} | {r['tokens']:6d} | {med[name]:8.1f} | {vs} | {runs:>22} | {r['mal']:12.2f} | "
               f"{decisions(r['metrics']) if 'gain' in name else ''}")
 
 

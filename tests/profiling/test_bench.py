@@ -152,9 +152,12 @@ def test_bench_worker_mixed_prints_every_policy_and_its_decisions():
     r, _ = script("profiling/bench_worker.py", "--model", "tiny", "--requests", "4", "--max-new", "8",
                   "--workload", "mixed", "--repeat", "1")
     out = ok(r)
-    for row in ("all plain", "all spec", "gain 64/65", "gain 2/4"):
+    for row in ("all plain", "all spec", "gain 64/65", "gain 2/4", "gain apart"):
         assert re.search(rf"^\s*{row} \|", out, re.M), out
-    assert re.search(r"gain 64/65 .*\| spec \d+ gain.*, plain .*, demoted ", out), out
+    assert re.search(r"gain 64/65 .*\| spec \d+ gain.*, plain .*, demoted .*; \d+ rounds carried plain rows, \d+ plain "
+                     r"steps alone", out), out
+    assert re.search(r"gain apart .*; 0 rounds carried plain rows", out), out
+    assert re.search(r"load average before: [\d.]+ [\d.]+ [\d.]+", out), out
 
 
 def test_bench_coupled_prints_both_samplers_and_checks_equality(capsys):

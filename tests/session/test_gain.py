@@ -351,17 +351,19 @@ def test_joint_split_admits_an_arrival_only_past_the_margin():
 
 def test_worker_under_concurrency_decides_jointly(shipped):
     """Three greedy requests at once, rounds at 2 s a row, plain rows 0.1 s beyond the first: each
-    alone would speculate (4.72 / 2 > 1.1), together the plain batch wins (3 / 1.2 against at most
-    14.16 / 6), so all three start plain, by the joint decision; a lone request still speculates.
-    Every stream is plain decode's."""
+    alone would speculate (4.72 / 2 > 1.1). With the plain rows a pass of their own (mix=False)
+    the plain batch wins (3 / 1.2 against at most 14.16 / 6), so all three start plain; with them
+    riding the round's pass one speculates ((4.72 + 2) / 2.2 against 3 / 1.2); all by the joint
+    decision; a lone request still speculates. Every stream is plain decode's."""
     trunk, drafter = shipped
     rng = np.random.default_rng(9)
     reqs = [(code_prompt(trunk, rng, 40 + 10 * i), 16, None) for i in range(3)]
-    w, ids = run_worker(trunk, drafter, reqs, shared(2.0, 0.1))
-    admits = [(e.what, e.why.split(" ")[0]) for e in w.events if e.what.startswith("admit")]
-    assert admits == [("admit_plain", "joint:")] * 3, w.events
-    for rid, (p, n, _) in zip(ids, reqs):
-        assert w.result(rid) == plain_generate(trunk, p, n)
+    for mix, want in ((False, ["admit_plain"] * 3), (True, ["admit_spec", "admit_plain", "admit_plain"])):
+        w, ids = run_worker(trunk, drafter, reqs, shared(2.0, 0.1), mix=mix)
+        admits = [(e.what, e.why.split(" ")[0]) for e in w.events if e.what.startswith("admit")]
+        assert admits == [(a, "joint:") for a in want], w.events
+        for rid, (p, n, _) in zip(ids, reqs):
+            assert w.result(rid) == plain_generate(trunk, p, n)
     w, ids = run_worker(trunk, drafter, reqs[:1], shared(2.0, 0.1))
     assert [e.what for e in w.events if e.what.startswith("admit")] == ["admit_spec"]
     assert w.result(ids[0]) == plain_generate(trunk, *reqs[0][:2])
@@ -409,11 +411,11 @@ def shipped():
     return load_default(dspark.get_backend("numpy"))
 
 
-def run_worker(trunk, drafter, requests, model, low=4):
+def run_worker(trunk, drafter, requests, model, low=4, mix=True):
     be = trunk.be
     drafter.acceptance.clear()  # what earlier tests' sessions measured
     with cost.using(be, model):
-        w = Worker(trunk, drafter, GateConfig(low=low, high=low + 4), spec=SpecParams(burst_target=8))
+        w = Worker(trunk, drafter, GateConfig(low=low, high=low + 4), spec=SpecParams(burst_target=8), mix=mix)
         ids = [w.submit(p, n, s) for p, n, s in requests]
         w.run()
     return w, ids

@@ -166,10 +166,10 @@ def test_a_failing_request_never_takes_down_the_others(pair, monkeypatch):
     victim = w.requests[ids[1]].session
     orig = worker_mod.spec_burst
 
-    def burst(sessions, target=None, stop=None):
+    def burst(sessions, target=None, stop=None, ride=None):
         if victim in sessions:
             raise NonFiniteError("logits: row 0 contains NaN (injected)")
-        return orig(sessions, target, stop)
+        return orig(sessions, target, stop, ride)
 
     monkeypatch.setattr(worker_mod, "spec_burst", burst)
     w.run()
@@ -219,8 +219,8 @@ def test_seeded_simulated_load(shipped, monkeypatch):
     trunk, drafter = shipped
     spec_stats = {}  # session id -> (greedy, its SpecStats after its latest burst)
 
-    def spy_burst(sessions, target=None, stop=None):
-        out = real_burst(sessions, target, stop)
+    def spy_burst(sessions, target=None, stop=None, ride=None):
+        out = real_burst(sessions, target, stop, ride)
         spec_stats.update({s.id: (s.params.sampling.greedy, s.stats) for s in sessions})
         return out
 
