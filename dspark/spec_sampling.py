@@ -26,7 +26,8 @@ uploaded (Staged), never read back.
 A coupled proposal of a drafter whose round is kernels only (DsparkDrafter.recordable) runs as
 kernels only (`run_coupled_propose`): per slot the chain's logits (dspark.ops.heads.markov_logits:
 the greedy chain's bias, bit for bit) and their pick, every filter, seed and position read from
-the pass's inputs block (`pick_fields`). So the op-by-op round and a recorded one (dspark.graphs)
+the pass's inputs block (`pick_fields`); on the host reference (no kernels) the slots' filters
+and streams are checked once and their noise rows drawn in one batch (`host_slots`), the same bits. So the op-by-op round and a recorded one (dspark.graphs)
 run the same launches; the other layouts draw through the Chain's array operations.
 """
 
@@ -40,8 +41,8 @@ from . import philox
 from .ops.checks import Staged
 from .ops.coupled import coupled_accept
 from .ops.heads import markov_logits
-from .ops.sampling import (Filters, Streams, draw_ahead, filtered_probs, raise_accept, raise_rows, sample_filtered,
-                           speculative_accept)
+from .ops.sampling import (Filters, Streams, check_streams, draw_ahead, filtered_probs, prepare_rows, raise_accept,
+                           raise_rows, sample_filtered, sample_filtered_ref, speculative_accept)
 from .ops.workspace import Inputs, Outputs, buffer, fixed
 from .philox import Tag
 
@@ -116,6 +117,25 @@ def fill_coupled(inp, live, nd: int) -> None:
     fill_picks(inp, [s.params.sampling for s in live], pos[None, :] + np.arange(1, nd + 1)[:, None])
 
 
+def host_slots(be, row, filters, picks, nd: int):
+    """The host reference's picks of a coupled proposal's slots (no kernels): the filters and
+    every slot's streams checked once (sample_filtered checks them per call), the noise rows of
+    every slot's position drawn in one batch (`draw_ahead`; the verify's picks reuse them), then
+    per slot `pick(row, at)` -> (tokens, statuses) of sample_filtered_ref, the same bits as
+    sample_filtered on the host (no prob: a proposal reads none)."""
+    seed, counter, stream = picks["seed"].host, picks["counter"].host, picks["stream"].host
+    _, vocab, _, host = prepare_rows(be, row, filters)
+    streams = check_streams(be, Streams(np.tile(seed, nd), counter, np.tile(stream, nd)), len(counter))
+    draw_ahead(be, streams.seed, streams.counter, streams.stream, vocab)
+    checked = Filters(*host)
+
+    def pick(logits, at):
+        r = sample_filtered_ref(logits, checked, Streams(streams.seed[at], streams.counter[at], streams.stream[at]),
+                                "gumbel", with_prob=False)
+        return r["token"], r["status"]
+    return pick
+
+
 def run_coupled_propose(drafter, hidden, logits, picks, anchors, ws=None, out: Outputs | None = None) -> Outputs:
     """The coupled proposal's device work, kernels only: slot by slot the chain's logits
     (markov_logits, x_{k-1} read on the device) and their pick with the noise of the slot's
@@ -130,9 +150,13 @@ def run_coupled_propose(drafter, hidden, logits, picks, anchors, ws=None, out: O
     filters, _ = picks_of(picks)
     counter = picks["counter"]
     row = buffer(be, ws, "coupled.logits", B, (V,))
+    host = host_slots(be, row, filters, picks, nd) if be.kernels is None else None
     for k in range(nd):
         markov_logits(be, logits, w1, w2, anchors, slot_picks[k - 1] if k else None, k, nd, drafts, out=row)
         at = slice(k * B, (k + 1) * B)
+        if host is not None:
+            slot_picks[k], out["status"][at] = host(row, at)
+            continue
         streams = Streams(picks["seed"], Staged.of(counter.host[at], counter.device[at]), picks["stream"])
         sample_filtered(be, row, filters, streams, token_out=slot_picks[k], status_out=out["status"][at], ws=ws)
     markov_logits(be, logits, w1, w2, anchors, slot_picks[nd - 1], nd, nd, drafts, out=row)  # the last slot's picks
