@@ -217,11 +217,12 @@ def test_rules_do_not_mix_and_rejection_sessions_are_not_demoted(numpy_backend, 
         SpecParams(sampler="gumbel")
 
 
-def test_host_slots_propose_what_sample_filtered_proposes(numpy_backend, shipped, monkeypatch):
-    """The host reference's coupled proposal (spec_sampling.host_slots: filters and streams checked
-    once, noise drawn ahead, no prob) proposes, round by round, the drafts, confidences and
-    statuses that sample_filtered per slot proposes, for a batch of sessions with their own
-    filters, seeds and positions. The streams stay exact whatever the drafter proposes, so a slot
+def test_the_host_proposal_is_the_launches_proposal(numpy_backend, shipped, monkeypatch):
+    """The host reference's coupled proposal (spec_sampling.propose_on_host: checks made once,
+    noise drawn ahead, the Markov bias from a table, no prob) proposes, round by round, the
+    drafts, confidences and statuses of the launches' (propose_by_slots: markov_logits and
+    sample_filtered per slot), for a batch of sessions with their own filters, seeds and
+    positions. The streams stay exact whatever the drafter proposes, so a slot
     drawn with another slot's stream or another row's filter shows only here."""
     trunk, drafter = shipped(numpy_backend)
     held = [np.frombuffer(b"def walk(root):\n    for ", np.uint8), np.frombuffer(b"import os\nx = [", np.uint8),
@@ -232,8 +233,8 @@ def test_host_slots_propose_what_sample_filtered_proposes(numpy_backend, shipped
     monkeypatch.setattr(spec_sampling, "coupled_proposals",
                         lambda d, B, got: seen.append({k: v.copy() for k, v in got.items()}) or real(d, B, got))
 
-    def proposals(host_slots):
-        monkeypatch.setattr(spec_sampling, "host_slots", host_slots)
+    def proposals(propose):
+        monkeypatch.setattr(spec_sampling, "propose_on_host", propose)
         seen.clear()
         batch = [prime(trunk, drafter, p.astype(np.int32), sp, max_new_tokens=24) for p, sp in zip(held, samplings)]
         while not all(s.finished() for s in batch):
@@ -243,8 +244,8 @@ def test_host_slots_propose_what_sample_filtered_proposes(numpy_backend, shipped
             s.close()
         return list(seen), out
 
-    lean, lean_out = proposals(spec_sampling.host_slots)
-    each, each_out = proposals(lambda *a: None)  # sample_filtered per slot, as with kernels
+    lean, lean_out = proposals(spec_sampling.propose_on_host)
+    each, each_out = proposals(spec_sampling.propose_by_slots)
     assert lean_out == each_out and len(lean) == len(each) >= 4
     for a, b in zip(lean, each):
         assert a.keys() == b.keys() and all(np.array_equal(a[k], b[k]) for k in a)
