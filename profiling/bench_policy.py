@@ -13,7 +13,8 @@ each run decides as a fresh `dspark generate` does. Every mode is run once untim
 three modes `--repeat` times in a rotating order. Tokens/s is the command's own figure (decode
 only, after the prompt and the warm-up). Printed per mode: the median tokens/s and the spread (min
 - max) over the repeats; the ratio is a mode's median over `--no-spec`'s, with the range of the
-ratios of the runs paired by repeat. The last column is what the gain policy did (last run). The
+ratios of the runs paired by repeat. The last column is what the gain policy did: in how many
+runs it ran plain, speculative to the end or demoted, and what it printed in the last run. The
 load average is printed before and after.
 
 Cases: temperature 0.8, top-p 0.95 on code (the coupled sampler accepts ~2.4 a round there);
@@ -100,7 +101,7 @@ def main(argv=None) -> None:
     print(f"dspark generate in one process, embedded pair on {be.name}, {args.max_new_tokens} new tokens, "
           f"{args.repeat} interleaved runs per mode; load average {load()}")
     print(f"{'case':>24} | {'no-spec tok/s':>19} | {'gain / no-spec':>20} | {'always / no-spec':>20} | "
-          "what the gain policy did (last run)")
+          "what the gain policy did (runs; the last one)")
     with threadpool_limits(limits=1, user_api="blas"):
         for i, (name, text, sampling) in enumerate(CASES):
             if args.only and str(i) not in args.only:
@@ -109,13 +110,15 @@ def main(argv=None) -> None:
             for mode in MODES:  # untimed: every path warm before the first timed run
                 run_once(be, trunk, drafter, prompt, sampling, mode, args.max_new_tokens)
             tps = {m: [] for m in MODES}
-            streams, note = set(), ""
+            streams, note, ran = set(), "", []
             for r in range(args.repeat):
                 for mode in MODES[r % 3:] + MODES[: r % 3]:
                     t, out, what = run_once(be, trunk, drafter, prompt, sampling, mode, args.max_new_tokens)
                     tps[mode].append(t)
                     streams.add(tuple(out))
-                    note = what if mode == "gain" else note
+                    if mode == "gain":
+                        note = what
+                        ran.append("demoted" if "demoted" in what else what.split(":")[0].split(",")[0])
             base = np.array(tps["--no-spec"])
             cols = [f"{np.median(base):6.1f} ({base.min():5.1f}-{base.max():5.1f})"]
             for mode in MODES[1:]:
@@ -123,7 +126,8 @@ def main(argv=None) -> None:
                 pair = v / base
                 cols.append(f"{np.median(v) / np.median(base):5.2f}x ({pair.min():4.2f}-{pair.max():4.2f})")
             same = "" if len(streams) == 1 else " STREAMS DIFFER"
-            print(f"{name:>24} | {cols[0]:>19} | {cols[1]:>20} | {cols[2]:>20} | {note}{same}", flush=True)
+            runs = ", ".join(f"{k} {ran.count(k)}/{len(ran)}" for k in dict.fromkeys(ran))
+            print(f"{name:>24} | {cols[0]:>19} | {cols[1]:>20} | {cols[2]:>20} | [{runs}] {note}{same}", flush=True)
     print(f"load average {load()}")
 
 
