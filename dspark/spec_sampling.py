@@ -133,7 +133,8 @@ def bias_table(drafter, w1, w2):
     key = (id(w1), id(w2))
     got = getattr(drafter, "_bias_table", None)
     if got is None or got[0] != key:
-        got = (key, markov_bias_ref(w1, w2, np.arange(vocab)))
+        rows = range(0, vocab, 64)  # in pieces: the sum's temporary holds a piece's rank x V products
+        got = (key, np.concatenate([markov_bias_ref(w1, w2, np.arange(a, min(a + 64, vocab))) for a in rows]))
         drafter._bias_table = got
     return got[1]
 
