@@ -242,6 +242,24 @@ def run_plain(trunk, prompt, max_new, sampling=None, progress=None):
     return out, dt, t1 - t0
 
 
+def generate(trunk, drafter, prompt, params, no_spec: bool = False):
+    """`dspark generate` with a drafter: the warm-up and the request, as the command runs them.
+    Returns (tokens, decode seconds, stats or None, what ran and why).
+
+    `no_spec`: plain decode, warmed by plain steps only (a plain request does not pay for a
+    speculative warm-up). Otherwise both paths are warmed on the prompt itself, as the demo does:
+    these are also the cost model's first measurements, so they are taken at the context the
+    request starts from: plain steps (the process's first, cold passes), the rounds, then plain
+    steps again, measured against the verify level of their time (dspark.cost)."""
+    run_plain(trunk, prompt, 8, params.sampling)
+    if no_spec:
+        out, dt, _ = run_plain(trunk, prompt, params.max_new_tokens, params.sampling)
+        return out, dt, None, "plain: --no-spec"
+    run_spec(trunk, drafter, prompt, replace(params, max_new_tokens=8))
+    run_plain(trunk, prompt, 8, params.sampling)
+    return run_request(trunk, drafter, prompt, params)
+
+
 def body(trunk, out: list[int]) -> list[int]:
     """The tokens to print as text: an end-of-sequence id that ended the stream (any of
     config.eos_ids) is not text, whether or not the tokenizer calls it special."""
@@ -329,22 +347,14 @@ def cmd_generate(args) -> int:
     else:
         trunk, drafter = load_pair(be, args)
         text, prompt = decode, encode(args.prompt)
-    # Warm both paths on the prompt itself, as the demo does: these are also the cost model's first
-    # measurements, so they are taken at the context the request starts from: plain steps (the
-    # process's first, cold passes), the rounds, then plain steps again, measured against the verify
-    # level of their time (dspark.cost).
     params = SpecParams(max_new_tokens=args.max_new_tokens, verify=args.verify, tau=args.tau,
                         max_verify=args.max_verify, capture=False, sampling=sampling, sampler=args.sampler,
                         policy=args.policy)
-    if drafter is not None:
-        run_plain(trunk, prompt, 8, sampling)
-        run_spec(trunk, drafter, prompt, replace(params, max_new_tokens=8))
-        run_plain(trunk, prompt, 8, sampling)
-    if args.no_spec or drafter is None:
+    if drafter is None:
         out, dt, _ = run_plain(trunk, prompt, args.max_new_tokens, sampling)
-        note, stats = ("plain: --no-spec" if drafter is not None else "plain: no --drafter for --model"), None
+        stats, note = None, "plain: no --drafter for --model"
     else:
-        out, dt, stats, note = run_request(trunk, drafter, prompt, params)
+        out, dt, stats, note = generate(trunk, drafter, prompt, params, no_spec=args.no_spec)
     print(args.prompt + text(body(trunk, out)))
     print(f"[{len(out)} tokens in {dt:.2f}s, {len(out) / dt:.1f} tokens/s, {note}; stopped: "
           f"{ending(trunk, out, args.max_new_tokens)}]", file=sys.stderr)

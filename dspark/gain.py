@@ -2,7 +2,8 @@
 steps (DESIGN section 10), and the decisions taken from it under SpecParams(policy="gain").
 
 Expected tokens per round: the session's last HISTORY rounds (tokens emitted, the anchor
-included) and the prior at the weight of PRIOR_ROUNDS rounds, pooled. The prior: what the
+included) and the prior at the weight of PRIOR_ROUNDS rounds, pooled; a session's prior is fixed
+when first read, so its own remembered rounds never replace it. The prior: what the
 process's earlier sessions of the same accept rule and temperature measured with this drafter
 (`DsparkDrafter.acceptance`), else the drafter's record: its greedy floor
 (`DsparkDrafter.accept_floor`) for a greedy session, its coupled sampler's acceptance at the
@@ -110,10 +111,19 @@ def prior_width(params: SpecParams, drafter) -> int:
     return min(params.max_verify or cap, cap)
 
 
+def session_prior(s) -> float:
+    """Session `s`'s prior: predicted_tokens when it is first read, then fixed. Its own rounds,
+    once `remember`ed for later sessions, never become its prior (they would replace the prior's
+    weight by a second count of its first, least predictable rounds)."""
+    if getattr(s, "prior", None) is None:
+        s.prior = predicted_tokens(s.params, s.drafter)
+    return s.prior
+
+
 def expected_tokens(s) -> float:
-    """Tokens per round expected of session `s` from its recent rounds and the prior."""
+    """Tokens per round expected of session `s` from its recent rounds and its prior."""
     recent = [t for t, _ in s.recent]
-    return (predicted_tokens(s.params, s.drafter) * PRIOR_ROUNDS + sum(recent)) / (PRIOR_ROUNDS + len(recent))
+    return (session_prior(s) * PRIOR_ROUNDS + sum(recent)) / (PRIOR_ROUNDS + len(recent))
 
 
 def expected_width(s) -> float:

@@ -179,6 +179,11 @@ class GumbelRows:
         self.max_bytes, self.nbytes = max_bytes, 0
         self._rows: dict[tuple, np.ndarray] = {}
 
+    def clear(self) -> None:
+        """Forget every row (a benchmark's runs each start as a fresh process does)."""
+        self._rows.clear()
+        self.nbytes = 0
+
     def __call__(self, seed, counter, stream, vocab: int) -> np.ndarray:
         """float32 [rows, vocab] for per-row seed, counter and stream word arrays [rows]; missing
         rows are drawn in one batch."""

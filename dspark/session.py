@@ -96,6 +96,7 @@ class DsparkSpecSession:
         s.stats = SpecStats()
         s.recent = deque(maxlen=HISTORY)  # (tokens emitted, verify width) of the last rounds: dspark.gain
         s.gain = None            # the gain at the last check (dspark.gain.demote_check)
+        s.prior = None           # its prior tokens per round, fixed when first read (dspark.gain.session_prior)
         s.below = 0              # consecutive checks with the gain below 1
         s.last = -1
         s.prompt_len = 0

@@ -26,7 +26,9 @@ uploaded (Staged), never read back.
 A coupled proposal of a drafter whose round is kernels only (DsparkDrafter.recordable) runs as
 kernels only (`run_coupled_propose`): per slot the chain's logits (dspark.ops.heads.markov_logits:
 the greedy chain's bias, bit for bit) and their pick, every filter, seed and position read from
-the pass's inputs block (`pick_fields`). So the op-by-op round and a recorded one (dspark.graphs)
+the pass's inputs block (`pick_fields`); on the host reference (no kernels) the same chain runs
+on the host with its checks made once and its noise drawn in one batch (`propose_on_host`), the
+same bits. So the op-by-op round and a recorded one (dspark.graphs)
 run the same launches; the other layouts draw through the Chain's array operations.
 """
 
@@ -37,11 +39,12 @@ import functools
 import numpy as np
 
 from . import philox
-from .ops.checks import Staged
+from .ops.argmax import markov_bias_ref
+from .ops.checks import Staged, host_and_device
 from .ops.coupled import coupled_accept
 from .ops.heads import markov_logits
-from .ops.sampling import (Filters, Streams, draw_ahead, filtered_probs, raise_accept, raise_rows, sample_filtered,
-                           speculative_accept)
+from .ops.sampling import (Filters, Streams, check_streams, draw_ahead, filtered_probs, prepare_rows, raise_accept,
+                           raise_rows, sample_filtered, sample_filtered_ref, speculative_accept)
 from .ops.workspace import Inputs, Outputs, buffer, fixed
 from .philox import Tag
 
@@ -116,15 +119,64 @@ def fill_coupled(inp, live, nd: int) -> None:
     fill_picks(inp, [s.params.sampling for s in live], pos[None, :] + np.arange(1, nd + 1)[:, None])
 
 
-def run_coupled_propose(drafter, hidden, logits, picks, anchors, ws=None, out: Outputs | None = None) -> Outputs:
-    """The coupled proposal's device work, kernels only: slot by slot the chain's logits
-    (markov_logits, x_{k-1} read on the device) and their pick with the noise of the slot's
-    position; then the confidences of the chain's drafts. `picks`: the pick fields (a Scope of the
-    pass's inputs block), `anchors` Staged int32 [B]. Writes `out` (coupled_fields), unread."""
+# The host reference keeps a drafter's Markov bias w2^T w1[x] for every x where the table is at most this
+# many bytes: a slot's bias is then a row lookup (the same bits: markov_bias_ref sums each row alone).
+BIAS_TABLE_BYTES = 1 << 24
+
+
+def bias_table(drafter, w1, w2):
+    """markov_bias_ref of every token [V, V] (None above BIAS_TABLE_BYTES), kept on the drafter
+    for these weights."""
+    vocab = w2.shape[1]
+    if vocab * vocab * 4 > BIAS_TABLE_BYTES:
+        return None
+    key = (id(w1), id(w2))
+    got = getattr(drafter, "_bias_table", None)
+    if got is None or got[0] != key:
+        rows = range(0, vocab, 64)  # in pieces: the sum's temporary holds a piece's rank x V products
+        got = (key, np.concatenate([markov_bias_ref(w1, w2, np.arange(a, min(a + 64, vocab))) for a in rows]))
+        drafter._bias_table = got
+    return got[1]
+
+
+def propose_on_host(drafter, logits, picks, anchors, drafts, status, ws=None) -> None:
+    """The coupled proposal on the host reference (no kernels), the same bits as the kernel
+    layout's launches: the filters and every slot's streams checked once (sample_filtered checks
+    them per call), the noise rows of every slot's position drawn in one batch (`draw_ahead`; the
+    verify's picks reuse them), each slot's Markov bias a row of `bias_table`, and per slot the
+    pick of sample_filtered_ref (no prob: a proposal reads none). Writes drafts [B, nd] and status
+    [nd B] (slot-major); `ws` is not used."""
     be, c, nd = drafter.be, drafter.config, drafter.config.drafts
-    B, V = np.asarray(anchors).shape[0], logits.shape[1]
-    out = out or Outputs(be, coupled_fields(drafter, B))
-    drafts = out["drafts"].reshape(B, nd)
+    x = np.asarray(logits, np.float32)
+    B, vocab = drafts.shape[0], x.shape[1]
+    x = x.reshape(B, nd, vocab)
+    seed, counter, stream = picks["seed"].host, picks["counter"].host, picks["stream"].host
+    f, _ = picks_of(picks)
+    _, _, _, host = prepare_rows(be, x[:, 0], f)
+    streams = check_streams(be, Streams(np.tile(seed, nd), counter, np.tile(stream, nd)), len(counter))
+    draw_ahead(be, streams.seed, streams.counter, streams.stream, vocab)
+    filters = Filters(*host)
+    w1, w2 = (drafter.w["markov.w1"], drafter.w["markov.w2"]) if c.markov == "vanilla" else (None, None)
+    table = bias_table(drafter, w1, w2) if w1 is not None else None
+    prev = np.asarray(host_and_device(be, anchors, "anchors")[0], np.int64)
+    for k in range(nd):
+        row = x[:, k]
+        if w1 is not None:
+            safe = np.where((prev < 0) | (prev >= vocab), 0, prev)
+            row = row + (table[safe] if table is not None else markov_bias_ref(w1, w2, safe))
+        at = slice(k * B, (k + 1) * B)
+        r = sample_filtered_ref(row, filters, Streams(streams.seed[at], streams.counter[at], streams.stream[at]),
+                                "gumbel", with_prob=False)
+        drafts[:, k], status[at] = r["token"], r["status"]
+        prev = r["token"].astype(np.int64)
+
+
+def propose_by_slots(drafter, logits, picks, anchors, drafts, status, ws=None) -> None:
+    """The coupled proposal as launches (kernels; any backend): slot by slot the chain's logits
+    (markov_logits, x_{k-1} read on the device) and their pick (sample_filtered) with the noise of
+    the slot's position. Writes drafts [B, nd] and status [nd B] (slot-major)."""
+    be, c, nd = drafter.be, drafter.config, drafter.config.drafts
+    B, V = drafts.shape[0], logits.shape[1]
     slot_picks = fixed(be, ws, "coupled.slot_picks", (nd, B), np.int32)
     w1, w2 = (drafter.w["markov.w1"], drafter.w["markov.w2"]) if c.markov == "vanilla" else (None, None)
     filters, _ = picks_of(picks)
@@ -134,8 +186,21 @@ def run_coupled_propose(drafter, hidden, logits, picks, anchors, ws=None, out: O
         markov_logits(be, logits, w1, w2, anchors, slot_picks[k - 1] if k else None, k, nd, drafts, out=row)
         at = slice(k * B, (k + 1) * B)
         streams = Streams(picks["seed"], Staged.of(counter.host[at], counter.device[at]), picks["stream"])
-        sample_filtered(be, row, filters, streams, token_out=slot_picks[k], status_out=out["status"][at], ws=ws)
+        sample_filtered(be, row, filters, streams, token_out=slot_picks[k], status_out=status[at], ws=ws)
     markov_logits(be, logits, w1, w2, anchors, slot_picks[nd - 1], nd, nd, drafts, out=row)  # the last slot's picks
+
+
+def run_coupled_propose(drafter, hidden, logits, picks, anchors, ws=None, out: Outputs | None = None) -> Outputs:
+    """The coupled proposal's device work, kernels only (`propose_by_slots`; on the host reference
+    `propose_on_host`, the same bits), then the confidences of the chain's drafts. `picks`: the
+    pick fields (a Scope of the pass's inputs block), `anchors` Staged int32 [B]. Writes `out`
+    (coupled_fields), unread."""
+    be, nd = drafter.be, drafter.config.drafts
+    B = np.asarray(anchors).shape[0]
+    out = out or Outputs(be, coupled_fields(drafter, B))
+    drafts = out["drafts"].reshape(B, nd)
+    propose = propose_on_host if be.kernels is None else propose_by_slots
+    propose(drafter, logits, picks, anchors, drafts, out["status"], ws)
     if drafter.has_confidence:
         drafter.slot_confidence(hidden, anchors, drafts, ws, out["conf"])
     return out

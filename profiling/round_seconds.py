@@ -1,13 +1,17 @@
 """What a round and a plain step take on the host, greedy and coupled sampled, in one run: the
 figures the gain policy's cost model divides (dspark.cost), measured outside it.
 
-    python profiling/round_seconds.py [--backend numpy] [--rounds 40] [--repeat 3]
+    python profiling/round_seconds.py [--backend numpy] [--rounds 40] [--repeat 3] [--proposals]
 
 The embedded pair on the demo's code prompt, one BLAS thread: a greedy session and a coupled
 session at temperature 0.3 (seed 1) run `--rounds` rounds each after 3 untimed ones, and plain
 decode greedy and sampled runs as many steps from the same prompt, in alternating order,
 `--repeat` times. Printed per mode: the median milliseconds of a round or step, tokens per round,
 and the round's cost in plain steps of its kind (a coupled round against a sampled plain step).
+`--proposals` also times coupled rounds whose proposal runs as the kernels' launch sequence
+(`spec_sampling.propose_by_slots`, markov_logits and sample_filtered per slot) in place of the
+host reference's chain (`propose_on_host`), interleaved with the others: the same tokens, the
+round's time by each. Every mode starts with an empty memo of noise rows.
 """
 
 from __future__ import annotations
@@ -22,7 +26,9 @@ import dspark
 from dspark.byte_vocab import encode
 from dspark.cli import DEMO_PROMPT
 from dspark.decode import PlainBatch, prefill_anchor
+from dspark import spec_sampling
 from dspark.models import load_default
+from dspark.ops.sampling import GUMBEL_ROWS
 from dspark.params import SamplingParams
 from dspark.session import DsparkSpecSession, SpecParams
 
@@ -31,6 +37,7 @@ SAMPLED = SamplingParams(temperature=0.3, seed=1)
 
 def round_ms(trunk, drafter, prompt, sampling, n: int) -> tuple[float, float]:
     """(milliseconds a round, tokens a round) over n rounds after 3 untimed ones."""
+    GUMBEL_ROWS.clear()
     s = DsparkSpecSession.prime(trunk, drafter, prompt, SpecParams(max_new_tokens=10**6, policy="always",
                                                                    sampling=sampling or SamplingParams(),
                                                                    capture=False))
@@ -46,6 +53,7 @@ def round_ms(trunk, drafter, prompt, sampling, n: int) -> tuple[float, float]:
 
 def step_ms(trunk, prompt, sampling, n: int) -> float:
     """Milliseconds a plain decode step over n steps after 3 untimed ones."""
+    GUMBEL_ROWS.clear()
     cache = trunk.new_cache()
     last, _ = prefill_anchor(trunk, cache, prompt, sampling)
     batch = PlainBatch(trunk)
@@ -65,12 +73,14 @@ def main(argv=None) -> None:
     ap.add_argument("--backend", default="numpy")
     ap.add_argument("--rounds", type=int, default=40)
     ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--proposals", action="store_true",
+                    help="also coupled rounds whose proposal is the launches' (propose_by_slots)")
     args = ap.parse_args(argv)
     be = dspark.get_backend(args.backend)
     trunk, drafter = load_default(be)
     prompt = encode(DEMO_PROMPT)
-    runs = {k: [] for k in ("greedy round", "coupled round", "greedy step", "sampled step")}
-    tokens = {"greedy round": [], "coupled round": []}
+    runs = {k: [] for k in ("greedy round", "coupled round", "greedy step", "sampled step", "by slots")}
+    tokens = {"greedy round": [], "coupled round": [], "by slots": []}
     with threadpool_limits(limits=1, user_api="blas"):
         for i in range(args.repeat):
             order = [("greedy", None), ("sampled", SAMPLED)]
@@ -80,11 +90,24 @@ def main(argv=None) -> None:
                 runs[kind].append(ms)
                 tokens[kind].append(tok)
                 runs[f"{name} step"].append(step_ms(trunk, prompt, sampling, args.rounds))
+            if args.proposals:
+                host, spec_sampling.propose_on_host = spec_sampling.propose_on_host, spec_sampling.propose_by_slots
+                try:
+                    ms, tok = round_ms(trunk, drafter, prompt, SAMPLED, args.rounds)
+                finally:
+                    spec_sampling.propose_on_host = host
+                runs["by slots"].append(ms)
+                tokens["by slots"].append(tok)
     med = {k: float(np.median(v)) for k, v in runs.items()}
     print(f"embedded pair on {be.name}, demo prompt, {args.rounds} rounds / steps, median of {args.repeat}")
     for kind, step in (("greedy round", "greedy step"), ("coupled round", "sampled step")):
         print(f"{kind:>14}: {med[kind]:7.2f} ms, {np.mean(tokens[kind]):.2f} tokens a round, "
               f"{med[kind] / med[step]:.2f} plain steps ({step} {med[step]:.2f} ms)")
+    if args.proposals:
+        pair = np.array(runs["coupled round"]) / np.array(runs["by slots"])
+        print(f"{'by slots':>14}: {med['by slots']:7.2f} ms, {np.mean(tokens['by slots']):.2f} tokens a round, "
+              f"{med['by slots'] / med['sampled step']:.2f} plain steps; the host chain's round over it: "
+              f"{np.median(pair):.2f} (paired {pair.min():.2f}-{pair.max():.2f})")
 
 
 if __name__ == "__main__":

@@ -39,6 +39,20 @@ def test_generate_greedy_spec_equals_no_spec(capsys):
     assert rc1 == rc2 == 0 and spec == plain and spec.startswith("def main():\n")
 
 
+def test_generate_no_spec_runs_no_speculative_session(capsys, monkeypatch):
+    """--no-spec pays for no speculative warm-up (no session is primed at all); without it the
+    warm-up primes one before the request's own."""
+    from dspark.session import DsparkSpecSession
+    primed = []
+    prime = DsparkSpecSession.prime.__func__
+    monkeypatch.setattr(DsparkSpecSession, "prime",
+                        classmethod(lambda cls, *a, **k: primed.append(1) or prime(cls, *a, **k)))
+    assert run(capsys, "generate", "def f", "--max-new-tokens", "4", "--no-spec")[0] == 0
+    assert primed == []
+    assert run(capsys, "generate", "def f", "--max-new-tokens", "4", "--policy", "always")[0] == 0
+    assert len(primed) == 2
+
+
 def test_generate_sampled_is_seeded(capsys):
     """The same seed, the same text: twice, and (the coupled sampler, the default) with and
     without speculation; the rejection sampler's text is its own, but seeded too."""

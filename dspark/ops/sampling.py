@@ -250,8 +250,10 @@ def _gumbel_max(d, keep, seed, counter, stream):
     return np.where(keep.any(axis=1), score.argmax(axis=1), -1)
 
 
-def sample_filtered_ref(x, filters, streams, method: str = "gumbel", with_dist: bool = False) -> dict:
-    """Reference of sample_filtered_<dt>: filter_rows' dict plus token, prob (and dist)."""
+def sample_filtered_ref(x, filters, streams, method: str = "gumbel", with_dist: bool = False,
+                        with_prob: bool = True) -> dict:
+    """Reference of sample_filtered_<dt>: filter_rows' dict plus token, prob (and dist; no prob
+    without `with_prob`)."""
     r = filter_rows(x, filters)
     rows, vocab = np.shape(x)
     kept, total = r["kept"], r["total"]
@@ -264,12 +266,14 @@ def sample_filtered_ref(x, filters, streams, method: str = "gumbel", with_dist: 
         x0 = philox.draw_words(np.asarray(streams.seed)[live], np.asarray(streams.counter)[live],
                                np.asarray(streams.stream)[live], 0)
         token[live] = inverse_cdf(kept[live], x0)[0]
-    prob = np.where(r["status"] == ROW_OK, np.where(r["greedy"], f32(1), f32(0)), f32(0)).astype(f32)
-    picked = live & (token >= 0)
-    if picked.any():
-        w_tok = np.take_along_axis(kept[picked], token[picked][:, None].astype(np.intp), axis=1)[:, 0]
-        prob[picked] = ratio(w_tok, total[picked])
-    r.update(token=token, prob=prob)
+    r["token"] = token
+    if with_prob:
+        prob = np.where(r["status"] == ROW_OK, np.where(r["greedy"], f32(1), f32(0)), f32(0)).astype(f32)
+        picked = live & (token >= 0)
+        if picked.any():
+            w_tok = np.take_along_axis(kept[picked], token[picked][:, None].astype(np.intp), axis=1)[:, 0]
+            prob[picked] = ratio(w_tok, total[picked])
+        r["prob"] = prob
     if with_dist:
         dist = np.zeros((rows, vocab), f32)
         dist[live] = ratio(kept[live], total[live][:, None])

@@ -145,6 +145,32 @@ def test_coupled_accept_is_batch_invariant(kernel_backend, rng):
         np.testing.assert_array_equal(alone["picks"], batch["picks"][rows])
 
 
+def test_a_padded_column_is_never_accepted_where_the_pick_is_token_0(any_backend, rng):
+    """dspark.graphs verifies a batch at its widest session's width, a shorter session's candidates
+    padded with PAD past its own columns. Its (m, next) equal its unpadded accept's, also where
+    the pick of its last own column, and of every padded column, is token 0: a real id, so a PAD
+    equal to it would be taken for an agreeing draft and the walk would run into the padding."""
+    from dspark.ops.coupled import PAD
+    be, W, vocab = any_backend, 4, 258
+    x, cand, f, s = coupled_batch(rng, [W, W], vocab)
+    own = 2                                   # session 0's own width; session 1 verifies all W
+    x[: W, 0] = np.asarray(x[: W], f32).max(axis=1) + 64   # every column of session 0 picks token 0
+    f = Filters(*(np.asarray(a).copy() for a in (f.temperature, f.top_k, f.top_p, f.min_p)))
+    f.temperature[:W], f.top_k[:W], f.top_p[:W], f.min_p[:W] = 0.8, 0, 0.95, 0.0
+    cand[1] = 0                               # its one draft agrees with column 0's pick
+    padded = cand.copy()
+    padded[own:W] = PAD
+    got = run_coupled(be, x, padded, [W, W], f, s)
+    assert got["picks"][:W].tolist() == [0] * W
+    rows = slice(0, own)
+    alone = run_coupled(be, x[rows], cand[rows], [own],
+                        Filters(*(np.asarray(a)[rows] for a in (f.temperature, f.top_k, f.top_p, f.min_p))),
+                        Streams(*(np.asarray(a)[rows] for a in (s.seed, s.counter, s.stream))))
+    assert (got["m"][0], got["next"][0]) == (alone["m"][0], alone["next"][0]) == (own - 1, 0)
+    whole = run_coupled(be, x, cand, [W, W], f, s)
+    assert (got["m"][1], got["next"][1]) == (whole["m"][1], whole["next"][1])
+
+
 def test_equal_rows_and_noise_agree_everywhere(any_backend, rng):
     """A drafter whose filtered row equals the target's, drawing with the same position's noise,
     proposes the target's pick: every draft is accepted, the bonus is the last column's pick."""

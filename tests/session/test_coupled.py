@@ -215,3 +215,37 @@ def test_rules_do_not_mix_and_rejection_sessions_are_not_demoted(numpy_backend, 
         s.close()
     with pytest.raises(ValueError, match="SpecParams.sampler='gumbel'"):
         SpecParams(sampler="gumbel")
+
+
+def test_the_host_proposal_is_the_launches_proposal(numpy_backend, shipped, monkeypatch):
+    """The host reference's coupled proposal (spec_sampling.propose_on_host: checks made once,
+    noise drawn ahead, the Markov bias from a table, no prob) proposes, round by round, the
+    drafts, confidences and statuses of the launches' (propose_by_slots: markov_logits and
+    sample_filtered per slot), for a batch of sessions with their own filters, seeds and
+    positions. The streams stay exact whatever the drafter proposes, so a slot
+    drawn with another slot's stream or another row's filter shows only here."""
+    trunk, drafter = shipped(numpy_backend)
+    held = [np.frombuffer(b"def walk(root):\n    for ", np.uint8), np.frombuffer(b"import os\nx = [", np.uint8),
+            np.frombuffer(b"class A:\n", np.uint8)]
+    samplings = [SamplingParams(temperature=0.3, seed=5), SamplingParams(temperature=0.8, top_p=0.95, seed=6),
+                 SamplingParams(temperature=1.0, top_k=20, min_p=0.05, seed=7)]
+    real, seen = spec_sampling.coupled_proposals, []
+    monkeypatch.setattr(spec_sampling, "coupled_proposals",
+                        lambda d, B, got: seen.append({k: v.copy() for k, v in got.items()}) or real(d, B, got))
+
+    def proposals(propose):
+        monkeypatch.setattr(spec_sampling, "propose_on_host", propose)
+        seen.clear()
+        batch = [prime(trunk, drafter, p.astype(np.int32), sp, max_new_tokens=24) for p, sp in zip(held, samplings)]
+        while not all(s.finished() for s in batch):
+            spec_burst(batch)
+        out = [s.emitted for s in batch]
+        for s in batch:
+            s.close()
+        return list(seen), out
+
+    lean, lean_out = proposals(spec_sampling.propose_on_host)
+    each, each_out = proposals(spec_sampling.propose_by_slots)
+    assert lean_out == each_out and len(lean) == len(each) >= 4
+    for a, b in zip(lean, each):
+        assert a.keys() == b.keys() and all(np.array_equal(a[k], b[k]) for k in a)
