@@ -305,8 +305,3 @@ def accept_rejection(live, tp, cands, q, vts):
         s.counter += 1
     return m, nxt
 
-
-def sample_plain(be, logits, seqs) -> np.ndarray:
-    """Plain sampled decode: each sequence's pick of the token at its cache position (the row its
-    next token will fill), the same pick a coupled session makes there."""
-    return pick_at(be, logits, [s.sampling for s in seqs], [s.cache.pos for s in seqs])
