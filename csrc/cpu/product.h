@@ -22,6 +22,10 @@
 //   tile of fewer vectors if its columns are whole vectors; a transposed w (a tied LM head) and
 //   a last panel with a partial vector are widened into a contiguous panel first (`pack`). Each
 //   weight is read from memory once per strip.
+// * A panel-major w (the loader's layout of the numpy backend's trunk matrices, `panel_columns`):
+//   each 48-column panel's [K][48] block is contiguous, so the same tiles walk a panel's whole K
+//   from one run of memory (a row-major w gives them 192 bytes every N floats, a page every few
+//   rows) for any number of rows, the first group of rows fetching 32 rows ahead.
 //
 // This header is compiled once per instruction set, inside namespace DSPARK_CPU_ISA, with the
 // vector width and tile shape that set's registers hold (generic GCC/Clang vector extensions).
