@@ -114,10 +114,10 @@ class Panelled:
         if w.ndim != 2:
             raise ValueError(f"w has shape {w.shape}: expected [K, N]")
         k, n = w.shape
-        p = -(-n // PANEL)
-        padded = np.zeros((k, p * PANEL), w.dtype)
-        padded[:, :n] = w
-        self.panels = np.ascontiguousarray(padded.reshape(k, p, PANEL).transpose(1, 0, 2))
+        self.panels = np.zeros((-(-n // PANEL), k, PANEL), w.dtype)  # w and this at once while loading, no more
+        for i, at in enumerate(range(0, n, PANEL)):
+            part = w[:, at : at + PANEL]
+            self.panels[i, :, : part.shape[1]] = part
         self.shape, self.dtype = (k, n), w.dtype
 
     @property
