@@ -2,7 +2,7 @@
 checkpoint, in one process, interleaved, with the same threads.
 
     python profiling/bench_cpu.py [--arch qwen3_5 qwen3] [--threads 1 2] [--size 300m] [--prompt 32]
-                                  [--steps 8] [--repeats 5]
+                                  [--steps 8] [--repeats 5] [--rowmajor]
 
 For each architecture a checkpoint of a few hundred million parameters (--size 300m; `tiny` for a
 smoke run) is built with transformers' own classes from a seeded random init, its matrices redrawn
@@ -108,7 +108,8 @@ class Clocked:
             module.linear = original
 
 
-def run(arch: str, size: str, threads_list, prompt_len: int, steps: int, repeats: int, seed: int = 0) -> list[dict]:
+def run(arch: str, size: str, threads_list, prompt_len: int, steps: int, repeats: int, seed: int = 0,
+        rowmajor: bool = False) -> list[dict]:
     import torch
     import transformers
     from threadpoolctl import threadpool_limits
@@ -122,6 +123,11 @@ def run(arch: str, size: str, threads_list, prompt_len: int, steps: int, repeats
         params = build_checkpoint(arch, size, d, seed)
         hf = transformers.AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
         trunk = load_target(d, "numpy", max_ctx=prompt_len + steps + VERIFY + 8)
+        if rowmajor:
+            from dspark.ops.product import Panelled
+            for name, w in trunk.w.items():
+                if isinstance(w, Panelled):
+                    trunk.w[name] = np.asarray(w)
         vocab = trunk.config.vocab
         prompt = np.random.default_rng(seed).integers(0, vocab, prompt_len).astype(np.int32)
         cand = np.random.default_rng(seed + 1).integers(0, vocab, VERIFY).astype(np.int32)
@@ -212,10 +218,11 @@ def main(argv=None) -> int:
     ap.add_argument("--prompt", type=int, default=32)
     ap.add_argument("--steps", type=int, default=8, help="decode steps per round")
     ap.add_argument("--repeats", type=int, default=5, help="rounds, interleaved")
+    ap.add_argument("--rowmajor", action="store_true", help="dspark's matrices row-major (not panel-major)")
     args = ap.parse_args(argv)
     rows = []
     for arch in args.arch:
-        rows += run(arch, args.size, args.threads, args.prompt, args.steps, args.repeats)
+        rows += run(arch, args.size, args.threads, args.prompt, args.steps, args.repeats, rowmajor=args.rowmajor)
     report(rows)
     return 0 if all(r["same"] for r in rows) else 1
 

@@ -19,11 +19,11 @@
 namespace py = pybind11;
 
 namespace dspark_cpu {
-void product_avx2(int, const float*, const void*, bool, float*, ptrdiff_t, ptrdiff_t, ptrdiff_t, ptrdiff_t, ptrdiff_t,
+void product_avx2(int, const float*, const void*, int, float*, ptrdiff_t, ptrdiff_t, ptrdiff_t, ptrdiff_t, ptrdiff_t,
                   ptrdiff_t, ptrdiff_t, float*, float*);
-void product_base(int, const float*, const void*, bool, float*, ptrdiff_t, ptrdiff_t, ptrdiff_t, ptrdiff_t, ptrdiff_t,
+void product_base(int, const float*, const void*, int, float*, ptrdiff_t, ptrdiff_t, ptrdiff_t, ptrdiff_t, ptrdiff_t,
                   ptrdiff_t, ptrdiff_t, float*, float*);
-void product_avx512(int, const float*, const void*, bool, float*, ptrdiff_t, ptrdiff_t, ptrdiff_t, ptrdiff_t, ptrdiff_t,
+void product_avx512(int, const float*, const void*, int, float*, ptrdiff_t, ptrdiff_t, ptrdiff_t, ptrdiff_t, ptrdiff_t,
                     ptrdiff_t, ptrdiff_t, float*, float*);
 void delta_columns(float* S, const float* q, const float* k, const float* v, const float* alpha, const float* beta,
                    const int* indptr, int heads, int dv, int dk, float* out, float* ckpt, int p0, int p1);
@@ -34,7 +34,7 @@ void attention_weighted(const float* p, const float* v, int n, int hkv, int g, i
 
 namespace {
 
-using Product = void (*)(int, const float*, const void*, bool, float*, ptrdiff_t, ptrdiff_t, ptrdiff_t, ptrdiff_t,
+using Product = void (*)(int, const float*, const void*, int, float*, ptrdiff_t, ptrdiff_t, ptrdiff_t, ptrdiff_t,
                          ptrdiff_t, ptrdiff_t, ptrdiff_t, float*, float*);
 
 // Each thread's accumulators and panel (product.h), kept between calls.
@@ -203,7 +203,7 @@ Pool& pool() {
 // the last piece can end in a narrower panel; any split gives the same bits (each output's order
 // is fixed by K).
 // The arrays are C-contiguous host arrays that Python checked.
-void product(int dtype, const py::array& x, const py::array& w, bool transposed, py::array& out, ptrdiff_t rows,
+void product(int dtype, const py::array& x, const py::array& w, int layout, py::array& out, ptrdiff_t rows,
              ptrdiff_t K, ptrdiff_t N, int threads, ptrdiff_t strip, ptrdiff_t kblock, const std::string& which) {
   Product fn = product_of(which.empty() ? isa() : which);
   const float* xp = static_cast<const float*>(x.data());
@@ -220,7 +220,7 @@ void product(int dtype, const py::array& x, const py::array& w, bool transposed,
     const ptrdiff_t c0 = std::min(N, units * i / parts * align), c1 = std::min(N, units * (i + 1) / parts * align);
     if (c0 < c1) {
       float* acc = scratch(acc_floats + pack_floats);
-      fn(dtype, xp, wp, transposed, op, rows, K, N, c0, c1, strip, kblock, acc, acc + acc_floats);
+      fn(dtype, xp, wp, layout, op, rows, K, N, c0, c1, strip, kblock, acc, acc + acc_floats);
     }
   };
   py::gil_scoped_release release;
@@ -280,10 +280,10 @@ void attention_weighted(const py::array& p, const py::array& v, int n, int hkv, 
 
 PYBIND11_MODULE(_cpu, m) {
   m.doc() = "dspark's native CPU code for the numpy backend (csrc/cpu)";
-  m.def("product", &product, py::arg("dtype"), py::arg("x"), py::arg("w"), py::arg("transposed"), py::arg("out"),
+  m.def("product", &product, py::arg("dtype"), py::arg("x"), py::arg("w"), py::arg("layout"), py::arg("out"),
         py::arg("rows"),
         py::arg("k"), py::arg("n"), py::arg("threads"), py::arg("strip"), py::arg("kblock"), py::arg("isa") = "",
-        "out f32 [rows, N] = x f32 [rows, K] @ w [K, N] (dtype 0 f32, 1 f16, 2 bf16; w given as w^T [N, K] when transposed)");
+        "out f32 [rows, N] = x f32 [rows, K] @ w [K, N] (dtype 0 f32, 1 f16, 2 bf16; layout 0: w [K, N]; 1: w given as w^T [N, K]; 2: w panel-major, dspark.ops.product.Panelled)");
   m.def("isa", [] { return isa(); }, "the instruction set in use: avx512, avx2 or base");
   m.def("delta_columns", &delta_columns, py::arg("S"), py::arg("q"), py::arg("k"), py::arg("v"), py::arg("alpha"),
         py::arg("beta"), py::arg("indptr"), py::arg("sessions"), py::arg("heads"), py::arg("dv"), py::arg("dk"),

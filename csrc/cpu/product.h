@@ -22,6 +22,10 @@
 //   tile of fewer vectors if its columns are whole vectors; a transposed w (a tied LM head) and
 //   a last panel with a partial vector are widened into a contiguous panel first (`pack`). Each
 //   weight is read from memory once per strip.
+// * A panel-major w (the loader's layout of the numpy backend's trunk matrices, `panel_columns`):
+//   each 48-column panel's [K][48] block is contiguous, so the same tiles walk a panel's whole K
+//   from one run of memory (a row-major w gives them 192 bytes every N floats, a page every few
+//   rows) for any number of rows, the first group of rows fetching 32 rows ahead.
 //
 // This header is compiled once per instruction set, inside namespace DSPARK_CPU_ISA, with the
 // vector width and tile shape that set's registers hold (generic GCC/Clang vector extensions).
@@ -415,10 +419,57 @@ static void columns(const float* x, const void* w, bool transposed, float* out, 
   }
 }
 
-// This instruction set's entry point (module.cpp picks one at run time).
-inline void product_columns(int dtype, const float* x, const void* w, bool transposed, float* out, ptrdiff_t rows,
+// ---- w panel-major (a weight the loader laid out for this product) --------------------------------
+// w's columns [kLayoutPanel p, kLayoutPanel (p + 1)) stored as one [K][kLayoutPanel] block at
+// w + kLayoutPanel p K, zero past N (dspark.ops.product.Panelled). A tile walks a block's whole K in
+// order from one contiguous run of memory (the k walk of a row-major w strides N floats and crosses
+// a page every few rows), fetching kFetchRows rows ahead (into the next block at the end). Each
+// group of rows walks the block: the first from memory, the next ones from cache. One and two rows
+// take the same tiles (3 vectors of 1 or 2 rows): as fast as `stream` on one row, the same order.
+constexpr int kLayoutPanel = 48;  // a multiple of every build's kPanel's vectors (48, 24, 12 columns)
+constexpr int kFetchRows = 32;
+static_assert(kLayoutPanel % kLanes == 0, "a layout panel holds whole vectors");
+
+template <int DT>
+static void panel_columns(const float* x, const void* w, float* out, ptrdiff_t rows, ptrdiff_t K, ptrdiff_t N,
+                          ptrdiff_t c0, ptrdiff_t c1, float* acc) {
+  using T = typename Weights<DT>::T;
+  constexpr ptrdiff_t lda = kLayoutPanel + 16;  // accumulator rows a line apart beyond the panel
+  const int groups = int((rows + kTileRows - 1) / kTileRows);
+  for (ptrdiff_t n = c0; n < c1; n += kLayoutPanel) {
+    const T* wp = static_cast<const T*>(w) + n * K;  // module.cpp's pieces start on a panel
+    const int pcols = int(c1 - n < kLayoutPanel ? c1 - n : kLayoutPanel);
+    for (ptrdiff_t r = 0; r < rows; ++r)
+      for (int j = 0; j < kLayoutPanel; ++j) acc[r * lda + j] = 0.0f;
+    for (int j0 = 0; j0 < pcols; j0 += kPanel) {  // whole vectors: the zeros past N are read, not kept
+      const int vecs = (pcols - j0 + kLanes - 1) / kLanes < kTileVecs ? (pcols - j0 + kLanes - 1) / kLanes : kTileVecs;
+      for (int g = 0; g < groups; ++g) {
+        const ptrdiff_t r0 = rows * g / groups, r1 = rows * (g + 1) / groups;
+        if (g == 0)
+          tile_of<DT, kTileRows, kTileVecs, true>(int(r1 - r0), vecs, x, K, wp + j0, kLayoutPanel, K, acc + j0, lda,
+                                                  kFetchRows * kLayoutPanel);
+        else
+          tile_of<DT, kTileRows, kTileVecs, false>(int(r1 - r0), vecs, x + r0 * K, K, wp + j0, kLayoutPanel, K,
+                                                   acc + r0 * lda + j0, lda, 0);
+      }
+    }
+    for (ptrdiff_t r = 0; r < rows; ++r) __builtin_memcpy(out + r * N + n, acc + r * lda, sizeof(float) * pcols);
+  }
+}
+
+// This instruction set's entry point (module.cpp picks one at run time). layout: 0 w [K, N] as
+// stored, 1 w given as e = w^T [N, K], 2 w panel-major (panel_columns).
+inline void product_columns(int dtype, const float* x, const void* w, int layout, float* out, ptrdiff_t rows,
                             ptrdiff_t K, ptrdiff_t N, ptrdiff_t c0, ptrdiff_t c1, ptrdiff_t strip, ptrdiff_t kblock,
                             float* acc, float* buf) {
+  if (layout == 2) {
+    switch (dtype) {
+      case kF32: return panel_columns<kF32>(x, w, out, rows, K, N, c0, c1, acc);
+      case kF16: return panel_columns<kF16>(x, w, out, rows, K, N, c0, c1, acc);
+      default: return panel_columns<kBF16>(x, w, out, rows, K, N, c0, c1, acc);
+    }
+  }
+  const bool transposed = layout == 1;
   switch (dtype) {
     case kF32: return columns<kF32>(x, w, transposed, out, rows, K, N, c0, c1, strip, kblock, acc, buf);
     case kF16: return columns<kF16>(x, w, transposed, out, rows, K, N, c0, c1, strip, kblock, acc, buf);

@@ -21,9 +21,9 @@
 #include "product.h"
 
 namespace dspark_cpu {
-void product_avx512(int dtype, const float* x, const void* w, bool transposed, float* out, ptrdiff_t rows, ptrdiff_t K,
+void product_avx512(int dtype, const float* x, const void* w, int layout, float* out, ptrdiff_t rows, ptrdiff_t K,
                     ptrdiff_t N, ptrdiff_t c0, ptrdiff_t c1, ptrdiff_t strip, ptrdiff_t kblock, float* acc, float* buf) {
-  avx512::product_columns(dtype, x, w, transposed, out, rows, K, N, c0, c1, strip, kblock, acc, buf);
+  avx512::product_columns(dtype, x, w, layout, out, rows, K, N, c0, c1, strip, kblock, acc, buf);
 }
 }  // namespace dspark_cpu
 

@@ -204,24 +204,39 @@ def storage_dtype(name: str, shape, dtype) -> np.dtype:
     return F32 if len(shape) == 1 or name.rsplit(".", 1)[-1] in F32_ONLY else np.dtype(dtype)
 
 
+# The matrices the trunk multiplies by (dspark.models.trunk's `linear` calls): on the numpy backend
+# with its native product they are laid out panel-major (dspark.ops.product.Panelled) in place of
+# the row-major array, the same bits, a verify's tiles reading w sequentially.
+PRODUCT_MATRICES = ("attn.wqkv", "attn.wo", "gdn.w_in", "gdn.wo", "mlp.w_gate_up", "mlp.w_down", "lm_head")
+
+
+def _laid_out(be, name: str, arr):
+    from ..ops import product
+    if be.kernels is None and product.NATIVE and any(name == m or name.endswith("." + m) for m in PRODUCT_MATRICES):
+        return product.Panelled(arr)
+    return arr
+
+
 def _trunk_layout(be, c: TrunkConfig, shapes: dict, make, progress=None) -> dict:
     """name -> backend array: `make(names)` gives one array of the named tensors side by side (a
-    fused group) or of one tensor, owned by 'weights'; each part of a group is a column view."""
+    fused group) or of one tensor, owned by 'weights'; each part of a group is a column view (of a
+    panel-major matrix, a PanelledColumns)."""
+    from ..ops.product import Panelled, PanelledColumns
     out = {}
     done = progress or (lambda name: None)
     groups = fused_parts(list(shapes))
     grouped = {q for parts in groups.values() for q in parts}
     for name in shapes:
         if name not in grouped:
-            out[name] = be.alloc.adopt(make((name,)), "weights")
+            out[name] = be.alloc.adopt(_laid_out(be, name, make((name,))), "weights")
             done(name)
     for fused, parts in groups.items():
-        dev = be.alloc.adopt(make(parts), "weights")
+        dev = be.alloc.adopt(_laid_out(be, fused, make(parts)), "weights")
         out[fused] = dev
         at = 0
         for q in parts:
             width = shapes[q][1]
-            out[q] = dev[:, at : at + width]
+            out[q] = PanelledColumns(dev, at, width) if isinstance(dev, Panelled) else dev[:, at : at + width]
             at += width
             done(q)
     if c.tie_embeddings:

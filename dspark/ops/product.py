@@ -99,6 +99,56 @@ def blocking(rows: int, transposed: bool = False) -> tuple[int, int]:
     return 8192, 1  # streamed: long runs of each row of w, accumulators in L1 / L2
 
 
+class Panelled:
+    """A weight w [K, N] laid out for the product: its columns in panels of PANEL, each panel's
+    [K, PANEL] block contiguous (`panels` [P, K, PANEL], zero past N), so that the tiles walk K
+    from one run of memory instead of PANEL columns every N. The loader lays out the numpy
+    backend's matrices so (dspark.models.weights); it replaces the row-major array (one copy, K
+    (P PANEL - N) padding entries more). The product's bits are those of the row-major w. NumPy
+    sees the row-major matrix (np.asarray(w), a copy); `linear` takes it as it is."""
+
+    ndim = 2
+
+    def __init__(self, w):
+        w = np.asarray(w)
+        if w.ndim != 2:
+            raise ValueError(f"w has shape {w.shape}: expected [K, N]")
+        k, n = w.shape
+        self.panels = np.zeros((-(-n // PANEL), k, PANEL), w.dtype)  # w and this at once while loading, no more
+        for i, at in enumerate(range(0, n, PANEL)):
+            part = w[:, at : at + PANEL]
+            self.panels[i, :, : part.shape[1]] = part
+        self.shape, self.dtype = (k, n), w.dtype
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.panels.nbytes)
+
+    def __array__(self, dtype=None, copy=None):
+        k, n = self.shape
+        w = self.panels.transpose(1, 0, 2).reshape(k, -1)[:, :n]
+        return np.ascontiguousarray(w if dtype is None else w.astype(dtype))
+
+
+
+class PanelledColumns:
+    """Columns [at, at + width) of a Panelled matrix (a fused matrix's part): its shape and dtype,
+    and the row-major columns for NumPy (np.asarray, a copy). The trunk multiplies by the whole."""
+
+    ndim = 2
+
+    def __init__(self, whole: Panelled, at: int, width: int):
+        self.whole, self.at = whole, at
+        self.shape, self.dtype = (whole.shape[0], width), whole.dtype
+
+    def __array__(self, dtype=None, copy=None):
+        w = np.asarray(self.whole)[:, self.at : self.at + self.shape[1]]
+        return np.ascontiguousarray(w if dtype is None else w.astype(dtype))
+
+
+PANEL = 48  # csrc/cpu/product.h's kLayoutPanel
+
+
 def product(x: np.ndarray, w: np.ndarray, out: np.ndarray | None = None, *, threads: int | None = None,
             isa: str = "") -> np.ndarray:
     """x f32 [rows, K] @ w [K, N] (f32, f16 or bf16) -> out f32 [rows, N]: x and out C-contiguous
@@ -115,7 +165,8 @@ def product(x: np.ndarray, w: np.ndarray, out: np.ndarray | None = None, *, thre
     if k == 0:
         out[...] = 0
         return out
-    transposed = not w.flags.c_contiguous
+    panelled = isinstance(w, Panelled)
+    transposed = not panelled and not w.flags.c_contiguous
     if transposed and not w.T.flags.c_contiguous:
         w, transposed = np.ascontiguousarray(w), False
     if not NATIVE:  # its twin: the same bits, slower
@@ -126,8 +177,8 @@ def product(x: np.ndarray, w: np.ndarray, out: np.ndarray | None = None, *, thre
     if threads is None:  # a small product is not worth waking a thread for
         threads = max(1, min(get_num_threads(), k * n * (rows + 4) // WORK_PER_THREAD))
     strip, kblock = blocking(rows, transposed)
-    _module().product(DTYPE_CODES[w.dtype], x, w.T if transposed else w, transposed, out, rows, k, n, threads,
-                      strip, kblock, isa)
+    stored, layout = (w.panels, 2) if panelled else (w.T, 1) if transposed else (w, 0)
+    _module().product(DTYPE_CODES[w.dtype], x, stored, layout, out, rows, k, n, threads, strip, kblock, isa)
     return out
 
 

@@ -38,26 +38,33 @@ def native(x, w, threads, isa=""):
     return out
 
 
+LAYOUTS = {"rowmajor": lambda w: w, "panelled": prod.Panelled}  # w as stored, and as the loader lays it out
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
 @pytest.mark.parametrize("size", SIZES, ids=[f"{r}x{k}x{n}" for r, k, n in SIZES])
 def test_native_equals_its_twin_bitwise(rng, size, dtype):
     x, w = inputs(rng, *size, dtype)
     expect = prod.product_ref(x, w)
-    for isa in ISAS:
-        for threads in (1, 2, 3):
-            np.testing.assert_array_equal(native(x, w, threads, isa), expect, err_msg=f"{isa}, {threads} threads")
+    for layout, lay in LAYOUTS.items():
+        for isa in ISAS:
+            for threads in (1, 2, 3):
+                np.testing.assert_array_equal(native(x, lay(w), threads, isa), expect,
+                                              err_msg=f"{layout}, {isa}, {threads} threads")
     # and within f32 rounding of the BLAS chunks the other orders are held to
     bound = TOLERANCE * (np.abs(x).astype(np.float64) @ np.abs(w.astype(np.float32)).astype(np.float64)) + 1e-30
     assert np.all(np.abs(expect.astype(np.float64) - linear_numpy(x, w)) <= bound)
 
 
+@pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
-def test_a_row_alone_equals_the_row_in_any_product(rng, dtype, threads):
-    """Rows 1, 2, 7, 8, 9, 33 and 300: both kernels (streamed, packed), several strips, blocks of
-    K and column splits; a row's bits never change."""
+def test_a_row_alone_equals_the_row_in_any_product(rng, dtype, threads, layout):
+    """Rows 1, 2, 7, 8, 9, 33 and 300: every kernel (streamed, tiled in place, packed, panel-major),
+    several strips, blocks of K and column splits; a row's bits never change."""
     k, n = 300, 700
     x, w = inputs(rng, 300, k, n, dtype)
+    w = LAYOUTS[layout](w)
     alone = np.concatenate([native(x[i : i + 1], w, threads) for i in range(300)])
     for rows in (1, 2, 7, 8, 9, 33, 300):
         np.testing.assert_array_equal(native(x[:rows], w, threads), alone[:rows], err_msg=f"{rows} rows")
@@ -114,6 +121,10 @@ def test_linear_on_the_numpy_backend_is_the_native_product(numpy_backend, rng):
     np.testing.assert_array_equal(view, out)
     with pytest.raises(ShapeError, match=r"w has shape \(99, 77\): expected \(100, N\)"):
         linear(numpy_backend, x, w[:99])
+    # the loader's panel-major layout: the same bits through the op, the same checks
+    np.testing.assert_array_equal(linear(numpy_backend, x, prod.Panelled(w), out=poison(np, (6, 77), np.float32)), out)
+    with pytest.raises(ShapeError, match=r"w has shape \(99, 77\): expected \(100, N\)"):
+        linear(numpy_backend, x, prod.Panelled(w[:99]))
 
 
 def test_thread_count_setting(monkeypatch):
@@ -186,3 +197,17 @@ def test_a_forked_child_multiplies_with_threads_of_its_own(rng):
     with ctx.Pool(1) as p:
         got = p.apply_async(prod.product, (x, w), dict(threads=2)).get(timeout=60)
     np.testing.assert_array_equal(got, expect)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+def test_a_panelled_weight_holds_the_matrix(rng, dtype):
+    """Panelled keeps every entry (its last panel zero past N) and NumPy sees the row-major matrix."""
+    for k, n in ((1, 1), (5, 47), (7, 48), (3, 49), (64, 1000)):
+        w = (rng.standard_normal((k, n))).astype(dtype)
+        p = prod.Panelled(w)
+        assert p.shape == (k, n) and p.dtype == w.dtype and p.panels.shape == (-(-n // prod.PANEL), k, prod.PANEL)
+        assert np.array_equal(np.asarray(p).view(np.uint8), w.view(np.uint8))
+        assert not prod.widen(p.panels[-1][:, n - (p.panels.shape[0] - 1) * prod.PANEL :]).any()  # zeros past N
+        part = prod.PanelledColumns(p, n // 3, n - n // 3)
+        assert part.shape == (k, n - n // 3) and np.array_equal(np.asarray(part).view(np.uint8),
+                                                                 w[:, n // 3 :].view(np.uint8))

@@ -313,3 +313,28 @@ def test_max_ctx_up_to_max_position_embeddings(saved, numpy_backend):
     assert load_target(d, numpy_backend, max_ctx=256).new_cache().capacity == 256
     with pytest.raises(CheckpointError, match="max_ctx=257: expected 1 to the model's max_position_embeddings=256"):
         load_target(d, numpy_backend, max_ctx=257)
+
+
+def test_numpy_backend_matrices_are_panel_major_and_change_no_bit(saved, numpy_backend):
+    """On the numpy backend the loader lays the trunk's matrices out panel-major (Panelled, one
+    copy), each fused part still reads as its columns, and the logits are bitwise those of the same
+    trunk with its matrices row-major."""
+    from dspark.models.weights import PRODUCT_MATRICES
+    from dspark.ops import product as prod
+    case = next(c for c in CASES if c.family != "qwen3")
+    d, _ = saved(case)
+    panelled, rowmajor = load_target(d, numpy_backend), load_target(d, numpy_backend)
+    laid = [n for n, w in panelled.w.items() if isinstance(w, prod.Panelled)]
+    assert laid and all(any(n == m or n.endswith("." + m) for m in PRODUCT_MATRICES) for n in laid)
+    assert "layers.0.gdn.w_in" in laid and "layers.0.mlp.w_down" in laid
+    qkv = panelled.w["layers.0.gdn.w_qkv"]
+    assert np.array_equal(np.asarray(qkv), np.asarray(panelled.w["layers.0.gdn.w_in"])[:, : qkv.shape[1]])
+    for n in laid:
+        rowmajor.w[n] = np.asarray(panelled.w[n])
+    p = prompt_of(case)
+    ca, cb = panelled.new_cache(), rowmajor.new_cache()
+    assert np.array_equal(panelled.prefill(ca, p).logits, rowmajor.prefill(cb, p).logits)
+    for tok in p[:3]:
+        assert np.array_equal(panelled.decode([ca], [tok]).logits, rowmajor.decode([cb], [tok]).logits)
+    cand = np.asarray(p[:5], np.int32)
+    assert np.array_equal(panelled.verify([ca], [cand]).logits, rowmajor.verify([cb], [cand]).logits)
