@@ -82,7 +82,7 @@ class PlainBatch:
         pass already decoded ({sequence id: token}, for exactly the sequences `riders()` named:
         dspark.session.spec_round with riders); then no decode runs here."""
         live = [s for s in self.active() if only is None or s.id in only]
-        todo = [s for s in live if not self._ends(s, s.last, 1)]
+        todo = [s for s in self.riders() if only is None or s.id in only]
         if picks is not None and {s.id for s in todo} != set(picks):
             raise StateError(f"picks for sequences {sorted(picks)}: expected exactly the riders "
                              f"{sorted(s.id for s in todo)}")

@@ -24,6 +24,7 @@ from .dense import widen
 F32 = np.float32
 DTYPE_CODES = {np.dtype(np.float32): 0, np.dtype(np.float16): 1, BF16: 2}
 WORK_PER_THREAD = 1 << 21   # K N (rows + 4) (reading a weight costs about four rows): less runs on one thread
+PANEL = 48  # columns of a Panelled weight's panel: csrc/cpu/product.h's kLayoutPanel
 
 _threads: int | None = None
 
@@ -130,7 +131,6 @@ class Panelled:
         return np.ascontiguousarray(w if dtype is None else w.astype(dtype))
 
 
-
 class PanelledColumns:
     """Columns [at, at + width) of a Panelled matrix (a fused matrix's part): its shape and dtype,
     and the row-major columns for NumPy (np.asarray, a copy). The trunk multiplies by the whole."""
@@ -142,11 +142,11 @@ class PanelledColumns:
         self.shape, self.dtype = (whole.shape[0], width), whole.dtype
 
     def __array__(self, dtype=None, copy=None):
-        w = np.asarray(self.whole)[:, self.at : self.at + self.shape[1]]
+        k, width = self.shape
+        first, last = self.at // PANEL, -(-(self.at + width) // PANEL)  # only the panels it spans
+        w = self.whole.panels[first:last].transpose(1, 0, 2).reshape(k, -1)
+        w = w[:, self.at - first * PANEL : self.at - first * PANEL + width]
         return np.ascontiguousarray(w if dtype is None else w.astype(dtype))
-
-
-PANEL = 48  # csrc/cpu/product.h's kLayoutPanel
 
 
 def product(x: np.ndarray, w: np.ndarray, out: np.ndarray | None = None, *, threads: int | None = None,
