@@ -19,6 +19,8 @@ import sys
 import time
 from dataclasses import replace
 
+import numpy as np
+
 from . import __version__, progress
 from .backends import NAMES, backends, cuda_available, get_backend
 from .byte_vocab import decode, encode
@@ -250,14 +252,35 @@ def generate(trunk, drafter, prompt, params, no_spec: bool = False):
     speculative warm-up). Otherwise both paths are warmed on the prompt itself, as the demo does:
     these are also the cost model's first measurements, so they are taken at the context the
     request starts from: plain steps (the process's first, cold passes), the rounds, then plain
-    steps again, measured against the verify level of their time (dspark.cost)."""
+    steps again, each paired with a verify (run_paired)."""
     run_plain(trunk, prompt, 8, params.sampling)
     if no_spec:
         out, dt, _ = run_plain(trunk, prompt, params.max_new_tokens, params.sampling)
         return out, dt, None, "plain: --no-spec"
     run_spec(trunk, drafter, prompt, replace(params, max_new_tokens=8))
-    run_plain(trunk, prompt, 8, params.sampling)
+    run_paired(trunk, drafter, prompt, 8, params.sampling)
     return run_request(trunk, drafter, prompt, params)
+
+
+def run_paired(trunk, drafter, prompt, steps: int, sampling=None) -> None:
+    """Plain steps for the cost model, each just after the trunk's verify of its pending token (one
+    column as a round verifies it; a verify moves no state), both timed: the plain step is kept
+    over the level of a verify taken moments before, as a round over its own verify's, so what a
+    round costs in plain steps does not rest on how the machine's speed moved between the warm-up
+    and the request (dspark.cost)."""
+    from .cost import cost_model
+    from .decode import PlainBatch, prefill_anchor
+    model = cost_model(trunk.be)
+    cache = trunk.new_cache()
+    last, _ = prefill_anchor(trunk, cache, prompt, sampling)
+    batch = PlainBatch(trunk)
+    sid = batch.join(cache, last, steps, sampling=sampling)
+    while batch.riders():  # a step that decodes
+        with model.timed("verify", 1, cache.pos):
+            trunk.verify([cache], [np.array([batch.sequences[sid].last], np.int32)], taps=drafter.taps)
+        batch.step()
+    batch.leave(sid)
+    cache.free()
 
 
 def body(trunk, out: list[int]) -> list[int]:

@@ -3,30 +3,39 @@
 A round at batch B, verify width w and context c costs `round_cost(B, w, c)` plain steps of batch
 B (plain steps of one row at B = 1). Both are timed where they run (`spec_round` and
 `PlainBatch.step` call `timed`): wall time on the CPU backends, CUDA events on `cuda`, read back
-only once the end event has completed (no synchronisation is added to a round). A plain step's
-measurements update an exponential average per (greedy or sampled, batch, context bucket). A
-round's update the scale of the prior per (accept rule, batch, context bucket): measured seconds over the prior's steps, pooled
+only once the end event has completed (no synchronisation is added to a round).
+
+A speculative run runs no plain steps, while the machine's speed (its load, its clock) and the
+context the passes attend over change, on this CPU by 1.5-2x within a fraction of a second. So
+the verify pass of each round run op by op (a trunk pass at the round's context) is timed too
+("verify"), and every measurement is kept over a level: a verify's seconds over the prior's
+verify at its width. A round is kept over its own verify's level, and a plain step over the
+level of a verify timed just before it where there is one (`dspark generate`'s warm-up times each
+plain step beside a verify of the same sequence: dspark.cli.run_paired), else over the level now:
+the median of the last LEVEL_WINDOW verifies (a process's first, cold pass does not move it).
+Everything is priced at the level now, so what a round costs in plain steps is what each took
+beside a verify of its own moment, whatever the speed did between the warm-up and the request
+(a lagging level read against a round of another moment took the change for cost: on the
+embedded pair it demoted a session that pays). Rounds replayed from CUDA graphs do not time the
+verify apart: with no verify timed the level is 1 and measurements are kept in seconds; the first
+verify timed divides what was kept in seconds by its level.
+
+A plain step's measurements update an exponential average per (greedy or sampled, batch, context
+bucket). A round's update the scale of the prior per (accept rule, batch, context bucket), pooled
 over widths because a round's width varies from round to round and a per-width average would
 rest on a few noisy samples; the prior's shape prices the width. A key never measured is priced
 by the prior at the scale of all measurements of its kind.
 
-A speculative run runs no plain steps (`dspark generate` measures them in its warm-up only, at the
-prompt's context), while the machine's load and the context the steps attend over change. So the
-verify pass of each round run op by op (a trunk pass at the round's context) is timed too
-("verify"; rounds replayed from CUDA graphs do not time it apart, and keep 1), and its
-level, seconds over the prior's verify at that width, is the median of the last LEVEL_WINDOW
-verifies (a process's first, cold pass does not move it): a plain step's measured seconds are
-priced at the level now over the level when they were last measured (the first level known, for
-plain steps measured before any verify). Plain steps measured as often as verifies carry a ratio
-near 1.
-
 The prior is the shape of the cost before anything is measured: a round is a drafter pass and
 fixed host work (ROUND_FIXED plain steps) plus ROUND_PER_COLUMN per verified column, measured on
-the embedded pair (profiling/RESULTS.md, "Speculation where it pays"); a plain step of B rows
-costs 1 + PLAIN_PER_ROW * (B - 1) steps of one row (weights are read once per step). `cuda` uses
-the same prior today: the performance model's per-shape prediction lives in profiling/ and is not
-yet a package module, so it is not this prior; measured rounds replace the prior's scale within a
-few rounds either way.
+the embedded pair (profiling/RESULTS.md, "Speculation where it pays"); the trunk's verify pass
+alone costs 1 + VERIFY_PER_COLUMN per column beyond the first (measured: 1.18 at 8 columns on the
+embedded pair, `python profiling/round_seconds.py --widths`, and 1.16-1.25 on the Qwen targets,
+profiling/bench_cpu.py; a wider shape made a level taken at one width price rounds of another);
+a plain step of B rows costs 1 + PLAIN_PER_ROW * (B - 1) steps of one row (weights are read once
+per step). `cuda` uses the same prior today: the performance model's per-shape prediction lives
+in profiling/ and is not yet a package module, so it is not this prior; measured rounds replace
+the prior's scale within a few rounds either way.
 
 Plain rows riding a round's trunk pass (the worker's mixed passes, dspark.session.Riders) cost
 their marginal rows: `rider_seconds` is the measured slope of plain steps over batch (the prior's
@@ -55,6 +64,7 @@ from dataclasses import dataclass, field
 
 ROUND_FIXED = 1.0        # plain steps: the drafter pass, proposal and host work of a round
 ROUND_PER_COLUMN = 0.16  # plain steps per verified column (the trunk's verify is one pass over w rows)
+VERIFY_PER_COLUMN = 0.025  # the trunk's verify pass alone, per column beyond the first (module doc)
 PLAIN_PER_ROW = 0.25     # a plain step's extra cost per row beyond the first
 SMOOTHING = 0.25         # weight of a new measurement in the exponential averages
 LEVEL_WINDOW = 16        # verify passes whose median is the verify level
@@ -83,6 +93,7 @@ class Prior:
     round_fixed: float = ROUND_FIXED
     round_per_column: float = ROUND_PER_COLUMN
     plain_per_row: float = PLAIN_PER_ROW
+    verify_per_column: float = VERIFY_PER_COLUMN
 
     def plain(self, batch: int, context: int) -> float:
         return 1.0 + self.plain_per_row * (batch - 1)
@@ -92,7 +103,7 @@ class Prior:
 
     def verify(self, batch: int, width: float, context: int) -> float:
         """The trunk's verify pass: a plain step's pass over `width` rows a session."""
-        return self.plain(batch, context) * (1.0 + self.round_per_column * (width - 1.0))
+        return self.plain(batch, context) * (1.0 + self.verify_per_column * (width - 1.0))
 
 
 class WallClock:
@@ -140,14 +151,13 @@ class CostModel:
     prior: Prior = field(default_factory=Prior)
 
     def __post_init__(self):
-        self._rounds: dict[tuple, Average] = {}  # (batch, context bucket): seconds over the prior's steps
-        self._plain: dict[tuple, Average] = {}   # (batch, context bucket): seconds
-        self._scale: dict = {}  # (kind, rule) and kind: measured seconds over the prior's steps
+        self._rounds: dict[tuple, Average] = {}  # (rule, batch, context bucket): seconds over the prior's steps and the level
+        self._plain: dict[tuple, Average] = {}   # (rule, batch, context bucket): seconds over the level
+        self._scale: dict = {}  # (kind, rule) and kind: seconds over the prior's steps and the level
         self._pending: list[tuple] = []
         self._warm: set = set()  # (kind, rule) timed at least once
         self._levels: deque = deque(maxlen=LEVEL_WINDOW)  # verify seconds over the prior's verify
-        self._first_level: float | None = None  # the first level known
-        self._plain_level: dict[tuple, float | None] = {}  # plain key: the level at its last measurement
+        self._paired: float | None = None  # the level of the verify timed since the last round or plain step
 
     # ---- measuring -------------------------------------------------------------------------------
     @contextlib.contextmanager
@@ -190,23 +200,28 @@ class CostModel:
             return  # a clock that did not move (or riders priced above the whole round) says nothing
         key = (rule, batch, context_bucket(context))
         if kind == "verify":
-            self._levels.append(seconds / self.prior.verify(batch, width, context))
-            self._first_level = self._first_level or self._level
+            level = seconds / self.prior.verify(batch, width, context)
+            if not self._levels:  # the first level: what was kept in seconds is kept over it from now on
+                for avg in (*self._rounds.values(), *self._plain.values(), *self._scale.values()):
+                    avg.value /= level
+            self._levels.append(level)
+            self._paired = level
             return
+        # Over the level of the verify timed just before (a round's own; a calibration's), else the level now.
+        level, self._paired = self._paired or self._level_now, None
         if kind == "round":
-            ratio = seconds / self.prior.round(batch, width, context)
+            ratio = seconds / (self.prior.round(batch, width, context) * level)
             self._rounds.setdefault(key, Average()).add(ratio)
         else:
-            ratio = seconds / self.prior.plain(batch, context)
-            self._plain.setdefault(key, Average()).add(seconds)
-            self._plain_level[key] = self._level
+            ratio = seconds / (self.prior.plain(batch, context) * level)
+            self._plain.setdefault(key, Average()).add(seconds / level)
         self._scale.setdefault((kind, rule), Average()).add(ratio)
         self._scale.setdefault(kind, Average()).add(ratio)
 
     # ---- pricing ---------------------------------------------------------------------------------
     def _scale_of(self, kind: str, rule: str) -> float:
         """The prior's scale for a key never measured: the same kind and rule, else the same kind,
-        else the other kind, else 1."""
+        else the other kind, else 1 (over the level)."""
         for key in ((kind, rule), kind, "plain" if kind == "round" else "round"):
             a = self._scale.get(key)
             if a is not None and a.n:
@@ -215,29 +230,28 @@ class CostModel:
 
     def round_seconds(self, batch: int, width: float, context: int, rule: str = "greedy") -> float:
         m = self._rounds.get((rule, batch, context_bucket(context)))
-        return self.prior.round(batch, width, context) * (m.value if m else self._scale_of("round", rule))
+        scale = m.value if m else self._scale_of("round", rule)
+        return self.prior.round(batch, width, context) * scale * self._level_now
 
     def plain_seconds(self, batch: int, context: int, rule: str = "greedy") -> float:
-        key = (rule, batch, context_bucket(context))
-        m = self._plain.get(key)
-        return m.value * self._drift(key) if m else self.prior.plain(batch, context) * self._scale_of("plain", rule)
+        m = self._plain.get((rule, batch, context_bucket(context)))
+        if m is not None:
+            return m.value * self._level_now
+        return self.prior.plain(batch, context) * self._scale_of("plain", rule) * self._level_now
 
     @property
-    def _level(self) -> float | None:
-        return float(np.median(self._levels)) if self._levels else None
-
-    def _drift(self, key) -> float:
-        """The verify level now over the level when plain key `key` was last measured (1 while
-        no verify was timed)."""
-        then = self._plain_level.get(key) or self._first_level
-        return self._level / then if self._level is not None and then else 1.0
+    def _level_now(self) -> float:
+        """The verify level now: the median of the last LEVEL_WINDOW; 1 where no verify was timed
+        (rounds replayed from CUDA graphs), whose measurements are then kept in seconds."""
+        return float(np.median(self._levels)) if self._levels else 1.0
 
     def plain_row_seconds(self, batch: int, context: int, rule: str = "greedy") -> float:
         """What one more row adds to a plain step of `batch` rows: the slope of the measured steps of
         this rule and context bucket over their batch sizes where two or more were measured (at
         least MIN_ROW_SHARE of a one-row step), else the prior's slope at the measured level."""
         cb = context_bucket(context)
-        pts = sorted((b, a.value) for (r, b, c), a in self._plain.items() if r == rule and c == cb and a.n)
+        pts = sorted((b, a.value * self._level_now) for (r, b, c), a in self._plain.items()
+                     if r == rule and c == cb and a.n)
         one = self.plain_seconds(1, context, rule)
         if len(pts) >= 2:
             b, t = np.array(pts, float).T

@@ -11,8 +11,11 @@ session's temperature (`DsparkDrafter.sampled_accept`) for a coupled one; else N
 The prior keeps its weight because demotion is one-way and a text's first rounds are often its
 least predictable (on the embedded pair, code at temperature 0.3 accepts 1.9 a round over its
 first 16 rounds and 3.5 over its whole 256 tokens): a session is demoted on the evidence of many
-rounds against its prior, not on its first window. The cost comes from the backend's cost model
-(dspark.cost).
+rounds against its prior, not on its first window. At 16 rounds against 4.08 that code stays
+speculative at rounds of up to 2.9 plain steps (at 8 it was demoted from 2.7, where its rounds
+measure 2.1-2.6); HISTORY is long enough (64) that a session's own rounds do outweigh the prior:
+one accepting 1.5 a round against 4.08 is demoted after 36 rounds at 2.3 plain steps, 15 at 2.9.
+The cost comes from the backend's cost model (dspark.cost).
 
 A round's weight reads are shared by its rows (and a plain step's by its rows), so the gain that
 decides is the batch's: the time for the same tokens with this session in plain decode (the other
@@ -49,8 +52,8 @@ from .cost import Average, CostModel, cost_model, plain_rule
 from .params import SpecParams
 
 WINDOW = 8            # rounds a session runs before its first demotion check
-HISTORY = 32          # rounds of a session's own history that its gain reads
-PRIOR_ROUNDS = 8      # the prior's weight, in rounds, beside at most HISTORY of the session's own
+HISTORY = 64          # rounds of a session's own history that its gain reads
+PRIOR_ROUNDS = 16     # the prior's weight, in rounds, beside at most HISTORY of the session's own
 # Tokens per round expected of a session with no recorded floor (sampled, or a drafter without a
 # record). Optimistic on purpose: it admits wherever a round costs under about 3.6 plain steps, so
 # the first rounds measure the session; a demotable one that loses pays `patience` checks at most.

@@ -11,7 +11,10 @@ and the round's cost in plain steps of its kind (a coupled round against a sampl
 `--proposals` also times coupled rounds whose proposal runs as the kernels' launch sequence
 (`spec_sampling.propose_by_slots`, markov_logits and sample_filtered per slot) in place of the
 host reference's chain (`propose_on_host`), interleaved with the others: the same tokens, the
-round's time by each. Every mode starts with an empty memo of noise rows.
+round's time by each. Every mode starts with an empty memo of noise rows. `--widths` also prints
+the trunk's verify pass at 1 .. 8 columns over its pass at one column (each width timed in turn,
+`--rounds` times, on the primed prompt: a verify moves no state), the shape the cost model's prior
+gives a verify (dspark.cost.VERIFY_PER_COLUMN) beside it.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from threadpoolctl import threadpool_limits
 
 import dspark
 from dspark.byte_vocab import encode
+from dspark.cost import Prior
 from dspark.cli import DEMO_PROMPT
 from dspark.decode import PlainBatch, prefill_anchor
 from dspark import spec_sampling
@@ -68,6 +72,21 @@ def step_ms(trunk, prompt, sampling, n: int) -> float:
     return 1e3 * dt / n
 
 
+def verify_widths(trunk, drafter, prompt, n: int, widths=range(1, 9)) -> dict[int, float]:
+    """Median seconds of the trunk's verify pass at each width, the widths timed in turn n times on
+    the primed prompt (the verify leaves the cache as it is)."""
+    s = DsparkSpecSession.prime(trunk, drafter, prompt, SpecParams(max_new_tokens=64, policy="always", capture=False))
+    times = {w: [] for w in widths}
+    for _ in range(n + 1):  # the first sweep untimed
+        for w in widths:
+            cand = np.full(w, s.last, np.int32)
+            t0 = time.perf_counter()
+            trunk.verify([s.cache], [cand], checkpoints=True, taps=drafter.taps)
+            times[w].append(time.perf_counter() - t0)
+    s.close()
+    return {w: float(np.median(t[1:])) for w, t in times.items()}
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--backend", default="numpy")
@@ -75,6 +94,7 @@ def main(argv=None) -> None:
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--proposals", action="store_true",
                     help="also coupled rounds whose proposal is the launches' (propose_by_slots)")
+    ap.add_argument("--widths", action="store_true", help="also the verify pass by width over one column")
     args = ap.parse_args(argv)
     be = dspark.get_backend(args.backend)
     trunk, drafter = load_default(be)
@@ -108,6 +128,12 @@ def main(argv=None) -> None:
         print(f"{'by slots':>14}: {med['by slots']:7.2f} ms, {np.mean(tokens['by slots']):.2f} tokens a round, "
               f"{med['by slots'] / med['sampled step']:.2f} plain steps; the host chain's round over it: "
               f"{np.median(pair):.2f} (paired {pair.min():.2f}-{pair.max():.2f})")
+    if args.widths:
+        with threadpool_limits(limits=1, user_api="blas"):
+            sec = verify_widths(trunk, drafter, prompt, args.rounds)
+        prior = Prior()
+        print("verify pass over one column, by width (measured; the cost model's prior):")
+        print("  " + "  ".join(f"{w}: {sec[w] / sec[1]:.2f} ({prior.verify(1, w, 0):.2f})" for w in sec))
 
 
 if __name__ == "__main__":

@@ -53,6 +53,28 @@ def test_generate_no_spec_runs_no_speculative_session(capsys, monkeypatch):
     assert len(primed) == 2
 
 
+def test_generate_warm_up_times_each_plain_step_beside_a_verify(capsys, monkeypatch):
+    """The warm-up's plain steps after the rounds are each timed just after a verify of the same
+    sequence (run_paired): the cost model keeps each over that verify's level, as a round over its
+    own. A warm-up of bare plain steps would price them at a level the rounds set moments or many
+    milliseconds before: the speed the machine had then, read as cost."""
+    from dspark import cost
+    from dspark.models import load_default
+    from dspark.backends import get_backend
+    be = get_backend("numpy")
+    kinds = []
+    record = cost.CostModel.record
+    monkeypatch.setattr(cost.CostModel, "record", lambda self, kind, *a, **k: kinds.append(kind) or record(self, kind, *a, **k))
+    trunk, drafter = load_default(be)
+    with cost.using(be, cost.CostModel()):
+        assert run(capsys, "generate", "def f", "--max-new-tokens", "4", "--policy", "always")[0] == 0
+    first_round = kinds.index("round")  # the warm-up's rounds, then its paired steps, then the request's rounds
+    start = kinds.index("plain", first_round) - 1
+    end = kinds.index("round", start)
+    paired = kinds[start: end - 1]  # the request's first round timed its verify before it
+    assert len(paired) >= 12 and paired == ["verify", "plain"] * (len(paired) // 2), kinds
+
+
 def test_generate_sampled_is_seeded(capsys):
     """The same seed, the same text: twice, and (the coupled sampler, the default) with and
     without speculation; the rejection sampler's text is its own, but seeded too."""
