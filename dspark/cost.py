@@ -151,9 +151,10 @@ class CostModel:
     prior: Prior = field(default_factory=Prior)
 
     def __post_init__(self):
-        self._rounds: dict[tuple, Average] = {}  # (rule, batch, context bucket): seconds over the prior's steps and the level
-        self._plain: dict[tuple, Average] = {}   # (rule, batch, context bucket): seconds over the level
-        self._scale: dict = {}  # (kind, rule) and kind: seconds over the prior's steps and the level
+        # Kept over the level (module doc). (rule, batch, context bucket): seconds over the prior's steps.
+        self._rounds: dict[tuple, Average] = {}
+        self._plain: dict[tuple, Average] = {}  # (rule, batch, context bucket): seconds
+        self._scale: dict = {}  # (kind, rule) and kind: seconds over the prior's steps
         self._pending: list[tuple] = []
         self._warm: set = set()  # (kind, rule) timed at least once
         self._levels: deque = deque(maxlen=LEVEL_WINDOW)  # verify seconds over the prior's verify

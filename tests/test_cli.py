@@ -59,13 +59,12 @@ def test_generate_warm_up_times_each_plain_step_beside_a_verify(capsys, monkeypa
     own. A warm-up of bare plain steps would price them at a level the rounds set moments or many
     milliseconds before: the speed the machine had then, read as cost."""
     from dspark import cost
-    from dspark.models import load_default
     from dspark.backends import get_backend
     be = get_backend("numpy")
     kinds = []
     record = cost.CostModel.record
-    monkeypatch.setattr(cost.CostModel, "record", lambda self, kind, *a, **k: kinds.append(kind) or record(self, kind, *a, **k))
-    trunk, drafter = load_default(be)
+    monkeypatch.setattr(cost.CostModel, "record",
+                        lambda self, kind, *a, **k: kinds.append(kind) or record(self, kind, *a, **k))
     with cost.using(be, cost.CostModel()):
         assert run(capsys, "generate", "def f", "--max-new-tokens", "4", "--policy", "always")[0] == 0
     first_round = kinds.index("round")  # the warm-up's rounds, then its paired steps, then the request's rounds

@@ -509,7 +509,8 @@ def test_worker_demotes_the_losers_and_streams_stay_plain_decode(shipped, monkey
     met = w.metrics()
     assert met["dspark:spec_demoted"] == {"gain": 2} and met["dspark:spec_admitted_spec"] == {"gain": 3}
     assert met["vllm:spec_decode_num_drafts"] > 0 and set(met["dspark:spec_gain"]) == set(ids)
-    assert max(met["dspark:spec_gain"][i] for i in ids[1:]) < met["dspark:spec_gain"][ids[0]] and met["dspark:spec_gain"][ids[0]] >= 1
+    gains = met["dspark:spec_gain"]
+    assert max(gains[i] for i in ids[1:]) < gains[ids[0]] and gains[ids[0]] >= 1
     alone = (reqs[2][0], 80, hot)
     w, (rid,) = run_worker(trunk, drafter, [alone], scripted(3.0))
     assert w.result(rid) == plain_generate(trunk, alone[0], 80, sampling=hot)
