@@ -3,21 +3,29 @@
 A `PlainBatch` steps many (cache, last) pairs together, one trunk row per sequence per step.
 `last` is the pending token: decided, not yet emitted, not yet in the cache (the same shape a
 speculative session hands over at a burst boundary). Sequences may join and leave between steps.
-A step decodes before anything moves, so one that raises leaves every sequence as it was. A step
-may also take its next tokens from a speculative round that carried the batch's rows in its trunk
+A step that raises on a bad argument leaves every sequence as it was (the checks come before the
+decode). A step whose decode gives some sequences non-finite logits (NaN, or +inf where sampled)
+cannot: the decode committed every row. A row is bitwise what the sequence's step alone computes
+(DESIGN section 3), so the step completes for the others, exactly, and finishes those with the
+error (`PlainSequence.error`; their caches hold the failed row: free them), then raises
+NonFiniteRowsError naming them and carrying what the step emitted. Checking the logits before a
+commit would cost every step a verify and a replay of the recurrent state (0.71x plain decode's
+speed on the embedded pair) for a failure that the row-invariance already confines. A step may
+also take its next tokens from a speculative round that carried the batch's rows in its trunk
 pass (`riders()`, `step(picks=...)`; dspark.session.Riders): the same tokens, bitwise.
 """
 
 from __future__ import annotations
 
 import itertools
+import re
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from .arrays import host_array
 from .cost import cost_model
-from .errors import CapacityError, ShapeError, StateError
+from .errors import CapacityError, NonFiniteError, NonFiniteRowsError, ShapeError, StateError
 from .models.cache import Cache
 from .models.trunk import HybridTrunk
 from .ops.argmax import argmax_rows
@@ -35,6 +43,7 @@ class PlainSequence:
     sampling: SamplingParams | None = None  # None or temperature 0: greedy
     finished: bool = False
     id: int = field(default_factory=lambda: next(_ids))
+    error: str | None = None  # why a step finished it (its logits were not finite: PlainBatch.step)
 
 
 class PlainBatch:
@@ -86,19 +95,30 @@ class PlainBatch:
         if picks is not None and {s.id for s in todo} != set(picks):
             raise StateError(f"picks for sequences {sorted(picks)}: expected exactly the riders "
                              f"{sorted(s.id for s in todo)}")
-        if todo and picks is None:  # decoded before anything moves: a step that raises leaves every sequence as it was
+        failed = {}
+        if todo and picks is None:
             with cost_model(self.trunk.be).timed("plain", len(todo), max(s.cache.pos for s in todo),
                                                  rule=plain_step_rule(todo)):
-                picks = dict(zip((s.id for s in todo), self._step(todo)))
+                tokens, bad = self._step(todo)
+            picks = dict(zip((s.id for s in todo), tokens))
+            failed = {s.id: f"its logits row {why}" for s, why in zip(todo, bad) if why}
         out = {}
         for s in live:
-            s.emitted.append(s.last)
-            out[s.id] = s.last
+            if s.id not in failed:
+                s.emitted.append(s.last)
+                out[s.id] = s.last
         for s in todo:
-            s.last = int(picks[s.id])
+            if s.id in failed:
+                s.finished, s.error = True, failed[s.id]
+            else:
+                s.last = int(picks[s.id])
         decoded = {s.id for s in todo}
         for s in live:  # finished by what it emitted (or a full context), as decided before the decode
             s.finished = s.finished or s.id not in decoded
+        if failed:
+            raise NonFiniteRowsError(f"plain step: sequences {sorted(failed)} have non-finite logits ("
+                                     f"{next(iter(failed.values()))}); they are finished, the others stepped",
+                                     failed, out)
         return out
 
     def riders(self) -> list[PlainSequence]:
@@ -106,9 +126,10 @@ class PlainBatch:
         token): what rides a speculative round's trunk pass as one column each, in this order."""
         return [s for s in self.active() if not self._ends(s, s.last, 1)]
 
-    def _step(self, todo: list[PlainSequence]):
-        """The next token of each sequence in `todo`: a recorded decode step (on cuda, unless
-        launches="plain": batches all greedy or all sampled) or one op by op."""
+    def _step(self, todo: list[PlainSequence]) -> tuple[np.ndarray, list[str]]:
+        """Decode every sequence in `todo` (each row committed) -> (its next token, and "" or why
+        its logits gave none): a recorded decode step (on cuda, unless launches="plain": batches
+        all greedy or all sampled) or one op by op."""
         from . import graphs
         greedy, sampled = (all(s.sampling is None for s in todo), all(s.sampling is not None for s in todo))
         if self.launches != "plain" and self.trunk.be.name == "cuda" and not graphs.patched(self.trunk) \
@@ -117,7 +138,14 @@ class PlainBatch:
                 return runner.step([s.cache for s in todo], [s.last for s in todo],
                                    [s.sampling for s in todo] if sampled else None)
         tp = self.trunk.decode([s.cache for s in todo], [s.last for s in todo])
-        return pick_tokens(self.trunk.be, tp.logits, todo)
+        try:
+            return pick_tokens(self.trunk.be, tp.logits, todo), [""] * len(todo)
+        except NonFiniteError:  # which rows: each picked alone (its row is its own, DESIGN section 3)
+            return self._picks_row_by_row(tp.logits, todo)
+
+    def _picks_row_by_row(self, logits, todo: list[PlainSequence]) -> tuple[np.ndarray, list[str]]:
+        picked = [row_checked(pick_tokens, self.trunk.be, logits[i: i + 1], [s]) for i, s in enumerate(todo)]
+        return np.array([t[0] if not why else 0 for t, why in picked], np.int64), [why for _, why in picked]
 
     def _check_done(self, s: PlainSequence) -> bool:
         """Finished on an end-of-sequence id (any of config.eos_ids), the budget, or a full context
@@ -135,6 +163,15 @@ class PlainBatch:
     def run(self) -> None:
         while self.active():
             self.step()
+
+
+def row_checked(call, *args) -> tuple:
+    """(call(*args), "") where the call on one row passes its check, else (None, what the check
+    says of the row: "contains NaN", "has no finite logit", ...)."""
+    try:
+        return call(*args), ""
+    except NonFiniteError as e:
+        return None, re.sub(r"^.*?row 0 |\s*\(1 rows in all\)$", "", str(e))
 
 
 def plain_step_rule(seqs: list[PlainSequence]) -> str:

@@ -26,6 +26,17 @@ class NonFiniteError(DsparkError, ValueError):
     """NaN (or Inf where it is not allowed) in logits or other inputs."""
 
 
+class NonFiniteRowsError(NonFiniteError):
+    """A plain decode step (dspark.decode.PlainBatch.step) in which some sequences' logits were
+    not finite: the step committed every row, completed for the others and finished those.
+    `failed`: {sequence id: what was wrong}; `emitted`: {sequence id: token emitted} of the step,
+    what step() would have returned."""
+
+    def __init__(self, message: str, failed: dict, emitted: dict):
+        super().__init__(message)
+        self.failed, self.emitted = failed, emitted
+
+
 class StateError(DsparkError, RuntimeError):
     """The call is not valid in the object's current state (finished, demoted, mid-round...)."""
 

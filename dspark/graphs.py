@@ -460,9 +460,10 @@ class DecodeGraphs(Runner):
         super().__init__(trunk.be, mode)
         self.trunk = trunk
 
-    def step(self, caches, tokens, samplings=None) -> np.ndarray:
-        """Next tokens (host) of one step, greedy or (`samplings`, one per cache) sampled; the
-        caches' pos advance by one."""
+    def step(self, caches, tokens, samplings=None) -> tuple[np.ndarray, list[str]]:
+        """Next tokens (host) of one step, greedy or (`samplings`, one per cache) sampled, and for
+        each "" or why its logits gave none (dspark.decode.PlainBatch.step); every row is committed
+        and the caches' pos advance by one."""
         from .ops.argmax import argmax_rows
         t, B = self.trunk, len(caches)
         ws = self.workspace("decode", B, B)
@@ -491,11 +492,11 @@ class DecodeGraphs(Runner):
         entry = self.run(tuple(c.version for c in caches), ("decode", reach, tuple(samplings or ())), fields, fill,
                          work, (ws,))
         got = entry.outputs.fetch()
-        if sampled:
-            raise_rows(got["flag"], "logits")
-        else:
-            raise_on_nan(got["flag"], "logits", "row")
         for c in caches:
             c.pos += 1
         moved(caches, np.ones(B, np.int32))
-        return got["next"].copy()
+        if not got["flag"].any():
+            return got["next"].copy(), [""] * B
+        from .decode import row_checked  # which rows, each checked as the op-by-op step checks them
+        check = raise_rows if sampled else raise_on_nan
+        return got["next"].copy(), [row_checked(check, [f])[1] for f in got["flag"]]

@@ -28,7 +28,8 @@ for both and the plain batch steps once a round. With no live spec session (or w
 or rounds replayed from recordings, which carry no riders) the step ends with as many plain steps
 as a burst target instead, passes of their own. A request that fails is retired with its error;
 the others go on: a round that raises moves nothing, riders included, and each plain sequence then
-steps alone.
+steps alone; a plain step whose logits are not finite for some sequences goes on for the others
+(dspark.decode.PlainBatch.step) and those are retired.
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ from .decode import PlainBatch, check_prompt, first_token, plain_step_rule, pref
 from .cost import cost_model
 from .gain import (WINDOW, admit, demote_check, expected_tokens, expected_width, joint_split, predicted_tokens, prior_width,
                    rejection_mode)
-from .errors import CapacityError, DsparkError, StateError
+from .errors import CapacityError, DsparkError, NonFiniteError, NonFiniteRowsError, StateError
 from .models.drafter import DsparkDrafter
 from .models.trunk import HybridTrunk
 from .prefix_store import PrefixStore
@@ -362,9 +363,19 @@ class Worker:
             self.passes["plain"] += 1
             try:
                 out = self._isolate_plain_failure(by_plain) if alone else self.plain.step()
-            except DsparkError:
+            except NonFiniteRowsError as e:  # the step went on for the others (dspark.decode)
+                out = self._retire_failed(e, by_plain)
+            except DsparkError:  # raised before the decode: nothing moved
                 out = self._isolate_plain_failure(by_plain)
             self._plain_out(out, by_plain)
+
+    def _retire_failed(self, e: NonFiniteRowsError, by_plain) -> dict[int, int]:
+        """Retire the sequences a plain step finished for non-finite logits; the step's tokens of the
+        others."""
+        for pid, why in e.failed.items():
+            self.plain.leave(pid).cache.free()
+            self._fail(by_plain[pid], NonFiniteError(why))
+        return e.emitted
 
     def _plain_out(self, out: dict[int, int], by_plain: dict[int, Request]) -> None:
         """Deliver a plain step's tokens; retire the sequences it finished."""
@@ -383,6 +394,8 @@ class Worker:
                 continue
             try:
                 out.update(self.plain.step(only=[pid]))
+            except NonFiniteRowsError as e:
+                out.update(self._retire_failed(e, by_plain))
             except DsparkError as e:
                 self.plain.leave(pid).cache.free()
                 self._fail(r, e)

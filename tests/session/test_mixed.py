@@ -12,8 +12,9 @@ import numpy as np
 import pytest
 
 from dspark import cost, gain
+from dspark.backends import contract
 from dspark.decode import PlainBatch, plain_generate, prefill_anchor
-from dspark.errors import StateError
+from dspark.errors import NonFiniteRowsError, StateError
 from dspark.models.presets import tiny_pair
 from dspark.params import SamplingParams, SpecParams
 from dspark.session import DsparkSpecSession, Riders, spec_round
@@ -197,3 +198,46 @@ def test_a_failing_rider_is_retired_and_the_others_go_on(shipped):
     for i in (ids[0], ids[2]):
         p, n, s = reqs[i - ids[0]]
         assert w.result(i) == plain_generate(trunk, p, n, sampling=s)
+
+
+UNIFORM = {"greedy": (None, None, None),  # a batch all greedy or all sampled: on cuda, a recorded step
+           "sampled": (SamplingParams(temperature=0.9, seed=5), SamplingParams(temperature=0.7, top_k=20, seed=3),
+                       SamplingParams(temperature=1.2, top_p=0.9, seed=7))}
+
+
+@pytest.mark.parametrize("backend", ["numpy", "cuda"])
+@pytest.mark.parametrize("kind", ["greedy", "sampled"])
+def test_a_plain_step_with_a_nan_row_goes_on_for_the_others(numpy_backend, backend, kind):
+    """A plain step over three sequences, the middle one's recurrent state poisoned with NaN after
+    two steps: the step raises NonFiniteRowsError naming it, with the tokens the other two emitted;
+    it is finished with the error and emitted nothing, and the other two, stepped on by the same
+    step, run on to plain decode's streams of their prompts alone. On cuda the step is a recorded
+    pass (the batch is all greedy or all sampled; the CuPy contract stand-in). Fails if the step
+    raised for the whole batch after its decode committed every row (the healthy sequences would
+    skip a position at their next step) or dropped the others' picks."""
+    be = numpy_backend if backend == "numpy" else contract.backend()
+    trunk, _ = tiny_pair(be, 21)
+    rng = np.random.default_rng(5)
+    prompts, budgets = [prompt(rng, n) for n in (7, 19, 12)], (8, 12, 6)
+    batch = PlainBatch(trunk)
+    for p, n, sampling in zip(prompts, budgets, UNIFORM[kind]):
+        cache = trunk.new_cache()
+        last, _ = prefill_anchor(trunk, cache, p, sampling)
+        batch.join(cache, last, n, sampling=sampling)
+    batch.step()
+    batch.step()
+    seqs = list(batch.sequences.values())
+    seqs[1].cache.state[0][...] = np.nan
+    victim = (seqs[1].last, list(seqs[1].emitted))
+    with pytest.raises(NonFiniteRowsError, match=f"sequences \\[{seqs[1].id}\\]") as err:
+        batch.step()
+    assert set(err.value.failed) == {seqs[1].id} and "contains NaN" in err.value.failed[seqs[1].id]
+    assert err.value.emitted == {seqs[0].id: seqs[0].emitted[-1], seqs[2].id: seqs[2].emitted[-1]}
+    assert seqs[1].finished and seqs[1].error == err.value.failed[seqs[1].id]
+    assert (seqs[1].last, seqs[1].emitted) == victim
+    batch.leave(seqs[1].id).cache.free()
+    batch.run()
+    for i in (0, 2):
+        assert seqs[i].emitted == plain_generate(trunk, prompts[i], budgets[i], sampling=UNIFORM[kind][i])
+        assert seqs[i].cache.pos == prompts[i].size + len(seqs[i].emitted) - 1
+        seqs[i].cache.free()

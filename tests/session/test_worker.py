@@ -294,3 +294,33 @@ def test_seeded_simulated_load(shipped, monkeypatch):
         assert owner_ns[id(hit)] == ns and hit.prompt == key
     store.clear()
     assert be.alloc.owners() == before  # every cache, draft KV, snapshot and capture was freed
+
+
+@pytest.mark.parametrize("kind", ["greedy", "sampled"])
+def test_a_failing_plain_step_retires_one_and_the_others_stay_exact(pair, kind):
+    """Three plain requests (the gate admits none to speculation); after the first step one's
+    recurrent state turns NaN. The batch's next plain step goes on for the others and the culprit
+    is retired with NonFiniteError; the others' caches hold exactly prompt + emitted rows, and
+    their streams are plain decode's of each prompt alone. Fails if the worker stepped each
+    sequence alone after the batch's step had committed every row: each healthy sequence would be
+    decoded twice at successive positions."""
+    trunk, drafter = pair
+    rng = np.random.default_rng(6)
+    samplings = [SamplingParams()] * 3 if kind == "greedy" else \
+        [SamplingParams(temperature=0.9, seed=s) for s in (1, 2, 3)]
+    reqs = [(prompt(rng, n), 14, s) for n, s in zip((6, 19, 11), samplings)]
+    w = Worker(trunk, drafter, GateConfig(low=0, high=8), spec=SpecParams(burst_target=4))
+    ids = [w.submit(p, n, s) for p, n, s in reqs]
+    w.step()
+    assert [w.requests[i].mode for i in ids] == ["plain"] * 3, w.events
+    w.plain.sequences[w.requests[ids[1]].plain_id].cache.state[0][...] = np.nan
+    w.step()
+    assert w.requests[ids[1]].mode == "failed" and "NonFiniteError" in w.requests[ids[1]].error
+    for i in (ids[0], ids[2]):
+        r = w.requests[i]
+        s = w.plain.sequences[r.plain_id]
+        assert s.cache.pos == r.prompt.size + len(s.emitted) and r.tokens == s.emitted, (i, s.cache.pos)
+    w.run()
+    for i, (p, n, s) in zip(ids, reqs):
+        if i != ids[1]:
+            assert w.result(i) == plain_generate(trunk, p, n, sampling=s)
