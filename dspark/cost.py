@@ -149,6 +149,7 @@ class Average:
 class CostModel:
     clock: object = field(default_factory=WallClock)
     prior: Prior = field(default_factory=Prior)
+    pair: str | None = None  # the fingerprint of the pair whose prior this is (dspark.cost_prior.adopt)
 
     def __post_init__(self):
         # Kept over the level (module doc). (rule, batch, context bucket): seconds over the prior's steps.
@@ -159,6 +160,15 @@ class CostModel:
         self._warm: set = set()  # (kind, rule) timed at least once
         self._levels: deque = deque(maxlen=LEVEL_WINDOW)  # verify seconds over the prior's verify
         self._paired: float | None = None  # the level of the verify timed since the last round or plain step
+
+    def adopt(self, prior, pair: str) -> bool:
+        """Take `prior` as the pair `pair`'s: once (the first pair known on the backend), and only
+        while nothing is kept or pending (kept measurements are ratios to the prior they were taken
+        under). Returns whether it was taken."""
+        if self.pair is not None or self._scale or self._levels or self._pending:
+            return False
+        self.prior, self.pair = prior, pair
+        return True
 
     # ---- measuring -------------------------------------------------------------------------------
     @contextlib.contextmanager
