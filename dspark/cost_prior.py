@@ -4,8 +4,8 @@
 for each shape the performance model knows, keyed by `fingerprint` of its trunk and drafter
 configs, the predicted seconds on an H200 (greedy, passes replayed from CUDA graphs, the `cuda`
 default) of a round, of its verify pass and of a plain step, over a grid of batch (BATCHES),
-verify width (2 .. the drafter's block) and context (CONTEXT_BUCKET doublings from 512 up to what
-the trunk's max_ctx leaves a block). A round replayed from a graph does not time its verify apart;
+verify width (2 .. the drafter's block) and context (doublings from 512 to 32768, or up to the
+last context a round reaches in the trunk's max_ctx, which is then a grid point too). A round replayed from a graph does not time its verify apart;
 the verify's figure is the verify pass's kernels plus a plain step's launch and host overhead (a
 trunk pass issued as one), so it prices what `timed("verify")` measures where the verify is timed
 (passes issued op by op) and equals a plain step at one column, as the CPU prior's does.
@@ -32,11 +32,11 @@ from pathlib import Path
 
 import numpy as np
 
-from .cost import Prior, cost_model
+from .cost import CONTEXT_BUCKET, Prior, cost_model
 
 TABLE = Path(__file__).resolve().parent / "cost_prior_h200.json"
 BATCHES = (1, 2, 4, 8, 16, 32)
-FIRST_CONTEXT = 512
+FIRST_CONTEXT = CONTEXT_BUCKET // 2  # in bucket 0; each doubling is in the next bucket (dspark.cost)
 LAST_CONTEXT = 32768
 TRUNK_FIELDS = ("vocab", "d_model", "mlp_hidden", "layers", "attn_heads", "attn_kv_heads", "head_dim", "gdn_heads",
                 "gdn_k_heads", "gdn_dk", "gdn_dv", "attn_gate", "kv_dtype")
@@ -58,11 +58,16 @@ def fingerprint(trunk_config, drafter_config) -> str:
 
 
 def contexts_for(max_ctx: int, block: int) -> tuple[int, ...]:
-    """The table's contexts for a shape: doublings of FIRST_CONTEXT up to LAST_CONTEXT, each leaving a block."""
+    """The table's contexts for a shape: doublings of FIRST_CONTEXT up to LAST_CONTEXT, each leaving
+    a block, then the last context a round reaches where that is short of LAST_CONTEXT (so a small
+    shape's prior never extrapolates)."""
+    last = max_ctx - block
     out, c = [], FIRST_CONTEXT
-    while c <= min(LAST_CONTEXT, max_ctx - block):
+    while c <= min(LAST_CONTEXT, last):
         out.append(c)
         c *= 2
+    if last < LAST_CONTEXT and (not out or out[-1] < last):
+        out.append(last)
     return tuple(out)
 
 

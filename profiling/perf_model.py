@@ -1030,7 +1030,7 @@ def prior_report(tab: dict) -> str:
             for c in (e["contexts"][0], 1024, e["contexts"][-1]):
                 rows.append([e["shape"], str(B), str(w), str(c), f"{p.plain(B, c):.2f}",
                              f"{p.round(B, w, c) / p.plain(B, c):.2f}", f"{p.verify(B, w, c) / p.plain(B, c):.2f}"])
-    return table(["shape", "B", "width", "context", "plain (B=1, first context)", "round / plain", "verify / plain"],
+    return table(["shape", "B", "width", "context", "plain (1-row steps at the first)", "round / plain", "verify / plain"],
                  [r for i, r in enumerate(rows) if r not in rows[:i]])
 
 
