@@ -7,16 +7,18 @@ context as the performance model does; and it is taken once, never after measure
 from __future__ import annotations
 
 import sys
+from dataclasses import replace
 
 import numpy as np
 import pytest
 
 import dspark
-from dspark import cost_prior
+from dspark import cost, cost_prior, gain
 from dspark.backends import contract
 from dspark.cost import CostModel, Prior, cost_model
 from dspark.models import load_default
 from dspark.models.presets import tiny_pair
+from dspark.params import SamplingParams
 from dspark.session import DsparkSpecSession, SpecParams
 from tests.profiling.test_bench import PROFILING
 
@@ -108,3 +110,22 @@ def test_the_prior_prices_the_context_as_the_performance_model_does():
     mid = model.round_cost(32, 8, 24576)
     assert min(costs.values()) < mid < max(costs.values())
     assert p.plain(1, 65536) > p.plain(1, 32768) > p.plain(1, 512) == 1.0
+
+
+def test_on_cuda_rejection_mode_reads_the_table_prior_never_a_timing(embedded_on_contract):
+    """A rejection-sampled request's mode is the prior tokens over the table's round at one row,
+    whatever was measured: its margin moves it exactly at that gain."""
+    be, _, drafter = embedded_on_contract
+    prior = cost_model(be).prior
+    assert isinstance(prior, cost_prior.TablePrior)
+    p = SpecParams(sampler="rejection", sampling=SamplingParams(temperature=0.8), max_verify=8)
+    g = gain.prior_tokens(p, drafter) / (prior.round(1, 8, 1024) / prior.plain(1, 1024))
+    assert abs(prior.round(1, 8, 1024) / prior.plain(1, 1024) - Prior().round(1, 8, 0)) > 1e-3  # not the CPU prior
+    for steps in (0.1, 100.0):  # rounds measured cheap or dear: the same decisions
+        m = CostModel(prior=prior)
+        for _ in range(3):
+            m.record("round", 1, 1024, steps, width=8, rule="rejection")
+            m.record("plain", 1, 1024, 1.0, rule="sampled")
+        with cost.using(be, m):
+            assert gain.rejection_mode(replace(p, margin=g - 1 + 1e-6), drafter, 1024)[0] is False
+            assert gain.rejection_mode(replace(p, margin=g - 1 - 1e-6), drafter, 1024)[0] is True
