@@ -45,9 +45,10 @@ DRAFTER_FIELDS = ("block", "window", "layer_windows", "layers", "heads", "kv_hea
 
 
 def fingerprint_fields(trunk_config, drafter_config) -> dict:
-    """What prices a pass: the widths, layers and their kinds, heads, vocabulary, drafter block and window."""
+    """What prices a pass: the widths, layers and their kinds, heads, vocabulary, drafter block and
+    window (None for a field a config-like object lacks: no shape of the table then matches)."""
     def pick(cfg, names, prefix):
-        return {f"{prefix}.{n}": (list(v) if isinstance(v := getattr(cfg, n), tuple) else v) for n in names}
+        return {f"{prefix}.{n}": (list(v) if isinstance(v := getattr(cfg, n, None), tuple) else v) for n in names}
     return {**pick(trunk_config, TRUNK_FIELDS, "trunk"), **pick(drafter_config, DRAFTER_FIELDS, "drafter")}
 
 
