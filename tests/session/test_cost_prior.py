@@ -6,7 +6,6 @@ context as the performance model does; and it is taken once, never after measure
 
 from __future__ import annotations
 
-import sys
 from dataclasses import replace
 
 import numpy as np
@@ -20,7 +19,6 @@ from dspark.models import load_default
 from dspark.models.presets import tiny_pair
 from dspark.params import SamplingParams
 from dspark.session import DsparkSpecSession, SpecParams
-from tests.profiling.test_bench import PROFILING
 
 ENTRIES = cost_prior.table()["entries"]
 
@@ -94,17 +92,17 @@ def test_the_prior_is_taken_once_and_never_after_measurements(embedded_on_contra
 
 def test_the_prior_prices_the_context_as_the_performance_model_does():
     """Qwen3.5-27B at 32 rows, 8 columns: a round costs 2.8 plain steps at 1k and 2.1 at 32k (the
-    plain step's attention reads grow with the keys; the round's weight reads do not)."""
-    sys.path.insert(0, str(PROFILING))
-    import perf_model as pm
-    s = pm.shapes()["qwen3.5-27b"]
-    p = cost_prior.TablePrior(ENTRIES[cost_prior.fingerprint(s.trunk, s.drafter)])
+    plain step's attention reads grow with the keys; the round's weight reads do not). The shipped
+    figures are the performance model's (tests/profiling/test_cost_prior_table.py)."""
+    e = entry_of("Qwen3.5-27B")
+    p = cost_prior.TablePrior(e)
     model = CostModel(prior=p)
+    b, w = e["batches"].index(32), e["widths"].index(8)
     costs = {}
     for ctx in (1024, 32768):
-        want = pm.spec_round(s, 32, ctx, 8).time() / pm.plain_step(s, 32, ctx)[1]
+        c = e["contexts"].index(ctx)
         costs[ctx] = model.round_cost(32, 8, ctx)
-        assert costs[ctx] == pytest.approx(want, rel=1e-3)
+        assert costs[ctx] == pytest.approx(e["round"][b][w][c] / e["plain"][b][c], rel=1e-12)
     assert costs[1024] - costs[32768] > 0.5
     # Between buckets: linear in context; past the last, the last segment's slope.
     mid = model.round_cost(32, 8, 24576)
