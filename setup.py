@@ -41,7 +41,7 @@ setup(
     version="0.1.0",
     description="DSpark-style block-drafter speculative decoding kernels for hybrid language models",
     packages=find_packages(include=["dspark", "dspark.*"]),
-    package_data={"dspark": ["_kernels.json", "models/default/*"]},
+    package_data={"dspark": ["_kernels.json", "cost_prior_h200.json", "models/default/*"]},
     python_requires=">=3.10",
     install_requires=["numpy>=1.24", "ml_dtypes>=0.3", "safetensors>=0.4", "nvtx>=0.2.10", "threadpoolctl>=3.1",
                       "tokenizers>=0.21", "tqdm>=4.66"],

@@ -33,9 +33,12 @@ alone costs 1 + VERIFY_PER_COLUMN per column beyond the first (measured: 1.18 at
 embedded pair, `python profiling/round_seconds.py --widths`, and 1.16-1.25 on the Qwen targets,
 profiling/bench_cpu.py; a wider shape made a level taken at one width price rounds of another);
 a plain step of B rows costs 1 + PLAIN_PER_ROW * (B - 1) steps of one row (weights are read once
-per step). `cuda` uses the same prior today: the performance model's per-shape prediction lives
-in profiling/ and is not yet a package module, so it is not this prior; measured rounds replace
-the prior's scale within a few rounds either way.
+per step). That is the prior on the CPU backends. On `cuda` the prior is the performance model's
+prediction for the pair (dspark.cost_prior.TablePrior: the H200 table shipped with the package,
+by batch, verify width and context, with this interface), set by dspark.cost_prior.adopt when a
+drafter is built on its trunk, once per backend and never after anything is kept (`adopt`); a
+pair the table does not know keeps this one. Measured rounds replace the prior's scale within a
+few rounds either way.
 
 Plain rows riding a round's trunk pass (the worker's mixed passes, dspark.session.Riders) cost
 their marginal rows: `rider_seconds` is the measured slope of plain steps over batch (the prior's
@@ -149,6 +152,7 @@ class Average:
 class CostModel:
     clock: object = field(default_factory=WallClock)
     prior: Prior = field(default_factory=Prior)
+    pair: str | None = None  # the fingerprint of the pair whose prior this is (dspark.cost_prior.adopt)
 
     def __post_init__(self):
         # Kept over the level (module doc). (rule, batch, context bucket): seconds over the prior's steps.
@@ -159,6 +163,15 @@ class CostModel:
         self._warm: set = set()  # (kind, rule) timed at least once
         self._levels: deque = deque(maxlen=LEVEL_WINDOW)  # verify seconds over the prior's verify
         self._paired: float | None = None  # the level of the verify timed since the last round or plain step
+
+    def adopt(self, prior, pair: str) -> bool:
+        """Take `prior` as the pair `pair`'s: once (the first pair known on the backend), and only
+        while nothing is kept or pending (kept measurements are ratios to the prior they were taken
+        under). Returns whether it was taken."""
+        if self.pair is not None or self._scale or self._levels or self._pending:
+            return False
+        self.prior, self.pair = prior, pair
+        return True
 
     # ---- measuring -------------------------------------------------------------------------------
     @contextlib.contextmanager

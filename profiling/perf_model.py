@@ -5,6 +5,7 @@ the predicted time of each, the round's composition and the spec/plain speedup.
     python profiling/perf_model.py --model qwen3.5-27b --batch 1 2 32 --context 4096 32768 --width 8 --kernels
     python profiling/perf_model.py --accepted 5.9      # the speedup at another mean accepted length
     python profiling/perf_model.py --prompt [--kernels] # time to first token, plain batched decode, memory
+    python profiling/perf_model.py --prior-table        # write dspark/cost_prior_h200.json (the cost prior on cuda), print it
 
 Shapes (SHAPES): the embedded pair (dspark/models/default), Qwen3-8B and Qwen3.5-27B with their
 Hugging Face `config.json` numbers (Qwen/Qwen3-8B: hidden 4096, 36 layers, 32 query / 8 kv heads
@@ -74,6 +75,7 @@ import argparse
 import dataclasses
 import functools
 import heapq
+import json
 import math
 import re
 import sys
@@ -979,6 +981,59 @@ def plain_step(shape: Shape, B: int, context: int, dev: Device = H200, mode: str
     return r.gpu(ks), r.plain_time()
 
 
+# ---- the cost model's prior on `cuda` (dspark.cost_prior) ----------------------------------------------------
+PRIOR_DIGITS = 5  # significant digits of the table's seconds
+
+
+def prior_entry(shape: Shape, batches=None, widths=None, contexts=None, dev: Device = H200) -> dict:
+    """The table's entry for `shape` (dspark.cost_prior: the grid, or the part of it asked for): the
+    seconds of a greedy round, of its verify pass (its kernels and a plain step's launch and host
+    overhead) and of a plain step, passes replayed from CUDA graphs."""
+    from dspark.cost_prior import BATCHES, contexts_for, fingerprint, fingerprint_fields
+    t, d = shape.trunk, shape.drafter
+    batches = list(batches or BATCHES)
+    widths = list(widths or range(2, d.block + 1))
+    contexts = list(contexts or contexts_for(t.max_ctx, d.block))
+
+    def rounded(x: float) -> float:
+        return float(f"{x:.{PRIOR_DIGITS}g}")
+    plain, rounds, verify = [], [], []
+    for B in batches:
+        steps = [plain_step(shape, B, c, dev, mode="graph") for c in contexts]
+        plain.append([rounded(total) for _, total in steps])
+        rounds.append([]), verify.append([])
+        for w in widths:
+            rs = [spec_round(shape, B, c, w, dev, mode="graph") for c in contexts]
+            rounds[-1].append([rounded(r.time()) for r in rs])
+            verify[-1].append([rounded(r.gpu(r.verify_pass()) + total - gpu) for r, (gpu, total) in zip(rs, steps)])
+    return {"shape": shape.label, "fingerprint": fingerprint(t, d), "fields": fingerprint_fields(t, d),
+            "batches": batches, "widths": widths, "contexts": contexts, "plain": plain, "round": rounds, "verify": verify}
+
+
+def prior_table(table_of: dict[str, Shape], dev: Device = H200) -> dict:
+    """dspark/cost_prior_h200.json: every shape's entry, keyed by its fingerprint."""
+    entries = {}
+    for s in table_of.values():
+        e = prior_entry(s, dev=dev)
+        entries[e.pop("fingerprint")] = e
+    return {"device": dev.name, "mode": "graph", "command": "python profiling/perf_model.py --prior-table",
+            "units": "seconds", "entries": entries}
+
+
+def prior_report(tab: dict) -> str:
+    """Each entry's round and verify in plain steps of the same batch, at B = 1 and 32, the widest verify."""
+    from dspark.cost_prior import TablePrior
+    rows = []
+    for e in tab["entries"].values():
+        p, w = TablePrior(e), e["widths"][-1]
+        for B in (1, 32):
+            for c in (e["contexts"][0], 1024, e["contexts"][-1]):
+                rows.append([e["shape"], str(B), str(w), str(c), f"{p.plain(B, c):.2f}",
+                             f"{p.round(B, w, c) / p.plain(B, c):.2f}", f"{p.verify(B, w, c) / p.plain(B, c):.2f}"])
+    return table(["shape", "B", "width", "context", "plain (1-row steps at the first)", "round / plain", "verify / plain"],
+                 [r for i, r in enumerate(rows) if r not in rows[:i]])
+
+
 def memory_row(shape: Shape, context: int, chunk: int = PROMPT_CHUNK) -> dict:
     """Bytes one session holds at `context` (dspark.models.cache.cache_bytes, bf16 K/V as the
     shape stores it, the chunk tails of the kernel backends; the drafter's ring), the prompt
@@ -1162,6 +1217,9 @@ def main(argv=None) -> int:
     ap.add_argument("--prompt", action="store_true",
                     help="instead: time to first token, the plain batched decode step, memory per session")
     ap.add_argument("--prompt-chunk", type=int, default=PROMPT_CHUNK, help="tokens per prompt pass (--prompt)")
+    ap.add_argument("--prior-table", action="store_true",
+                    help="instead: write the cost model's prior on cuda (dspark/cost_prior_h200.json, every shape) "
+                         "and print its round and verify in plain steps")
     a = ap.parse_args(argv)
     if a.width < 1 or any(b < 1 for b in a.batch) or any(c < 1 for c in a.context) or a.prompt_chunk < 1:
         ap.error("--width, --batch, --context and --prompt-chunk must be >= 1")
@@ -1172,6 +1230,14 @@ def main(argv=None) -> int:
         d = dataclasses.replace(d, launch=a.launch_us * 1e-6)
     if a.graph_node_us is not None:
         d = dataclasses.replace(d, graph_node=a.graph_node_us * 1e-6)
+    if a.prior_table:
+        from dspark.cost_prior import TABLE
+        tab = prior_table(shapes(a.drafter_window), d)
+        TABLE.write_text(json.dumps(tab, separators=(",", ":")) + "\n")
+        print(f"{TABLE.name}: {len(tab['entries'])} shapes, {TABLE.stat().st_size / 1e3:.0f} kB; predictions of the "
+              f"performance model ({d.name}, rounds greedy, passes replayed from CUDA graphs)")
+        print(prior_report(tab))
+        return 0
     if a.prompt:
         print(prompt_report(shapes(a.drafter_window), a.prompt_chunk, a.kernels, d, a.launches))
         return 0

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..cost_prior import adopt
 from ..errors import ShapeError, TokenRangeError
 from ..ops.activation import sigmoid_bias, swiglu
 from ..ops.argmax import argmax_rows, markov_chain, raise_on_nan
@@ -149,6 +150,7 @@ class DsparkDrafter:
         if not 0 <= self.mask_id < tc.vocab:
             raise TokenRangeError(f"drafter mask_id={self.mask_id} is outside the vocabulary [0, {tc.vocab})")
         self.config, self.trunk, self.be = c, trunk, trunk.be
+        adopt(trunk.be, tc, c)  # the pair is known: its cost prior (dspark.cost_prior)
         self.taps = taps
         self.source = None  # a description when loaded from a released checkpoint (dspark.models.hf)
         self.accept_floor = None  # greedy mean accepted length its record guarantees (the gain's prior), if any
