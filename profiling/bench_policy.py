@@ -12,8 +12,10 @@ model, the drafter's memory of earlier sessions' acceptance and the host's memo 
 each run decides as a fresh `dspark generate` does. Every mode is run once untimed first, then the
 three modes `--repeat` times in a rotating order. Tokens/s is the command's own figure (decode
 only, after the prompt and the warm-up). Printed per mode: the median tokens/s and the spread (min
-- max) over the repeats; the ratio is a mode's median over `--no-spec`'s, with the range of the
-ratios of the runs paired by repeat. The last column is what the gain policy did: in how many
+- max) over the repeats; the ratios are a mode's median over `--no-spec`'s, then the median of
+the ratios of the runs paired by repeat (the three runs of a repeat are adjacent in time, so a
+pair's ratio cancels the machine's slower drifts; two modes that both run plain differ by up to
+10 % in the first figure on a shared machine), with their range. The last column is what the gain policy did: in how many
 runs it ran plain, speculative to the end or demoted, and what it printed in the last run. The
 load average is printed before and after.
 
@@ -100,7 +102,8 @@ def main(argv=None) -> None:
     trunk, drafter = load_default(be)
     print(f"dspark generate in one process, embedded pair on {be.name}, {args.max_new_tokens} new tokens, "
           f"{args.repeat} interleaved runs per mode; load average {load()}")
-    print(f"{'case':>24} | {'no-spec tok/s':>19} | {'gain / no-spec':>20} | {'always / no-spec':>20} | "
+    print(f"{'case':>24} | {'no-spec tok/s':>19} | {'gain / no-spec (paired)':>26} | "
+          f"{'always / no-spec (paired)':>26} | "
           "what the gain policy did (runs; the last one)")
     with threadpool_limits(limits=1, user_api="blas"):
         for i, (name, text, sampling) in enumerate(CASES):
@@ -124,10 +127,10 @@ def main(argv=None) -> None:
             for mode in MODES[1:]:
                 v = np.array(tps[mode])
                 pair = v / base
-                cols.append(f"{np.median(v) / np.median(base):5.2f}x ({pair.min():4.2f}-{pair.max():4.2f})")
+                cols.append(f"{np.median(v) / np.median(base):5.2f}x {np.median(pair):4.2f}x ({pair.min():4.2f}-{pair.max():4.2f})")
             same = "" if len(streams) == 1 else " STREAMS DIFFER"
             runs = ", ".join(f"{k} {ran.count(k)}/{len(ran)}" for k in dict.fromkeys(ran))
-            print(f"{name:>24} | {cols[0]:>19} | {cols[1]:>20} | {cols[2]:>20} | [{runs}] {note}{same}", flush=True)
+            print(f"{name:>24} | {cols[0]:>19} | {cols[1]:>26} | {cols[2]:>26} | [{runs}] {note}{same}", flush=True)
     print(f"load average {load()}")
 
 
