@@ -18,14 +18,13 @@ pass (`riders()`, `step(picks=...)`; dspark.session.Riders): the same tokens, bi
 from __future__ import annotations
 
 import itertools
-import re
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from .arrays import host_array
 from .cost import cost_model
-from .errors import CapacityError, NonFiniteError, NonFiniteRowsError, ShapeError, StateError
+from .errors import CapacityError, NonFiniteError, NonFiniteRowsError, ShapeError, StateError, row_checked
 from .models.cache import Cache
 from .models.trunk import HybridTrunk
 from .ops.argmax import argmax_rows
@@ -163,15 +162,6 @@ class PlainBatch:
     def run(self) -> None:
         while self.active():
             self.step()
-
-
-def row_checked(call, *args) -> tuple:
-    """(call(*args), "") where the call on one row passes its check, else (None, what the check
-    says of the row: "contains NaN", "has no finite logit", ...)."""
-    try:
-        return call(*args), ""
-    except NonFiniteError as e:
-        return None, re.sub(r"^.*?row 0 |\s*\(1 rows in all\)$", "", str(e))
 
 
 def plain_step_rule(seqs: list[PlainSequence]) -> str:

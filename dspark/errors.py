@@ -1,6 +1,8 @@
 """One exception type per kind of mistake. Each also derives from the matching builtin, so
 callers can catch `ValueError` / `TypeError` as usual."""
 
+import re
+
 
 class DsparkError(Exception):
     """Base of every error dspark raises on purpose."""
@@ -52,3 +54,12 @@ class BackendUnavailable(DsparkError, RuntimeError):
 class CheckpointError(DsparkError, ValueError):
     """A checkpoint that cannot be found, read or served (config or tensors): the message names the
     field or tensor and what was expected."""
+
+
+def row_checked(call, *args) -> tuple:
+    """(call(*args), "") where the call on one row passes its check, else (None, what the check
+    says of the row: "contains NaN", "has no finite logit", ...)."""
+    try:
+        return call(*args), ""
+    except NonFiniteError as e:
+        return None, re.sub(r"^.*?row 0 |\s*\(1 rows in all\)$", "", str(e))

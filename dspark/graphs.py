@@ -68,6 +68,7 @@ import weakref
 import numpy as np
 
 from . import profile
+from .errors import row_checked
 from .models.batch_tables import register_store
 from .models.trunk import moved
 from .ops.argmax import greedy_accept, raise_on_nan
@@ -497,6 +498,5 @@ class DecodeGraphs(Runner):
         moved(caches, np.ones(B, np.int32))
         if not got["flag"].any():
             return got["next"].copy(), [""] * B
-        from .decode import row_checked  # which rows, each checked as the op-by-op step checks them
-        check = raise_rows if sampled else raise_on_nan
+        check = raise_rows if sampled else raise_on_nan  # each row checked as the op-by-op step checks it
         return got["next"].copy(), [row_checked(check, [f])[1] for f in got["flag"]]
