@@ -251,36 +251,46 @@ def generate(trunk, drafter, prompt, params, no_spec: bool = False):
     `no_spec`: plain decode, warmed by plain steps only (a plain request does not pay for a
     speculative warm-up). Otherwise both paths are warmed on the prompt itself, as the demo does:
     these are also the cost model's first measurements, so they are taken at the context the
-    request starts from: plain steps (the process's first, cold passes), the rounds, then plain
-    steps again, each paired with a verify (run_paired)."""
+    request starts from: plain steps (the process's first, cold passes), then rounds and plain
+    steps in turn (run_warm_up)."""
     run_plain(trunk, prompt, 8, params.sampling)
     if no_spec:
         out, dt, _ = run_plain(trunk, prompt, params.max_new_tokens, params.sampling)
         return out, dt, None, "plain: --no-spec"
-    run_spec(trunk, drafter, prompt, replace(params, max_new_tokens=8))
-    run_paired(trunk, drafter, prompt, 8, params.sampling)
+    run_warm_up(trunk, drafter, prompt, params)
     return run_request(trunk, drafter, prompt, params)
 
 
-def run_paired(trunk, drafter, prompt, steps: int, sampling=None) -> None:
-    """Plain steps for the cost model, each just after the trunk's verify of its pending token (one
-    column as a round verifies it; a verify moves no state), both timed: the plain step is kept
-    over the level of a verify taken moments before, as a round over its own verify's, so what a
-    round costs in plain steps does not rest on how the machine's speed moved between the warm-up
-    and the request (dspark.cost)."""
-    from .cost import cost_model
+WARM_UP_ROUNDS = 6  # rounds of `dspark generate`'s warm-up (the process's first, cold, is not kept)
+WARM_UP_STEPS = 3   # plain steps after each (the first after a round runs with colder caches: dspark.cost)
+
+
+def run_warm_up(trunk, drafter, prompt, params) -> None:
+    """The cost model's first measurements of both paths, on the request's prompt: a speculative
+    session's rounds, each followed by WARM_UP_STEPS plain steps of a plain sequence of the same
+    prompt and sampling. Each plain step is kept over the level of the round's verify just before
+    it (dspark.cost), so both sides of what a round costs in plain steps are taken at one moment of
+    the machine's speed, and the level is a round's verify, as every later one."""
     from .decode import PlainBatch, prefill_anchor
-    model = cost_model(trunk.be)
+    from .session import DsparkSpecSession
+    budget = WARM_UP_ROUNDS * (drafter.config.drafts + 1)
+    s = DsparkSpecSession.prime(trunk, drafter, prompt, replace(params, max_new_tokens=budget))
     cache = trunk.new_cache()
-    last, _ = prefill_anchor(trunk, cache, prompt, sampling)
+    last, _ = prefill_anchor(trunk, cache, prompt, params.sampling)
     batch = PlainBatch(trunk)
-    sid = batch.join(cache, last, steps, sampling=sampling)
-    while batch.riders():  # a step that decodes
-        with model.timed("verify", 1, cache.pos):
-            trunk.verify([cache], [np.array([batch.sequences[sid].last], np.int32)], taps=drafter.taps)
-        batch.step()
-    batch.leave(sid)
-    cache.free()
+    sid = batch.join(cache, last, WARM_UP_ROUNDS * WARM_UP_STEPS + 1, sampling=params.sampling)  # the anchor counts
+    try:
+        for _ in range(WARM_UP_ROUNDS):
+            if s.finished():
+                break
+            s.round()
+            for _ in range(WARM_UP_STEPS):
+                if batch.riders():  # a step that decodes
+                    batch.step()
+    finally:
+        batch.leave(sid)
+        cache.free()
+        s.close()
 
 
 def body(trunk, out: list[int]) -> list[int]:

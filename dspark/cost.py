@@ -9,16 +9,22 @@ A speculative run runs no plain steps, while the machine's speed (its load, its 
 context the passes attend over change, on this CPU by 1.5-2x within a fraction of a second. So
 the verify pass of each round run op by op (a trunk pass at the round's context) is timed too
 ("verify"), and every measurement is kept over a level: a verify's seconds over the prior's
-verify at its width. A round is kept over its own verify's level, and a plain step over the
-level of a verify timed just before it where there is one (`dspark generate`'s warm-up times each
-plain step beside a verify of the same sequence: dspark.cli.run_paired), else over the level now:
-the median of the last LEVEL_WINDOW verifies (a process's first, cold pass does not move it).
-Everything is priced at the level now, so what a round costs in plain steps is what each took
-beside a verify of its own moment, whatever the speed did between the warm-up and the request
-(a lagging level read against a round of another moment took the change for cost: on the
-embedded pair it demoted a session that pays). Rounds replayed from CUDA graphs do not time the
-verify apart: with no verify timed the level is 1 and measurements are kept in seconds; the first
-verify timed divides what was kept in seconds by its level.
+verify at its width. A round is kept over its own verify's level; a plain step over the level of
+the last verify timed, which `dspark generate`'s warm-up and the worker make a round's just
+before it (dspark.cli.run_warm_up alternates a round and WARM_UP_STEPS plain steps).
+Everything is priced at the level now (the median of the last LEVEL_WINDOW verifies; a process's
+first, cold pass does not move it), so what a round costs in plain steps is what each took beside
+a round's verify of its own moment, whatever the speed did between the warm-up and the
+request (a lagging level read against a round of another moment took the change for cost: on the
+embedded pair it demoted a session that pays). Only a round's verify sets the level: a verify run
+on its own (no drafter pass before it) took 0.71-0.95 (median 0.76) of its price
+inside a round on the embedded pair, and a plain step kept over such a verify was priced 25-30 %
+high against the rounds (a greedy session accepting 2.2 a round read a gain of 1.5 where it ran at
+0.96x plain). A plain step right after a round took 1.06-1.12 of a plain step after plain
+steps (the drafter's pass left the caches colder), so the warm-up keeps several after each round.
+Rounds replayed from CUDA graphs do not time the verify apart: with no verify timed
+the level is 1 and measurements are kept in seconds; the first verify timed divides what was kept
+in seconds by its level.
 
 A plain step's measurements update an exponential average per (greedy or sampled, batch, context
 bucket). A round's update the scale of the prior per (accept rule, batch, context bucket), pooled
@@ -162,7 +168,7 @@ class CostModel:
         self._pending: list[tuple] = []
         self._warm: set = set()  # (kind, rule) timed at least once
         self._levels: deque = deque(maxlen=LEVEL_WINDOW)  # verify seconds over the prior's verify
-        self._paired: float | None = None  # the level of the verify timed since the last round or plain step
+        self._paired: float | None = None  # the level of the verify timed since the last round
 
     def adopt(self, prior, pair: str) -> bool:
         """Take `prior` as the pair `pair`'s: once (the first pair known on the backend), and only
@@ -221,12 +227,12 @@ class CostModel:
             self._levels.append(level)
             self._paired = level
             return
-        # Over the level of the verify timed just before (a round's own; a calibration's), else the level now.
-        level, self._paired = self._paired or self._level_now, None
-        if kind == "round":
+        if kind == "round":  # over its own verify's level where it timed one, else the level now
+            level, self._paired = self._paired or self._level_now, None
             ratio = seconds / (self.prior.round(batch, width, context) * level)
             self._rounds.setdefault(key, Average()).add(ratio)
-        else:
+        else:  # over the level of the last verify: a round's, just before (module doc)
+            level = self._levels[-1] if self._levels else 1.0
             ratio = seconds / (self.prior.plain(batch, context) * level)
             self._plain.setdefault(key, Average()).add(seconds / level)
         self._scale.setdefault((kind, rule), Average()).add(ratio)

@@ -208,3 +208,14 @@ def test_bench_embedded_runs_beside_an_earlier_tree():
                   timeout=300)
     out = ok(r)
     assert "this tree / before" in out and "all streams the same tokens: yes" in out
+
+
+def test_accept_by_round_prints_the_spans_of_the_first_rounds():
+    """profiling/accept_by_round.py on two held-out prompts: the spans a session's rounds reach,
+    each over the prompts that reached it, and the spread across prompts; the same figures twice
+    (no timing)."""
+    args = ("profiling/accept_by_round.py", "--backend", "numpy", "--prompts", "2", "--max-new-tokens", "48")
+    out = ok(script(*args)[0])
+    assert re.search(r"^  rounds   0-8  : \d+\.\d\d a round \(2 prompts\)$", out, re.M), out
+    assert "spread across prompts" in out
+    assert ok(script(*args)[0]) == out
