@@ -168,6 +168,7 @@ class CostModel:
         self._pending: list[tuple] = []
         self._warm: set = set()  # (kind, rule) timed at least once
         self._levels: deque = deque(maxlen=LEVEL_WINDOW)  # verify seconds over the prior's verify
+        self._median: float | None = None  # the median of _levels, until the next verify
         self._paired: float | None = None  # the level of the verify timed since the last round
 
     def adopt(self, prior, pair: str) -> bool:
@@ -225,6 +226,7 @@ class CostModel:
                 for avg in (*self._rounds.values(), *self._plain.values(), *self._scale.values()):
                     avg.value /= level
             self._levels.append(level)
+            self._median = None
             self._paired = level
             return
         if kind == "round":  # over its own verify's level where it timed one, else the level now
@@ -263,7 +265,11 @@ class CostModel:
     def _level_now(self) -> float:
         """The verify level now: the median of the last LEVEL_WINDOW; 1 where no verify was timed
         (rounds replayed from CUDA graphs), whose measurements are then kept in seconds."""
-        return float(np.median(self._levels)) if self._levels else 1.0
+        if not self._levels:
+            return 1.0
+        if self._median is None:  # once per verify: a gain check prices several passes
+            self._median = float(np.median(self._levels))
+        return self._median
 
     def plain_row_seconds(self, batch: int, context: int, rule: str = "greedy") -> float:
         """What one more row adds to a plain step of `batch` rows: the slope of the measured steps of
