@@ -262,7 +262,7 @@ def generate(trunk, drafter, prompt, params, no_spec: bool = False):
 
 
 WARM_UP_ROUNDS = 6  # rounds of `dspark generate`'s warm-up (the process's first, cold, is not kept)
-WARM_UP_STEPS = 3   # plain steps after each (the first after a round runs with colder caches: dspark.cost)
+WARM_UP_STEPS = 3   # plain steps after each
 
 
 def run_warm_up(trunk, drafter, prompt, params) -> None:

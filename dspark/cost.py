@@ -16,12 +16,11 @@ Everything is priced at the level now (the median of the last LEVEL_WINDOW verif
 first, cold pass does not move it), so what a round costs in plain steps is what each took beside
 a round's verify of its own moment, whatever the speed did between the warm-up and the
 request (a lagging level read against a round of another moment took the change for cost: on the
-embedded pair it demoted a session that pays). Only a round's verify sets the level: a verify run
-on its own (no drafter pass before it) took 0.71-0.95 (median 0.76) of its price
-inside a round on the embedded pair, and a plain step kept over such a verify was priced 25-30 %
-high against the rounds (a greedy session accepting 2.2 a round read a gain of 1.5 where it ran at
-0.96x plain). A plain step right after a round took 1.06-1.12 of a plain step after plain
-steps (the drafter's pass left the caches colder), so the warm-up keeps several after each round.
+embedded pair it demoted a session that pays). Only a round's verify sets the level: a round's
+verify pass writes a checkpoint per column and runs at its width, and the lone one-column verify
+that plain steps were once paired with came out, over the prior's verify shape, at 1/1.11 of a
+round's (1.10-1.13, `python profiling/round_seconds.py --levels`), so plain steps were priced 11 %
+high against the rounds. A plain step right after a round takes 0.99-1.04 of the next one.
 Rounds replayed from CUDA graphs do not time the verify apart: with no verify timed
 the level is 1 and measurements are kept in seconds; the first verify timed divides what was kept
 in seconds by its level.

@@ -219,3 +219,15 @@ def test_accept_by_round_prints_the_spans_of_the_first_rounds():
     assert re.search(r"^  rounds   0-8  : \d+\.\d\d a round \(2 prompts\)$", out, re.M), out
     assert "spread across prompts" in out
     assert ok(script(*args)[0]) == out
+
+
+def test_round_seconds_prints_rounds_widths_and_levels():
+    """profiling/round_seconds.py at its smallest: a round in plain steps of each kind, the verify
+    by width beside the prior's shape, and what the cost model's level rests on."""
+    r, _ = script("profiling/round_seconds.py", "--rounds", "2", "--repeat", "1", "--widths", "--levels")
+    out = ok(r)
+    assert re.search(r"^  greedy round: .* plain steps", out, re.M) and re.search(r"^ coupled round: ", out, re.M), out
+    assert re.search(r"^  1: 1\.00 \(1\.00\)", out, re.M), out
+    for what in ("a round's verify over a lone verify of its width just after: ",
+                 "a plain step right after a round over the next one: "):
+        assert re.search("^" + re.escape(what) + r"\d+\.\d\d \(median of 2; runs", out, re.M), out
