@@ -11,10 +11,11 @@ session's temperature (`DsparkDrafter.sampled_accept`) for a coupled one; else N
 The prior keeps its weight because demotion is one-way and a text's first rounds are often its
 least predictable (on the embedded pair, code at temperature 0.3 accepts 1.9 a round over its
 first 16 rounds and 3.5 over its whole 256 tokens): a session is demoted on the evidence of many
-rounds against its prior, not on its first window. At 16 rounds against 4.08 that code stays
-speculative at rounds of up to 2.9 plain steps (at 8 it was demoted from 2.7, where its rounds
-measure 2.1-2.6); HISTORY is long enough (64) that a session's own rounds do outweigh the prior:
-one accepting 1.5 a round against 4.08 is demoted after 36 rounds at 2.3 plain steps, 15 at 2.9.
+rounds against its prior, not on its first window. At 16 rounds against 4.08, with the first
+check at WINDOW rounds, that code stays speculative at rounds of up to 3.0 plain steps (its rounds
+measure 2.1-2.6; a prior of 8 rounds demoted it from 2.7); HISTORY is long enough (64) that a
+session's own rounds do outweigh the prior: one accepting 1.5 a round against 4.08 is demoted
+after 36 rounds at 2.3 plain steps, at its first check (round 25) at 2.9.
 The cost comes from the backend's cost model (dspark.cost).
 
 A round's weight reads are shared by its rows (and a plain step's by its rows), so the gain that
@@ -42,8 +43,8 @@ Decisions (each returns (bool, reason)):
   check at or above 1 resets the count (the hysteresis: a dip does not demote, and demotion is
   one-way, so nothing flaps). A text's first rounds accept less than its later ones (the drafter
   has less of it to read): over the embedded pair's 24 held-out prompts, rounds 0-24 accept 4.2,
-  5.3 and 5.6 a round greedy (by 8) against 6.5 and 6.2 over rounds 24-48, and 3.4, 3.3 and 3.5
-  at temperature 0.3 against 4.5 and 4.6 (`python profiling/accept_by_round.py`). So no check
+  5.3 and 5.6 a round greedy (by 8) against 6.5 over rounds 24-32 (every prompt reaches them), and
+  3.4, 3.3 and 3.5 at temperature 0.3 against 4.5 (`python profiling/accept_by_round.py`). So no check
   runs on fewer than WINDOW rounds: a session is not demoted on the rounds least like its future.
 """
 
