@@ -15,9 +15,11 @@ only, after the prompt and the warm-up). Printed per mode: the median tokens/s a
 - max) over the repeats; the ratios are a mode's median over `--no-spec`'s, then the median of
 the ratios of the runs paired by repeat (the three runs of a repeat are adjacent in time, so a
 pair's ratio cancels the machine's slower drifts; two modes that both run plain differ by up to
-10 % in the first figure on a shared machine), with their range. The last column is what the gain policy did: in how many
-runs it ran plain, speculative to the end or demoted, and what it printed in the last run. The
-load average is printed before and after.
+10 % in the first figure on a shared machine), with their range. The last column is what the
+gain policy did: in how many runs it ran plain, speculative to the end or demoted, and what it
+printed in the last run. Then each case's line (the gain policy's ratio of medians at least
+`LINES`' figure; T 0.3 speculative in every run), "met" or "MISSED", and the exit status is 1
+where one is missed. The load average is printed before and after.
 
 Cases: temperature 0.8, top-p 0.95 on code (the coupled sampler accepts ~2.4 a round there);
 temperature 0.3 on code (it accepts ~3.5); greedy on prompts whose mean accepted length is under 3
@@ -62,6 +64,10 @@ CASES = [
     ("greedy, numbers", NUMBERS, SamplingParams()),
 ]
 MODES = ("--no-spec", "gain", "always")
+# The issue's lines, by case: the gain policy's ratio of medians at least this, and whether every
+# run must stay speculative (so that "sampled means plain" does not pass).
+LINES = {"T 0.8 top-p 0.95, code": (0.95, False), "T 0.3, code": (1.3, True),
+         "greedy, held-out #10": (0.95, False), "greedy, numbers": (0.95, False)}
 
 
 def fresh(be, drafter) -> None:
@@ -91,7 +97,7 @@ def load() -> str:
     return " ".join(f"{x:.2f}" for x in os.getloadavg())
 
 
-def main(argv=None) -> None:
+def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--backend", default=None)
     ap.add_argument("--repeat", type=int, default=9)
@@ -105,6 +111,7 @@ def main(argv=None) -> None:
     print(f"{'case':>24} | {'no-spec tok/s':>19} | {'gain / no-spec (paired)':>26} | "
           f"{'always / no-spec (paired)':>26} | "
           "what the gain policy did (runs; the last one)")
+    verdicts = []
     with threadpool_limits(limits=1, user_api="blas"):
         for i, (name, text, sampling) in enumerate(CASES):
             if args.only and str(i) not in args.only:
@@ -131,8 +138,15 @@ def main(argv=None) -> None:
             same = "" if len(streams) == 1 else " STREAMS DIFFER"
             runs = ", ".join(f"{k} {ran.count(k)}/{len(ran)}" for k in dict.fromkeys(ran))
             print(f"{name:>24} | {cols[0]:>19} | {cols[1]:>26} | {cols[2]:>26} | [{runs}] {note}{same}", flush=True)
+            floor, speculative = LINES[name]
+            ratio = np.median(tps["gain"]) / np.median(base)
+            ok = ratio >= floor and not same and (not speculative or ran.count("spec") == len(ran))
+            verdicts.append(f"{name:>24}: gain {ratio:.2f}x, line >= {floor:g}x"
+                            f"{', speculative in every run' if speculative else ''}: {'met' if ok else 'MISSED'}")
+    print("\n".join(verdicts))
     print(f"load average {load()}")
+    return 0 if all(v.endswith("met") for v in verdicts) else 1
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -231,3 +231,14 @@ def test_round_seconds_prints_rounds_widths_and_levels():
     for what in ("a round's verify over a lone verify of its width just after: ",
                  "a plain step right after a round over the next one: "):
         assert re.search("^" + re.escape(what) + r"\d+\.\d\d \(median of 2; runs", out, re.M), out
+
+
+def test_bench_policy_prints_each_case_and_its_line():
+    """profiling/bench_policy.py at its smallest: the case's row and its line's verdict; the exit
+    status is the verdict's (timing decides it, so either is accepted here)."""
+    r, _ = script("profiling/bench_policy.py", "--backend", "numpy", "--repeat", "1", "--only", "3",
+                  "--max-new-tokens", "8", timeout=300)
+    assert r.returncode in (0, 1), r.stderr[-3000:]
+    verdict = re.search(r"^ +greedy, numbers: gain (\d+\.\d\d)x, line >= 0\.95x: (met|MISSED)$", r.stdout, re.M)
+    assert verdict and (r.returncode == 0) == (verdict[2] == "met"), r.stdout
+    assert "STREAMS DIFFER" not in r.stdout
