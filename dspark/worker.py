@@ -14,7 +14,10 @@ load or timing it met: that of plain decode with its seed. A request sampled by 
 one mode for its whole life, chosen from the request and the prior alone
 (dspark.gain.rejection_mode), never from the gate, the load or a timing, and is never demoted;
 finished ones simply finish. Every admission and demotion is logged with its reason
-(GateEvent.why) and counted in `metrics()`. The worker also owns prefix
+(GateEvent.why) and counted in `metrics()`. Every speculative session that ends (finished or
+demoted) is remembered once in the drafter's memory under its request's namespace, the prior of
+later arrivals there (dspark.memory: pooled with the drafter's record, with a bounded
+exploration). A sampled request without a seed gets a fresh one at submit (`Request.seed`). The worker also owns prefix
 publication: after each burst it drains every session's prompt-end capture into the
 `PrefixStore`, and a new request whose prompt equals a published entry in its namespace restores
 from it instead of priming.
