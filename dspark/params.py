@@ -9,7 +9,10 @@ import numpy as np
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """temperature 0 is greedy. top_k 0 and top_p 1 and min_p 0 switch those filters off."""
+    """How a request samples: temperature, then the top-k, top-p and min-p filters, and the seed.
+
+    temperature 0 is greedy. top_k 0, top_p 1 and min_p 0 switch those filters off. The seed keys
+    every draw of the request's Philox streams (dspark.spec_sampling)."""
     temperature: float = 0.0
     top_k: int = 0
     top_p: float = 1.0
@@ -43,6 +46,9 @@ POLICIES = ("gain", "always")
 
 @dataclass(frozen=True)
 class SpecParams:
+    """How a speculative session runs: its token budget, burst size, verify-width policy, rollback,
+    prompt-end capture, sampling, launch mode on cuda, sampler and speculation policy."""
+
     max_new_tokens: int = 256
     burst_target: int = 32
     verify: str = "auto"         # verify width: the drafter's confidence head where it has one, else the
