@@ -57,6 +57,14 @@ setup(
                  "tokenizers>=0.21", "dflash>=0.1.0", "pydantic>=2.0", "pydantic-settings>=2.0",
                  "loguru>=0.7.2", "openai>=2.0", "hs-connectors>=0.9.0"],
         "train": ["torch==2.13.0"],
+        "plots": ["matplotlib>=3.8"],  # --plot and profiling/plots.py
+        # The site (mkdocs.yml, docs/): MkDocs because the pages are Markdown (they grew out of the README),
+        # its strict mode fails on a broken link or anchor, mkdocstrings' cross-references fail on an API
+        # name without its entry, and one hooks file generates what must not be copied (option tables,
+        # pictures). Material for MkDocs is maintained until May 2027; its successor Zensical reads the
+        # same mkdocs.yml. The pictures need matplotlib, and the performance model's the test extra's NVRTC.
+        "docs": ["mkdocs>=1.6", "mkdocs-material>=9.5", "mkdocstrings>=0.26", "mkdocstrings-python>=1.12",
+                 "matplotlib>=3.8"],
     },
     ext_modules=[
         Pybind11Extension(

@@ -26,7 +26,7 @@ from .backends import NAMES, backends, cuda_available, get_backend
 from .byte_vocab import decode, encode
 from .errors import DsparkError
 from .params import POLICIES, PROMPT_CHUNK, SAMPLERS, VERIFY_POLICIES
-from .stats import REPEAT_SPAN, RepetitionSplit
+from .stats import REPEAT_SPAN, RepetitionSplit, RoundTrace
 
 DEMO_PROMPT = '''import os
 
@@ -164,10 +164,10 @@ def progress_flag(args) -> bool | None:
     return False if args.no_progress else None
 
 
-def run_spec(trunk, drafter, prompt, params, progress=None, split=None):
+def run_spec(trunk, drafter, prompt, params, progress=None, split=None, trace=None):
     """Speculative generation; returns (tokens, decode seconds, stats, prime seconds). `progress`:
     a dspark.progress bar of the tokens emitted. Rounds are also recorded into `split` (a
-    dspark.stats.RepetitionSplit) when one is given."""
+    dspark.stats.RepetitionSplit) and `trace` (a dspark.stats.RoundTrace) when given."""
     from .session import DsparkSpecSession
     t0 = time.perf_counter()
     s = DsparkSpecSession.prime(trunk, drafter, prompt, params)
@@ -182,16 +182,28 @@ def run_spec(trunk, drafter, prompt, params, progress=None, split=None):
     dt = time.perf_counter() - t1
     out, stats = list(s.emitted), s.stats
     s.close()
-    if split is not None:
-        split.record_rounds([*map(int, prompt), *out], len(prompt), rounds)
+    record_rounds(prompt, out, rounds, split, trace)
     return out, dt, stats, t1 - t0
 
 
-def run_request(trunk, drafter, prompt, params):
+def record_rounds(prompt, out, rounds, split=None, trace=None) -> None:
+    """Record a request's rounds, (tokens emitted before the round, verified, accepted) each, into
+    a RepetitionSplit and a RoundTrace, where given."""
+    run = RoundTrace()
+    run.record_rounds([*map(int, prompt), *out], len(prompt), rounds)
+    if split is not None:
+        split.add(run)
+    if trace is not None:
+        for name in ("starts", "verified", "accepted", "repeat"):
+            getattr(trace, name).extend(getattr(run, name))
+
+
+def run_request(trunk, drafter, prompt, params, trace=None):
     """One request under params.policy (dspark.gain), as the worker decides: plain where the
     predicted gain is too small (or, sampled by rejection, where the prior's is), else speculative,
     demoted to plain decode at the first round boundary where the measured gain has stayed below 1.
-    Returns (tokens, decode seconds, stats or None, what ran and why)."""
+    Returns (tokens, decode seconds, stats or None, what ran and why); the speculative rounds are
+    recorded into `trace` (a dspark.stats.RoundTrace) when one is given."""
     from .decode import PlainBatch
     from .gain import admit, demote_check, rejection_mode
     from .session import DsparkSpecSession
@@ -203,12 +215,14 @@ def run_request(trunk, drafter, prompt, params):
     s = DsparkSpecSession.prime(trunk, drafter, prompt, params)
     t0 = time.perf_counter()
     demoted = ""
+    rounds = []  # (tokens emitted before the round, drafts verified, drafts accepted)
     while not s.finished():
+        before = (len(s.emitted), s.stats.drafted, s.stats.accepted)
         s.round()
+        rounds.append((before[0], s.stats.drafted - before[1], s.stats.accepted - before[2]))
         down, reason = demote_check(s, [s])
         if down:
             demoted = f"; demoted to plain after {s.rounds} rounds and {len(s.emitted)} tokens: {reason}"
-            rounds = s.rounds
             cache, last = s.into_demoted()
             batch = PlainBatch(trunk)
             sid = batch.join(cache, last, params.max_new_tokens, list(s.emitted), s.params.sampling)
@@ -217,11 +231,12 @@ def run_request(trunk, drafter, prompt, params):
             cache.free()
             break
     else:
-        rounds, out = s.rounds, list(s.emitted)
+        out = list(s.emitted)
     dt = time.perf_counter() - t0
     s.close()
+    record_rounds(prompt, out, rounds, trace=trace)
     gain = f", measured gain {s.gain:.2f}" if s.gain is not None and not demoted else ""
-    return out, dt, s.stats, (f"spec, mean accepted length {s.stats.mean_accepted_length:.2f} over {rounds} rounds"
+    return out, dt, s.stats, (f"spec, mean accepted length {s.stats.mean_accepted_length:.2f} over {len(rounds)} rounds"
                               f"{gain} (admitted: {why}){demoted}")
 
 
@@ -244,7 +259,7 @@ def run_plain(trunk, prompt, max_new, sampling=None, progress=None):
     return out, dt, t1 - t0
 
 
-def generate(trunk, drafter, prompt, params, no_spec: bool = False):
+def generate(trunk, drafter, prompt, params, no_spec: bool = False, trace=None):
     """`dspark generate` with a drafter: the warm-up and the request, as the command runs them.
     Returns (tokens, decode seconds, stats or None, what ran and why).
 
@@ -258,7 +273,7 @@ def generate(trunk, drafter, prompt, params, no_spec: bool = False):
         out, dt, _ = run_plain(trunk, prompt, params.max_new_tokens, params.sampling)
         return out, dt, None, "plain: --no-spec"
     run_warm_up(trunk, drafter, prompt, params)
-    return run_request(trunk, drafter, prompt, params)
+    return run_request(trunk, drafter, prompt, params, trace)
 
 
 WARM_UP_ROUNDS = 6  # rounds of `dspark generate`'s warm-up (the process's first, cold, is not kept)
@@ -306,9 +321,23 @@ def ending(trunk, out: list[int], max_new: int) -> str:
     return "token budget" if len(out) >= max_new else "context full"
 
 
+def plot_check(args) -> None:
+    """--plot needs matplotlib: say so before anything is loaded."""
+    if args.plot:
+        from .plots import pyplot
+        pyplot()
+
+
+def plot_written(args, stats, trace, title: str) -> None:
+    from .plots import plot_run
+    plot_run(args.plot, stats, trace, title)
+    print(f"dspark: plot written to {args.plot}", file=sys.stderr)
+
+
 def cmd_demo(args) -> int:
     from .session import SpecParams
     check_drafter_option(args)
+    plot_check(args)
     be = backend_of(args.backend)
     if args.model:
         trunk, tokenizer = load_model(be, args)
@@ -330,9 +359,9 @@ def cmd_demo(args) -> int:
                         max_verify=args.max_verify, capture=False)
     run_spec(trunk, drafter, prompt[:8], replace(params, max_new_tokens=8))  # warm both paths
     run_plain(trunk, prompt[:8], 8)
-    split = RepetitionSplit()
+    split, trace = RepetitionSplit(), RoundTrace()
     with progress.bar(args.max_new_tokens, "spec", "tok", progress_flag(args)) as shown:
-        spec, t_spec, stats, t_prime = run_spec(trunk, drafter, prompt, params, shown, split)
+        spec, t_spec, stats, t_prime = run_spec(trunk, drafter, prompt, params, shown, split, trace)
     with progress.bar(args.max_new_tokens, "plain", "tok", progress_flag(args)) as shown:
         plain, t_plain, t_prefill = run_plain(trunk, prompt, args.max_new_tokens, progress=shown)
     print("---- prompt + speculative output " + "-" * 40)
@@ -343,6 +372,8 @@ def cmd_demo(args) -> int:
     print(f"speculative            {spec_tps:8.1f} tokens/s   (prime {t_prime * 1e3:.0f} ms)")
     print(f"plain greedy           {plain_tps:8.1f} tokens/s   (prefill {t_prefill * 1e3:.0f} ms)")
     print(f"speedup                {spec_tps / plain_tps:8.2f}x")
+    if args.plot:
+        plot_written(args, stats, trace, f"dspark demo: {what}, backend {be.name}, {len(spec)} tokens")
     exact = spec == plain
     print("EXACT: speculative output is byte-identical to plain greedy decode" if exact else
           "MISMATCH: speculative output differs from plain greedy decode")
@@ -367,6 +398,7 @@ def cmd_generate(args) -> int:
     from .params import SamplingParams, seeded
     from .session import SpecParams
     check_drafter_option(args)
+    plot_check(args)
     be = backend_of(args.backend)
     try:  # sampled without --seed: a fresh seed from the OS, drawn once here for every run below, and printed
         sampling = seeded(SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
@@ -383,17 +415,21 @@ def cmd_generate(args) -> int:
     params = SpecParams(max_new_tokens=args.max_new_tokens, verify=args.verify, tau=args.tau,
                         max_verify=args.max_verify, capture=False, sampling=sampling, sampler=args.sampler,
                         policy=args.policy)
+    trace = RoundTrace()
     if drafter is None:
         out, dt, _ = run_plain(trunk, prompt, args.max_new_tokens, sampling)
         stats, note = None, "plain: no --drafter for --model"
     else:
-        out, dt, stats, note = generate(trunk, drafter, prompt, params, no_spec=args.no_spec)
+        out, dt, stats, note = generate(trunk, drafter, prompt, params, no_spec=args.no_spec, trace=trace)
     print(args.prompt + text(body(trunk, out)))
     seed = "" if sampling.greedy else f"seed {sampling.seed}, "
     print(f"[{len(out)} tokens in {dt:.2f}s, {len(out) / dt:.1f} tokens/s, {seed}{note}; stopped: "
           f"{ending(trunk, out, args.max_new_tokens)}]", file=sys.stderr)
     if stats is not None:
         print_acceptance(stats, sys.stderr)
+    if args.plot:
+        from .stats import SpecStats
+        plot_written(args, stats or SpecStats(), trace, f"dspark generate: {len(out)} tokens, {note.split(',')[0]}")
     return 0
 
 
@@ -440,6 +476,9 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--threads", type=positive_int, default=None,
                        help="threads of the numpy backend's native code (default: DSPARK_NUM_THREADS, else the "
                             "cores this process may use); results do not depend on it")
+        p.add_argument("--plot", default=None, metavar="FILE",
+                       help="draw acceptance by draft position and tokens per round along the text into FILE "
+                            "(.png, .svg, .pdf; needs matplotlib: the plots extra)")
         p.add_argument("--no-progress", action="store_true",
                        help="no progress bars (loads, the demo's streams); they show only on a terminal anyway, "
                             "and DSPARK_PROGRESS=0 turns them off too")

@@ -10,11 +10,13 @@ import numpy as np
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """temperature 0 is greedy. top_k 0 and top_p 1 and min_p 0 switch those filters off.
-    `seed` None: a sampled request draws a fresh one from the OS when it is admitted (`seeded`:
-    Worker.submit, DsparkSpecSession.prime and restore, plain_generate), never here: a params
-    object reused for many requests, or SpecParams' default, would give them all one seed.
-    Greedy ignores it."""
+    """How a request samples: temperature, then the top-k, top-p and min-p filters, and the seed.
+
+    temperature 0 is greedy. top_k 0, top_p 1 and min_p 0 switch those filters off. The seed keys
+    every draw of the request's Philox streams (dspark.spec_sampling). `seed` None (the default):
+    a sampled request draws a fresh one from the OS when it is admitted (`seeded`: Worker.submit,
+    DsparkSpecSession.prime and restore, plain_generate), never here: a params object reused for
+    many requests, or SpecParams' default, would give them all one seed. Greedy ignores it."""
     temperature: float = 0.0
     top_k: int = 0
     top_p: float = 1.0
@@ -62,6 +64,9 @@ POLICIES = ("gain", "always")
 
 @dataclass(frozen=True)
 class SpecParams:
+    """How a speculative session runs: its token budget, burst size, verify-width policy, rollback,
+    prompt-end capture, sampling, launch mode on cuda, sampler and speculation policy."""
+
     max_new_tokens: int = 256
     burst_target: int = 32
     verify: str = "auto"         # verify width: the drafter's confidence head where it has one, else the

@@ -26,6 +26,8 @@ class StoreStats:
 
 
 class PrefixStore:
+    """Published prompt-end captures, by namespace and prompt: deduplicated, under one LRU byte budget."""
+
     def __init__(self, budget_bytes: int):
         if not isinstance(budget_bytes, int) or isinstance(budget_bytes, bool) or budget_bytes < 0:
             raise ValueError(f"budget_bytes={budget_bytes!r}: expected an int >= 0")

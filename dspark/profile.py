@@ -1,7 +1,7 @@
 """NVTX ranges around the round phases, and counters of what a round costs the host.
 
-NVTX: `phase(name)` marks one phase (prime, draft, propose, snapshot, verify, accept, commit,
-rollback, ingest) for Nsight Systems timelines. It costs nothing when no profiler is attached:
+NVTX: `phase(name)` marks one phase (PHASES: prime, draft, propose, verify, accept, commit, rollback,
+ingest) for Nsight Systems timelines. It costs nothing when no profiler is attached:
 `phase()` then returns one shared no-op context manager. A profiler that injects NVTX (Nsight
 Systems / Compute set NVTX_INJECTION64_PATH) turns the ranges on, as does DSPARK_NVTX=1. The
 `nvtx` package is optional: without it the ranges go through CuPy's own NVTX binding when CuPy is
@@ -36,6 +36,22 @@ from dataclasses import dataclass, field
 
 DOMAIN = "dspark"
 _NULL = contextlib.nullcontext()
+
+# The NVTX range names, in the order a request meets them (docs/profiling.md is generated from this).
+PHASES = {
+    "prime": "the prompt pass of a speculative session: trunk cache, draft KV, the first anchor",
+    "draft": "the drafter's block pass over [anchor, MASK x (b-1)]; a recorded round (launches graph or eager) "
+             "runs its whole draft pass here, the proposal and the first wait included",
+    "propose": "the Markov chain fixing each slot, the confidences, and the first wait on the device (the drafts "
+               "read back in one copy)",
+    "verify": "the trunk's pass over the candidate columns (and any plain rows riding the round); a recorded "
+              "round's verify pass includes the accept and the second wait",
+    "accept": "the accept rule (greedy, coupled or rejection) and the second wait: (m, next) and the NaN flags",
+    "commit": "the accepted K/V rows copied from the verify scratch into the caches; a recorded round's commit "
+              "pass includes the rollback and the ingest",
+    "rollback": "the recurrent state moved on by exactly the kept columns (checkpoint select or replay)",
+    "ingest": "the kept rows' taps written into the draft KV",
+}
 
 
 # ---- NVTX ------------------------------------------------------------------------------------------
@@ -86,7 +102,8 @@ def nvtx_status() -> str:
 
 
 def phase(name: str):
-    """A context manager marking one round phase (and timing it inside `phase_times()`)."""
+    """A context manager marking one round phase, a name of PHASES (and timing it inside
+    `phase_times()`)."""
     if _clocks:
         return _Timed(name)
     if not enabled():

@@ -76,6 +76,15 @@ class SpecBoundaryCapture:
 class DsparkSpecSession:
     """A request decoded with DSpark speculation. Public: `cache`, `rounds`, `emitted`, `stats`."""
 
+    cache: Cache
+    """The trunk cache: K/V per attention layer, recurrent state per gdn layer, and `pos`, the committed rows."""
+    rounds: int
+    """Rounds run so far."""
+    emitted: list[int]
+    """The tokens emitted so far, in order (the public stream)."""
+    stats: SpecStats
+    """Rounds, drafted and accepted counts, acceptance by draft position and the histogram of accepts."""
+
     def __init__(self, *_, **__):
         raise TypeError("use DsparkSpecSession.prime(trunk, drafter, prompt_ids, params) or .restore(...)")
 
@@ -170,9 +179,11 @@ class DsparkSpecSession:
 
     # ---- the seed's surface -------------------------------------------------------------------
     def cache_max_ctx(self) -> int:
+        """The cache's capacity in rows: a round that could pass it finishes the session instead."""
         return self.cache.capacity
 
     def finished(self) -> bool:
+        """Whether the session has stopped: EOS, the token budget, or the context cap."""
         return self._finished is not None
 
     @property
@@ -180,6 +191,7 @@ class DsparkSpecSession:
         return self._finished
 
     def pos(self) -> int:
+        """Committed rows in the trunk cache: prompt rows + emitted tokens at a burst boundary."""
         return self.cache.pos
 
     @property

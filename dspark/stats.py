@@ -15,6 +15,9 @@ REPEAT_SPAN = 16
 
 @dataclass
 class SpecStats:
+    """Speculation counts of a session (or of many, merged): rounds, drafts verified and accepted,
+    per draft position, and the histogram of accepted drafts per round."""
+
     rounds: int = 0
     drafted: int = 0     # drafts sent to verify (vt - 1 per round)
     accepted: int = 0    # drafts accepted (m per round)
@@ -70,6 +73,43 @@ def repeats_earlier(context, span: int = REPEAT_SPAN) -> bool:
 
 
 @dataclass
+class RoundTrace:
+    """The rounds of one request along its text: where each started (tokens emitted before it),
+    the drafts it verified and accepted, and whether its context repeats itself
+    (`repeats_earlier`). What `--plot` draws, and the source of a `RepetitionSplit`."""
+    starts: list[int] = field(default_factory=list)
+    verified: list[int] = field(default_factory=list)
+    accepted: list[int] = field(default_factory=list)
+    repeat: list[bool] = field(default_factory=list)
+
+    def record(self, context, start: int, verified: int, accepted: int) -> None:
+        """`context`: the prompt, the tokens emitted before the round and its anchor."""
+        self.starts.append(int(start))
+        self.verified.append(int(verified))
+        self.accepted.append(int(accepted))
+        self.repeat.append(repeats_earlier(context))
+
+    def record_rounds(self, stream, start: int, rounds) -> None:
+        """`rounds`: (tokens emitted before the round, verified, accepted) of each round of one
+        request whose prompt and output are `stream`, the output starting at `start`."""
+        for before, verified, accepted in rounds:
+            self.record(stream[: start + before + 1], before, verified, accepted)
+
+    @property
+    def tokens(self) -> list[int]:
+        """Tokens each round emitted: its accepted drafts and its anchor."""
+        return [a + 1 for a in self.accepted]
+
+    def stats(self, repeat: bool | None = None) -> SpecStats:
+        """SpecStats of the rounds (of those inside a repetition, or on fresh text, if `repeat`)."""
+        out = SpecStats()
+        for v, a, r in zip(self.verified, self.accepted, self.repeat):
+            if repeat is None or r == repeat:
+                out.record(v, a)
+        return out
+
+
+@dataclass
 class RepetitionSplit:
     """SpecStats of the rounds that start on fresh text and of those inside a repetition
     (`repeats_earlier` of the round's context)."""
@@ -82,8 +122,13 @@ class RepetitionSplit:
     def record_rounds(self, stream, start: int, rounds) -> None:
         """`rounds`: (tokens emitted before the round, verified, accepted) of each round of one
         request whose prompt and output are `stream`, the output starting at `start`."""
-        for before, verified, accepted in rounds:
-            self.record(stream[: start + before + 1], verified, accepted)
+        trace = RoundTrace()
+        trace.record_rounds(stream, start, rounds)
+        self.add(trace)
+
+    def add(self, trace: RoundTrace) -> None:
+        self.fresh = self.fresh.merge(trace.stats(repeat=False))
+        self.repeat = self.repeat.merge(trace.stats(repeat=True))
 
     def merge(self, other: "RepetitionSplit") -> "RepetitionSplit":
         return RepetitionSplit(self.fresh.merge(other.fresh), self.repeat.merge(other.repeat))

@@ -57,6 +57,8 @@ from .stats import SpecStats
 
 @dataclass(frozen=True)
 class GateConfig:
+    """The concurrency gate: admit to speculation while active + 1 <= low; demote at a burst boundary
+    once active >= high (`demote_at`)."""
     low: int = 2
     high: int = 4
 
@@ -74,6 +76,8 @@ class GateConfig:
 
 @dataclass
 class Request:
+    """A request as the worker keeps it: its prompt, budget, sampling and namespace, its mode and
+    tokens, and why it runs as it does."""
     id: int
     prompt: np.ndarray
     max_new_tokens: int
@@ -101,6 +105,7 @@ class Request:
 
 @dataclass(frozen=True)
 class GateEvent:
+    """One admission, restore, demotion, finish or failure, with the step and the reason."""
     step: int
     request: int
     what: str    # admit_spec, admit_plain, restore, demote, finish, fail
@@ -108,6 +113,9 @@ class GateEvent:
 
 
 class Worker:
+    """Serves many requests on one trunk and drafter: speculative where it pays and the load is
+    light, plain batched decode otherwise (the module's docstring says how it decides)."""
+
     def __init__(self, trunk: HybridTrunk, drafter: DsparkDrafter, gate: GateConfig | None = None,
                  store: PrefixStore | None = None, spec: SpecParams | None = None, on_tokens=None, mix: bool = True):
         self.trunk, self.drafter = trunk, drafter
@@ -476,3 +484,6 @@ class Worker:
         if r.mode == "failed":
             raise StateError(f"request {request_id} failed: {r.error}")
         return Tokens(r.tokens, seed=r.seed)
+
+
+__all__ = ["GateConfig", "GateEvent", "PrefixStore", "Request", "Worker"]

@@ -137,6 +137,8 @@ def array_module(a):
 
 
 def backends() -> list[str]:
+    """The backends that work here, in order: numpy always, simt where dspark._simt is built, cuda where
+    CuPy finds a GPU (also `dspark.backends()`)."""
     out = ["numpy"]
     if simt_available():
         out.append("simt")
