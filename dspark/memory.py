@@ -17,8 +17,9 @@ The prediction pools the bucket with the drafter's record (its recorded acceptan
 prior_tokens) at the weight of RECORD_WEIGHT sessions, so the record keeps at least a fifth of
 it: (RECORD_WEIGHT * record + sum) / (RECORD_WEIGHT + weight). On the embedded pair (record 4.72
 greedy) one session at 2.5 tokens a round predicts 3.6, still speculative wherever a round costs
-under 3.3 plain steps; three predict 3.2 and four 3.1, and a bucket of sessions at 1.5 tends to
-2.1: there a poor request starts plain, the memory working as memory.
+under 3.3 plain steps, and no single session can bring it under (4.72 + 1) / 2 = 2.9 (a round
+emits at least its anchor); three at 2.5 predict 3.2 and four 3.1, and a bucket of sessions at
+1.5 tends to 2.1: there a poor request starts plain, the memory working as memory.
 
 Exploration. A bucket that predicts less than the record may have stopped speculating, and plain
 sessions measure nothing: every EXPLORE_EVERY-th arrival predicted under the record is predicted
