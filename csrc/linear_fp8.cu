@@ -113,3 +113,12 @@ extern "C" __global__ void fp8_decode_e4m3(const uint8_t* __restrict__ q, int n,
   const int i = blockIdx.x * blockDim.x + threadIdx.x;
   if (i < n) out[i] = e4m3_to_float(q[i]);
 }
+
+// linear_place_columns(src [rows, width], rows, width, dst [rows, N], N, at): dst[r, at + c] = src[r, c],
+// one thread per entry: a run's product placed in its columns of a fused output (dspark.ops.linear.
+// ColumnRuns, whose runs are FP8 beside 16-bit weights), as a launch a recorded round replays.
+extern "C" __global__ void linear_place_columns(const float* __restrict__ src, int rows, int width,
+                                                float* __restrict__ dst, int N, int at) {
+  const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+  if (i < (long long)rows * width) dst[i / width * N + at + i % width] = src[i];
+}

@@ -191,8 +191,8 @@ def trunk_to_backend(be, c: TrunkConfig, weights, dtype, progress=None) -> dict:
         for run in column_runs([weights[q] for q in names]):
             parts = [names[i] for i in run]
             if isinstance(weights[parts[0]], Fp8Host):
-                q = np.concatenate([np.asarray(weights[p].q).view(np.uint8) for p in parts], axis=1)
-                s = np.concatenate([np.asarray(weights[p].scale, F32) for p in parts], axis=1)  # bf16: exact
+                q = np.ascontiguousarray(np.concatenate([np.asarray(weights[p].q).view(np.uint8) for p in parts], axis=1))
+                s = np.ascontiguousarray(np.concatenate([np.asarray(weights[p].scale, F32) for p in parts], axis=1))
                 runs.append(Fp8Matrix(be.xp.asarray(q), be.xp.asarray(s), np.dtype(dtype)))
             else:
                 runs.append(be.xp.asarray(host_of(parts[0]) if len(parts) == 1

@@ -363,8 +363,13 @@ class ColumnRuns:
         elif tuple(out.shape) != (rows, n):
             raise ShapeError(f"out has shape {tuple(out.shape)}: expected {(rows, n)}")
         for i, (m, at) in enumerate(self.runs):
-            part = linear(be, x, m, out=buffer(be, ws, f"linear.run.{i}.{m.shape[1]}", rows, (m.shape[1],)), ws=ws)
-            out[:, at : at + m.shape[1]] = part
+            width = m.shape[1]
+            part = linear(be, x, m, out=buffer(be, ws, f"linear.run.{i}.{width}", rows, (width,)), ws=ws)
+            if be.kernels is None:
+                out[:, at : at + width] = part
+            elif rows and width:  # a launch, not an array op: a recorded round replays it
+                rowsplit.launch(be, "linear_place_columns", -(-rows * width // 256), 256,
+                                (part, np.int32(rows), np.int32(width), out, np.int32(n), np.int32(at)))
         return out
 
 
