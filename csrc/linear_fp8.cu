@@ -15,9 +15,9 @@
 //
 // linear_fp8_<t>_m<BM>(x, q, scale, rows, K, N, kchunk, grid_splits, out, part, tickets): the grid,
 // tile shapes, modes, part and tickets of linear_mma_<t>_m<BM> (linear_mma.cuh's header).
-// B tiles (MmaWeightsFp8): each thread takes 8-column chunks of a row of the tile, 8 bytes (one
-// 8-byte load where N % 8 == 0 and q is 8-byte aligned, else byte loads; zero past K and N) and the
-// chunk's scale (a chunk never crosses a 128-column block), one tile ahead in registers like the
+// B tiles (MmaWeightsFp8): each thread takes 8-column chunks of rows of the tile, 8 bytes each (one
+// 8-byte load where N % 8 == 0 and q is 8-byte aligned, else byte loads; zero past K and N), all in
+// one column of one 128 x 128 block, so with one scale, one tile ahead in registers like the
 // activations; after the tile's MMAs it decodes, scales and rounds them into the stage.
 //
 // fp8_decode_e4m3(q, n, out): out[i] = e4m3(q[i]) as f32, one thread per byte (the decode's test).
@@ -25,36 +25,46 @@
 #include "fp8.cuh"
 #include "linear_mma.cuh"
 
+// Two e4m3 bytes of `word` (at bit `shift` and shift + 8) dequantized and rounded into one T pair.
+template <typename T>
+DSPARK_DEVICE uint32_t fp8_pair(uint32_t word, int shift, float s) {
+  return mma_pack2<T>(e4m3_to_float((word >> shift) & 0xffu) * s, e4m3_to_float((word >> (shift + 8)) & 0xffu) * s);
+}
+
 template <typename T, typename Cfg>
 struct MmaWeightsFp8 {
   using C = Cfg;
+  // A thread's chunks of a tile share one column (THREADS is a multiple of a row's chunks) and the
+  // tile's BK rows lie in one 128-row block (BK divides 128): one scale per thread per tile.
+  static_assert(C::THREADS % (C::BN / 8) == 0 && kFp8Block % C::BK == 0, "one scale per thread and tile");
   const uint8_t* __restrict__ q;
   const float* __restrict__ scale;
   int K, N;
   bool vec;  // 8-byte loads of q
   struct Held {
     uint2 raw[C::B_VECS];
-    float s[C::B_VECS];
+    float s;
   };
 
   __device__ __forceinline__ void fetch(T*, int k, int n0, Held& h) const {
     const int blocks_n = (N + kFp8Block - 1) / kFp8Block;
+    const int col = 8 * (threadIdx.x % (C::BN / 8)), n = n0 + col;
+    h.s = n < N ? scale[(int64_t)(k / kFp8Block) * blocks_n + n / kFp8Block] : 0.f;
 #pragma unroll
     for (int i = 0; i < C::B_VECS; ++i) {
-      const int c = threadIdx.x + i * C::THREADS, kr = c / (C::BN / 8), col = 8 * (c % (C::BN / 8));
-      const int kk = k + kr, n = n0 + col;
+      const int kk = k + (threadIdx.x + i * C::THREADS) / (C::BN / 8);
       h.raw[i] = make_uint2(0u, 0u);
-      h.s[i] = 0.f;
       if (kk < K && n < N) {
-        h.s[i] = scale[(int64_t)(kk / kFp8Block) * blocks_n + n / kFp8Block];
         const uint8_t* p = q + (int64_t)kk * N + n;
         if (vec) {
           h.raw[i] = *reinterpret_cast<const uint2*>(p);
         } else {
           uint32_t lo = 0u, hi = 0u;
 #pragma unroll
-          for (int j = 0; j < 8; ++j)
-            if (n + j < N) (j < 4 ? lo : hi) |= (uint32_t)p[j] << (8 * (j & 3));
+          for (int j = 0; j < 4; ++j) {
+            if (n + j < N) lo |= (uint32_t)p[j] << (8 * j);
+            if (n + 4 + j < N) hi |= (uint32_t)p[4 + j] << (8 * j);
+          }
           h.raw[i] = make_uint2(lo, hi);
         }
       }
@@ -62,18 +72,14 @@ struct MmaWeightsFp8 {
   }
 
   __device__ __forceinline__ void place(T* stage, const Held& h) const {
+    const int col = 8 * (threadIdx.x % (C::BN / 8));
 #pragma unroll
     for (int i = 0; i < C::B_VECS; ++i) {
-      const int c = threadIdx.x + i * C::THREADS, kr = c / (C::BN / 8), col = 8 * (c % (C::BN / 8));
-      uint32_t packed[4];
-#pragma unroll
-      for (int j = 0; j < 8; j += 2) {
-        const uint32_t word = j < 4 ? h.raw[i].x : h.raw[i].y;
-        const float a = e4m3_to_float((word >> (8 * (j & 3))) & 0xffu) * h.s[i];
-        const float b = e4m3_to_float((word >> (8 * ((j + 1) & 3))) & 0xffu) * h.s[i];
-        packed[j / 2] = mma_pack2<T>(a, b);
-      }
-      *reinterpret_cast<uint4*>(stage + kr * C::B_ROW + col) = make_uint4(packed[0], packed[1], packed[2], packed[3]);
+      const int kr = (threadIdx.x + i * C::THREADS) / (C::BN / 8);
+      const uint2 r = h.raw[i];
+      *reinterpret_cast<uint4*>(stage + kr * C::B_ROW + col) =
+          make_uint4(fp8_pair<T>(r.x, 0, h.s), fp8_pair<T>(r.x, 16, h.s), fp8_pair<T>(r.y, 0, h.s),
+                     fp8_pair<T>(r.y, 16, h.s));
     }
   }
 };

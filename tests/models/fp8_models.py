@@ -148,7 +148,7 @@ def dequantized_copy(src: Path, d: Path, dtype=np.float32) -> None:
 # ---- the cases ---------------------------------------------------------------------------------------
 # Shapes the peer dequantizes right: every quantized dimension at most 128 or a multiple of 128.
 QWEN3_FP8 = Fp8Case("qwen3-fp8", Case("qwen3-fp8-base", "qwen3", dict(
-    vocab_size=320, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+    vocab_size=320, hidden_size=128, intermediate_size=256, num_hidden_layers=3, num_attention_heads=4,
     num_key_value_heads=2, head_dim=64), dtype="bfloat16", seed=21), not_convert=("lm_head",))
 # Qwen3.5 as its FP8 releases leave it: gdn's in_proj_a / in_proj_b 16-bit (and one more module, by
 # its full name), scales f32.
