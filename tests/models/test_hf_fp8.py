@@ -439,3 +439,14 @@ def test_coupled_sampled_equals_plain_sampled(fp8_trunks, backend):
             (prompt_of(QWEN35_FP8, 4, seed=9), SamplingParams(temperature=0.6, top_p=0.9, seed=2))]
     total = check_alone_and_batched(trunk, drafter, reqs, 6, bursts=(2, 4))
     assert total.accepted > 0
+
+
+def test_drafters_take_the_targets_16_bit_type_on_cuda_only(fp8_trunks):
+    """On cuda (the stand-in) a drafter's matrices are the bf16 target's bf16, its vectors and
+    heads f32; on numpy and simt every tensor stays f32 (the CPU products widen exactly)."""
+    for name in BACKENDS:
+        d = random_drafter(fp8_trunks(name), 1, block=4)
+        want = BF16 if name == "contract" else np.dtype(np.float32)
+        assert {d.w[k].dtype for k in ("fc", "layers.0.attn.wqkv", "layers.0.attn.wkv", "layers.0.mlp.w_down")} \
+            == {want}, name
+        assert {d.w[k].dtype for k in ("layers.0.norm1", "markov.w1", "conf.w")} == {np.dtype(np.float32)}, name
