@@ -60,17 +60,9 @@ def dequantize(q, scale, dtype=F32) -> np.ndarray:
     return w if np.dtype(dtype) == F32 else w.astype(dtype)
 
 
-@dataclass
-class Fp8Matrix:
-    """A quantized linear on a backend: q uint8 [K, N] and scale f32 [ceil(K / 128), ceil(N / 128)]
-    (module doc), and `compute`, the type its product rounds W and the activations to on the kernel
-    backends (bf16 or f16; the numpy backend computes in f32 whatever it says). Fused projections
-    are one Fp8Matrix when every part but the last spans whole column blocks (the scale grid then
-    lines up); `columns` views a part that starts on a block."""
-    q: object
-    scale: object
-    compute: np.dtype
-
+class Fp8Shape:
+    """What a quantized linear shows NumPy-side: 2 dims, q's [K, N], the e4m3 dtype; `__array__`
+    gives W in f32 on the host (a copy: tests and tools; the products never make it)."""
     ndim = 2
 
     @property
@@ -80,6 +72,22 @@ class Fp8Matrix:
     @property
     def dtype(self) -> np.dtype:
         return E4M3
+
+    def __array__(self, dtype=None, copy=None):
+        w = dequantize(_host(self.q).view(np.uint8), _host(self.scale))
+        return w if dtype is None else w.astype(dtype)
+
+
+@dataclass
+class Fp8Matrix(Fp8Shape):
+    """A quantized linear on a backend: q uint8 [K, N] and scale f32 [ceil(K / 128), ceil(N / 128)]
+    (module doc), and `compute`, the type its product rounds W and the activations to on the kernel
+    backends (bf16 or f16; the numpy backend computes in f32 whatever it says). Fused projections
+    are one Fp8Matrix when every part but the last spans whole column blocks (the scale grid then
+    lines up); `columns` views a part that starts on a block."""
+    q: object
+    scale: object
+    compute: np.dtype
 
     @property
     def nbytes(self) -> int:
@@ -91,11 +99,6 @@ class Fp8Matrix:
         return Fp8Matrix(self.q[:, at : at + width], self.scale[:, at // BLOCK : -(-(at + width) // BLOCK)],
                          self.compute)
 
-    def __array__(self, dtype=None, copy=None):
-        """W in f32 on the host (a copy: tests and tools; the products never make it)."""
-        w = dequantize(_host(self.q), _host(self.scale))
-        return w if dtype is None else w.astype(dtype)
-
 
 def _host(a) -> np.ndarray:
     get = getattr(a, "get", None)
@@ -103,27 +106,13 @@ def _host(a) -> np.ndarray:
 
 
 @dataclass(frozen=True)
-class Fp8Host:
+class Fp8Host(Fp8Shape):
     """A quantized linear on the host, as the loader reads it (memory-mapped views in our [K, N]
     layout): q as e4m3fn [K, N], scale [ceil(K / 128), ceil(N / 128)] f32 or bf16; `name` is the
     checkpoint tensor, for errors."""
     q: np.ndarray
     scale: np.ndarray
     name: str = ""
-
-    ndim = 2
-
-    @property
-    def shape(self) -> tuple[int, int]:
-        return tuple(self.q.shape)
-
-    @property
-    def dtype(self) -> np.dtype:
-        return E4M3
-
-    def __array__(self, dtype=None, copy=None):
-        w = dequantize(self.q.view(np.uint8), self.scale)
-        return w if dtype is None else w.astype(dtype)
 
 
 def nan_bytes(q) -> int:

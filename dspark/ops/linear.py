@@ -285,13 +285,7 @@ def linear(be, x, w, out=None, *, splits: int | None = None, bm: int | None = No
     if w.dtype != F32:
         _require_tensor_cores(be)
         if rows and n:
-            p = mma_plan(rows, k, n, bm=bm, split=split)
-            part = buffer(be, ws, f"linear.part.{p.splits * n}", rows, (p.splits * n,)) if p.grid_splits > 1 \
-                else fixed(be, ws, "linear.part", (1,))
-            tickets, _ = rowsplit.scratch(be, p.m_tiles * p.n_tiles, ws=ws)
-            rowsplit.launch(be, f"linear_mma_{suf}_m{p.bm}", p.grid, p.threads,
-                            (x, w, np.int32(rows), np.int32(k), np.int32(n), np.int32(p.kchunk),
-                             np.int32(p.grid_splits), out, part, tickets), shared_mem=p.shared_mem)
+            launch_mma(be, f"linear_mma_{suf}", mma_plan(rows, k, n, bm=bm, split=split), x, (w,), out, ws)
         return out
     if rows and n:
         s, kchunk = split_plan(k, n) if splits is None else chunking(k, splits)
@@ -331,14 +325,20 @@ def linear_fp8(be, x, w: Fp8Matrix, out=None, *, bm: int | None = None, split: b
     if out is None:
         out = xp.empty((rows, n), F32)
     if rows and n:
-        p = fp8_plan(rows, k, n, bm=bm, split=split)
-        part = buffer(be, ws, f"linear.part.{p.splits * n}", rows, (p.splits * n,)) if p.grid_splits > 1 \
-            else fixed(be, ws, "linear.part", (1,))
-        tickets, _ = rowsplit.scratch(be, p.m_tiles * p.n_tiles, ws=ws)
-        rowsplit.launch(be, f"linear_fp8_{suf}_m{p.bm}", p.grid, p.threads,
-                        (x, q, scale, np.int32(rows), np.int32(k), np.int32(n), np.int32(p.kchunk),
-                         np.int32(p.grid_splits), out, part, tickets), shared_mem=p.shared_mem)
+        launch_mma(be, f"linear_fp8_{suf}", fp8_plan(rows, k, n, bm=bm, split=split), x, (q, scale), out, ws)
     return out
+
+
+def launch_mma(be, entry: str, p: MmaPlan, x, weights: tuple, out, ws) -> None:
+    """One launch of a tensor-core GEMM entry (`entry`_m<bm>: linear_mma's or linear_fp8's, which
+    differ in their weight arguments alone) over x [rows, K] into out [rows, N] by plan p."""
+    (rows, k), n = x.shape, out.shape[1]
+    part = buffer(be, ws, f"linear.part.{p.splits * n}", rows, (p.splits * n,)) if p.grid_splits > 1 \
+        else fixed(be, ws, "linear.part", (1,))
+    tickets, _ = rowsplit.scratch(be, p.m_tiles * p.n_tiles, ws=ws)
+    rowsplit.launch(be, f"{entry}_m{p.bm}", p.grid, p.threads,
+                    (x, *weights, np.int32(rows), np.int32(k), np.int32(n), np.int32(p.kchunk),
+                     np.int32(p.grid_splits), out, part, tickets), shared_mem=p.shared_mem)
 
 
 @dataclass(frozen=True)
