@@ -484,15 +484,50 @@ static const E4m3Table& e4m3_table() {
   return table;
 }
 
-// Rows [k0, k0 + kn) of columns [n, n + cols) of W into panel [kn][kPanel], zero past cols.
+typedef uint8_t vb __attribute__((vector_size(kLanes)));
+typedef int32_t vi __attribute__((vector_size(4 * kLanes)));
+
+// kLanes e4m3 bytes at p as f32, as e4m3_value gives them: the 7 magnitude bits moved to an f32's
+// exponent and mantissa and scaled by 2^120 (exact; the subnormals m 2^-9 come out of f32
+// subnormals m 2^-129, which nothing here flushes), the sign on top, NaN for 0x7F / 0xFF.
+static inline vu widen_bytes(const uint8_t* p) {  // kLanes bytes zero-extended (GCC scalarizes the generic form)
+#if defined(DSPARK_CPU_AVX512)
+  return bits_as<vu>(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+#elif defined(DSPARK_CPU_AVX2)
+  return bits_as<vu>(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+#elif defined(__SSE2__) && DSPARK_LANES == 4
+  int32_t word;
+  __builtin_memcpy(&word, p, 4);
+  const __m128i zero = _mm_setzero_si128();
+  return bits_as<vu>(_mm_unpacklo_epi16(_mm_unpacklo_epi8(_mm_cvtsi32_si128(word), zero), zero));
+#else
+  vb b;
+  __builtin_memcpy(&b, p, sizeof b);
+  return __builtin_convertvector(b, vu);
+#endif
+}
+
+static inline vf e4m3_vec(const uint8_t* p) {
+  const vu u = widen_bytes(p);
+  const vu mag = u & 0x7fu;
+  const vu bits = bits_as<vu>(bits_as<vf>(mag << 20) * splat(0x1p120f)) | (u & 0x80u) << 24;
+  const vu nan = (vu)(bits_as<vi>(mag) == 0x7f);  // all ones where the byte is a NaN
+  return bits_as<vf>((bits & ~nan) | ((0x7fc00000u | (u & 0x80u) << 24) & nan));
+}
+
+// Rows [k0, k0 + kn) of columns [n, n + cols) of W into panel [kn][kPanel], zero past cols. n is
+// a multiple of kLanes (panels start on one), so a vector of columns lies in one 128-column block.
 static void pack_fp8(const uint8_t* q, ptrdiff_t N, const float* scale, ptrdiff_t blocks_n, ptrdiff_t k0,
                      ptrdiff_t kn, ptrdiff_t n, int cols, float* panel) {
   const float* lut = e4m3_table().v;
+  const int vecs = cols / kLanes;
   for (ptrdiff_t k = 0; k < kn; ++k) {
     const uint8_t* row = q + (k0 + k) * N + n;
     const float* s = scale + (k0 + k) / kFp8Block * blocks_n;
     float* dst = panel + k * kPanel;
-    for (int j = 0; j < cols; ++j) dst[j] = lut[row[j]] * s[(n + j) / kFp8Block];
+    for (int v = 0; v < vecs; ++v)
+      store(dst + v * kLanes, e4m3_vec(row + v * kLanes) * splat(s[(n + v * kLanes) / kFp8Block]));
+    for (int j = vecs * kLanes; j < cols; ++j) dst[j] = lut[row[j]] * s[(n + j) / kFp8Block];
     for (int j = cols; j < kPanel; ++j) dst[j] = 0.0f;
   }
 }
