@@ -1,9 +1,10 @@
 """FP8 checkpoints (block-scaled e4m3) of Qwen3 and Qwen3.5 against transformers, which loads the
 same directory (its fine-grained FP8 integration dequantizes on the CPU): logits within 1e-4 on
-numpy, greedy identical over 40 tokens, bf16 on simt within the activations' rounding; edge blocks
+numpy, greedy identical over 40 tokens, bf16 on simt bitwise the bf16 path of the dequantized weights; edge blocks
 against an independent dequantization (ml_dtypes); the format's every refusal with nothing loaded;
 the report and `dspark info --model`; the resident bytes; and the exactness contract on an FP8
-target, one test per property, on numpy, simt and the CuPy contract stand-in."""
+target, one test per property, on numpy, simt and the CuPy contract stand-in (the session-level
+ones on numpy and the stand-in: SESSION_BACKENDS)."""
 
 import shutil
 
@@ -27,6 +28,11 @@ from tests.models.hf_models import assert_logits_close, hf_greedy, hf_logits, mo
 from tests.session.coupled_runs import check_alone_and_batched
 
 BACKENDS = ["numpy", "simt", "contract"]
+# The session-level properties run on numpy and the cuda code path (the stand-in runs the simt
+# kernels, behind the graphs and recorded rounds): simt's FP8 arithmetic is already bitwise the
+# bf16 path's over the dequantized weights (test_bf16_on_simt_...), whose sessions the rest of the
+# suite runs on simt; a simt run of each would add half a minute of emulated tensor cores.
+SESSION_BACKENDS = ["numpy", "contract"]
 
 
 @pytest.fixture(scope="module")
@@ -363,16 +369,16 @@ def test_a_session_alone_equals_it_in_a_batch(fp8_trunks, backend):
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_a_prompt_split_anywhere_equals_one_pass(fp8_trunks, backend):
     trunk = fp8_trunks(backend)
-    p = prompt_of(QWEN35_FP8, 70, seed=3)
+    p = prompt_of(QWEN35_FP8, 66, seed=3)
     one = trunk.new_cache()
     want = logits(trunk, trunk.prefill(one, p))[-1]
     nxt = logits(trunk, trunk.decode([one], [5]))
-    for chunk in (1, 13):
+    for chunk in (1, 40):
         c = trunk.new_cache()
         if chunk == 1:  # three single-token passes, then the rest in one
             list(trunk.prompt_passes(c, p[:3], chunk=1))
             *_, last = trunk.prompt_passes(c, p[3:], chunk=len(p))
-        else:  # passes of 13: across the 64-row chunk grid of the gdn prompt pass
+        else:  # 40 + 26: the second pass crosses the 64-row chunk grid of the gdn prompt pass
             *_, last = trunk.prompt_passes(c, p, chunk=chunk)
         np.testing.assert_array_equal(logits(trunk, last)[0], want, err_msg=f"chunk {chunk}")
         np.testing.assert_array_equal(logits(trunk, trunk.decode([c], [5])), nxt, err_msg=f"chunk {chunk}")
@@ -387,19 +393,19 @@ def live_prompt(trunk, n, seed):
             return p, want
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", SESSION_BACKENDS)
 def test_rollback_and_demotion_are_bitwise(fp8_trunks, backend):
     """Both rollbacks leave each gdn state bitwise the plain decode's after the same tokens, and a
     session demoted after its first burst finishes plain decode's stream."""
     trunk = fp8_trunks(backend)
-    be, n = trunk.be, 8
+    be, n = trunk.be, 6
     p, want = live_prompt(trunk, n, 5)
     plain = trunk.new_cache()
     trunk.prefill(plain, p)
     for rollback in ("checkpoint", "replay"):
         drafter = OracleDrafter(random_drafter(trunk, 5, block=4), hit_rate=0.6, seed=5)
         drafter.next_stream = [*p.tolist(), *want]
-        s = DsparkSpecSession.prime(trunk, drafter, p, SpecParams(max_new_tokens=n, burst_target=4, rollback=rollback))
+        s = DsparkSpecSession.prime(trunk, drafter, p, SpecParams(max_new_tokens=n, burst_target=3, rollback=rollback))
         s.burst()
         emitted = list(s.emitted)
         ref = trunk.new_cache()
@@ -418,26 +424,26 @@ def test_rollback_and_demotion_are_bitwise(fp8_trunks, backend):
         ref.free()
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", SESSION_BACKENDS)
 def test_greedy_speculative_equals_plain(fp8_trunks, backend):
     trunk = fp8_trunks(backend)
-    p, want = live_prompt(trunk, 12, 6)
+    p, want = live_prompt(trunk, 8, 6)
     drafter = OracleDrafter(random_drafter(trunk, 6, block=4), hit_rate=0.7, seed=6)
     drafter.next_stream = [*p.tolist(), *want]
-    s = DsparkSpecSession.prime(trunk, drafter, p, SpecParams(max_new_tokens=12, burst_target=6))
+    s = DsparkSpecSession.prime(trunk, drafter, p, SpecParams(max_new_tokens=8, burst_target=4))
     while not s.finished():
         s.burst()
     assert s.emitted == want and s.stats.accepted > 0
     s.close()
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", SESSION_BACKENDS)
 def test_coupled_sampled_equals_plain_sampled(fp8_trunks, backend):
     trunk = fp8_trunks(backend)
     drafter = TrunkDrafter(random_drafter(trunk, 7, block=4), tilt=0.5, seed=7)
     reqs = [(prompt_of(QWEN35_FP8, 5, seed=8), SamplingParams(temperature=0.8, top_k=40, seed=1)),
             (prompt_of(QWEN35_FP8, 4, seed=9), SamplingParams(temperature=0.6, top_p=0.9, seed=2))]
-    total = check_alone_and_batched(trunk, drafter, reqs, 6, bursts=(2, 4))
+    total = check_alone_and_batched(trunk, drafter, reqs, 4, bursts=(2, 3))
     assert total.accepted > 0
 
 
