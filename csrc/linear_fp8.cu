@@ -20,7 +20,7 @@
 // one column of one 128 x 128 block, so with one scale, one tile ahead in registers like the
 // activations; after the tile's MMAs it decodes, scales and rounds them into the stage.
 //
-// fp8_decode_e4m3(q, n, out): out[i] = e4m3(q[i]) as f32, one thread per byte (the decode's test).
+// The decode alone is fp8.cu's fp8_decode_e4m3 (its test, and a family small enough to rebuild fast).
 #include "common.cuh"
 #include "fp8.cuh"
 #include "linear_mma.cuh"
@@ -114,11 +114,6 @@ DSPARK_LINEAR_FP8_ENTRY(f16, f16_t, 16, MmaGemmM16)
 DSPARK_LINEAR_FP8_ENTRY(f16, f16_t, 32, MmaGemmM32)
 DSPARK_LINEAR_FP8_ENTRY(f16, f16_t, 64, MmaGemmM64)
 DSPARK_LINEAR_FP8_ENTRY(f16, f16_t, 128, MmaGemmM128)
-
-extern "C" __global__ void fp8_decode_e4m3(const uint8_t* __restrict__ q, int n, float* __restrict__ out) {
-  const int i = blockIdx.x * blockDim.x + threadIdx.x;
-  if (i < n) out[i] = e4m3_to_float(q[i]);
-}
 
 // linear_place_columns(src [rows, width], rows, width, dst [rows, N], N, at): dst[r, at + c] = src[r, c],
 // one thread per entry: a run's product placed in its columns of a fused output (dspark.ops.linear.
