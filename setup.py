@@ -49,12 +49,13 @@ setup(
         "cuda12": ["cupy-cuda12x>=13.0", "nvidia-cuda-nvrtc-cu12>=12.0"],
         "cuda13": ["cupy-cuda13x>=13.6", "nvidia-cuda-nvrtc>=13.0"],  # dspark compiles its cubins with NVRTC itself
         # pybind11: the on-demand ASan build of dspark._simt; cupy-cuda12x: the CuPy contract tests (no GPU
-        # needed). torch, transformers, dflash and speculators are the oracles of the real-model paths. speculators is installed apart with --no-deps (see .ci/run): its
+        # needed). torch, transformers, dflash and speculators are the oracles of the real-model paths (accelerate:
+        # transformers' FP8 integration, which dequantizes FP8 checkpoints on the CPU, needs it). speculators is installed apart with --no-deps (see .ci/run): its
         # own requirements pull a torchvision that breaks the import of transformers beside a CPU torch, so its
         # import-time needs are listed here instead.
         "test": ["pytest>=7.4", "pytest-xdist>=3.5", "hypothesis>=6.90", "nvidia-cuda-nvrtc-cu12>=12.0", "nvidia-cuda-nvrtc>=13.0", "scipy>=1.10",
                  "pybind11>=2.12", "cupy-cuda12x>=13.6", "torch>=2.9", "transformers>=5.15,<=5.19",
-                 "tokenizers>=0.21", "dflash>=0.1.0", "pydantic>=2.0", "pydantic-settings>=2.0",
+                 "tokenizers>=0.21", "accelerate>=1.0", "dflash>=0.1.0", "pydantic>=2.0", "pydantic-settings>=2.0",
                  "loguru>=0.7.2", "openai>=2.0", "hs-connectors>=0.9.0"],
         "train": ["torch==2.13.0"],
         "plots": ["matplotlib>=3.8"],  # --plot and profiling/plots.py

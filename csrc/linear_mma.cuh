@@ -83,10 +83,9 @@ template <typename T, typename Cfg>
 struct MmaGemm {
   using C = Cfg;
   const float* __restrict__ x;
-  const T* __restrict__ w;
-  int rows, K, N;
+  int rows, K;
   int r0, n0;         // the tile's first row and column
-  bool x_vec, w_vec;  // float4 loads of x, 16-byte chunks of w (uniform over the launch)
+  bool x_vec;         // float4 loads of x (uniform over the launch)
   T* sa;              // A stages
   T* sb;              // B stages
 
@@ -125,16 +124,28 @@ struct MmaGemm {
           make_uint2(mma_pack2<T>(v[i].x, v[i].y), mma_pack2<T>(v[i].z, v[i].w));
     }
   }
+};
 
-  // B tile: rows [k, k + BK) of w, columns [n0, n0 + BN), zero outside [0, K) x [0, N).
-  __device__ __forceinline__ void issue_b(int stage, int k) const {
-    T* dst = sb + stage * C::B_STAGE;
+// Where a B tile (rows [k, k + BK) of w, columns [n0, n0 + BN), zero outside [0, K) x [0, N)) comes
+// from. `fetch` starts the tile's loads for a stage, `place` finishes them into it once the MMAs of
+// the current tile are issued (the A tile's register staging, one tile ahead). 16-bit weights:
+// cp.async straight into shared memory, nothing held. (FP8 weights: linear_fp8.cu's MmaWeightsFp8,
+// bytes held in registers and dequantized into the stage.)
+template <typename T, typename Cfg>
+struct MmaWeights16 {
+  using C = Cfg;
+  const T* __restrict__ w;
+  int K, N;
+  bool vec;  // 16-byte chunks of w (N % 8 == 0 and w 16-byte aligned)
+  struct Held {};
+
+  __device__ __forceinline__ void fetch(T* stage, int k, int n0, Held&) const {
 #pragma unroll
     for (int i = 0; i < C::B_VECS; ++i) {
       const int c = threadIdx.x + i * C::THREADS, kr = c / (C::BN / 8), col = 8 * (c % (C::BN / 8));
       const int kk = k + kr, n = n0 + col;
-      T* d = dst + kr * C::B_ROW + col;
-      if (w_vec) {
+      T* d = stage + kr * C::B_ROW + col;
+      if (vec) {
         const bool valid = kk < K && n < N;  // N % 8 == 0: a chunk is wholly in or out
         cp_async16(d, valid ? w + (int64_t)kk * N + n : w, valid);
       } else {
@@ -148,6 +159,8 @@ struct MmaGemm {
       }
     }
   }
+
+  __device__ __forceinline__ void place(T*, const Held&) const {}
 };
 
 // One warp's MMAs over one B/A stage: k-steps [0, steps) of the tile.
@@ -177,10 +190,12 @@ DSPARK_DEVICE void mma_tile_steps(float (&acc)[Cfg::MT][Cfg::NT][4], const T* sa
   }
 }
 
-template <typename T, typename Cfg>
-DSPARK_DEVICE void linear_mma(const float* __restrict__ x, const T* __restrict__ w, int rows, int K, int N,
-                              int kchunk, int grid_splits, float* __restrict__ out, float* __restrict__ part,
-                              unsigned* __restrict__ tickets) {
+// The GEMM over any weight source Wt (MmaWeights16 here, MmaWeightsFp8 in linear_fp8.cu): the K order
+// of the header whatever the source, since every source puts the same kind of tile in the stages.
+template <typename T, typename Cfg, typename Wt>
+DSPARK_DEVICE void mma_gemm(const float* __restrict__ x, const Wt& wt, int rows, int K, int N, int kchunk,
+                            int grid_splits, float* __restrict__ out, float* __restrict__ part,
+                            unsigned* __restrict__ tickets) {
   using C = Cfg;
   DSPARK_DYNAMIC_SMEM(T, smem);
 #if defined(DSPARK_SIMT)
@@ -198,10 +213,10 @@ DSPARK_DEVICE void linear_mma(const float* __restrict__ x, const T* __restrict__
     row_tile = first + id % per_group % in_group;
     tile = id % per_group / in_group;
   }
-  MmaGemm<T, C> g{x, w, rows, K, N, row_tile * C::BM, tile * C::BN,
-                  K % 4 == 0 && !(reinterpret_cast<unsigned long long>(x) & 15ull),
-                  N % 8 == 0 && !(reinterpret_cast<unsigned long long>(w) & 15ull), smem,
+  MmaGemm<T, C> g{x, rows, K, row_tile * C::BM, tile * C::BN,
+                  K % 4 == 0 && !(reinterpret_cast<unsigned long long>(x) & 15ull), smem,
                   smem + C::STAGES * C::A_STAGE};
+  typename Wt::Held held;
   const int splits = (K + kchunk - 1) / kchunk;
   const int k_lo = grid_splits == 1 ? 0 : split * kchunk;
   const int k_hi = grid_splits == 1 ? K : min(K, k_lo + kchunk);
@@ -219,9 +234,10 @@ DSPARK_DEVICE void linear_mma(const float* __restrict__ x, const T* __restrict__
 #pragma unroll
   for (int s = 0; s < C::STAGES - 1; ++s) {
     if (s < iters) {
-      g.issue_b(s, k_lo + s * C::BK);
+      wt.fetch(g.sb + s * C::B_STAGE, k_lo + s * C::BK, g.n0, held);
       g.load_a(k_lo + s * C::BK, av);
       g.store_a(s, av);
+      wt.place(g.sb + s * C::B_STAGE, held);
     }
     cp_async_commit();
   }
@@ -230,7 +246,7 @@ DSPARK_DEVICE void linear_mma(const float* __restrict__ x, const T* __restrict__
     __syncthreads();  // tile it is in shared memory; tile it - 1 is consumed everywhere
     const int next = it + C::STAGES - 1, k = k_lo + it * C::BK;
     if (next < iters) {
-      g.issue_b(next % C::STAGES, k_lo + next * C::BK);
+      wt.fetch(g.sb + (next % C::STAGES) * C::B_STAGE, k_lo + next * C::BK, g.n0, held);
       g.load_a(k_lo + next * C::BK, av);
     }
     cp_async_commit();
@@ -238,7 +254,10 @@ DSPARK_DEVICE void linear_mma(const float* __restrict__ x, const T* __restrict__
     const int steps = min(C::BK, chunk_end - k + 15) / 16;
     mma_tile_steps<T, C>(acc, g.sa + (it % C::STAGES) * C::A_STAGE, g.sb + (it % C::STAGES) * C::B_STAGE,
                          steps);
-    if (next < iters) g.store_a(next % C::STAGES, av);
+    if (next < iters) {
+      g.store_a(next % C::STAGES, av);
+      wt.place(g.sb + (next % C::STAGES) * C::B_STAGE, held);
+    }
     if (k + C::BK >= chunk_end) {  // the chunk's last tile: fold its partial, start the next from +0
 #pragma unroll
       for (int mt = 0; mt < C::MT; ++mt)
@@ -275,6 +294,14 @@ DSPARK_DEVICE void linear_mma(const float* __restrict__ x, const T* __restrict__
     for (int c = 0; c < splits; ++c) v = v + p[(int64_t)c * rows * N];
     out[(int64_t)r * N + n] = mma_epilogue(r, n, v);
   }
+}
+
+template <typename T, typename Cfg>
+DSPARK_DEVICE void linear_mma(const float* __restrict__ x, const T* __restrict__ w, int rows, int K, int N,
+                              int kchunk, int grid_splits, float* __restrict__ out, float* __restrict__ part,
+                              unsigned* __restrict__ tickets) {
+  const MmaWeights16<T, Cfg> wt{w, K, N, N % 8 == 0 && !(reinterpret_cast<unsigned long long>(w) & 15ull)};
+  mma_gemm<T, Cfg>(x, wt, rows, K, N, kchunk, grid_splits, out, part, tickets);
 }
 
 // The instantiated tile shapes: dspark/ops/linear.py (MMA_CONFIGS) holds the same table.

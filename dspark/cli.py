@@ -5,7 +5,7 @@
     (both take --model DIR: a Hugging Face target and its tokenizer.json instead of the embedded pair,
     and with it --drafter DIR: a released drafter for that target, DeepSpec DSpark, z-lab DFlash or
     speculators)
-    dspark info       backends, device, compiled kernels
+    dspark info       backends, device, compiled kernels (--model DIR: what a checkpoint holds, FP8 included)
     dspark bench      the profiling benchmarks
 
 Errors (a bad backend, a bad option value, no GPU for --backend cuda) are one line on stderr and
@@ -103,7 +103,20 @@ def cmd_info(args) -> int:
               f"in {len(families)} families")
         for fam in families:
             print(f"  {fam}: {', '.join(sorted(n for n, s in sigs.items() if s.source == fam))}")
+    if args.model:
+        print_model(args.model)
     return 0
+
+
+def print_model(path) -> None:
+    """--model: what load_target would read (config and headers only, nothing loaded): the one-line
+    report, then what a quantized checkpoint keeps quantized and what it leaves as stored."""
+    from .models.hf.target import inspect_target
+    report = inspect_target(path)
+    print(f"model: {report.summary()}")
+    if report.quantization:
+        print(f"  quantized ({report.quantization}): {', '.join(report.quantized) or 'none'}")
+        print(f"  left as stored: {', '.join(report.kept) or 'none'}")
 
 
 # ---- generation ------------------------------------------------------------------------------------
@@ -448,7 +461,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap = Parser(prog="dspark", description="DSpark speculative decoding on hybrid models")
     ap.add_argument("--version", action="version", version=f"dspark {__version__}")
     sub = ap.add_subparsers(dest="command", required=True, parser_class=Parser)
-    sub.add_parser("info", help="backends, device, compiled kernels").set_defaults(run=cmd_info)
+    info = sub.add_parser("info", help="backends, device, compiled kernels; --model DIR: what a checkpoint holds")
+    info.add_argument("--model", default=None, metavar="DIR",
+                      help="a Hugging Face target: its one-line load report and what it quantizes (nothing loaded)")
+    info.set_defaults(run=cmd_info)
 
     def common(p):
         p.add_argument("--backend", default=None, help=f"one of {', '.join(NAMES)} (default: cuda if a GPU works, "

@@ -46,6 +46,8 @@ def tile_shapes() -> list[tuple[str, int, int, str]]:
         for dt in ("bf16", "f16"):
             serves = f"16-bit weights, <= {bm} rows" if bm < max(linear_ops.MMA_CONFIGS) else "16-bit weights, prompts"
             out.append((f"linear_mma_{dt}_m{bm}", 32 * warps, linear_ops.mma_shared_mem(bm), serves))
+            out.append((f"linear_fp8_{dt}_m{bm}", 32 * warps, linear_ops.mma_shared_mem(bm),
+                        serves.replace("16-bit", f"FP8 ({dt} activations)")))
     for (isz, d), _ in attention_ops.CONFIGS.items():
         dt = {4: ("f32",), 2: ("bf16", "f16")}[isz]
         for name in dt:

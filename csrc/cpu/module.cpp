@@ -25,6 +25,12 @@ void product_base(int, const float*, const void*, int, float*, ptrdiff_t, ptrdif
                   ptrdiff_t, ptrdiff_t, float*, float*);
 void product_avx512(int, const float*, const void*, int, float*, ptrdiff_t, ptrdiff_t, ptrdiff_t, ptrdiff_t, ptrdiff_t,
                     ptrdiff_t, ptrdiff_t, float*, float*);
+void product_fp8_avx2(const float*, const uint8_t*, const float*, float*, ptrdiff_t, ptrdiff_t, ptrdiff_t, ptrdiff_t,
+                      ptrdiff_t, ptrdiff_t, ptrdiff_t, float*, float*);
+void product_fp8_base(const float*, const uint8_t*, const float*, float*, ptrdiff_t, ptrdiff_t, ptrdiff_t, ptrdiff_t,
+                      ptrdiff_t, ptrdiff_t, ptrdiff_t, float*, float*);
+void product_fp8_avx512(const float*, const uint8_t*, const float*, float*, ptrdiff_t, ptrdiff_t, ptrdiff_t, ptrdiff_t,
+                        ptrdiff_t, ptrdiff_t, ptrdiff_t, float*, float*);
 void delta_columns(float* S, const float* q, const float* k, const float* v, const float* alpha, const float* beta,
                    const int* indptr, int heads, int dv, int dk, float* out, float* ckpt, int p0, int p1);
 void rmsnorm(const float* x, const float* weight, float eps, ptrdiff_t rows, ptrdiff_t n, float* y);
@@ -82,6 +88,14 @@ std::string& isa() {
     return have.front();
   }();
   return name;
+}
+
+using ProductFp8 = void (*)(const float*, const uint8_t*, const float*, float*, ptrdiff_t, ptrdiff_t, ptrdiff_t,
+                           ptrdiff_t, ptrdiff_t, ptrdiff_t, ptrdiff_t, float*, float*);
+
+ProductFp8 product_fp8_of(const std::string& name) {
+  if (name == "avx512") return dspark_cpu::product_fp8_avx512;
+  return name == "avx2" ? dspark_cpu::product_fp8_avx2 : dspark_cpu::product_fp8_base;
 }
 
 Product product_of(const std::string& name) {
@@ -201,14 +215,10 @@ Pool& pool() {
 // (the pool balances them across the threads that get a core). Piece boundaries are whole
 // `align`-column panels (48: the AVX-512 tile's panel, two AVX2 and four baseline ones), so only
 // the last piece can end in a narrower panel; any split gives the same bits (each output's order
-// is fixed by K).
-// The arrays are C-contiguous host arrays that Python checked.
-void product(int dtype, const py::array& x, const py::array& w, int layout, py::array& out, ptrdiff_t rows,
-             ptrdiff_t K, ptrdiff_t N, int threads, ptrdiff_t strip, ptrdiff_t kblock, const std::string& which) {
-  Product fn = product_of(which.empty() ? isa() : which);
-  const float* xp = static_cast<const float*>(x.data());
-  const void* wp = w.data();
-  float* op = static_cast<float*>(out.mutable_data());
+// is fixed by K). `columns(c0, c1, acc, buf)` computes one piece with its thread's scratch.
+template <typename Columns>
+void split_columns(ptrdiff_t rows, ptrdiff_t N, int threads, ptrdiff_t strip, ptrdiff_t kblock,
+                   const Columns& columns) {
   const ptrdiff_t align = 48;
   const ptrdiff_t units = (N + align - 1) / align;
   const int used = int(std::max<ptrdiff_t>(1, std::min<ptrdiff_t>(threads, units)));
@@ -220,11 +230,37 @@ void product(int dtype, const py::array& x, const py::array& w, int layout, py::
     const ptrdiff_t c0 = std::min(N, units * i / parts * align), c1 = std::min(N, units * (i + 1) / parts * align);
     if (c0 < c1) {
       float* acc = scratch(acc_floats + pack_floats);
-      fn(dtype, xp, wp, layout, op, rows, K, N, c0, c1, strip, kblock, acc, acc + acc_floats);
+      columns(c0, c1, acc, acc + acc_floats);
     }
   };
   py::gil_scoped_release release;
   pool().run(used - 1, parts, part);
+}
+
+// The arrays are C-contiguous host arrays that Python checked.
+void product(int dtype, const py::array& x, const py::array& w, int layout, py::array& out, ptrdiff_t rows,
+             ptrdiff_t K, ptrdiff_t N, int threads, ptrdiff_t strip, ptrdiff_t kblock, const std::string& which) {
+  Product fn = product_of(which.empty() ? isa() : which);
+  const float* xp = static_cast<const float*>(x.data());
+  const void* wp = w.data();
+  float* op = static_cast<float*>(out.mutable_data());
+  split_columns(rows, N, threads, strip, kblock, [&](ptrdiff_t c0, ptrdiff_t c1, float* acc, float* buf) {
+    fn(dtype, xp, wp, layout, op, rows, K, N, c0, c1, strip, kblock, acc, buf);
+  });
+}
+
+// The same for FP8 weights: q e4m3fn bytes [K, N] and one f32 scale per 128 x 128 block
+// (product.h's fp8_columns).
+void product_fp8(const py::array& x, const py::array& q, const py::array& scale, py::array& out, ptrdiff_t rows,
+                 ptrdiff_t K, ptrdiff_t N, int threads, ptrdiff_t strip, ptrdiff_t kblock, const std::string& which) {
+  ProductFp8 fn = product_fp8_of(which.empty() ? isa() : which);
+  const float* xp = static_cast<const float*>(x.data());
+  const uint8_t* qp = static_cast<const uint8_t*>(q.data());
+  const float* sp = static_cast<const float*>(scale.data());
+  float* op = static_cast<float*>(out.mutable_data());
+  split_columns(rows, N, threads, strip, kblock, [&](ptrdiff_t c0, ptrdiff_t c1, float* acc, float* buf) {
+    fn(xp, qp, sp, op, rows, K, N, c0, c1, strip, kblock, acc, buf);
+  });
 }
 
 template <typename T>
@@ -284,6 +320,10 @@ PYBIND11_MODULE(_cpu, m) {
         py::arg("rows"),
         py::arg("k"), py::arg("n"), py::arg("threads"), py::arg("strip"), py::arg("kblock"), py::arg("isa") = "",
         "out f32 [rows, N] = x f32 [rows, K] @ w [K, N] (dtype 0 f32, 1 f16, 2 bf16; layout 0: w [K, N]; 1: w given as w^T [N, K]; 2: w panel-major, dspark.ops.product.Panelled)");
+  m.def("product_fp8", &product_fp8, py::arg("x"), py::arg("q"), py::arg("scale"), py::arg("out"), py::arg("rows"),
+        py::arg("k"), py::arg("n"), py::arg("threads"), py::arg("strip"), py::arg("kblock"), py::arg("isa") = "",
+        "out f32 [rows, N] = x f32 [rows, K] @ W, W = e4m3(q) * scale per 128 x 128 block (q uint8 [K, N], scale f32 "
+        "[ceil(K / 128), ceil(N / 128)]; dspark.ops.product.product_fp8)");
   m.def("isa", [] { return isa(); }, "the instruction set in use: avx512, avx2 or base");
   m.def("delta_columns", &delta_columns, py::arg("S"), py::arg("q"), py::arg("k"), py::arg("v"), py::arg("alpha"),
         py::arg("beta"), py::arg("indptr"), py::arg("sessions"), py::arg("heads"), py::arg("dv"), py::arg("dk"),

@@ -457,6 +457,114 @@ static void panel_columns(const float* x, const void* w, float* out, ptrdiff_t r
   }
 }
 
+// ---- FP8 weights: q e4m3fn bytes [K, N], one f32 scale per 128 x 128 block ---------------------------
+// W[k, n] = fl32(e4m3(q[k, n]) * scale[k / 128][n / 128]), bitwise transformers' f32 dequantization
+// (dspark.ops.fp8). Each block of kblock rows of a panel is dequantized into the f32 panel as the
+// other dtypes' packed panels are, then the same tiles multiply it, so every output keeps the one
+// order of the header; w is read from memory as bytes, once per strip.
+constexpr int kFp8Block = 128;
+
+// The e4m3fn decode (csrc/fp8.cuh's e4m3_to_float, dspark.ops.fp8.e4m3_decode): exact in f32.
+static inline float e4m3_value(uint32_t b) {
+  const uint32_t e = (b >> 3) & 15u, m = b & 7u, sign = (b & 0x80u) << 24;
+  if (e == 0u) return bits_as<float>(bits_as<uint32_t>(float(m) * bits_as<float>(0x3b000000u)) | sign);
+  if (e == 15u && m == 7u) return bits_as<float>(sign | 0x7fc00000u);
+  return bits_as<float>(sign | ((e + 120u) << 23) | (m << 20));
+}
+
+struct E4m3Table {
+  float v[256];
+  E4m3Table() {
+    for (uint32_t b = 0; b < 256; ++b) v[b] = e4m3_value(b);
+  }
+};
+
+static const E4m3Table& e4m3_table() {
+  static const E4m3Table table;
+  return table;
+}
+
+typedef uint8_t vb __attribute__((vector_size(kLanes)));
+typedef int32_t vi __attribute__((vector_size(4 * kLanes)));
+
+// kLanes e4m3 bytes at p as f32, as e4m3_value gives them: the 7 magnitude bits moved to an f32's
+// exponent and mantissa and scaled by 2^120 (exact; the subnormals m 2^-9 come out of f32
+// subnormals m 2^-129, which nothing here flushes), the sign on top, NaN for 0x7F / 0xFF.
+static inline vu widen_bytes(const uint8_t* p) {  // kLanes bytes zero-extended (GCC scalarizes the generic form)
+#if defined(DSPARK_CPU_AVX512)
+  return bits_as<vu>(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+#elif defined(DSPARK_CPU_AVX2)
+  return bits_as<vu>(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+#elif defined(__SSE2__) && DSPARK_LANES == 4
+  int32_t word;
+  __builtin_memcpy(&word, p, 4);
+  const __m128i zero = _mm_setzero_si128();
+  return bits_as<vu>(_mm_unpacklo_epi16(_mm_unpacklo_epi8(_mm_cvtsi32_si128(word), zero), zero));
+#else
+  vb b;
+  __builtin_memcpy(&b, p, sizeof b);
+  return __builtin_convertvector(b, vu);
+#endif
+}
+
+static inline vf e4m3_vec(const uint8_t* p) {
+  const vu u = widen_bytes(p);
+  const vu mag = u & 0x7fu;
+  const vu bits = bits_as<vu>(bits_as<vf>(mag << 20) * splat(0x1p120f)) | (u & 0x80u) << 24;
+  const vu nan = (vu)(bits_as<vi>(mag) == 0x7f);  // all ones where the byte is a NaN
+  return bits_as<vf>((bits & ~nan) | ((0x7fc00000u | (u & 0x80u) << 24) & nan));
+}
+
+// Rows [k0, k0 + kn) of columns [n, n + cols) of W into panel [kn][kPanel], zero past cols. n is
+// a multiple of kLanes (panels start on one), so a vector of columns lies in one 128-column block.
+static void pack_fp8(const uint8_t* q, ptrdiff_t N, const float* scale, ptrdiff_t blocks_n, ptrdiff_t k0,
+                     ptrdiff_t kn, ptrdiff_t n, int cols, float* panel) {
+  const float* lut = e4m3_table().v;
+  const int vecs = cols / kLanes;
+  for (ptrdiff_t k = 0; k < kn; ++k) {
+    const uint8_t* row = q + (k0 + k) * N + n;
+    const float* s = scale + (k0 + k) / kFp8Block * blocks_n;
+    float* dst = panel + k * kPanel;
+    for (int v = 0; v < vecs; ++v)
+      store(dst + v * kLanes, e4m3_vec(row + v * kLanes) * splat(s[(n + v * kLanes) / kFp8Block]));
+    for (int j = vecs * kLanes; j < cols; ++j) dst[j] = lut[row[j]] * s[(n + j) / kFp8Block];
+    for (int j = cols; j < kPanel; ++j) dst[j] = 0.0f;
+  }
+}
+
+// Columns [c0, c1) of out [rows, N] = x [rows, K] @ W [K, N]: `columns`' tiled walk over blocks of
+// kblock rows and panels of kPanel columns, every panel dequantized first (pack_fp8).
+static void fp8_columns(const float* x, const uint8_t* q, const float* scale, float* out, ptrdiff_t rows,
+                        ptrdiff_t K, ptrdiff_t N, ptrdiff_t c0, ptrdiff_t c1, ptrdiff_t strip, ptrdiff_t kblock,
+                        float* acc, float* buf) {
+  const ptrdiff_t lda = strip + kPad, blocks_n = (N + kFp8Block - 1) / kFp8Block;
+  const int groups = int((rows + kTileRows - 1) / kTileRows);
+  float* panel = buf;
+  float* xb = buf + kblock * kPanel + 16;
+  const ptrdiff_t ldxb = kblock + 16;
+  for (ptrdiff_t n0 = c0; n0 < c1; n0 += strip) {
+    const int cols = int(c1 - n0 < strip ? c1 - n0 : strip);
+    for (ptrdiff_t r = 0; r < rows; ++r)
+      for (ptrdiff_t n = 0; n < cols + kPanel; ++n) acc[r * lda + n] = 0.0f;
+    const int panels = (cols + kPanel - 1) / kPanel;
+    for (ptrdiff_t k0 = 0; k0 < K; k0 += kblock) {
+      const ptrdiff_t kn = K - k0 < kblock ? K - k0 : kblock;
+      for (ptrdiff_t r = 0; r < rows; ++r) __builtin_memcpy(xb + r * ldxb, x + r * K + k0, sizeof(float) * kn);
+      for (int p = 0; p < panels; ++p) {
+        const ptrdiff_t n = n0 + ptrdiff_t(p) * kPanel;
+        const int pcols = int(n0 + cols - n < kPanel ? n0 + cols - n : kPanel);
+        pack_fp8(q, N, scale, blocks_n, k0, kn, n, pcols, panel);
+        for (int g = 0; g < groups; ++g) {
+          const ptrdiff_t r0 = rows * g / groups, r1 = rows * (g + 1) / groups;
+          tile_of<kF32, kTileRows, kTileVecs, false>(int(r1 - r0), kTileVecs, xb + r0 * ldxb, ldxb, panel, kPanel, kn,
+                                                     acc + ptrdiff_t(p) * kPanel + r0 * lda, lda, 0);
+        }
+      }
+    }
+    for (ptrdiff_t r = 0; r < rows; ++r) __builtin_memcpy(out + r * N + n0, acc + r * lda, sizeof(float) * cols);
+  }
+}
+
 // This instruction set's entry point (module.cpp picks one at run time). layout: 0 w [K, N] as
 // stored, 1 w given as e = w^T [N, K], 2 w panel-major (panel_columns).
 inline void product_columns(int dtype, const float* x, const void* w, int layout, float* out, ptrdiff_t rows,

@@ -57,11 +57,25 @@ FUSED_PARTS = ("attn.wq", "attn.wk", "attn.wv", "mlp.w_gate", "mlp.w_up")  # kep
 # One GEMM per layer input (weights.FUSED); the ingest projects K|V only.
 DEVICE_FUSED = (("attn.wqkv", ("attn.wq", "attn.wk", "attn.wv")), ("attn.wkv", ("attn.wk", "attn.wv")),
                 ("mlp.w_gate_up", ("mlp.w_gate", "mlp.w_up")))
+# The matrices only `linear` reads: on cuda they take the trunk's 16-bit type (storage_dtype).
+LINEAR_MATRICES = ("fc", "attn.wkv", "attn.wqkv", "attn.wo", "mlp.w_gate_up", "mlp.w_down", "lm_head")
+
+
+def storage_dtype(trunk, name: str) -> np.dtype:
+    """What a drafter tensor is stored as: on cuda, the matrices of LINEAR_MATRICES in the trunk's
+    16-bit type when it has one (a bf16 target's drafter: half the bytes a round reads, and the
+    tensor-core GEMM, its activations rounded as the target's are); f32 everywhere else, and on the
+    CPU backends always (their products widen 16-bit weights exactly, so f32 costs nothing there)."""
+    wide = np.dtype(getattr(trunk, "weight_dtype", np.float32))
+    if trunk.be.name == "cuda" and wide.itemsize == 2 and name.endswith(LINEAR_MATRICES):
+        return wide
+    return np.dtype(np.float32)
 
 
 def drafter_layout(be, c: DrafterConfig, spec: dict, make) -> dict:
-    """name -> backend array (f32, owned by 'weights'): every tensor of `spec` but the int maps
-    and the parts of DEVICE_FUSED, which are there fused, side by side; `make(names)` gives one."""
+    """name -> backend array (owned by 'weights'; f32, or 16-bit on cuda: storage_dtype): every
+    tensor of `spec` but the int maps and the parts of DEVICE_FUSED, which are there fused, side by
+    side; `make(names)` gives one."""
     w = {k: be.alloc.adopt(make((k,)), "weights") for k in spec if k not in INT_TENSORS and not k.endswith(FUSED_PARTS)}
     for i in range(c.layers):
         p = f"layers.{i}."
@@ -119,7 +133,8 @@ class DsparkDrafter:
 
         def upload(names):
             host = weights[names[0]] if len(names) == 1 else np.concatenate([weights[q] for q in names], axis=1)
-            return trunk.be.xp.array(host, dtype=np.float32)
+            fused = next((f for f, parts in DEVICE_FUSED if names[0].endswith(parts[0]) and len(names) > 1), names[0])
+            return trunk.be.xp.asarray(np.asarray(host, np.float32).astype(storage_dtype(trunk, fused)))  # host RNE
         self._setup(c, trunk, weights, drafter_layout(trunk.be, c, drafter_spec(c, tc), upload),
                     weights["draft_to_target"] if c.draft_vocab else None)
 

@@ -33,6 +33,7 @@ from ..ops.activation import attn_gate, swiglu
 from ..ops.attention import attention
 from ..ops.checks import Staged
 from ..ops.dense import silu
+from ..ops.fp8 import E4M3
 from ..ops import gdn_chunk
 from ..ops.gdn import ProjLayout, gdn_layer
 from ..ops.kv_commit import kv_commit
@@ -144,9 +145,12 @@ class HybridTrunk:
         """`weights` by our names (weights.trunk_spec), f32 / f16 / bf16 host arrays. `dtype` is
         the storage dtype of the matrices on the backend (default float32); vectors stay f32.
         f32 matrices multiply in f32; 16-bit ones, on the kernel backends, take the tensor-core
-        GEMM (activations rounded to their type, f32 sums: dspark.ops.linear). `progress(name)`
+        GEMM (activations rounded to their type, f32 sums: dspark.ops.linear). FP8 linears
+        (dspark.ops.fp8.Fp8Host, from an FP8 checkpoint) stay e4m3 and scales on the backend; on
+        the kernel backends they multiply with `dtype` activations, so `dtype` is 16-bit there
+        (dspark.models.hf.load_target picks it). `progress(name)`
         hears of each tensor on the backend."""
-        check_weights(weights, trunk_spec(config), "trunk", dtypes=STORAGE)
+        check_weights(weights, trunk_spec(config), "trunk", dtypes=STORAGE + (E4M3,))  # E4M3: ops.fp8.Fp8Host
         dtype = storage(dtype)
         self._setup(config, backend, dtype, weights, trunk_to_backend(backend, config, weights, dtype, progress))
 

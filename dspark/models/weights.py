@@ -8,6 +8,9 @@ tensor's name, shape and dtype against the config and names the first mismatch.
 Names are ours, whatever the checkpoint calls them (dspark.models.hf maps Hugging Face names):
 matrices are [in, out] (x @ w), norms are the stored vectors, and `norm_offset` is added on the
 backend (`trunk_to_backend`), so `trunk.w[...]` always holds the factor a norm multiplies by.
+
+FP8 checkpoints (dspark.ops.fp8): a quantized linear arrives as an Fp8Host (e4m3 bytes and block
+scales) and stays so on the backend, an Fp8Matrix; no dequantized copy is ever made.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import numpy as np
 
 from ..dtypes import BF16
 from ..errors import DTypeError, ShapeError
+from ..ops.fp8 import BLOCK as FP8_BLOCK, Fp8Host, Fp8Matrix
 from .config import TrunkConfig
 from .drafter_config import drafter_spec  # noqa: F401  (the drafter's table lives beside its config)
 
@@ -172,7 +176,9 @@ def trunk_to_backend(be, c: TrunkConfig, weights, dtype, progress=None) -> dict:
     read once): matrices stored as `dtype` (f32, f16 or bf16; rounded to nearest even when
     narrower than the file), vectors and the gdn kernels' inputs as f32, `norm_offset` added to
     the norms it applies to. A tied LM head is a view of the embedding, no copy. Projections of
-    one layer input are fused (FUSED): `layers.i.attn.wqkv` and so on. `progress(name)`, where
+    one layer input are fused (FUSED): `layers.i.attn.wqkv` and so on. FP8 linears (Fp8Host) stay
+    e4m3 and scales (Fp8Matrix, multiplying with `dtype` activations on the kernel backends); a
+    fused group that cannot be one matrix is a ColumnRuns (`column_runs`). `progress(name)`, where
     given, hears of each of our tensors once it is on the backend."""
     def host_of(name):
         host = np.array(weights[name], dtype=storage_dtype(name, np.shape(weights[name]), dtype), order="C")  # a copy
@@ -181,8 +187,34 @@ def trunk_to_backend(be, c: TrunkConfig, weights, dtype, progress=None) -> dict:
         return host
 
     def upload(names):
-        return be.xp.asarray(host_of(names[0]) if len(names) == 1 else np.concatenate([host_of(q) for q in names], axis=1))
+        runs = []
+        for run in column_runs([weights[q] for q in names]):
+            parts = [names[i] for i in run]
+            if isinstance(weights[parts[0]], Fp8Host):
+                q = np.ascontiguousarray(np.concatenate([np.asarray(weights[p].q).view(np.uint8) for p in parts], axis=1))
+                s = np.ascontiguousarray(np.concatenate([np.asarray(weights[p].scale, F32) for p in parts], axis=1))
+                runs.append(Fp8Matrix(be.xp.asarray(q), be.xp.asarray(s), np.dtype(dtype)))
+            else:
+                runs.append(be.xp.asarray(host_of(parts[0]) if len(parts) == 1
+                                          else np.concatenate([host_of(p) for p in parts], axis=1)))
+        return runs
     return _trunk_layout(be, c, {name: np.shape(w) for name, w in weights.items()}, upload, progress)
+
+
+def column_runs(parts) -> list[list[int]]:
+    """The parts of a fused group (in column order) as runs that can each be one matrix: 16-bit /
+    f32 parts together, FP8 parts together while each but the run's last spans whole 128-column
+    blocks (so the run's scale grid is its parts' grids side by side). Indices into `parts`."""
+    runs: list[list[int]] = []
+    for i, p in enumerate(parts):
+        fp8 = isinstance(p, Fp8Host)
+        prev = parts[i - 1] if i else None
+        joins = prev is not None and isinstance(prev, Fp8Host) == fp8 and (not fp8 or prev.shape[1] % FP8_BLOCK == 0)
+        if joins:
+            runs[-1].append(i)
+        else:
+            runs.append([i])
+    return runs
 
 
 def trunk_placeholders(be, c: TrunkConfig, dtype) -> dict:
@@ -194,7 +226,7 @@ def trunk_placeholders(be, c: TrunkConfig, dtype) -> dict:
     def empty(names):
         first = spec[names[0]]
         shape = first if len(names) == 1 else (first[0], sum(spec[q][1] for q in names))
-        return be.xp.zeros(shape, storage_dtype(names[0], first, dtype))  # null memory: free; a GPU: no NaN
+        return [be.xp.zeros(shape, storage_dtype(names[0], first, dtype))]  # null memory: free; a GPU: no NaN
     return _trunk_layout(be, c, spec, empty)
 
 
@@ -212,33 +244,60 @@ PRODUCT_MATRICES = ("attn.wqkv", "attn.wo", "gdn.w_in", "gdn.wo", "mlp.w_gate_up
 
 def _laid_out(be, name: str, arr):
     from ..ops import product
-    if be.kernels is None and product.NATIVE and any(name == m or name.endswith("." + m) for m in PRODUCT_MATRICES):
+    if (be.kernels is None and product.NATIVE and not isinstance(arr, Fp8Matrix)
+            and any(name == m or name.endswith("." + m) for m in PRODUCT_MATRICES)):
         return product.Panelled(arr)
     return arr
 
 
 def _trunk_layout(be, c: TrunkConfig, shapes: dict, make, progress=None) -> dict:
-    """name -> backend array: `make(names)` gives one array of the named tensors side by side (a
-    fused group) or of one tensor, owned by 'weights'; each part of a group is a column view (of a
-    panel-major matrix, a PanelledColumns)."""
+    """name -> backend array: `make(names)` gives the named tensors side by side (a fused group)
+    or one tensor, as a list of runs of columns (column_runs; one run is one matrix), owned by
+    'weights'; each part of a group is a column view (of a panel-major matrix, a PanelledColumns;
+    of an FP8 one, an Fp8Matrix of its bytes and scales). A failure (a refused tensor) frees what
+    was made before it."""
+    from ..ops.linear import ColumnRuns
     from ..ops.product import Panelled, PanelledColumns
-    out = {}
+    out, owned = {}, []
     done = progress or (lambda name: None)
     groups = fused_parts(list(shapes))
     grouped = {q for parts in groups.values() for q in parts}
-    for name in shapes:
-        if name not in grouped:
-            out[name] = be.alloc.adopt(_laid_out(be, name, make((name,))), "weights")
-            done(name)
-    for fused, parts in groups.items():
-        dev = be.alloc.adopt(_laid_out(be, fused, make(parts)), "weights")
-        out[fused] = dev
-        at = 0
-        for q in parts:
-            width = shapes[q][1]
-            out[q] = PanelledColumns(dev, at, width) if isinstance(dev, Panelled) else dev[:, at : at + width]
-            at += width
-            done(q)
+
+    def own(name, m):
+        m = _laid_out(be, name, m)
+        for a in (m.q, m.scale) if isinstance(m, Fp8Matrix) else (m,):
+            owned.append(be.alloc.adopt(a, "weights"))
+        return m
+
+    def view(m, at, width):
+        if isinstance(m, Fp8Matrix):
+            return m.columns(at, width)
+        return PanelledColumns(m, at, width) if isinstance(m, Panelled) else m[:, at : at + width]
+    try:
+        for name in shapes:
+            if name not in grouped:
+                (m,) = make((name,))
+                out[name] = own(name, m)
+                done(name)
+        for fused, parts in groups.items():
+            runs = [own(fused, m) for m in make(parts)]
+            at, starts = 0, []
+            for m in runs:
+                starts.append(at)
+                at += m.shape[1]
+            out[fused] = runs[0] if len(runs) == 1 else ColumnRuns(tuple(zip(runs, starts)))
+            r, at = 0, 0
+            for q in parts:
+                width = shapes[q][1]
+                while at >= starts[r] + runs[r].shape[1]:
+                    r += 1
+                out[q] = view(runs[r], at - starts[r], width)
+                at += width
+                done(q)
+    except BaseException:
+        for a in owned:
+            be.alloc.free(a)
+        raise
     if c.tie_embeddings:
         out["lm_head"] = out["embed"].T
     return out

@@ -32,6 +32,15 @@ summation order to be a function of the shapes alone, never of `rows`:
   f32 orders to. Any two f32 orders agree within f32 rounding: |a - b| <= 1e-5 * (|x| @ |w|) for K
   up to a few thousand (TOLERANCE).
 
+* FP8 weights (dspark.ops.fp8.Fp8Matrix: e4m3 bytes and one scale per 128 x 128 block) run the
+  same tensor-core GEMM with the weights dequantized in registers, `linear_fp8_<dt>_m<BM>`
+  (csrc/linear_fp8.cu): bitwise `linear_mma_ref` over fp8.dequantize(q, scale, dt), dt the
+  matrix's `compute` type, its K chunk a multiple of the scale block (`fp8_plan`). On numpy the
+  native product reads the bytes too (dspark.ops.product.product_fp8): bitwise `product_ref` over
+  the f32 dequantization.
+* A fused matrix whose parts cannot be one matrix (FP8 parts beside 16-bit ones, or an FP8 part
+  that ends inside a column block) is a `ColumnRuns`: each run's product into its columns.
+
 `linear_plan` gives the kernel's launch and bytes for given shapes without running anything.
 """
 
@@ -45,6 +54,7 @@ from ..arrays import adopt
 from ..dtypes import BF16, suffix
 from ..errors import DTypeError, ShapeError
 from . import product, rowsplit
+from .fp8 import BLOCK as FP8_BLOCK, Fp8Matrix, dequantize, scale_grid
 from .checks import require_dtype, require_ndim, require_shape
 from .dense import widen
 from .rowsplit import Launch, Plan
@@ -63,6 +73,7 @@ TOLERANCE = 1e-5       # linear_numpy vs the kernel: relative to |x| @ |w|
 MMA_CONFIGS = {16: (256, 32, 4, 4), 32: (256, 32, 4, 4), 64: (128, 32, 8, 4), 128: (128, 32, 8, 4)}
 MMA_STEP = 16          # k per mma.sync m16n8k16: the order's k-step
 MMA_ALIGN = 32         # kchunk is a multiple of it, so every tile shape's BK divides a chunk
+FP8_ALIGN = FP8_BLOCK  # FP8 weights: kchunk a multiple of the 128-row scale block
 MMA_SPLIT_TILE = 256   # the column tile the K split aims at (the BM 16 and 32 shapes': few rows)
 MMA_GROUP_ROWS = 8     # kMmaGroupRows: fold mode's CTAs take their tiles in groups of this many row tiles
 MMA_TARGET_CTAS = 264  # two per SM of an H200: the most CTAs the K split aims at for one row tile
@@ -130,29 +141,30 @@ def mma_shared_mem(bm: int) -> int:
     return 2 * stages * (bm * (bk + 8) + bk * (bn + 8))
 
 
-def mma_split_plan(k: int, n: int) -> tuple[int, int]:
+def mma_split_plan(k: int, n: int, align: int = MMA_ALIGN) -> tuple[int, int]:
     """(splits, kchunk) of the tensor-core GEMM over w [K, N]. The column tiles of few rows
     (MMA_SPLIT_TILE) times the chunks stay within MMA_TARGET_CTAS (one row tile streams the
     weights from about two CTAs per SM), each chunk at least MIN_CHUNK rows of w, kchunk a multiple
-    of MMA_ALIGN; among those counts, the one whose CTAs fill the SMs' last wave best (the most
-    chunks on a tie). A function of (K, N) alone: the order of every output, whatever the rows,
-    tile shape or mode."""
+    of `align` (MMA_ALIGN; FP8_ALIGN for FP8 weights); among those counts, the one whose CTAs fill
+    the SMs' last wave best (the most chunks on a tie). A function of (K, N) alone: the order of
+    every output, whatever the rows, tile shape or mode."""
     tiles_n = max(1, -(-n // MMA_SPLIT_TILE))
-    best = (0.0, 1, max(MMA_ALIGN, -(-k // MMA_ALIGN) * MMA_ALIGN))
+    best = (0.0, 1, max(align, -(-k // align) * align))
     for want in range(1, max(1, min(MMA_TARGET_CTAS // tiles_n, k // MIN_CHUNK)) + 1):
-        kchunk = max(MMA_ALIGN, -(-(-(-k // want)) // MMA_ALIGN) * MMA_ALIGN)
+        kchunk = max(align, -(-(-(-k // want)) // align) * align)
         splits = max(1, -(-k // kchunk))
         ctas = tiles_n * splits
         best = max(best, (ctas / (SMS * -(-ctas // SMS)), splits, kchunk))
     return best[1], best[2]
 
 
-def mma_plan(rows: int, k: int, n: int, *, bm: int | None = None, split: bool | None = None) -> MmaPlan:
+def mma_plan(rows: int, k: int, n: int, *, bm: int | None = None, split: bool | None = None,
+             align: int = MMA_ALIGN) -> MmaPlan:
     """The tensor-core GEMM's launch for x [rows, K] @ w [K, N]: the smallest row tile that holds
     the rows (at most 128); a tile's chunks in one CTA each while the tiles alone would leave an
     H200 short of TARGET_CTAS, else folded in one CTA. `bm` and `split` force a shape or mode
-    (tests); the bits never depend on them."""
-    splits, kchunk = mma_split_plan(k, n)
+    (tests); the bits never depend on them. `align`: the K chunk's (mma_split_plan)."""
+    splits, kchunk = mma_split_plan(k, n, align)
     if bm is None:
         bm = next((b for b in MMA_CONFIGS if rows <= b), max(MMA_CONFIGS))
     if bm not in MMA_CONFIGS:
@@ -165,7 +177,19 @@ def mma_plan(rows: int, k: int, n: int, *, bm: int | None = None, split: bool | 
                    splits if split else 1)
 
 
+def fp8_plan(rows: int, k: int, n: int, *, bm: int | None = None, split: bool | None = None) -> MmaPlan:
+    """The FP8 GEMM's launch (linear_fp8_<dt>_m<bm>): mma_plan's tiles and modes, the K chunk a
+    multiple of the 128-row scale block, from (K, N) alone."""
+    return mma_plan(rows, k, n, bm=bm, split=split, align=FP8_ALIGN)
+
+
 # ---- NumPy ------------------------------------------------------------------------------------------
+def linear_fp8_ref(x, q, scale, dtype, kchunk: int) -> np.ndarray:
+    """The FP8 GEMM's arithmetic on host arrays, bitwise: linear_mma_ref over W =
+    fp8.dequantize(q, scale, dtype) (csrc/linear_fp8.cu's header)."""
+    return linear_mma_ref(x, dequantize(q, scale, dtype), kchunk)
+
+
 def linear_mma_ref(x, w, kchunk: int) -> np.ndarray:
     """The tensor-core GEMM's arithmetic on host arrays (csrc/linear_mma.cuh's header), bitwise
     with simt's emulated MMA: x rounded to w's 16-bit type; per chunk of `kchunk` rows of w, k-steps
@@ -236,6 +260,10 @@ def linear(be, x, w, out=None, *, splits: int | None = None, bm: int | None = No
     `bm` and `split` force the tensor-core GEMM's tile shape and mode (mma_plan; the bits never
     depend on them). `ws`: the workspace the split partials and tickets come from
     (dspark.ops.workspace)."""
+    if isinstance(w, ColumnRuns):
+        return w.linear(be, x, out, ws)
+    if isinstance(w, Fp8Matrix):
+        return linear_fp8(be, x, w, out, bm=bm, split=split, ws=ws)
     x, w, out = adopt(be, x=x, w=w, out=out, writes=("out",))
     require_ndim(x, 2, "x", "[rows, K]")
     require_dtype(x, F32, "x")
@@ -257,13 +285,7 @@ def linear(be, x, w, out=None, *, splits: int | None = None, bm: int | None = No
     if w.dtype != F32:
         _require_tensor_cores(be)
         if rows and n:
-            p = mma_plan(rows, k, n, bm=bm, split=split)
-            part = buffer(be, ws, f"linear.part.{p.splits * n}", rows, (p.splits * n,)) if p.grid_splits > 1 \
-                else fixed(be, ws, "linear.part", (1,))
-            tickets, _ = rowsplit.scratch(be, p.m_tiles * p.n_tiles, ws=ws)
-            rowsplit.launch(be, f"linear_mma_{suf}_m{p.bm}", p.grid, p.threads,
-                            (x, w, np.int32(rows), np.int32(k), np.int32(n), np.int32(p.kchunk),
-                             np.int32(p.grid_splits), out, part, tickets), shared_mem=p.shared_mem)
+            launch_mma(be, f"linear_mma_{suf}", mma_plan(rows, k, n, bm=bm, split=split), x, (w,), out, ws)
         return out
     if rows and n:
         s, kchunk = split_plan(k, n) if splits is None else chunking(k, splits)
@@ -274,6 +296,81 @@ def linear(be, x, w, out=None, *, splits: int | None = None, bm: int | None = No
                         (x, w, np.int32(rows), np.int32(k), np.int32(n), np.int32(kchunk), np.int32(s), out, part,
                          tickets))
     return out
+
+
+def linear_fp8(be, x, w: Fp8Matrix, out=None, *, bm: int | None = None, split: bool | None = None, ws=None):
+    """x [rows, K] f32 @ the FP8 matrix w [K, N] -> f32 [rows, N] (module doc; `linear`'s arguments)."""
+    x, q, scale, out = adopt(be, x=x, q=w.q, scale=w.scale, out=out, writes=("out",))
+    require_ndim(x, 2, "x", "[rows, K]")
+    require_dtype(x, F32, "x")
+    rows, k = x.shape
+    if q.ndim != 2 or q.shape[0] != k:
+        raise ShapeError(f"w has shape {tuple(q.shape)}: expected ({k}, N) for x of shape {tuple(x.shape)}")
+    n = q.shape[1]
+    require_dtype(q, np.uint8, "w.q")
+    require_dtype(scale, F32, "w.scale")
+    require_shape(scale, scale_grid(k, n), "w.scale")
+    if out is not None:
+        require_shape(out, (rows, n), "out")
+        require_dtype(out, F32, "out")
+    if be.kernels is None:
+        return product.host_linear_fp8(x, q, scale, out)
+    suf = suffix(w.compute, "w.compute")
+    if suf == "f32":
+        raise DTypeError("w.compute is float32: FP8 weights multiply on tensor cores with 16-bit activations on the "
+                         "kernel backends (W8A16): expected bfloat16 or float16")
+    _require_tensor_cores(be)
+    xp = be.xp
+    x, q, scale = xp.ascontiguousarray(x), xp.ascontiguousarray(q), xp.ascontiguousarray(scale)
+    if out is None:
+        out = xp.empty((rows, n), F32)
+    if rows and n:
+        launch_mma(be, f"linear_fp8_{suf}", fp8_plan(rows, k, n, bm=bm, split=split), x, (q, scale), out, ws)
+    return out
+
+
+def launch_mma(be, entry: str, p: MmaPlan, x, weights: tuple, out, ws) -> None:
+    """One launch of a tensor-core GEMM entry (`entry`_m<bm>: linear_mma's or linear_fp8's, which
+    differ in their weight arguments alone) over x [rows, K] into out [rows, N] by plan p."""
+    (rows, k), n = x.shape, out.shape[1]
+    part = buffer(be, ws, f"linear.part.{p.splits * n}", rows, (p.splits * n,)) if p.grid_splits > 1 \
+        else fixed(be, ws, "linear.part", (1,))
+    tickets, _ = rowsplit.scratch(be, p.m_tiles * p.n_tiles, ws=ws)
+    rowsplit.launch(be, f"{entry}_m{p.bm}", p.grid, p.threads,
+                    (x, *weights, np.int32(rows), np.int32(k), np.int32(n), np.int32(p.kchunk),
+                     np.int32(p.grid_splits), out, part, tickets), shared_mem=p.shared_mem)
+
+
+@dataclass(frozen=True)
+class ColumnRuns:
+    """A fused matrix [K, sum of widths] kept as runs of columns, each one matrix (an array,
+    Panelled or Fp8Matrix): FP8 projections beside 16-bit ones (Qwen3.5's gdn input, whose a and b
+    stay 16-bit), or an FP8 part ending inside a column block. Its product is each run's into its
+    columns; a row's bits are each run's own, so row invariance is theirs."""
+    runs: tuple  # ((matrix, first column), ...) in column order
+
+    ndim = 2
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.runs[0][0].shape[0], sum(m.shape[1] for m, _ in self.runs)
+
+    def linear(self, be, x, out, ws):
+        rows = x.shape[0]
+        n = self.shape[1]
+        if out is None:
+            out = be.xp.empty((rows, n), F32)
+        elif tuple(out.shape) != (rows, n):
+            raise ShapeError(f"out has shape {tuple(out.shape)}: expected {(rows, n)}")
+        for i, (m, at) in enumerate(self.runs):
+            width = m.shape[1]
+            part = linear(be, x, m, out=buffer(be, ws, f"linear.run.{i}.{width}", rows, (width,)), ws=ws)
+            if be.kernels is None:
+                out[:, at : at + width] = part
+            elif rows and width:  # a launch, not an array op: a recorded round replays it
+                rowsplit.launch(be, "linear_place_columns", -(-rows * width // 256), 256,
+                                (part, np.int32(rows), np.int32(width), out, np.int32(n), np.int32(at)))
+        return out
 
 
 def tensor_cores(be) -> bool:
@@ -294,9 +391,11 @@ def linear_plan(rows: int, k: int, n: int, itemsize: int) -> Plan:
     """The GEMM over x [rows, K] and w [K, N] of `itemsize`-byte entries. f32: linear_f32, one
     launch of tiles * splits CTAs; each CTA reads its [kchunk, columns] block of w once per
     ROW_TILE rows and the matching x; with splits > 1 every CTA writes its partials and the last of
-    a tile reads them all back. 16-bit: mma_linear_plan. `vocab` holds N."""
+    a tile reads them all back. 16-bit: mma_linear_plan; 1 (FP8): fp8_linear_plan. `vocab` holds N."""
     if itemsize == 2:
         return mma_linear_plan(rows, k, n)
+    if itemsize == 1:
+        return fp8_linear_plan(rows, k, n)
     s, kchunk = split_plan(k, n)
     t = tiles(n, itemsize)
     passes = -(-max(rows, 1) // ROW_TILE)
@@ -326,3 +425,28 @@ def mma_linear_plan(rows: int, k: int, n: int) -> Plan:
                 min_bytes=w_bytes + x_bytes + out_bytes,
                 notes={"flops": 2 * rows * k * n, "mma_flops": mma_flops, "tiles": p.n_tiles, "kchunk": p.kchunk,
                        "bm": p.bm, "grid_splits": p.grid_splits, "m_tiles": p.m_tiles})
+
+
+def fp8_linear_plan(rows: int, k: int, n: int) -> Plan:
+    """linear_fp8 over x [rows, K] and FP8 w [K, N]: one launch of fp8_plan's CTAs, the tile shapes
+    and modes of mma_linear_plan. Each row tile reads the weights once at 1 byte each plus the
+    scales (4 bytes per 128 x 128 block), and each column tile the rows' x; in split mode every CTA
+    writes its chunk's partials and the last of a tile reads them back. notes: mma_linear_plan's,
+    and w_bytes (one pass over the weights: q and the scales) and bytes_per_cta (what one CTA
+    streams: its [K chunk, BN] tile of q, the scales it covers, its rows' x)."""
+    p = fp8_plan(rows, k, n)
+    kb, nb = scale_grid(k, n)
+    w_bytes, x_bytes, out_bytes = k * n + 4 * kb * nb, 4 * rows * k, 4 * rows * n
+    part = p.splits * rows * n * 4 if p.grid_splits > 1 else 0
+    steps = sum(-(-(min(k, lo + p.kchunk) - lo) // MMA_STEP) for lo in range(0, k, p.kchunk))
+    mma_flops = 2 * p.m_tiles * p.bm * (MMA_STEP * steps) * p.n_tiles * p.bn
+    k_cta = p.kchunk if p.grid_splits > 1 else k
+    cols = min(p.bn, n)
+    per_cta = k_cta * cols + 4 * -(-k_cta // FP8_BLOCK) * -(-cols // FP8_BLOCK) + 4 * min(p.bm, rows) * k_cta
+    return Plan("linear_fp8", rows, n, p.splits,
+                (Launch(f"linear_fp8_m{p.bm}", p.ctas, p.threads, p.shared_mem, passes=p.m_tiles),),
+                bytes_read=p.m_tiles * w_bytes + p.n_tiles * x_bytes + part, bytes_written=out_bytes + part,
+                min_bytes=w_bytes + x_bytes + out_bytes,
+                notes={"flops": 2 * rows * k * n, "mma_flops": mma_flops, "tiles": p.n_tiles, "kchunk": p.kchunk,
+                       "bm": p.bm, "grid_splits": p.grid_splits, "m_tiles": p.m_tiles, "w_bytes": w_bytes,
+                       "bytes_per_cta": per_cta})

@@ -8,7 +8,9 @@ width changes that order, so a row alone, the same row among 300, a prefill row 
 step at its position are bitwise equal, with any thread count and on any instruction set the
 module was built for (AVX-512, AVX2, the baseline: `dspark._cpu.isas`). w is read as stored (f32,
 f16, bf16) and widened exactly, from memory once per strip of columns; the columns are split
-across `get_num_threads()` threads.
+across `get_num_threads()` threads. FP8 weights (`product_fp8`: e4m3 bytes, one scale per 128 x 128
+block) are read as bytes and dequantized block by block into the panels the tiles read, W =
+fl32(e4m3(q) * scale) (dspark.ops.fp8): bitwise the f32 product of W.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import numpy as np
 from ..dtypes import BF16
 from ..errors import BackendUnavailable
 from .dense import widen
+from .fp8 import dequantize
 
 F32 = np.float32
 DTYPE_CODES = {np.dtype(np.float32): 0, np.dtype(np.float16): 1, BF16: 2}
@@ -149,6 +152,28 @@ class PanelledColumns:
         return np.ascontiguousarray(w if dtype is None else w.astype(dtype))
 
 
+def _result(rows: int, k: int, n: int, out):
+    """(out, made if None; whether it already is the answer: no rows, no columns, or K = 0)."""
+    if out is None:
+        out = np.empty((rows, n), F32)
+    if rows == 0 or n == 0:
+        return out, True
+    if k == 0:
+        out[...] = 0
+        return out, True
+    return out, False
+
+
+def _native_threads(rows: int, k: int, n: int, threads: int | None, isa: str) -> int:
+    """The threads a native product runs on (default: get_num_threads(), fewer for a small one),
+    after checking `isa`."""
+    if isa and isa not in _cpu.isas:
+        raise BackendUnavailable(f"isa={isa!r}: expected one this CPU runs, {', '.join(_cpu.isas)}")
+    if threads is None:  # a small product is not worth waking a thread for
+        threads = max(1, min(get_num_threads(), k * n * (rows + 4) // WORK_PER_THREAD))
+    return threads
+
+
 def product(x: np.ndarray, w: np.ndarray, out: np.ndarray | None = None, *, threads: int | None = None,
             isa: str = "") -> np.ndarray:
     """x f32 [rows, K] @ w [K, N] (f32, f16 or bf16) -> out f32 [rows, N]: x and out C-contiguous
@@ -158,12 +183,8 @@ def product(x: np.ndarray, w: np.ndarray, out: np.ndarray | None = None, *, thre
     best this CPU runs) are for tests and benchmarks."""
     rows, k = x.shape
     n = w.shape[1]
-    if out is None:
-        out = np.empty((rows, n), F32)
-    if rows == 0 or n == 0:
-        return out
-    if k == 0:
-        out[...] = 0
+    out, done = _result(rows, k, n, out)
+    if done:
         return out
     panelled = isinstance(w, Panelled)
     transposed = not panelled and not w.flags.c_contiguous
@@ -172,13 +193,41 @@ def product(x: np.ndarray, w: np.ndarray, out: np.ndarray | None = None, *, thre
     if not NATIVE:  # its twin: the same bits, slower
         out[...] = product_ref(x, w)
         return out
-    if isa and isa not in _cpu.isas:
-        raise BackendUnavailable(f"isa={isa!r}: expected one this CPU runs, {', '.join(_cpu.isas)}")
-    if threads is None:  # a small product is not worth waking a thread for
-        threads = max(1, min(get_num_threads(), k * n * (rows + 4) // WORK_PER_THREAD))
+    threads = _native_threads(rows, k, n, threads, isa)
     strip, kblock = blocking(rows, transposed)
     stored, layout = (w.panels, 2) if panelled else (w.T, 1) if transposed else (w, 0)
     _module().product(DTYPE_CODES[w.dtype], x, stored, layout, out, rows, k, n, threads, strip, kblock, isa)
+    return out
+
+
+def product_fp8(x: np.ndarray, q: np.ndarray, scale: np.ndarray, out: np.ndarray | None = None, *,
+                threads: int | None = None, isa: str = "") -> np.ndarray:
+    """x f32 [rows, K] @ W -> out f32 [rows, N], W = e4m3(q) * scale (q uint8 [K, N], scale f32
+    [ceil(K / 128), ceil(N / 128)], all C-contiguous host arrays the op validated). Always the
+    tiled walk (blocking's kblock 64): the bytes are dequantized into its panels whatever the rows."""
+    rows, k = x.shape
+    n = q.shape[1]
+    out, done = _result(rows, k, n, out)
+    if done:
+        return out
+    if not NATIVE:
+        out[...] = product_ref(x, dequantize(q, scale))
+        return out
+    threads = _native_threads(rows, k, n, threads, isa)
+    strip, kblock = blocking(rows, transposed=True)
+    _module().product_fp8(x, q, scale, out, rows, k, n, threads, strip, kblock, isa)
+    return out
+
+
+def host_linear_fp8(x, q, scale, out=None) -> np.ndarray:
+    """The numpy backend's `linear` of an FP8 matrix (validated there)."""
+    x, q, scale = np.ascontiguousarray(x), np.ascontiguousarray(q), np.ascontiguousarray(scale)
+    if out is not None and out.flags.c_contiguous:
+        return product_fp8(x, q, scale, out)
+    y = product_fp8(x, q, scale)
+    if out is None:
+        return y
+    out[...] = y
     return out
 
 

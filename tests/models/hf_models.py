@@ -167,3 +167,17 @@ def assert_logits_close(got, want, what):
     scale = float(np.abs(want).max())
     err = float(np.abs(got - want).max())
     assert err <= 1e-4 * scale, f"{what}: max |diff| {err:.3g} > 1e-4 x max |logit| {scale:.3g}"
+
+
+def save_tokenizer(d, texts) -> None:
+    """A byte-level BPE tokenizer.json of 300 ids (<|endoftext|> the special one) trained on `texts`
+    and a little code, saved into `d` by transformers."""
+    _, transformers = require_transformers()
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<|endoftext|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(list(texts) * 20 + ["import os\nimport sys\n"] * 20, trainer)
+    transformers.PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>").save_pretrained(d)

@@ -40,6 +40,7 @@ from dspark.decode import plain_generate
 from dspark.models.hf import load_drafter, load_target
 from dspark.models.oracle import BOOST, OracleDrafter
 from dspark.session import DsparkSpecSession, SpecParams
+from tests.models.fp8_models import QWEN3_FP8, build_fp8
 from tests.models.hf_models import QWEN3, QWEN35, build, reference
 
 
@@ -105,11 +106,12 @@ def world(tmp_path_factory, numpy_backend):
     return get
 
 
-def saved_world(d, case, be, formats_of) -> SimpleNamespace:
+def saved_world(d, case, be, formats_of, build_target=build) -> SimpleNamespace:
     """Target `case` saved by transformers into `d` (its model, dspark's trunk on `be`, a prompt
     and its plain greedy stream) and the drafters formats_of(target layers) names (name ->
-    (builder(target model, sizes, seed), taps)), each saved by its peer's save_pretrained."""
-    build(case, d)
+    (builder(target model, sizes, seed), taps)), each saved by its peer's save_pretrained.
+    `build_target(case, d)` saves the target (an FP8 one: tests/models/fp8_models.py)."""
+    build_target(case, d)
     model = reference(case, d)
     trunk = load_target(d, be)
     prompt, want = live_prompt(trunk, case.seed)
@@ -232,7 +234,10 @@ def test_rounds_equal_the_peers_draft_step(world, case, name, monkeypatch):
     """Under verify="full", each round's proposals equal the peer's draft step (DeepSpec's
     forward_dspark_draft_block + build_dspark_proposal; speculators' backbone + Markov chain) fed
     with transformers' hidden states of the committed rows and the same anchor."""
-    w = world(case)
+    check_rounds_equal_the_peers_draft_step(world(case), name, monkeypatch)
+
+
+def check_rounds_equal_the_peers_draft_step(w, name, monkeypatch):
     d = w.drafters[name]
     s, rounds = run_session(w.trunk, oracle(w, name), w.prompt, "full", monkeypatch)
     stream = [*w.prompt.tolist(), *w.want]
@@ -327,7 +332,10 @@ def test_rounds_equal_dflash_generate(world, case, name, monkeypatch):
     """Output equal to dflash_generate's; under verify="full" (dflash_generate verifies every
     draft) each round verifies the same block and accepts the same number of drafts. dflash_generate
     runs BLOCK + 1 tokens further so that its blocks do not shrink at the budget while ours run."""
-    w = world(case)
+    check_rounds_equal_dflash_generate(world(case), name, monkeypatch)
+
+
+def check_rounds_equal_dflash_generate(w, name, monkeypatch):
     theirs, accepted, blocks, hidden = run_dflash_generate(w, name, N + BLOCK + 1, monkeypatch)
     s, rounds = run_session(w.trunk, oracle(w, name), w.prompt, "full", monkeypatch)
     assert s.emitted == theirs[:N] == w.want[:N]
@@ -378,3 +386,27 @@ def test_simt_rounds_equal_numpy(world, simt, name, monkeypatch):
     assert [r[:3] for r in rounds] == [r[:3] for r in rounds_np]
     for r, (a, b) in enumerate(zip(rounds, rounds_np)):
         assert_hidden_close(a[3], b[3], f"round {r}")
+
+
+# ---- an FP8 target -----------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def fp8_world(tmp_path_factory, numpy_backend):
+    """QWEN3_FP8 (tests/models/fp8_models.py) saved by transformers and quantized by the recipe,
+    transformers' model read back from that FP8 directory (dequantized by its FP8 integration),
+    with a DFlash and a DSpark (DeepSpec) drafter sized to it."""
+    def only(L):
+        return {k: v for k, v in formats(L).items() if k in ("dflash", "deepspec")}
+    return saved_world(tmp_path_factory.mktemp("qwen3-fp8"), QWEN3_FP8.base, numpy_backend, only,
+                       build_target=lambda case, d: build_fp8(QWEN3_FP8, d))
+
+
+@pytest.mark.parametrize("name", ["dflash", "deepspec"])
+def test_an_fp8_target_accepts_what_the_peers_loop_accepts(fp8_world, name, monkeypatch):
+    """On the FP8 target (its linears e4m3 + scales on numpy), round by round: DFlash verifies and
+    accepts what dflash_generate does on transformers' FP8 model; DSpark proposes what DeepSpec's
+    draft step does on transformers' hidden states; both emit plain greedy decode's stream."""
+    assert fp8_world.trunk.source.quantized
+    if name == "dflash":
+        check_rounds_equal_dflash_generate(fp8_world, name, monkeypatch)
+    else:
+        check_rounds_equal_the_peers_draft_step(fp8_world, name, monkeypatch)

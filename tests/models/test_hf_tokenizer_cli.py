@@ -7,7 +7,7 @@ import pytest
 from dspark.cli import main
 from dspark.decode import plain_generate
 from dspark.models.hf import CheckpointError, load_target, load_tokenizer
-from tests.models.hf_models import CASES, build, reference, require_transformers
+from tests.models.hf_models import CASES, build, reference, require_transformers, save_tokenizer
 from tests.peers import peer
 
 TEXTS = ["def walk(root):\n    return os.listdir(root)\n", "naïve café — 東京 🙂", "", "   spaces   ", "x" * 40]
@@ -16,17 +16,9 @@ TEXTS = ["def walk(root):\n    return os.listdir(root)\n", "naïve café — 東
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     """A tiny Qwen3 target saved by transformers, with a byte-level BPE tokenizer.json beside it."""
-    _, transformers = require_transformers()
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     d = tmp_path_factory.mktemp("qwen3-tok")
     build(CASES[0], d)
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<|endoftext|>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator(TEXTS * 20 + ["import os\nimport sys\n"] * 20, trainer)
-    transformers.PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>").save_pretrained(d)
+    save_tokenizer(d, TEXTS)
     return d
 
 

@@ -19,13 +19,14 @@ import numpy as np
 
 from ...dtypes import BF16
 from ...errors import CheckpointError
+from ...ops.fp8 import E4M3
 
 SINGLE = "model.safetensors"
 INDEX = "model.safetensors.index.json"
 GENERATION = "generation_config.json"
 # Weights are float; drafters also store integer and bool token maps (speculators' d2t / t2d).
 DTYPES = {"F32": np.dtype(np.float32), "F16": np.dtype(np.float16), "BF16": BF16, "I64": np.dtype(np.int64),
-          "I32": np.dtype(np.int32), "BOOL": np.dtype(np.bool_)}
+          "I32": np.dtype(np.int32), "BOOL": np.dtype(np.bool_), "F8_E4M3": E4M3}  # F8: FP8 checkpoints' bytes
 
 __all__ = ["Checkpoint", "CheckpointError", "TensorInfo", "locate", "read_header", "read_json"]
 

@@ -25,10 +25,17 @@ Text-only serving skips two groups of tensors by rule, and the load reports how 
 transformers also drops). A tied checkpoint's `lm_head.weight`, if present, is skipped too: the
 LM head is the embedding. Every other name must be in the table.
 
+FP8 checkpoints (block-scaled e4m3, dspark.models.hf.quantization): each decoder-layer linear
+stored as F8_E4M3 keeps its bytes and `weight_scale_inv` block scales on the backend
+(dspark.ops.fp8.Fp8Matrix); the rest loads as above. The report lists what is quantized.
+
 Refusals (one CheckpointError naming the config key or tensor, raised before anything is
-allocated on the backend): a mixture-of-experts config, a model_type not served, a feature the
+allocated on the backend, or, for an FP8 weight's NaN bytes, when that weight is read, with what
+was allocated before it freed): a mixture-of-experts config, a model_type not served, a feature the
 trunk lacks (attention or MLP bias, sliding windows, an activation other than SiLU, a conv width
-other than 4), a missing, misshaped or unknown tensor, a tensor dtype other than f32/f16/bf16.
+other than 4), a missing, misshaped or unknown tensor, a tensor dtype other than f32/f16/bf16 (or
+e4m3 where the FP8 format allows it), a quantization other than block-scaled FP8 and every
+inconsistency of an FP8 checkpoint (quantization.py).
 """
 
 from __future__ import annotations
@@ -41,12 +48,14 @@ import numpy as np
 
 from ...dtypes import BF16
 from ...ops.attention import HEAD_DIMS
+from ...ops.fp8 import Fp8Host, nan_bytes
 from ...progress import TensorProgress
 from ...ops.gdn import scan_plan
 from ...ops.linear import tensor_cores
 from ..config import TrunkConfig
 from ..weights import STORAGE, trunk_spec
 from .checkpoint import Checkpoint, CheckpointError
+from .quantization import F8, Fp8Format, check_linear, quantization_of
 
 SERVED = ("qwen3", "qwen3_5", "qwen3_5_text")
 DEFAULT_MAX_CTX = 4096           # cache rows per session unless load_target(max_ctx=) says otherwise
@@ -103,11 +112,19 @@ class LoadReport:
     stored: str = ""                                   # the matrices' dtype on the backend
     device_bytes: int = 0                              # the weights' bytes on the backend (its allocator's count)
     backend: str = ""
+    quantization: str = ""                             # the checkpoint's scheme (Fp8Format.describe), if quantized
+    quantized: list[str] = field(default_factory=list)  # our names of the linears kept e4m3 + scales
+    kept: list[str] = field(default_factory=list)       # our names of the linears left in their stored dtype
+    scale_dtypes: dict[str, int] = field(default_factory=dict)  # scale dtype -> FP8 linears
 
     def summary(self) -> str:
         read = ", ".join(f"{d} {n}" for d, n in self.dtypes.items())
         parts = [f"{self.model_type} from {self.path}: {sum(self.dtypes.values())} tensors ({read})"
                  + (f" stored as {self.stored}, {size_text(self.device_bytes)} on {self.backend}" if self.backend else "")]
+        if self.quantization:
+            scales = ", ".join(f"{d} {n}" for d, n in self.scale_dtypes.items())
+            parts.append(f"{self.quantization}: {len(self.quantized)} linears kept e4m3 with {scales} block scales, "
+                         f"{len(self.kept)} left unquantized")
         parts += [f"skipped {n} {rule}* tensors" for rule, n in self.skipped.items()]
         return "; ".join(parts + self.notes)
 
@@ -303,15 +320,18 @@ def as_ours(array: np.ndarray, how: str) -> np.ndarray:
     return array
 
 
-def plan(ckpt: Checkpoint, config: TrunkConfig, model_type: str) -> tuple[dict, LoadReport]:
-    """(our name -> checkpoint name and layout, report) after checking every tensor's presence,
-    name, shape and dtype. Reads headers only."""
+def plan(ckpt: Checkpoint, config: TrunkConfig, model_type: str, fmt: Fp8Format | None = None
+         ) -> tuple[dict, LoadReport]:
+    """(our name -> checkpoint name, layout and the FP8 scale's name or None, report) after checking
+    every tensor's presence, name, shape and dtype (and an FP8 checkpoint's scales: quantization.py).
+    Reads headers, and the scales."""
     names = set(ckpt.tensors)
     wanted = tensor_map(config, text_prefix(model_type, names))
     spec = trunk_spec(config)
     report = LoadReport(ckpt.path, model_type, {})
     rules = SKIPPED[model_type] + (("lm_head.",) if config.tie_embeddings else ())
-    for name in sorted(names - set(wanted)):
+    scales = {n[: -len("weight")] + "weight_scale_inv" for n in wanted if n.endswith(".weight")} & names
+    for name in sorted(names - set(wanted) - scales):
         rule = next((r for r in rules if name.startswith(r)), None)
         if rule is None:
             raise CheckpointError(f"unknown tensor {name!r} in {ckpt.path} (model_type {model_type!r}): dspark "
@@ -320,18 +340,31 @@ def plan(ckpt: Checkpoint, config: TrunkConfig, model_type: str) -> tuple[dict, 
     missing = sorted(set(wanted) - names)
     if missing:
         raise CheckpointError(f"tensor {missing[0]!r} is missing from {ckpt.path} ({len(missing)} missing in all)")
+    where = {}
     for name, (ours, how) in wanted.items():
         info = ckpt.tensors[name]
         expected = checkpoint_shape(spec[ours], how)
         if info.shape != expected:
             raise CheckpointError(f"tensor {name!r} has shape {info.shape}: expected {expected} for this config")
-        if info.dtype not in ("F32", "F16", "BF16"):
-            raise CheckpointError(f"tensor {name!r} has dtype {info.dtype}: expected F32, F16 or BF16 "
-                                  f"(quantized checkpoints are not served)")
+        linear = how == "T" and ours.startswith("layers.")
+        if info.dtype not in ("F32", "F16", "BF16", F8):
+            raise CheckpointError(f"tensor {name!r} has dtype {info.dtype}: expected F32, F16 or BF16"
+                                  + (" (or F8_E4M3 with block scales)" if linear else "")
+                                  + " (other quantized formats are not served)")
+        scale = check_linear(ckpt, name, info, fmt, linear)
+        if scale is not None:
+            report.quantized.append(ours)
+            sd = ckpt.tensors[scale].dtype
+            report.scale_dtypes[sd] = report.scale_dtypes.get(sd, 0) + 1
+        elif linear and fmt is not None:
+            report.kept.append(ours)
         report.dtypes[info.dtype] = report.dtypes.get(info.dtype, 0) + 1
+        where[ours] = (name, how, scale)
+    if fmt is not None:
+        report.quantization = fmt.describe()
     if "lm_head." in report.skipped:
         report.notes.append("tied embeddings: lm_head.weight ignored, the LM head is the embedding")
-    return {ours: (name, how) for name, (ours, how) in wanted.items()}, report
+    return where, report
 
 
 class LazyWeights(Mapping):
@@ -342,8 +375,14 @@ class LazyWeights(Mapping):
         self._ckpt, self._where = ckpt, where
 
     def __getitem__(self, name):
-        checkpoint_name, how = self._where[name]
-        return as_ours(self._ckpt.array(checkpoint_name), how)
+        checkpoint_name, how, scale = self._where[name]
+        array = self._ckpt.array(checkpoint_name)
+        if scale is None:
+            return as_ours(array, how)
+        bad = nan_bytes(array)  # e4m3 has no infinities; its NaN bytes would poison every sum they reach
+        if bad:
+            raise CheckpointError(f"tensor {checkpoint_name!r} holds {bad} e4m3 NaN bytes (0x7F / 0xFF)")
+        return Fp8Host(as_ours(array, how), as_ours(self._ckpt.array(scale), how), checkpoint_name)
 
     def __iter__(self):
         return iter(self._where)
@@ -381,6 +420,33 @@ def default_dtype(backend, checkpoint_dtype) -> np.dtype:
     return np.dtype(checkpoint_dtype)
 
 
+def fp8_storage(be, storage: np.dtype, dtype, checkpoint_dtype) -> np.dtype:
+    """The storage dtype of an FP8 checkpoint's unquantized matrices, which is also its FP8
+    products' activation type on the kernel backends (W8A16 on tensor cores: 16-bit there; dtype
+    None picks the checkpoint's 16-bit type, else bf16). The numpy backend keeps `storage`."""
+    if be.kernels is None:
+        return storage
+    if not tensor_cores(be):
+        raise CheckpointError(f"FP8 weights need tensor cores (sm_80 or later); this device is {be.kernels.arch}")
+    if storage.itemsize == 2:
+        return storage
+    if dtype is not None:
+        raise ValueError(f"dtype={storage}: FP8 weights on {be.name!r} multiply with 16-bit activations on tensor "
+                         f"cores (W8A16): expected bfloat16 or float16 (the numpy backend computes in float32)")
+    wide = np.dtype(checkpoint_dtype)
+    return wide if wide.itemsize == 2 and holds(be, wide) else BF16
+
+
+def inspect_target(path, max_ctx: int | None = None) -> LoadReport:
+    """The LoadReport of a served checkpoint without loading it: config and headers (and FP8
+    scales) read, every refusal of load_target's made, nothing allocated (`dspark info --model`)."""
+    ckpt = Checkpoint(path)
+    model_type, _ = text_config(ckpt.config)
+    config = config_of(ckpt.config, max_ctx, None, ckpt.generation_config)
+    check_kernels(config)
+    return plan(ckpt, config, model_type, quantization_of(ckpt.config))[1]
+
+
 def load_target(path, backend=None, dtype=None, *, max_ctx: int | None = None, tap_layers=None,
                 kv_dtype: str = "float32", progress: bool | None = None):
     """A HybridTrunk from a Hugging Face model directory (or a hub id in the local cache).
@@ -393,8 +459,11 @@ def load_target(path, backend=None, dtype=None, *, max_ctx: int | None = None, t
     tap_layers: the default taps (layer outputs, hidden_states[i + 1]); a drafter can ask for
     others per call. kv_dtype: the K/V cache's storage (float32, as transformers computes; float16
     or bfloat16 halve it). The trunk's `source` is a LoadReport: dtypes read, tensors skipped by
-    rule, the bytes on the backend. Raises CheckpointError before allocating anything when the
-    checkpoint cannot be served. `progress`: a bar of the tensors reaching the backend, shard by
+    rule, the bytes on the backend, what an FP8 checkpoint quantizes. Raises CheckpointError before
+    allocating anything when the checkpoint cannot be served (an FP8 weight's NaN bytes: when it is
+    read, freeing what was allocated). An FP8 checkpoint's quantized linears stay e4m3 with their
+    block scales on every backend; on simt and cuda they multiply with 16-bit activations, so there
+    dtype=None gives bf16 (the checkpoint's 16-bit type) and float32 is refused (`fp8_storage`). `progress`: a bar of the tensors reaching the backend, shard by
     shard (dspark.progress: None shows it while stderr is a terminal unless DSPARK_PROGRESS=0; True
     / False force it on / off).
     """
@@ -409,14 +478,16 @@ def load_target(path, backend=None, dtype=None, *, max_ctx: int | None = None, t
         raise ValueError(f"kv_dtype={kv_dtype!r}: expected 'float32', 'float16' or 'bfloat16'")
     config = replace(config, kv_dtype=kv_dtype)
     check_kernels(config)
-    where, report = plan(ckpt, config, model_type)
+    where, report = plan(ckpt, config, model_type, quantization_of(ckpt.config))
     be = backend if isinstance(backend, Backend) else get_backend(backend)
     embed_dtype = {"F32": np.float32, "F16": np.float16, "BF16": BF16}[ckpt.tensors[where["embed"][0]].dtype]
     storage = default_dtype(be, embed_dtype) if dtype is None else dtype
+    if report.quantized:
+        storage = fp8_storage(be, storage, dtype, embed_dtype)
     if not holds(be, storage):
         raise ValueError(f"dtype={storage}: backend {be.name!r} has no {storage} arrays (this CuPy lacks them)")
     before = be.alloc.bytes("weights")
-    with TensorProgress(ckpt.tensors, [name for name, _ in where.values()], f"loading {ckpt.path.name}",
+    with TensorProgress(ckpt.tensors, [name for name, _, _ in where.values()], f"loading {ckpt.path.name}",
                         progress) as bar:
         trunk = HybridTrunk(config, LazyWeights(ckpt, where), be, dtype=storage,
                             progress=lambda ours: bar.done(where[ours][0]))

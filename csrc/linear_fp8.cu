@@ -1,0 +1,125 @@
+// linear_fp8: out f32 [rows, N] = round_T(x) [rows, K] @ W [K, N] for FP8 weights (W8A16), x f32; W
+// stored as q, e4m3fn bytes [K, N] row-major (1 byte a weight), and scale, f32
+// [ceil(K / 128)][ceil(N / 128)], one per 128 x 128 block (fp8.cuh; dspark.ops.fp8).
+//
+// The weights are dequantized in registers on their way to shared memory and never exist in
+// memory as 16-bit values:
+//   W[k, n] = round_T(fl32(e4m3(q[k, n]) * scale[k / 128][n / 128]))   T = bf16 or f16, both RNE
+// then the tensor-core GEMM of linear_mma.cuh runs on them unchanged: the activations rounded to T,
+// mma.sync m16n8k16 with f32 accumulation in k-steps of 16, K in chunks of `kchunk` whose partials
+// are added in index order. The host (dspark.ops.linear.fp8_plan) takes kchunk a multiple of the
+// 128-row scale block and, like every split of dspark's products, from (K, N) alone: the order of
+// out[r, n], and so row r's bits, are the same for every row count, tile shape and mode (row
+// invariance, DESIGN section 3). dspark.ops.linear.linear_fp8_ref is the twin: linear_mma_ref over
+// dspark.ops.fp8.dequantize(q, scale, T).
+//
+// linear_fp8_<t>_m<BM>(x, q, scale, rows, K, N, kchunk, grid_splits, out, part, tickets): the grid,
+// tile shapes, modes, part and tickets of linear_mma_<t>_m<BM> (linear_mma.cuh's header).
+// B tiles (MmaWeightsFp8): each thread takes 8-column chunks of rows of the tile, 8 bytes each (one
+// 8-byte load where N % 8 == 0 and q is 8-byte aligned, else byte loads; zero past K and N), all in
+// one column of one 128 x 128 block, so with one scale, one tile ahead in registers like the
+// activations; after the tile's MMAs it decodes, scales and rounds them into the stage.
+//
+// The decode alone is fp8.cu's fp8_decode_e4m3 (its test, and a family small enough to rebuild fast).
+#include "common.cuh"
+#include "fp8.cuh"
+#include "linear_mma.cuh"
+
+// Two e4m3 bytes of `word` (at bit `shift` and shift + 8) dequantized and rounded into one T pair.
+template <typename T>
+DSPARK_DEVICE uint32_t fp8_pair(uint32_t word, int shift, float s) {
+  return mma_pack2<T>(e4m3_to_float((word >> shift) & 0xffu) * s, e4m3_to_float((word >> (shift + 8)) & 0xffu) * s);
+}
+
+template <typename T, typename Cfg>
+struct MmaWeightsFp8 {
+  using C = Cfg;
+  // A thread's chunks of a tile share one column (THREADS is a multiple of a row's chunks) and the
+  // tile's BK rows lie in one 128-row block (BK divides 128): one scale per thread per tile.
+  static_assert(C::THREADS % (C::BN / 8) == 0 && kFp8Block % C::BK == 0, "one scale per thread and tile");
+  const uint8_t* __restrict__ q;
+  const float* __restrict__ scale;
+  int K, N;
+  bool vec;  // 8-byte loads of q
+  struct Held {
+    uint2 raw[C::B_VECS];
+    float s;
+  };
+
+  __device__ __forceinline__ void fetch(T*, int k, int n0, Held& h) const {
+    const int blocks_n = (N + kFp8Block - 1) / kFp8Block;
+    const int col = 8 * (threadIdx.x % (C::BN / 8)), n = n0 + col;
+    h.s = n < N ? scale[(int64_t)(k / kFp8Block) * blocks_n + n / kFp8Block] : 0.f;
+#pragma unroll
+    for (int i = 0; i < C::B_VECS; ++i) {
+      const int kk = k + (threadIdx.x + i * C::THREADS) / (C::BN / 8);
+      h.raw[i] = make_uint2(0u, 0u);
+      if (kk < K && n < N) {
+        const uint8_t* p = q + (int64_t)kk * N + n;
+        if (vec) {
+          h.raw[i] = *reinterpret_cast<const uint2*>(p);
+        } else {
+          uint32_t lo = 0u, hi = 0u;
+#pragma unroll
+          for (int j = 0; j < 4; ++j) {
+            if (n + j < N) lo |= (uint32_t)p[j] << (8 * j);
+            if (n + 4 + j < N) hi |= (uint32_t)p[4 + j] << (8 * j);
+          }
+          h.raw[i] = make_uint2(lo, hi);
+        }
+      }
+    }
+  }
+
+  __device__ __forceinline__ void place(T* stage, const Held& h) const {
+    const int col = 8 * (threadIdx.x % (C::BN / 8));
+#pragma unroll
+    for (int i = 0; i < C::B_VECS; ++i) {
+      const int kr = (threadIdx.x + i * C::THREADS) / (C::BN / 8);
+      const uint2 r = h.raw[i];
+      *reinterpret_cast<uint4*>(stage + kr * C::B_ROW + col) =
+          make_uint4(fp8_pair<T>(r.x, 0, h.s), fp8_pair<T>(r.x, 16, h.s), fp8_pair<T>(r.y, 0, h.s),
+                     fp8_pair<T>(r.y, 16, h.s));
+    }
+  }
+};
+
+template <typename T, typename Cfg>
+DSPARK_DEVICE void linear_fp8(const float* __restrict__ x, const uint8_t* __restrict__ q,
+                              const float* __restrict__ scale, int rows, int K, int N, int kchunk, int grid_splits,
+                              float* __restrict__ out, float* __restrict__ part, unsigned* __restrict__ tickets) {
+  const MmaWeightsFp8<T, Cfg> wt{q, scale, K, N, N % 8 == 0 && !(reinterpret_cast<unsigned long long>(q) & 7ull)};
+  mma_gemm<T, Cfg>(x, wt, rows, K, N, kchunk, grid_splits, out, part, tickets);
+}
+
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 800
+#define DSPARK_LINEAR_FP8_BODY(T, CFG) __trap();
+#else
+#define DSPARK_LINEAR_FP8_BODY(T, CFG) linear_fp8<T, CFG>(x, q, scale, rows, K, N, kchunk, grid_splits, out, part, tickets);
+#endif
+
+#define DSPARK_LINEAR_FP8_ENTRY(SUF, T, BM, CFG)                                                               \
+  extern "C" __global__ void __launch_bounds__(CFG::THREADS) linear_fp8_##SUF##_m##BM(                      \
+      const float* __restrict__ x, const uint8_t* __restrict__ q, const float* __restrict__ scale, int rows,  \
+      int K, int N, int kchunk, int grid_splits, float* __restrict__ out, float* __restrict__ part,           \
+      unsigned* __restrict__ tickets) {                                                                      \
+    DSPARK_LINEAR_FP8_BODY(T, CFG)                                                                           \
+  }
+
+DSPARK_LINEAR_FP8_ENTRY(bf16, bf16_t, 16, MmaGemmM16)
+DSPARK_LINEAR_FP8_ENTRY(bf16, bf16_t, 32, MmaGemmM32)
+DSPARK_LINEAR_FP8_ENTRY(bf16, bf16_t, 64, MmaGemmM64)
+DSPARK_LINEAR_FP8_ENTRY(bf16, bf16_t, 128, MmaGemmM128)
+DSPARK_LINEAR_FP8_ENTRY(f16, f16_t, 16, MmaGemmM16)
+DSPARK_LINEAR_FP8_ENTRY(f16, f16_t, 32, MmaGemmM32)
+DSPARK_LINEAR_FP8_ENTRY(f16, f16_t, 64, MmaGemmM64)
+DSPARK_LINEAR_FP8_ENTRY(f16, f16_t, 128, MmaGemmM128)
+
+// linear_place_columns(src [rows, width], rows, width, dst [rows, N], N, at): dst[r, at + c] = src[r, c],
+// one thread per entry: a run's product placed in its columns of a fused output (dspark.ops.linear.
+// ColumnRuns, whose runs are FP8 beside 16-bit weights), as a launch a recorded round replays.
+extern "C" __global__ void linear_place_columns(const float* __restrict__ src, int rows, int width,
+                                                float* __restrict__ dst, int N, int at) {
+  const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+  if (i < (long long)rows * width) dst[i / width * N + at + i % width] = src[i];
+}
