@@ -327,7 +327,12 @@ def test_rounds_equal_dflash_generate(world, case, name, monkeypatch):
     """Output equal to dflash_generate's; under verify="full" (dflash_generate verifies every
     draft) each round verifies the same block and accepts the same number of drafts. dflash_generate
     runs BLOCK + 1 tokens further so that its blocks do not shrink at the budget while ours run."""
-    w = world(case)
+    check_rounds_equal_dflash_generate(world(case), name, monkeypatch)
+
+
+def check_rounds_equal_dflash_generate(w, name, monkeypatch):
+    """The z-lab drafter `name` of world w: dspark's session (verify="full") and dflash_generate emit
+    the same tokens, verify the same block and accept as many drafts, round by round."""
     theirs, accepted, blocks, hidden = run_dflash_generate(w, name, N + BLOCK + 1, monkeypatch)
     s, rounds = run_session(w.trunk, oracle(w, name), w.prompt, "full", monkeypatch)
     assert s.emitted == theirs[:N] == w.want[:N]
