@@ -190,10 +190,13 @@ DSPARK_DEVICE void mma_tile_steps(float (&acc)[Cfg::MT][Cfg::NT][4], const T* sa
 
 // One tile of the product, its K chunks folded in registers (grid_splits 1) or chunk `split` alone
 // with its partial in part[split][row][n] (part_rows rows per chunk) and the fold by the last of the
-// tile's CTAs to arrive at `ticket`. The order of every output is the header's, whatever the tile.
+// tile's CTAs to arrive at tickets[row_tile * col_tiles + tile]. The order of every output is the
+// header's, whatever the tile. (The ticket's address is formed after the K loop: formed before it,
+// ptxas gives the 16-row shape 74 more registers.)
 template <typename T, typename Cfg, bool Gather>
 DSPARK_DEVICE void mma_tile(const MmaGemm<T, Cfg, Gather>& g, int kchunk, int grid_splits, int split,
-                            float* __restrict__ out, float* __restrict__ part, int part_rows, unsigned* ticket) {
+                            float* __restrict__ out, float* __restrict__ part, int part_rows,
+                            unsigned* __restrict__ tickets, int row_tile, int tile, int col_tiles) {
   using C = Cfg;
   const int K = g.K, N = g.N, rows = g.rows;
   const int splits = (K + kchunk - 1) / kchunk;
@@ -260,7 +263,7 @@ DSPARK_DEVICE void mma_tile(const MmaGemm<T, Cfg, Gather>& g, int kchunk, int gr
           dst[(int64_t)(g.row0 + r) * N + n] = partial ? total[mt][nt][c] : mma_epilogue(g.row0 + r, n, total[mt][nt][c]);
       }
   if (!partial) return;
-  if (!split_arrive(ticket, (unsigned)splits, /*all_wrote=*/true)) return;
+  if (!split_arrive(tickets + row_tile * col_tiles + tile, (unsigned)splits, /*all_wrote=*/true)) return;
   const int nr = min(C::BM, rows - g.r0), nc = min(C::BN, N - g.n0);
   for (int i = threadIdx.x; i < nr * nc; i += blockDim.x) {
     const int r = g.row0 + g.r0 + i / nc, n = g.n0 + i % nc;
@@ -301,7 +304,7 @@ DSPARK_DEVICE void linear_mma(const float* __restrict__ x, const T* __restrict__
                         K % 4 == 0 && !(reinterpret_cast<unsigned long long>(x) & 15ull),
                         N % 8 == 0 && !(reinterpret_cast<unsigned long long>(w) & 15ull), smem,
                         smem + C::STAGES * C::A_STAGE};
-  mma_tile<T, C, false>(g, kchunk, grid_splits, split, out, part, rows, tickets + row_tile * col_tiles + tile);
+  mma_tile<T, C, false>(g, kchunk, grid_splits, split, out, part, rows, tickets, row_tile, tile, col_tiles);
 }
 
 // The instantiated tile shapes: dspark/ops/linear.py (MMA_CONFIGS) holds the same table.

@@ -215,7 +215,9 @@ DSPARK_DEVICE void group_rows(int rows, int E, int k, int tile_rows, const int* 
   }
 }
 
-extern "C" __global__ void __launch_bounds__(kMoeThreads)
+// One CTA per SM is all the launch bounds promise (the router is a few CTAs at decode): without it,
+// nvcc's ptxas holds the router and the grouping to 64 registers and spills.
+extern "C" __global__ void __launch_bounds__(kMoeThreads, 1)
     moe_route_f32(const float* __restrict__ logits, long long ld, int rows, int E, int k, int renorm, int tile_rows,
                   int* __restrict__ ids, float* __restrict__ weights, int* __restrict__ pos, int* __restrict__ src,
                   int* __restrict__ counts, int* __restrict__ offsets, int* __restrict__ items,
@@ -265,8 +267,8 @@ DSPARK_DEVICE void moe_linear_mma(const float* __restrict__ x, const int* __rest
                               K % 4 == 0 && !(reinterpret_cast<unsigned long long>(x) & 15ull),
                               N % 8 == 0 && !(reinterpret_cast<unsigned long long>(we) & 15ull), smem,
                               smem + C::STAGES * C::A_STAGE};
-  mma_tile<T, C, true>(g, kchunk, grid_splits, blockIdx.x % grid_splits, out, part, part_rows,
-                       tickets + blockIdx.y * col_tiles + tile);
+  mma_tile<T, C, true>(g, kchunk, grid_splits, blockIdx.x % grid_splits, out, part, part_rows, tickets, blockIdx.y,
+                       tile, col_tiles);
 }
 
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 800

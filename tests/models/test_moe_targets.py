@@ -27,9 +27,8 @@ from dspark.errors import DTypeError
 from dspark.models import moe as moe_model
 from dspark.models.hf import CheckpointError, load_target
 from dspark.session import DsparkSpecSession, SpecParams, spec_burst
-from tests.models.hf_models import MOE_CASES, QWEN3_MOE, QWEN35_MOE, assert_logits_close, build, hf_greedy, hf_logits, \
-    reference
-from tests.models.test_hf_targets import live_prompts, oracle_for, prompt_of
+from tests.models.hf_models import MOE_CASES, QWEN3_MOE, QWEN35_MOE, assert_logits_close, hf_greedy, hf_logits
+from tests.models.test_hf_targets import live_prompts, oracle_for, prompt_of, saved  # noqa: F401 (a fixture)
 from tests.peers import peer
 
 torch = peer("torch")
@@ -39,27 +38,7 @@ GREEDY = 40
 BF16_CASES = [c for c in MOE_CASES if c.dtype == "bfloat16"]  # one of each model type
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    """Tiny torch forwards are many times faster on one thread on a shared CPU."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
-@pytest.fixture(scope="module")
-def saved(tmp_path_factory):
-    """case -> (directory, transformers' model read back from it), each built once."""
-    made = {}
-
-    def get(case):
-        if case.name not in made:
-            d = tmp_path_factory.mktemp(case.name)
-            build(case, d)
-            made[case.name] = (d, reference(case, d))
-        return made[case.name]
-    return get
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def steps_of(case):
