@@ -115,13 +115,18 @@ def block(be, h, router, w_gate_up, w_down, k, shared):
     return moe.combine(be, y, r, shared=shared, gate=(src, E))
 
 
-def batch_around(rng, row, n, same: bool):
-    """n rows with `row` at a random place; the others near `row` (routed to its experts) or
-    anywhere (mostly to others)."""
+def batch_around(rng, row, n, lead=None):
+    """n rows holding `row`: the others near it (routed to its experts) and `row` at a random place;
+    or, given `lead` (a row routed to the highest of row's experts), `lead` first, rows anywhere
+    (mostly routed to others) and `row` last: the batch reaches row's experts in another order than
+    row alone does (what a combine in arrival order would show)."""
     d = row.shape[0]
-    others = row + 0.01 * rng.standard_normal((n - 1, d)) if same else rng.standard_normal((n - 1, d))
-    at = int(rng.integers(0, n))
-    return np.insert(others.astype(np.float32), at, row, axis=0), at
+    if lead is None:
+        at = int(rng.integers(0, n))
+        return np.insert((row + 0.01 * rng.standard_normal((n - 1, d))).astype(np.float32), at, row, axis=0), at
+    others = rng.standard_normal((n - 1, d)).astype(np.float32)
+    others[0] = lead
+    return np.concatenate([others, row[None]]).astype(np.float32), n - 1
 
 
 @pytest.mark.parametrize("backend,dtype", [("numpy_backend", np.float32), ("simt", np.float32), ("simt", BF16)],
@@ -135,15 +140,18 @@ def test_a_rows_output_is_the_same_bits_alone_and_in_any_batch(request, rng, bac
     wgu, wd = experts(rng, E, d, 2 * I, dtype), experts(rng, E, I, d, dtype)
     row = rng.standard_normal((1, d)).astype(np.float32)
     alone = block(be, row, router, wgu, wd, k, np.tanh(row))  # tanh: any per-row shared output
-    mine = set(moe.route_ref(product_ref(row, router)[:, :E], k, True)[0][0])
+    mine = moe.route_ref(product_ref(row, router)[:, :E], k, True)[0][0]
+    lead = 3 * router[:, mine[-1]]  # its logits peak at row's highest expert
     for n in (2, 7, 16):
         for same in (True, False):
-            h, at = batch_around(rng, row[0], n, same)
+            h, at = batch_around(rng, row[0], n, None if same else lead)
             got = block(be, h, router, wgu, wd, k, np.tanh(h))
             assert np.array_equal(got[at], alone[0]), (n, same)
             routes = moe.route_ref(product_ref(h, router)[:, :E], k, True)[0]
-            shared_experts = [len(mine & set(r)) for i, r in enumerate(routes) if i != at]
+            shared_experts = [len(set(mine) & set(r)) for i, r in enumerate(routes) if i != at]
             assert (max(shared_experts) == k) if same else (min(shared_experts) < k), shared_experts
+            if not same:
+                assert mine[-1] in routes[0] and not set(mine[:-1]) <= set(routes[0]), (mine, routes[0])
 
 
 @pytest.mark.parametrize("backend", ["numpy_backend", "simt"], ids=["numpy", "simt"])
