@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -35,7 +36,10 @@ torch = peer("torch")
 
 STEPS = 6
 GREEDY = 40
-BF16_CASES = [c for c in MOE_CASES if c.dtype == "bfloat16"]  # one of each model type
+# The bf16 checkpoints, one of each model type (one layout each: the layouts load to the same weights,
+# checked against transformers in f32). The f32 ones are left out: on these tiny unit-scale hybrids,
+# bf16 activations drift 10-20 % from f32 ones whatever the FFN (the dense qwen3_5-v2k-untied: 21 %).
+BF16_CASES = [c for c in MOE_CASES if c.dtype == "bfloat16"]
 
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -146,6 +150,17 @@ def test_checkpoints_are_what_the_cases_claim(saved, numpy_backend):
         assert np.shares_memory(trunk.w[f"layers.{i}.moe.experts.3.w_up"], trunk.w[f"layers.{i}.moe.w_gate_up"])
     assert {(c.family, c.fused) for c in MOE_CASES} >= {("qwen3_moe", False), ("qwen3_moe", True)}
     assert {c.fused for c in QWEN35_MOE} == {True, False}
+
+
+@pytest.mark.parametrize("case", [QWEN3_MOE[0], QWEN35_MOE[1]], ids=repr)
+def test_both_expert_layouts_load_the_same_weights(saved, numpy_backend, case):
+    """The same model saved per expert and fused loads to the same trunk, bit for bit."""
+    other = replace(case, name=f"{case.name}-other-layout", fused=not case.fused)
+    (a, _), (b, _) = saved(case), saved(other)
+    ta, tb = load_target(a, numpy_backend), load_target(b, numpy_backend)
+    assert ta.config == tb.config and set(ta.host_weights) == set(tb.host_weights)
+    for name in ta.host_weights:
+        assert np.array_equal(ta.host_weights[name], tb.host_weights[name]), name
 
 
 def edited(saved, case, tmp_path, **config):

@@ -225,8 +225,9 @@ def config_of(config: dict, max_ctx: int | None = None, tap_layers=None, generat
             extra_eos_ids=eos[1:],
             mask_id=int(t["vocab_size"]) - 1,  # a placeholder id: a drafter format brings its own
             d_model=int(t["hidden_size"]),
-            # the dense MLP's width; a model with no dense layer (Qwen3.5-MoE) has none
-            mlp_hidden=int(t["intermediate_size"] if "mlp" in moe.get("ffn", ("mlp",)) else t.get("intermediate_size", 0)),
+            # the dense MLP's width; a model with no dense layer (Qwen3.5-MoE) need not have one
+            mlp_hidden=int(t["intermediate_size"] if "mlp" in moe.get("ffn", ("mlp",)) else
+                           t.get("intermediate_size", 0)),
             layers=layers,
             attn_heads=heads,
             attn_kv_heads=int(t.get("num_key_value_heads") or heads),
