@@ -52,7 +52,7 @@ setup(
         # needed). torch, transformers, dflash and speculators are the oracles of the real-model paths. speculators is installed apart with --no-deps (see .ci/run): its
         # own requirements pull a torchvision that breaks the import of transformers beside a CPU torch, so its
         # import-time needs are listed here instead.
-        "test": ["pytest>=7.4", "hypothesis>=6.90", "nvidia-cuda-nvrtc-cu12>=12.0", "nvidia-cuda-nvrtc>=13.0", "scipy>=1.10",
+        "test": ["pytest>=7.4", "pytest-xdist>=3.5", "hypothesis>=6.90", "nvidia-cuda-nvrtc-cu12>=12.0", "nvidia-cuda-nvrtc>=13.0", "scipy>=1.10",
                  "pybind11>=2.12", "cupy-cuda12x>=13.6", "torch>=2.9", "transformers>=5.15,<=5.19",
                  "tokenizers>=0.21", "dflash>=0.1.0", "pydantic>=2.0", "pydantic-settings>=2.0",
                  "loguru>=0.7.2", "openai>=2.0", "hs-connectors>=0.9.0"],

@@ -225,7 +225,7 @@ def run_request(trunk, drafter, prompt, params, trace=None):
             demoted = f"; demoted to plain after {s.rounds} rounds and {len(s.emitted)} tokens: {reason}"
             cache, last = s.into_demoted()
             batch = PlainBatch(trunk)
-            sid = batch.join(cache, last, params.max_new_tokens, list(s.emitted), params.sampling)
+            sid = batch.join(cache, last, params.max_new_tokens, list(s.emitted), s.params.sampling)
             batch.run()
             out = batch.leave(sid).emitted
             cache.free()
@@ -395,14 +395,14 @@ def print_acceptance(stats, file, split=None) -> None:
 
 
 def cmd_generate(args) -> int:
-    from .params import SamplingParams
+    from .params import SamplingParams, seeded
     from .session import SpecParams
     check_drafter_option(args)
     plot_check(args)
     be = backend_of(args.backend)
-    try:
-        sampling = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                                  min_p=args.min_p, seed=args.seed)
+    try:  # sampled without --seed: a fresh seed from the OS, drawn once here for every run below, and printed
+        sampling = seeded(SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                                         min_p=args.min_p, seed=args.seed))
     except ValueError as e:
         raise CliError(str(e).replace("SamplingParams.", "--").replace("_", "-")) from None
     if args.model:  # speculative with --drafter, else plain decode
@@ -422,7 +422,8 @@ def cmd_generate(args) -> int:
     else:
         out, dt, stats, note = generate(trunk, drafter, prompt, params, no_spec=args.no_spec, trace=trace)
     print(args.prompt + text(body(trunk, out)))
-    print(f"[{len(out)} tokens in {dt:.2f}s, {len(out) / dt:.1f} tokens/s, {note}; stopped: "
+    seed = "" if sampling.greedy else f"seed {sampling.seed}, "
+    print(f"[{len(out)} tokens in {dt:.2f}s, {len(out) / dt:.1f} tokens/s, {seed}{note}; stopped: "
           f"{ending(trunk, out, args.max_new_tokens)}]", file=sys.stderr)
     if stats is not None:
         print_acceptance(stats, sys.stderr)
@@ -492,7 +493,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-k", type=int, default=0)
     gen.add_argument("--top-p", type=float, default=1.0)
     gen.add_argument("--min-p", type=float, default=0.0)
-    gen.add_argument("--seed", type=int, default=0)
+    gen.add_argument("--seed", type=int, default=None,
+                     help="the seed of a sampled request's noise: the same seed, the same text (default: a fresh "
+                          "64-bit seed from the OS, printed in the summary line; greedy ignores it)")
     gen.add_argument("--sampler", choices=SAMPLERS, default="coupled",
                      help="sampled speculation: coupled (the text of plain sampled decode with the seed, token for "
                           "token) or rejection (lossless rejection sampling)")

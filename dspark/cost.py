@@ -25,11 +25,17 @@ Rounds replayed from CUDA graphs do not time the verify apart: with no verify ti
 the level is 1 and measurements are kept in seconds; the first verify timed divides what was kept
 in seconds by its level.
 
-A plain step's measurements update an exponential average per (greedy or sampled, batch, context
-bucket). A round's update the scale of the prior per (accept rule, batch, context bucket), pooled
-over widths because a round's width varies from round to round and a per-width average would
-rest on a few noisy samples; the prior's shape prices the width. A key never measured is priced
-by the prior at the scale of all measurements of its kind.
+A plain step's measurements set a price per (greedy or sampled, batch, context bucket). A round's
+set the scale of the prior per (accept rule, batch, context bucket), pooled over widths because a
+round's width varies from round to round and a per-width price would rest on a few noisy samples;
+the prior's shape prices the width. A key never measured is priced by the prior at the scale of
+all measurements of its kind. Every price is a Window: the trimmed mean of its last samples, so
+one slow round (the machine's speed moves 1.5-2x within a second, and a round whose verify was
+not slowed with it is not cancelled by the level) moves a price by at most 1/PRICE_WINDOW of its
+excess, and far out it is dropped. An exponential average (weight 0.25, before) carried a round
+priced 3x into the next checks: in its own arithmetic it demoted a session whose true gain was
+1.25. A sustained change still moves the price within the window: past PRICE_TRIM samples, each
+sample at the new price moves it by 1/PRICE_WINDOW of the change.
 
 The prior is the shape of the cost before anything is measured: a round is a drafter pass and
 fixed host work (ROUND_FIXED plain steps) plus ROUND_PER_COLUMN per verified column, measured on
@@ -74,7 +80,8 @@ ROUND_FIXED = 1.0        # plain steps: the drafter pass, proposal and host work
 ROUND_PER_COLUMN = 0.16  # plain steps per verified column (the trunk's verify is one pass over w rows)
 VERIFY_PER_COLUMN = 0.025  # the trunk's verify pass alone, per column beyond the first (module doc)
 PLAIN_PER_ROW = 0.25     # a plain step's extra cost per row beyond the first
-SMOOTHING = 0.25         # weight of a new measurement in the exponential averages
+PRICE_WINDOW = 16        # samples a price averages (Window): one outlier moves it by at most 1/16 of its size
+PRICE_TRIM = 2           # and the ones dropped at each end beyond them
 LEVEL_WINDOW = 16        # verify passes whose median is the verify level
 MIN_ROW_SHARE = 0.02     # a plain row never costs less than this share of a one-row step
 CONTEXT_BUCKET = 1024    # contexts below this share bucket 0; each doubling above it is a bucket
@@ -141,16 +148,40 @@ class CudaEventClock:
         return self.cupy.cuda.get_elapsed_time(a, b) / 1e3
 
 
-class Average:
-    """An exponential average; the first sample sets it."""
-    __slots__ = ("value", "n")
+class Window:
+    """A robust price: the trimmed mean of the last PRICE_WINDOW + 2 PRICE_TRIM samples, the
+    PRICE_TRIM highest and the PRICE_TRIM lowest dropped (fewer while the window fills: at most
+    (n - 1) // 2 at each end, so 3 samples give their median). One sample raised by e moves it by
+    at most e / PRICE_WINDOW once the window is full: every order statistic is monotone in every
+    sample and they move by e in all, so the kept ones move by e at most, shared by PRICE_WINDOW.
+    A sample far out is dropped outright, and an EMA's carry of one slow round into the next
+    checks is gone: it is in the window, trimmed, until PRICE_WINDOW + 2 PRICE_TRIM later ones
+    push it out."""
+    __slots__ = ("samples", "n", "_value")
 
     def __init__(self):
-        self.value, self.n = 0.0, 0
+        self.samples: deque = deque(maxlen=PRICE_WINDOW + 2 * PRICE_TRIM)
+        self.n = 0          # samples ever added (stats)
+        self._value = None  # the estimate, until the next sample
 
     def add(self, x: float) -> None:
-        self.value = x if self.n == 0 else self.value + SMOOTHING * (x - self.value)
+        self.samples.append(float(x))
         self.n += 1
+        self._value = None
+
+    def scale(self, f: float) -> None:
+        """Every sample divided by `f` (the first verify level: dspark.cost.CostModel.record)."""
+        self.samples = deque((x / f for x in self.samples), maxlen=self.samples.maxlen)
+        self._value = None
+
+    @property
+    def value(self) -> float:
+        if self._value is None:
+            s = sorted(self.samples)
+            trim = min(PRICE_TRIM, (len(s) - 1) // 2)
+            kept = s[trim: len(s) - trim]
+            self._value = sum(kept) / len(kept)
+        return self._value
 
 
 @dataclass
@@ -161,8 +192,8 @@ class CostModel:
 
     def __post_init__(self):
         # Kept over the level (module doc). (rule, batch, context bucket): seconds over the prior's steps.
-        self._rounds: dict[tuple, Average] = {}
-        self._plain: dict[tuple, Average] = {}  # (rule, batch, context bucket): seconds
+        self._rounds: dict[tuple, Window] = {}
+        self._plain: dict[tuple, Window] = {}  # (rule, batch, context bucket): seconds
         self._scale: dict = {}  # (kind, rule) and kind: seconds over the prior's steps
         self._pending: list[tuple] = []
         self._warm: set = set()  # (kind, rule) timed at least once
@@ -222,8 +253,8 @@ class CostModel:
         if kind == "verify":
             level = seconds / self.prior.verify(batch, width, context)
             if not self._levels:  # the first level: what was kept in seconds is kept over it from now on
-                for avg in (*self._rounds.values(), *self._plain.values(), *self._scale.values()):
-                    avg.value /= level
+                for price in (*self._rounds.values(), *self._plain.values(), *self._scale.values()):
+                    price.scale(level)
             self._levels.append(level)
             self._median = None
             self._paired = level
@@ -231,13 +262,13 @@ class CostModel:
         if kind == "round":  # over its own verify's level where it timed one, else the level now
             level, self._paired = self._paired or self._level_now, None
             ratio = seconds / (self.prior.round(batch, width, context) * level)
-            self._rounds.setdefault(key, Average()).add(ratio)
+            self._rounds.setdefault(key, Window()).add(ratio)
         else:  # over the level of the last verify: a round's, just before (module doc)
             level = self._levels[-1] if self._levels else 1.0
             ratio = seconds / (self.prior.plain(batch, context) * level)
-            self._plain.setdefault(key, Average()).add(seconds / level)
-        self._scale.setdefault((kind, rule), Average()).add(ratio)
-        self._scale.setdefault(kind, Average()).add(ratio)
+            self._plain.setdefault(key, Window()).add(seconds / level)
+        self._scale.setdefault((kind, rule), Window()).add(ratio)
+        self._scale.setdefault(kind, Window()).add(ratio)
 
     # ---- pricing ---------------------------------------------------------------------------------
     def _scale_of(self, kind: str, rule: str) -> float:

@@ -28,9 +28,18 @@ from .errors import CapacityError, NonFiniteError, NonFiniteRowsError, ShapeErro
 from .models.cache import Cache
 from .models.trunk import HybridTrunk
 from .ops.argmax import argmax_rows
-from .params import SamplingParams
+from .params import SamplingParams, seeded
 
 _ids = itertools.count()
+
+
+class Tokens(list):
+    """A request's tokens, and `seed`: the seed its sampled text was drawn with (given, or drawn
+    when it was admitted; None when greedy). Given back in SamplingParams, it reproduces the text."""
+
+    def __init__(self, tokens=(), seed: int | None = None):
+        super().__init__(tokens)
+        self.seed = seed
 
 
 @dataclass
@@ -67,6 +76,9 @@ class PlainBatch:
         boundary (dspark.spec_sampling)."""
         if cache.config is not self.trunk.config:
             raise ShapeError("cache was made for another trunk config")
+        if sampling is not None and not sampling.greedy and sampling.seed is None:
+            raise ValueError("sampling.seed is None: a sampled sequence joins with the seed its first token was picked "
+                             "with (dspark.params.seeded draws one when the request is admitted)")
         self.trunk.check_tokens(np.array([last]), "last")
         if cache.pos >= cache.capacity:
             raise CapacityError(f"cache is full (pos {cache.pos} of {cache.capacity})")
@@ -217,21 +229,24 @@ def check_prompt(trunk: HybridTrunk, prompt_ids, capacity: int) -> np.ndarray:
 
 
 def plain_generate(trunk: HybridTrunk, prompt_ids, max_new_tokens: int, backend=None,
-                   sampling: SamplingParams | None = None, launches: str = "graph") -> list[int]:
+                   sampling: SamplingParams | None = None, launches: str = "graph") -> Tokens:
     """Plain decode of one request, greedy (the oracle the speculative path must match byte for
-    byte) or with `sampling` (the stream a coupled speculative session must match). `launches`:
-    PlainBatch's (how each step reaches the device on cuda)."""
+    byte) or with `sampling` (the stream a coupled speculative session must match; without a seed,
+    a fresh one is drawn: the result's `seed`). `launches`: PlainBatch's (how each step reaches
+    the device on cuda)."""
     if backend is not None and backend is not trunk.be:
         raise ValueError("backend must be the trunk's backend (load the trunk on it)")
+    sampling = seeded(sampling)
+    seed = None if sampling is None or sampling.greedy else sampling.seed
     cache = trunk.new_cache()
     try:
         p = check_prompt(trunk, prompt_ids, cache.capacity)
         if max_new_tokens <= 0:
-            return []
+            return Tokens(seed=seed)
         last, _ = prefill_anchor(trunk, cache, p, sampling)
         batch = PlainBatch(trunk, launches)
         sid = batch.join(cache, last, max_new_tokens, sampling=sampling)
         batch.run()
-        return batch.leave(sid).emitted
+        return Tokens(batch.leave(sid).emitted, seed)
     finally:
         cache.free()

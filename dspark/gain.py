@@ -2,12 +2,14 @@
 steps (DESIGN section 10), and the decisions taken from it under SpecParams(policy="gain").
 
 Expected tokens per round: the session's last HISTORY rounds (tokens emitted, the anchor
-included) and the prior at the weight of PRIOR_ROUNDS rounds, pooled; a session's prior is fixed
-when first read, so its own remembered rounds never replace it. The prior: what the
-process's earlier sessions of the same accept rule and temperature measured with this drafter
-(`DsparkDrafter.acceptance`), else the drafter's record: its greedy floor
-(`DsparkDrafter.accept_floor`) for a greedy session, its coupled sampler's acceptance at the
-session's temperature (`DsparkDrafter.sampled_accept`) for a coupled one; else NEUTRAL_TOKENS.
+included) and the prior at the weight of PRIOR_ROUNDS rounds, pooled; a session's prior is what
+its admission predicted (fixed: later sessions remembered never replace it). The prediction: the
+drafter's record (its greedy floor, `DsparkDrafter.accept_floor`, for a greedy session; its
+coupled sampler's acceptance at the session's temperature, `DsparkDrafter.sampled_accept`, for a
+coupled one; else NEUTRAL_TOKENS), pooled with what the process's earlier sessions of the same
+namespace, accept rule and temperature measured (`DsparkDrafter.acceptance`, a dspark.memory.
+Memory: each session counted once when it ends, at a bounded weight beside the record, with a
+bounded exploration where it says less than the record).
 The prior keeps its weight because demotion is one-way and a text's first rounds are often its
 least predictable (on the embedded pair, code at temperature 0.3 accepts 1.9 a round over its
 first 16 rounds and 3.5 over its whole 256 tokens): a session is demoted on the evidence of many
@@ -52,7 +54,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .cost import Average, CostModel, cost_model, plain_rule
+from .cost import CostModel, cost_model, plain_rule
 from .params import SpecParams
 
 WINDOW = 24           # rounds a session runs before its first demotion check (module doc)
@@ -96,20 +98,44 @@ def _kind(params: SpecParams) -> tuple:
     return params.accept, round(params.sampling.temperature, 1)
 
 
-def predicted_tokens(params: SpecParams, drafter) -> float:
-    """Tokens per round expected of a new demotable session: what this process's sessions of the
-    same accept rule and temperature measured with this drafter (`remember`), else the static
-    prior. Never used for a rejection-sampled request's mode (that would make its text depend on
-    other requests)."""
-    seen = getattr(drafter, "acceptance", {}).get(_kind(params))
-    return seen.value if seen is not None else prior_tokens(params, drafter)
+def predicted_tokens(params: SpecParams, drafter, namespace: str | None = None) -> float:
+    """Tokens per round expected of a new demotable session of `namespace` (None: requests
+    without one): the static prior pooled with what this process's sessions of the same
+    namespace, accept rule and temperature measured with this drafter (`remember`;
+    dspark.memory). Never used for a rejection-sampled request's mode (that would make its text
+    depend on other requests)."""
+    memory = getattr(drafter, "acceptance", None)
+    record = prior_tokens(params, drafter)
+    return memory.predict(memory_key(params, namespace), record) if memory is not None else record
 
 
-def remember(s) -> None:
-    """Fold session `s`'s measured tokens per round (a full window of them) into its drafter's
-    memory of sessions like it."""
-    if len(s.recent) >= WINDOW:
-        s.drafter.acceptance.setdefault(_kind(s.params), Average()).add(float(np.mean([t for t, _ in s.recent])))
+def arrival_tokens(params: SpecParams, drafter, namespace: str | None = None) -> tuple[float, str]:
+    """predicted_tokens for a request arriving now, counted as an arrival of its bucket: every
+    dspark.memory.EXPLORE_EVERY-th one the memory predicts under the record is predicted by the
+    record alone. Returns (tokens, "" or the note of an exploration)."""
+    memory = getattr(drafter, "acceptance", None)
+    record = prior_tokens(params, drafter)
+    if memory is None:
+        return record, ""
+    got, exploring = memory.arrival(memory_key(params, namespace), record)
+    return got, (f"exploring: predicted by the record ({record:.2f}) where the memory says "
+                 f"{memory.predict(memory_key(params, namespace), record):.2f}" if exploring else "")
+
+
+def memory_key(params: SpecParams, namespace: str | None) -> tuple:
+    return (namespace, *_kind(params))
+
+
+def remember(s, namespace: str | None = None) -> None:
+    """Fold session `s` (ended: finished or demoted) into its drafter's memory of sessions of its
+    namespace and kind, once: its tokens per round over all its rounds, at the weight of the
+    tokens it emitted speculatively (dspark.memory)."""
+    if getattr(s, "remembered", False) or not s.params.demotable or not s.stats.rounds:
+        return
+    s.remembered = True
+    memory = getattr(s.drafter, "acceptance", None)
+    if memory is not None:
+        memory.remember(memory_key(s.params, namespace), s.stats.mean_accepted_length, len(s.emitted))
 
 
 def prior_width(params: SpecParams, drafter) -> int:
@@ -119,9 +145,10 @@ def prior_width(params: SpecParams, drafter) -> int:
 
 
 def session_prior(s) -> float:
-    """Session `s`'s prior: predicted_tokens when it is first read, then fixed. Its own rounds,
-    once `remember`ed for later sessions, never become its prior (they would replace the prior's
-    weight by a second count of its first, least predictable rounds)."""
+    """Session `s`'s prior: what its admission predicted (the worker sets `s.prior`: the record
+    alone for an exploring arrival), else predicted_tokens of requests without a namespace when
+    first read; then fixed. Sessions remembered later never change it (a prior read live would
+    let an exploring session be judged by the memory it was admitted to test)."""
     if getattr(s, "prior", None) is None:
         s.prior = predicted_tokens(s.params, s.drafter)
     return s.prior
@@ -172,13 +199,16 @@ def session_gain(s, group, plain_rows: int = 0, plain_kind: str | None = None) -
                       plain_rows)
 
 
-def admit(params: SpecParams, drafter, context: int, group=(), plain_rows: int = 0) -> tuple[bool, str]:
+def admit(params: SpecParams, drafter, context: int, group=(), plain_rows: int = 0,
+          tokens: float | None = None) -> tuple[bool, str]:
     """Whether a new demotable request starts speculative beside the live sessions `group` of its
-    accept rule and a plain batch of `plain_rows` rows; with the reason."""
+    accept rule and a plain batch of `plain_rows` rows; with the reason. `tokens`: its predicted
+    tokens per round (default: predicted_tokens of requests without a namespace)."""
     if params.policy == "always":
         return True, "policy always"
     others = [(expected_width(o), o.cache.pos) for o in group]
-    g = batch_gain(cost_model(drafter.be), predicted_tokens(params, drafter), prior_width(params, drafter), context, others,
+    tokens = predicted_tokens(params, drafter) if tokens is None else tokens
+    g = batch_gain(cost_model(drafter.be), tokens, prior_width(params, drafter), context, others,
                    params.accept, plain_rows)
     return verdict(g, params, "predicted gain")
 
@@ -208,7 +238,6 @@ def demote_check(s, group, plain_rows: int = 0, plain_kind: str | None = None) -
     s.gain = session_gain(s, group, plain_rows, plain_kind)
     if s.params.policy == "always" or not s.params.demotable or len(s.recent) < WINDOW:
         return False, ""
-    remember(s)
     s.below = s.below + 1 if s.gain < 1.0 else 0
     if s.below >= s.params.patience:
         return True, f"measured gain {s.gain:.2f} < 1 at {s.below} burst boundaries in a row"

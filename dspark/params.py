@@ -1,8 +1,9 @@
-"""Request parameters: sampling filters and speculation settings."""
+"""Request parameters: sampling filters and speculation settings; a sampled request's seed."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import os
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -12,12 +13,15 @@ class SamplingParams:
     """How a request samples: temperature, then the top-k, top-p and min-p filters, and the seed.
 
     temperature 0 is greedy. top_k 0, top_p 1 and min_p 0 switch those filters off. The seed keys
-    every draw of the request's Philox streams (dspark.spec_sampling)."""
+    every draw of the request's Philox streams (dspark.spec_sampling). `seed` None (the default):
+    a sampled request draws a fresh one from the OS when it is admitted (`seeded`: Worker.submit,
+    DsparkSpecSession.prime and restore, plain_generate), never here: a params object reused for
+    many requests, or SpecParams' default, would give them all one seed. Greedy ignores it."""
     temperature: float = 0.0
     top_k: int = 0
     top_p: float = 1.0
     min_p: float = 0.0
-    seed: int = 0
+    seed: int | None = None
 
     def __post_init__(self):
         checks = [
@@ -25,7 +29,8 @@ class SamplingParams:
             ("top_k", self.top_k, isinstance(self.top_k, (int, np.integer)) and self.top_k >= 0, "an int >= 0"),
             ("top_p", self.top_p, 0 < self.top_p <= 1, "in (0, 1]"),
             ("min_p", self.min_p, 0 <= self.min_p < 1, "in [0, 1)"),
-            ("seed", self.seed, isinstance(self.seed, (int, np.integer)) and 0 <= self.seed < 2**64, "in [0, 2^64)"),
+            ("seed", self.seed, self.seed is None or (isinstance(self.seed, (int, np.integer)) and not isinstance(
+                self.seed, bool) and 0 <= self.seed < 2**64), "None or an int in [0, 2^64)"),
         ]
         for name, value, ok, want in checks:
             if not ok:
@@ -34,6 +39,19 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+
+def draw_seed() -> int:
+    """A fresh 64-bit seed from the OS (as HF generate, vLLM and llama.cpp draw one when none is given)."""
+    return int.from_bytes(os.urandom(8), "little")
+
+
+def seeded(sampling: SamplingParams | None) -> SamplingParams | None:
+    """`sampling` with a seed: a sampled one without a seed gets a fresh one (draw_seed); greedy
+    ones and seeded ones are returned as they are. Called once per request, when it is admitted."""
+    if sampling is None or sampling.greedy or sampling.seed is not None:
+        return sampling
+    return replace(sampling, seed=draw_seed())
 
 
 VERIFY_POLICIES = ("auto", "confidence", "ladder", "full", "gain")

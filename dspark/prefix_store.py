@@ -1,6 +1,7 @@
 """PrefixStore: prompt-end captures published by the worker, for restore instead of prime.
 
-Entries are keyed by (namespace, exact prompt tokens). A lookup never crosses namespaces.
+Entries are keyed by (namespace, exact prompt tokens). A lookup never crosses namespaces; None (the
+worker's requests without a namespace) is one of its own.
 Publishing an equal key again keeps the existing entry (dedupe) and frees the new one. All
 entries share one byte budget; the least recently used are evicted to make room.
 """
@@ -37,9 +38,9 @@ class PrefixStore:
         self.stats = StoreStats()
 
     @staticmethod
-    def _key(namespace, prompt) -> tuple[str, tuple[int, ...]]:
-        if not isinstance(namespace, str):
-            raise TypeError(f"namespace={namespace!r}: expected a str, got {type(namespace).__name__}")
+    def _key(namespace, prompt) -> tuple[str | None, tuple[int, ...]]:
+        if namespace is not None and not isinstance(namespace, str):  # None: requests without a namespace
+            raise TypeError(f"namespace={namespace!r}: expected a str or None, got {type(namespace).__name__}")
         return namespace, tuple(int(t) for t in prompt)
 
     def publish(self, namespace: str, capture: SpecBoundaryCapture) -> bool:

@@ -37,7 +37,7 @@ import numpy as np
 from . import graphs
 from .cost import cost_model
 from .decode import check_prompt, first_token, pick_tokens, plain_step_rule
-from .params import SamplingParams, SpecParams
+from .params import SamplingParams, SpecParams, seeded
 from .errors import StateError
 from .gain import HISTORY, width_by_gain
 from .models.cache import Cache
@@ -95,6 +95,9 @@ class DsparkSpecSession:
             raise ValueError("drafter was built for another trunk")
         if not isinstance(params, SpecParams):
             raise TypeError(f"params: expected SpecParams, got {type(params).__name__}")
+        sampling = seeded(params.sampling)  # sampled without a seed: its own, drawn now
+        if sampling is not params.sampling:
+            params = replace(params, sampling=sampling)
         s = object.__new__(cls)
         s.id = next(_ids)
         s.trunk, s.drafter, s.be, s.params = trunk, drafter, trunk.be, params
@@ -107,6 +110,7 @@ class DsparkSpecSession:
         s.gain = None            # the gain at the last check (dspark.gain.demote_check)
         s.prior = None           # its prior tokens per round, fixed when first read (dspark.gain.session_prior)
         s.below = 0              # consecutive checks with the gain below 1
+        s.remembered = False     # folded into the drafter's memory once it ended (dspark.gain.remember)
         s.last = -1
         s.prompt_len = 0
         s.m_prev = 1
@@ -137,7 +141,7 @@ class DsparkSpecSession:
                 for tp in trunk.prompt_passes(s.cache, p, taps=drafter.taps):
                     drafter.ingest([s.kv], tp.taps, tp.row_indptr)
             boundary = tp.logits[-1:]
-            s.last = first_token(s.be, boundary, s.cache.pos, params.sampling)
+            s.last = first_token(s.be, boundary, s.cache.pos, s.params.sampling)
             s.prompt_len = int(p.size)
             if params.capture:
                 s._capture = SpecBoundaryCapture(tuple(int(t) for t in p), s.cache.pos,
@@ -166,7 +170,7 @@ class DsparkSpecSession:
         try:
             s.cache = capture.cache.copy(f"cache/{s.id}")
             s.kv = capture.draft_kv.copy(f"{s.owner}/draft_kv")
-            s.last = first_token(s.be, s.be.asarray(capture.boundary_logits[None, :]), capture.pos, params.sampling)
+            s.last = first_token(s.be, s.be.asarray(capture.boundary_logits[None, :]), capture.pos, s.params.sampling)
             s.prompt_len = len(capture.prompt)
         except BaseException:
             s._release_all()
@@ -189,6 +193,11 @@ class DsparkSpecSession:
     def pos(self) -> int:
         """Committed rows in the trunk cache: prompt rows + emitted tokens at a burst boundary."""
         return self.cache.pos
+
+    @property
+    def seed(self) -> int | None:
+        """The seed of its sampled stream (given, or drawn at prime or restore); None when greedy."""
+        return None if self.params.sampling.greedy else self.params.sampling.seed
 
     def take_prefix_capture(self) -> SpecBoundaryCapture | None:
         """The prompt-end capture, exactly once; then None. The caller owns (and frees) it."""

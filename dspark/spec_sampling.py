@@ -49,6 +49,16 @@ from .ops.workspace import Inputs, Outputs, buffer, fixed
 from .philox import Tag
 
 
+def seeds_of(samplings) -> np.ndarray:
+    """The seeds of `samplings` (uint64), or ValueError where one has none: a sampled request
+    draws its seed when it is admitted (dspark.params.seeded), never at a pick."""
+    for i, sp in enumerate(samplings):
+        if sp.seed is None:
+            raise ValueError(f"samplings[{i}].seed is None: a sampled request draws its seed when it is admitted "
+                             "(dspark.params.seeded: Worker.submit, DsparkSpecSession.prime, plain_generate)")
+    return np.array([sp.seed for sp in samplings], np.uint64)
+
+
 def filters_for(samplings, rows_each=1) -> Filters:
     """Per-row filters: SamplingParams i repeated for rows_each (or rows_each[i]) rows."""
     cols = [np.repeat(np.asarray([getattr(s, f) for s in samplings]), rows_each)
@@ -59,7 +69,7 @@ def filters_for(samplings, rows_each=1) -> Filters:
 def pick_streams(samplings, positions, rows_each=1) -> Streams:
     """Per-row PICK streams: SamplingParams i's seed for rows_each (or rows_each[i]) rows, row r
     drawing the token at absolute position positions[r]."""
-    return Streams.full(len(positions), np.repeat([sp.seed for sp in samplings], rows_each), positions, Tag.PICK)
+    return Streams.full(len(positions), np.repeat(seeds_of(samplings), rows_each), positions, Tag.PICK)
 
 
 def pick_at(be, logits, samplings, positions) -> np.ndarray:
@@ -94,7 +104,7 @@ def _pick_settings(samplings: tuple, rows_each) -> dict:
     """The per-row settings of pick_fields, which a batch keeps round after round (made once)."""
     f = filters_for(samplings, rows_each)
     return {"temperature": f.temperature, "top_k": f.top_k, "top_p": f.top_p, "min_p": f.min_p,
-            "seed": np.repeat(np.array([sp.seed for sp in samplings], np.uint64), rows_each),
+            "seed": np.repeat(seeds_of(samplings), rows_each),
             "stream": philox.stream_word(int(Tag.PICK), 0)}
 
 
@@ -238,13 +248,13 @@ def propose_sampled(live, drafter, dl, dh, nd: int, kernels: bool = False):
     filters = staged(be, filters_for(samplings))
     if coupled:
         pos = np.array([s.cache.pos for s in live], np.int64)
-        seeds, q = Staged(be, np.array([sp.seed for sp in samplings], np.uint64)), None
+        seeds, q = Staged(be, seeds_of(samplings)), None
         pick = Staged(be, pick_streams(samplings, pos).stream)
         ahead = np.arange(1, nd + 1)  # the round's positions: its proposals and its verify's picks
         draw_ahead(be, np.repeat(seeds.host, nd), (pos[:, None] + ahead).reshape(-1).astype(np.uint64),
                    np.repeat(pick.host, nd), V)
     else:
-        base = Streams.full(B, [sp.seed for sp in samplings], [s.counter for s in live], Tag.DRAFT)
+        base = Streams.full(B, seeds_of(samplings), [s.counter for s in live], Tag.DRAFT)
         seeds, counters = Staged(be, base.seed), Staged(be, base.counter)
         q = xp.empty((B, nd, V), np.float32)
     status = xp.empty((nd, B), np.int32)
@@ -295,7 +305,7 @@ def accept_rejection(live, tp, cands, q, vts):
     q_rows = xp.concatenate([q[i, : nds[i]] for i in range(B)]) if drafts.size else \
         xp.zeros((0, p.shape[1]), np.float32)
     indptr = np.concatenate([[0], np.cumsum(nds)]).astype(np.int32)
-    seeds = np.array([sp.seed for sp in samplings], np.uint64)
+    seeds = seeds_of(samplings)
     counters = np.array([s.counter for s in live], np.uint64)
     m, nxt, _ = speculative_accept(be, drafts, indptr, q_rows, p, seeds, counters, status_out=a_status)
     m, nxt, p_status, a_status = be.fetch(m, nxt, p_status, a_status)

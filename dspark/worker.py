@@ -14,7 +14,10 @@ load or timing it met: that of plain decode with its seed. A request sampled by 
 one mode for its whole life, chosen from the request and the prior alone
 (dspark.gain.rejection_mode), never from the gate, the load or a timing, and is never demoted;
 finished ones simply finish. Every admission and demotion is logged with its reason
-(GateEvent.why) and counted in `metrics()`. The worker also owns prefix
+(GateEvent.why) and counted in `metrics()`. Every speculative session that ends (finished or
+demoted) is remembered once in the drafter's memory under its request's namespace, the prior of
+later arrivals there (dspark.memory: pooled with the drafter's record, with a bounded
+exploration). A sampled request without a seed gets a fresh one at submit (`Request.seed`). The worker also owns prefix
 publication: after each burst it drains every session's prompt-end capture into the
 `PrefixStore`, and a new request whose prompt equals a published entry in its namespace restores
 from it instead of priming.
@@ -39,14 +42,15 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .decode import PlainBatch, check_prompt, first_token, plain_step_rule, prefill_anchor
+from .decode import PlainBatch, Tokens, check_prompt, first_token, plain_step_rule, prefill_anchor
 from .cost import cost_model
-from .gain import (WINDOW, admit, demote_check, expected_tokens, expected_width, joint_split, predicted_tokens, prior_width,
-                   rejection_mode)
+from .gain import (WINDOW, admit, arrival_tokens, demote_check, expected_tokens, expected_width, joint_split, prior_width,
+                   rejection_mode, remember)
 from .errors import CapacityError, DsparkError, NonFiniteError, NonFiniteRowsError, StateError
 from .models.drafter import DsparkDrafter
 from .models.trunk import HybridTrunk
 from .prefix_store import PrefixStore
+from .params import seeded
 from .session import DsparkSpecSession, Riders, SamplingParams, SpecParams, recorded, spec_burst
 from .stats import SpecStats
 
@@ -77,8 +81,8 @@ class Request:
     id: int
     prompt: np.ndarray
     max_new_tokens: int
-    sampling: SamplingParams
-    namespace: str
+    sampling: SamplingParams         # with its seed: the request's own, or the one drawn at submit
+    namespace: str | None            # None: requests without one (their own prefix store and memory buckets)
     mode: str = "pending"            # pending -> spec | plain -> done | failed
     tokens: list[int] = field(default_factory=list)
     restored: bool = False
@@ -92,6 +96,11 @@ class Request:
     why: str = ""                    # why it runs plain, speculative, or was demoted
     outside: int = 0                 # consecutive steps the joint decision left it out of speculation
     gain: float | None = None        # its last measured gain (dspark.gain), once it left speculation
+
+    @property
+    def seed(self) -> int | None:
+        """The seed its sampled text was drawn with (given, or drawn at submit); None when greedy."""
+        return None if self.sampling.greedy else self.sampling.seed
 
 
 @dataclass(frozen=True)
@@ -128,16 +137,20 @@ class Worker:
 
     # ---- intake -------------------------------------------------------------------------------
     def submit(self, prompt_ids, max_new_tokens: int, sampling: SamplingParams | None = None,
-               namespace: str = "default") -> int:
-        """Queue a request; bad input raises here and touches nothing."""
-        if not isinstance(namespace, str):
-            raise TypeError(f"namespace={namespace!r}: expected a str, got {type(namespace).__name__}")
+               namespace: str | None = None) -> int:
+        """Queue a request; bad input raises here and touches nothing. A sampled request without a
+        seed gets a fresh one from the OS here (dspark.params.seeded: `Request.seed`, and the
+        result's `seed`). `namespace`: its tenant; None, requests without one, share buckets of
+        their own in the prefix store and the gain policy's memory, which no named namespace reaches."""
+        if namespace is not None and not isinstance(namespace, str):
+            raise TypeError(f"namespace={namespace!r}: expected a str or None, got {type(namespace).__name__}")
         if not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 1:
             raise ValueError(f"max_new_tokens={max_new_tokens!r}: expected an int >= 1")
         sampling = sampling or SamplingParams()
         if not isinstance(sampling, SamplingParams):
             raise TypeError(f"sampling: expected SamplingParams, got {type(sampling).__name__}")
         prompt = check_prompt(self.trunk, prompt_ids, self.trunk.config.max_ctx)
+        sampling = seeded(sampling)
         r = Request(next(self._ids), prompt, int(max_new_tokens), sampling, namespace, submitted_step=self.steps)
         self.requests[r.id] = r
         self.pending.append(r)
@@ -204,8 +217,10 @@ class Worker:
             return
         cands = [(expected_tokens(r.session), expected_width(r.session), r.session.params.accept, False, r, None)
                  for r in live]
-        cands += [(predicted_tokens(p, self.drafter), float(prior_width(p, self.drafter)), p.accept, True, r, p)
-                  for r, p in held]
+        notes = {}
+        for r, p in held:
+            tokens, notes[r.id] = arrival_tokens(p, self.drafter, r.namespace)  # counted once: it may explore
+            cands.append((tokens, float(prior_width(p, self.drafter)), p.accept, True, r, p))
         cands.sort(key=lambda c: -c[0])
         plain = [r for r in self.requests.values() if r.mode == "plain"]
         ctx = int(np.mean([r.prompt.size + len(r.tokens) for r in plain + live + [r for r, _ in held]]))
@@ -214,9 +229,9 @@ class Worker:
                                self.spec.margin, self.mix)
         why = (f"joint: {k} of {len(cands)} speculative beside {len(plain)} plain, {rates[k]:.3g} tokens/s "
                f"against {rates[0]:.3g} all plain and {rates[-1]:.3g} all speculative")
-        for i, (_, _, _, new, r, p) in enumerate(cands):
+        for i, (tokens, _, _, new, r, p) in enumerate(cands):
             if new:
-                self._admit(r, p, i < k, why)
+                self._admit(r, p, i < k, f"{why}; {notes[r.id]}" if notes[r.id] else why, prior=tokens)
             elif i < k or len(r.session.recent) < WINDOW:  # no demotion on fewer rounds than demote_check
                 r.outside = 0
             else:
@@ -224,7 +239,9 @@ class Worker:
                 if r.outside >= r.session.params.patience:
                     self._demote(r, why)
 
-    def _admit(self, r: Request, params: SpecParams, to_spec: bool, why: str) -> None:
+    def _admit(self, r: Request, params: SpecParams, to_spec: bool, why: str, prior: float | None = None) -> None:
+        """Start `r` speculative or plain; `prior`: the tokens per round its admission predicted,
+        its session's prior (dspark.gain.session_prior)."""
         cap = self.store.lookup(r.namespace, r.prompt) if self.store is not None else None
         try:
             if to_spec:
@@ -232,6 +249,7 @@ class Worker:
                     r.session = DsparkSpecSession.restore(self.trunk, self.drafter, cap, params)
                 else:
                     r.session = DsparkSpecSession.prime(self.trunk, self.drafter, r.prompt, params)
+                r.session.prior = prior
                 r.mode = "spec"
             else:
                 self._admit_plain(r, cap)
@@ -298,6 +316,7 @@ class Worker:
                 if r.session.finished():
                     self.stats = self.stats.merge(r.session.stats)
                     r.gain = r.session.gain
+                    remember(r.session, r.namespace)
                     r.session.close()
                     self._finish(r)
                 elif r.session.id in demote:
@@ -355,6 +374,7 @@ class Worker:
         s = r.session
         self.stats = self.stats.merge(s.stats)
         r.gain = s.gain
+        remember(s, r.namespace)
         cache, last = s.into_demoted()
         r.plain_id = self.plain.join(cache, last, r.max_new_tokens, list(s.emitted), r.sampling)
         r.session = None
@@ -457,11 +477,13 @@ class Worker:
                 "dspark:plain_steps": self.passes["plain"], "dspark:mixed_rounds": self.passes["mixed"],
                 "dspark:spec_gain": {k: v for k, v in gains.items() if v is not None}}
 
-    def result(self, request_id: int) -> list[int]:
+    def result(self, request_id: int) -> Tokens:
+        """The request's tokens, with `.seed`: the seed its sampled text was drawn with (None when
+        greedy); given back in SamplingParams it reproduces the text."""
         r = self.requests[request_id]
         if r.mode == "failed":
             raise StateError(f"request {request_id} failed: {r.error}")
-        return list(r.tokens)
+        return Tokens(r.tokens, seed=r.seed)
 
 
 __all__ = ["GateConfig", "GateEvent", "PrefixStore", "Request", "Worker"]

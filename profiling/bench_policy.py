@@ -74,7 +74,7 @@ def fresh(be, drafter) -> None:
     """Drop what a fresh `dspark generate` process would not have: the cost model, the drafter's
     memory of earlier sessions, the memo of noise rows."""
     be.cost = None
-    drafter.acceptance = {}
+    drafter.acceptance.clear()
     GUMBEL_ROWS.clear()
 
 

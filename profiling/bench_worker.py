@@ -3,6 +3,7 @@ low/high = 0/1 (never speculate), 2/4 (the default) and 64/65 (always speculate)
 
     python profiling/bench_worker.py [--backend numpy] [--model default|tiny] [--requests 12]
     python profiling/bench_worker.py --workload mixed [--requests 12]
+    python profiling/bench_worker.py --workload poisoned [--requests 6] [--repeat 3]
 
 The same seeded arrival pattern runs under each gate; tokens/s is total emitted tokens over
 wall time, latency is each request's submit-to-finish wall time (median and p90). Ratios are
@@ -19,11 +20,26 @@ row made (admitted speculative / plain, demoted, by reason; rounds that carried 
 and plain steps run alone). The ratio of the gain row to the better of the first two is the
 figure that matters: the median over `--repeat` interleaved runs, and each run's own ratio (the
 rows of one repeat run back to back, each repeat starting at the next row). The load average is printed before and after.
+
+`--workload poisoned`: the gain policy's memory of past sessions (dspark.memory), greedy requests
+one at a time. Three sequences: "poor, then code" (a list of numbers, which the embedded pair
+drafts at about 2.5 tokens a round, then `--requests` held-out code prompts, all without a
+namespace), "poor elsewhere" (the same with the numbers in another namespace) and "poor only"
+(`--requests` random printable strings that the pair drafts at under 2 tokens a round in
+`--max-new` tokens, screened from a seeded stream of them, sent three times over in one
+namespace: what the memory saves by sending them plain and what its exploration costs; the
+trunk falls into a repetition on most random text, where the pair drafts 5 or more). Rows: all plain, all speculative,
+the gain policy, the gain policy with the memory as it was before it was a prior (its first
+session's tokens per round for every later session of its kind, in every namespace) and without
+exploration. Printed per sequence and row: the median tokens/s over `--repeat` interleaved runs,
+its ratio to all plain, and for the first two sequences the code requests' own tokens/s (their
+tokens over their wall time) and ratio; with the gain rows' admissions and demotions over all runs.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import time
@@ -52,24 +68,25 @@ def corpus_prompts(rng, n: int, vocab_bytes: bool) -> list[np.ndarray]:
 
 
 def run(trunk, drafter, gate: GateConfig, prompts, max_new: int, arrivals_per_step: int, spec=None,
-        samplings=None, mix: bool = True) -> dict:
+        samplings=None, mix: bool = True, namespaces=None) -> dict:
     done_at: dict[int, float] = {}
     w = Worker(trunk, drafter, gate, spec=spec, mix=mix,
                on_tokens=lambda rid, toks, fin: fin and done_at.setdefault(rid, time.perf_counter()))
-    queue = list(zip(prompts, samplings or [None] * len(prompts)))
+    queue = list(zip(prompts, samplings or [None] * len(prompts), namespaces or [None] * len(prompts)))
     submitted: dict[int, float] = {}
     t0 = time.perf_counter()
     while queue or not w.done():
         arrivals = arrivals_per_step if arrivals_per_step else int(w.done())  # 0: one request at a time
         for _ in range(min(arrivals, len(queue))):
-            p, sampling = queue.pop(0)
-            submitted[w.submit(p, max_new, sampling)] = time.perf_counter()
+            p, sampling, ns = queue.pop(0)
+            submitted[w.submit(p, max_new, sampling, namespace=ns)] = time.perf_counter()
         w.step()
     wall = time.perf_counter() - t0
     tokens = sum(len(w.result(r)) for r in submitted)
     lat = np.array([done_at[r] - submitted[r] for r in submitted])
     return {"tokens": tokens, "wall": wall, "tps": tokens / wall, "lat_med": float(np.median(lat)),
-            "lat_p90": float(np.quantile(lat, 0.9)), "mal": w.stats.mean_accepted_length, "metrics": w.metrics()}
+            "lat_p90": float(np.quantile(lat, 0.9)), "mal": w.stats.mean_accepted_length, "metrics": w.metrics(),
+            "each": [(len(w.result(r)), float(done_at[r] - submitted[r])) for r in submitted]}
 
 
 def decisions(metrics: dict) -> str:
@@ -123,6 +140,112 @@ def mixed(trunk, drafter, prompts, args) -> None:
               f"{decisions(r['metrics']) if 'gain' in name else ''}")
 
 
+NUMBERS = "x = [0.9134, 0.2207, 0.7781, 0.0452, 0.6619, 0.3308, "  # ~2.5 tokens a round on the embedded pair
+
+
+def poor_prompts(trunk, drafter, n: int, max_new: int) -> tuple[list[np.ndarray], int]:
+    """The first `n` of a seeded stream of random printable strings (80 characters) that the pair
+    drafts at under 2 tokens a round over `max_new` tokens, greedy; and how many were tried."""
+    import string
+    from dspark.byte_vocab import encode
+    from dspark.session import DsparkSpecSession
+    rng = np.random.default_rng(1)
+    chars = list(string.ascii_letters + string.digits + string.punctuation)
+    out, tried = [], 0
+    while len(out) < n:
+        p = encode("".join(rng.choice(chars, 80)))
+        tried += 1
+        s = DsparkSpecSession.prime(trunk, drafter, p, SpecParams(max_new_tokens=max_new, capture=False))
+        while not s.finished():
+            s.round()
+        s.close()
+        if s.stats.mean_accepted_length < 2.0:
+            out.append(p)
+    return out, tried
+
+
+@contextlib.contextmanager
+def memory_as_before():
+    """The gain policy's memory as it was before it was a prior: the first session remembered
+    predicts every later one of its kind, whatever its namespace (an average that took its first
+    sample as its value)."""
+    from dspark import memory
+
+    def remember(self, key, tokens_per_round, tokens):
+        self.buckets.setdefault(key[1:], tokens_per_round)
+
+    def predict(self, key, record):
+        return self.buckets.get(key[1:], record)
+    saved = memory.Memory.remember, memory.Memory.predict, memory.Memory.arrival
+    memory.Memory.remember, memory.Memory.predict = remember, predict
+    memory.Memory.arrival = lambda self, key, record: (predict(self, key, record), False)
+    try:
+        yield
+    finally:
+        memory.Memory.remember, memory.Memory.predict, memory.Memory.arrival = saved
+
+
+@contextlib.contextmanager
+def no_exploration():
+    from dspark import memory
+    saved, memory.EXPLORE_EVERY = memory.EXPLORE_EVERY, 1 << 30
+    try:
+        yield
+    finally:
+        memory.EXPLORE_EVERY = saved
+
+
+def admissions(runs: list[dict]) -> str:
+    """Speculative and plain admissions and demotions, summed over `runs`."""
+    def count(name):
+        return sum(sum(r["metrics"][f"dspark:spec_{name}"].values()) for r in runs)
+    return (f"spec {count('admitted_spec')}, plain {count('admitted_plain')}, demoted {count('demoted')} "
+            f"over {len(runs)} runs")
+
+
+def poisoned(trunk, drafter, args) -> None:
+    """The memory of past sessions under poorly drafted requests (module doc)."""
+    from dspark import cost
+    from dspark.byte_vocab import encode
+    code = [c if args.model == "default" else c % 200 for c in heldout_code(args.requests)]
+    poor, tried = poor_prompts(trunk, drafter, args.requests, args.max_new)  # also warms the speculative path
+    print(f"poor only: {len(poor)} random strings drafted at under 2 tokens a round, of {tried} tried")
+    sequences = {"poor, then code": [(encode(NUMBERS), None)] + [(c, None) for c in code],
+                 "poor elsewhere": [(encode(NUMBERS), "other")] + [(c, None) for c in code],
+                 "poor only": [(p, "a") for p in poor * 3]}
+    run(trunk, drafter, GateConfig(0, 1), code[:2], args.max_new, 0)  # warms the plain path, untimed
+    rows = [("all plain", GateConfig(0, 1), "always", contextlib.nullcontext),
+            ("all spec", GateConfig(64, 65), "always", contextlib.nullcontext),
+            ("gain", GateConfig(64, 65), "gain", contextlib.nullcontext),
+            ("gain, memory before", GateConfig(64, 65), "gain", memory_as_before),
+            ("gain, no exploring", GateConfig(64, 65), "gain", no_exploration)]
+    print(f"load average before: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+    results = {(q, r[0]): [] for q in sequences for r in rows}
+    for i in range(args.repeat):  # rows interleaved, each repeat starting at the next row
+        for name, gate, policy, patch in rows[i % len(rows):] + rows[: i % len(rows)]:
+            for q, reqs in sequences.items():
+                drafter.acceptance.clear()  # each run learns only from its own sessions
+                with patch(), cost.using(trunk.be, cost.CostModel(cost.clock_for(trunk.be))):
+                    results[q, name].append(run(trunk, drafter, gate, [p for p, _ in reqs], args.max_new, 0,
+                                                SpecParams(policy=policy), namespaces=[ns for _, ns in reqs]))
+    print(f"load average after: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+    print(f"greedy requests one at a time, {args.max_new} new tokens each; median of {args.repeat} interleaved runs")
+    print(f"{'sequence':>16} | {'row':>19} | {'tok/s':>7} | {'vs plain':>8} | {'code tok/s':>10} | {'vs plain':>8} | "
+          "decisions (all runs)")
+    for q, reqs in sequences.items():
+        base = np.median([r["tps"] for r in results[q, "all plain"]])
+        code_rate = {}
+        for name, *_ in rows:
+            rs = results[q, name]
+            tps = float(np.median([r["tps"] for r in rs]))
+            code = [sum(t for t, _ in r["each"][1:]) / sum(s for _, s in r["each"][1:]) for r in rs]
+            code_rate[name] = float(np.median(code))
+            codes = (f"{code_rate[name]:10.1f} | {code_rate[name] / code_rate['all plain']:7.2f}x"
+                     if q != "poor only" else f"{'':>10} | {'':>8}")
+            print(f"{q:>16} | {name:>19} | {tps:7.1f} | {tps / base:7.2f}x | {codes} | "
+                  f"{admissions(rs) if 'gain' in name else ''}")
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--backend", default="numpy", choices=dspark.backends())
@@ -130,8 +253,8 @@ def main(argv=None) -> None:
     ap.add_argument("--requests", type=int, default=12)
     ap.add_argument("--max-new", type=int, default=64)
     ap.add_argument("--arrivals-per-step", type=int, default=2, help="0: the next request arrives when the last is done")
-    ap.add_argument("--workload", default="code", choices=["code", "mixed"])
-    ap.add_argument("--repeat", type=int, default=3, help="--workload mixed: runs per row, interleaved")
+    ap.add_argument("--workload", default="code", choices=["code", "mixed", "poisoned"])
+    ap.add_argument("--repeat", type=int, default=3, help="--workload mixed or poisoned: runs per row, interleaved")
     args = ap.parse_args(argv)
     be = dspark.get_backend(args.backend)
     trunk, drafter = load_default(be) if args.model == "default" else tiny_pair(be, 0)
@@ -139,8 +262,11 @@ def main(argv=None) -> None:
     print(f"worker on {be.name}, model {args.model}: {args.requests} requests, {args.max_new} new tokens each, "
           f"{args.arrivals_per_step} arrivals per step")
     blas_one_thread = threadpool_limits(limits=1, user_api="blas")  # as the CLI: tiny GEMMs, steady timings
-    if args.workload == "mixed":
-        mixed(trunk, drafter, prompts, args)
+    if args.workload != "code":
+        if args.workload == "mixed":
+            mixed(trunk, drafter, prompts, args)
+        else:
+            poisoned(trunk, drafter, args)
         blas_one_thread.restore_original_limits()
         return
     print(f"{'gate low/high':>14} | {'tokens':>6} | {'tok/s':>8} | {'vs 0/1':>6} | {'latency med s':>13} | "

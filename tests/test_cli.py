@@ -1,6 +1,7 @@
 """The command line: the main job, generate, info, and one-line errors with exit code 2."""
 
 import io
+import re
 import sys
 
 import pytest
@@ -82,6 +83,18 @@ def test_generate_sampled_is_seeded(capsys):
     assert a == b == run(capsys, *args, "--seed", "1", "--no-spec")[1]
     c = run(capsys, *args, "--seed", "1", "--sampler", "rejection")[1]
     assert c == run(capsys, *args, "--seed", "1", "--sampler", "rejection")[1]
+
+
+def test_generate_unseeded_prints_the_seed_that_reproduces_the_text(capsys):
+    """Sampled without --seed: a fresh seed, drawn once and printed in the summary line; given back
+    (here to plain decode: the coupled sampler's text is plain sampled decode's for its seed) it
+    prints the same text. Greedy prints no seed."""
+    args = ("generate", "import ", "--max-new-tokens", "12", "--temperature", "1.2")
+    rc, out, err = run(capsys, *args)
+    seed = re.search(r", seed (\d+), ", err)
+    assert rc == 0 and seed, err
+    assert run(capsys, *args, "--seed", seed.group(1), "--no-spec")[1] == out
+    assert ", seed " not in run(capsys, "generate", "import ", "--max-new-tokens", "4", "--no-spec")[2]
 
 
 def test_info(capsys):

@@ -51,7 +51,7 @@ def canonical(cmd: str) -> list[str]:
 
 
 CI_COMMANDS = [canonical(c) for c in commands((ROOT / ".ci" / "run").read_text())]
-SUITE = ["python", "-m", "pytest", "-q", "tests"]
+SUITE = ["python", "-m", "pytest", "-q", "-n", "2", "tests"]
 
 
 def run_shell(cmd: str, cwd: Path) -> subprocess.CompletedProcess:

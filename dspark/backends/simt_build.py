@@ -17,6 +17,7 @@ import hashlib
 import importlib.machinery
 import importlib.util
 import os
+import shutil
 import subprocess
 import sysconfig
 from pathlib import Path
@@ -47,12 +48,20 @@ def build_module(asan: bool = False, families: list[str] | None = None) -> Path:
     out_dir = cache_dir() / "simt-builds" / digest.hexdigest()[:16]
     target = out_dir / f"_simt{importlib.machinery.EXTENSION_SUFFIXES[0]}"
     if not target.exists():
-        sources = simt_sources(out_dir / "gen", root, files)
-        write_json(scan(root, files), out_dir / "_kernels.json")
+        # Built in a folder of this process's and renamed into place: two processes building the same
+        # module at once (parallel test workers) each finish their own, and no one reads half a file.
+        stage = out_dir.with_name(f"{out_dir.name}.{os.getpid()}.tmp")
+        shutil.rmtree(stage, ignore_errors=True)
+        sources = simt_sources(stage / "gen", root, files)
+        write_json(scan(root, files), stage / "_kernels.json")
         flags = [*SIMT_CXXFLAGS, *(ASAN_FLAGS if asan else [])]
         cmd = [compiler(), *flags, "-shared", "-fPIC", "-I", str(root), "-I", pybind11.get_include(),
-               "-I", sysconfig.get_paths()["include"], *map(str, sources), "-o", str(target)]
+               "-I", sysconfig.get_paths()["include"], *map(str, sources), "-o", str(stage / target.name)]
         subprocess.run(cmd, check=True, capture_output=True, text=True)
+        try:
+            os.replace(stage, out_dir)
+        except OSError:  # another process put the same build there first
+            shutil.rmtree(stage, ignore_errors=True)
     return target
 
 

@@ -35,6 +35,7 @@ import numpy as np
 
 from ..cost_prior import adopt
 from ..errors import ShapeError, TokenRangeError
+from ..memory import Memory
 from ..ops.activation import sigmoid_bias, swiglu
 from ..ops.argmax import argmax_rows, markov_chain, raise_on_nan
 from ..ops.attention import attention
@@ -155,7 +156,7 @@ class DsparkDrafter:
         self.source = None  # a description when loaded from a released checkpoint (dspark.models.hf)
         self.accept_floor = None  # greedy mean accepted length its record guarantees (the gain's prior), if any
         self.sampled_accept = {}  # temperature: the coupled sampler's recorded mean accepted length (a prior)
-        self.acceptance = {}      # (accept rule, temperature): tokens per round this process's sessions measured
+        self.acceptance = Memory()  # what this process's sessions measured, by namespace and kind (dspark.memory)
         # Window 0 means every committed row, as the references attend: the ring then holds the
         # whole context the trunk's cache can, seen from the anchor. A sliding layer's window is
         # measured as the checkpoint's format says (c.window_mode).

@@ -160,6 +160,17 @@ def test_bench_worker_mixed_prints_every_policy_and_its_decisions():
     assert re.search(r"load average before: [\d.]+ [\d.]+ [\d.]+", out), out
 
 
+def test_bench_worker_poisoned_prints_every_sequence_and_row():
+    r, _ = script("profiling/bench_worker.py", "--model", "tiny", "--requests", "1", "--max-new", "8",
+                  "--workload", "poisoned", "--repeat", "1")
+    out = ok(r)
+    for seq in ("poor, then code", "poor elsewhere", "poor only"):
+        for row in ("all plain", "all spec", "gain", "gain, memory before", "gain, no exploring"):
+            assert re.search(rf"^\s*{seq} \|\s+{row} \|", out, re.M), (seq, row, out)
+    assert re.search(r"gain, memory before \|.*\| spec \d+, plain \d+, demoted \d+ over 1 runs", out), out
+    assert re.search(r"poor only: 1 random strings drafted at under 2 tokens a round, of \d+ tried", out), out
+
+
 def test_bench_coupled_prints_both_samplers_and_checks_equality(capsys):
     """One prompt, one seed, a few tokens: each row has both samplers and the coupled text equals
     plain sampled decode's."""

@@ -5,7 +5,10 @@ sampled stream depends only on its seed and request.
 
 The bugs these guard keep every greedy stream exact: a gain with its sign flipped (admit the
 losers, demote the winners), hysteresis ignored (one dip demotes), a rejection-sampled mode chosen
-from a timing (the text then depends on the machine's speed). Each test below fails under one."""
+from a timing (the text then depends on the machine's speed), a price that counts one slow round
+at full weight (one outlier demotes for good), a memory of past sessions set by its first one or
+shared by every namespace (one poorly drafted request switches speculation off for every later
+one). Each test below fails under one."""
 
 from types import SimpleNamespace
 
@@ -13,9 +16,11 @@ import numpy as np
 import pytest
 
 import dspark
-from dspark import cost, gain
+from dspark import cost, gain, memory
+from dspark.byte_vocab import encode
 from dspark.cost import CostModel, Prior
 from dspark.decode import plain_generate
+from dspark.memory import Memory
 from dspark.params import SamplingParams, SpecParams
 from dspark.worker import GateConfig, Worker
 from tests.session.test_worker import code_prompt
@@ -61,9 +66,9 @@ def scripted(round_steps: float, batches=(1, 2, 3)) -> CostModel:
 
 
 # ---- the cost model ----------------------------------------------------------------------------------
-def test_cost_model_measures_with_the_clock_and_smooths():
+def test_cost_model_measures_with_the_clock_and_keeps_robust_prices():
     """The first timed pass of a kind is cold and not kept (100 s each here); then the clock's
-    intervals are the measurements, smoothed."""
+    intervals are the measurements, a price their trimmed mean (two: their mean)."""
     clock = ScriptedClock([0.0, 100.0, 0.0, 100.0, 10.0, 13.0, 20.0, 21.0, 30.0, 35.0])
     m = CostModel(clock)
     for kind in ("round", "plain"):
@@ -77,7 +82,7 @@ def test_cost_model_measures_with_the_clock_and_smooths():
     assert m.round_cost(1, 4, 100) == pytest.approx(3.0)
     with m.timed("round", 1, 100, width=4):
         pass
-    assert m.round_seconds(1, 4, 100) == pytest.approx(3.0 + cost.SMOOTHING * (5.0 - 3.0))
+    assert m.round_seconds(1, 4, 100) == pytest.approx((3.0 + 5.0) / 2)
     assert m.measured() == {"rounds": 2, "plain_steps": 1}
 
 
@@ -111,7 +116,7 @@ def test_plain_steps_are_priced_at_the_verify_level_now():
     verify) is priced at the verify passes' level now over the first level. Verifies twice as slow
     as the first (the load or the context grew) price it at 2 s, so a round of 4 s timed with a
     verify of that level costs 2 plain steps, not 4; a plain step measured at the new level is
-    averaged with the old one at the level now. A model that kept the old plain seconds would
+    pooled with the old one at the level now. A model that kept the old plain seconds would
     demote a session whose rounds only grew with everything else."""
     m = CostModel(FrozenClock(), FLAT)
     m.record("plain", 1, 0, 1.0)
@@ -124,7 +129,7 @@ def test_plain_steps_are_priced_at_the_verify_level_now():
     assert m.plain_seconds(1, 0) == pytest.approx(2.0)
     assert m.round_cost(1, 4, 0) == pytest.approx(2.0)
     m.record("plain", 1, 0, 2.5)  # measured now: at the level now
-    assert m.plain_seconds(1, 0) == pytest.approx(2.0 + cost.SMOOTHING * 0.5)
+    assert m.plain_seconds(1, 0) == pytest.approx((2.0 + 2.5) / 2)
     assert m.measured() == {"rounds": 1, "plain_steps": 2}  # a verify is neither
 
 
@@ -163,6 +168,29 @@ def test_a_plain_step_after_a_round_is_kept_over_that_rounds_verify():
     assert steady == pytest.approx(4.0)
 
 
+def test_a_price_is_a_trimmed_mean_that_one_outlier_moves_by_a_window_share():
+    """A price (cost.Window) over noisy samples: raising any one of them by e moves it by at most
+    e / PRICE_WINDOW, and a sample 100x out in place of a normal one by no more than the others'
+    spread over PRICE_WINDOW (an outlier counted at full weight, in a plain mean of the window,
+    would move it by 5); while the window fills, three samples give their median."""
+    rng = np.random.default_rng(3)
+    base = rng.lognormal(0.0, 0.2, cost.PRICE_WINDOW + 2 * cost.PRICE_TRIM)
+
+    def price(samples):
+        w = cost.Window()
+        for x in samples:
+            w.add(x)
+        return w.value
+    ref = price(base)
+    for i in range(len(base)):
+        for e in (0.05, 0.5, 3.0, 99.0):
+            raised = base.copy()
+            raised[i] += e
+            assert abs(price(raised) - ref) <= e / cost.PRICE_WINDOW + 1e-12, (i, e)
+    assert abs(price([*base[1:], 100.0]) - price([*base[1:], base[0]])) <= np.ptp(base) / cost.PRICE_WINDOW
+    assert price([1.0, 9.0, 2.0]) == 2.0 and price([4.0]) == 4.0 and price([1.0, 3.0]) == 2.0
+
+
 def test_cost_model_is_per_backend_and_injectable():
     be = dspark.get_backend("numpy")
     model = scripted(2.0)
@@ -189,7 +217,7 @@ def test_rounds_and_plain_steps_are_timed_where_they_run():
 
 # ---- the gain estimate and the decisions ----------------------------------------------------------------
 def fake_session(tokens, width=8, pos=100, floor=None, params=None, be=None):
-    drafter = SimpleNamespace(accept_floor=floor, config=SimpleNamespace(drafts=7), be=be, acceptance={})
+    drafter = SimpleNamespace(accept_floor=floor, config=SimpleNamespace(drafts=7), be=be, acceptance=Memory())
     s = SimpleNamespace(params=params or SpecParams(), drafter=drafter, cache=SimpleNamespace(pos=pos),
                         be=be, gain=None, below=0)
     s.recent = [(t, width) for t in tokens]
@@ -239,7 +267,7 @@ def test_coupled_prior_is_the_drafters_record_at_its_temperature():
 def test_admission_is_pinned_at_one_plus_margin():
     """Neutral prior: admitted iff NEUTRAL_TOKENS / round cost > 1 + margin."""
     be = dspark.get_backend("numpy")
-    drafter = SimpleNamespace(accept_floor=None, config=SimpleNamespace(drafts=7), be=be, acceptance={})
+    drafter = SimpleNamespace(accept_floor=None, config=SimpleNamespace(drafts=7), be=be, acceptance=Memory())
     params = SpecParams(margin=0.2)
     edge = gain.NEUTRAL_TOKENS / 1.2
     for steps, want in ((edge - 1e-6, True), (edge + 1e-6, False), (0.5, True), (10.0, False)):
@@ -334,6 +362,58 @@ def test_a_text_that_starts_slow_is_not_demoted_on_its_first_rounds():
     assert checks_until_demoted([1, 2] * 20, 4.08, 2.9) == gain.WINDOW + 1
 
 
+def timed_checks(tokens: float, round_seconds, plain_seconds: float = 1.0):
+    """A session of `tokens` a round (its prior the same: its expected tokens are exactly that)
+    whose rounds the cost model times through a scripted clock, round n taking round_seconds[n - 1]
+    s, after a warm-up of plain steps of `plain_seconds` (the first pass of each kind is cold, not
+    kept). demote_check after every round. Returns (the round of its demotion or None, its gains)."""
+    be = dspark.get_backend("numpy")
+    windows = cost.PRICE_WINDOW + 2 * cost.PRICE_TRIM
+    durations = [plain_seconds] * (1 + windows) + [round_seconds[0]] + list(round_seconds)
+    marks = []
+    for i, d in enumerate(durations):
+        marks += [10.0 * i, 10.0 * i + d]
+    model = CostModel(ScriptedClock(marks), FLAT)
+    s = fake_session([], floor=tokens, be=be)
+    gains = []
+    with cost.using(be, model):
+        for _ in range(1 + windows):
+            with model.timed("plain", 1, 100):
+                pass
+        with model.timed("round", 1, 100, width=8):  # cold
+            pass
+        for n in range(1, len(round_seconds) + 1):
+            with model.timed("round", 1, 100, width=8):
+                pass
+            s.recent.append((tokens, 8))
+            down, _ = gain.demote_check(s, [s])
+            gains.append(s.gain)
+            if down:
+                return n, gains
+    return None, gains
+
+
+def test_one_slow_round_does_not_demote_and_a_slowdown_does():
+    """A session of true gain 1.25 (2.5 tokens a round, rounds 2 s, plain steps 1 s), timed through
+    the cost model's clock: one round of 3x and one of 5x (a slow spell of the machine the round's
+    verify did not see) leave it speculative, its gain never under 1.2 (an exponential average of
+    weight 0.25 priced them at 3 and 4.75 s: gains 0.83 and 0.53, demoted at once; a plain mean of
+    the window at 2.6 s for 20 rounds: 0.96). Its rounds slowed 2x against the plain steps for good
+    demote it within PRICE_WINDOW rounds. A session of gain 0.8 (rounds 2.5 s, jittered 10 %, two
+    of them 5x fast) is demoted by round WINDOW + patience."""
+    steady = [2.0] * 64
+    spiked = steady[:30] + [6.0, 10.0] + steady[32:]
+    down, gains = timed_checks(2.5, spiked)
+    assert down is None and min(gains) >= 1.2, min(gains)
+    down, _ = timed_checks(2.5, steady[:40] + [4.0] * 40)
+    assert down is not None and 40 < down <= 40 + cost.PRICE_WINDOW, down
+    rng = np.random.default_rng(1)
+    losing = list(2.5 * rng.uniform(0.9, 1.1, 40))
+    losing[5] = losing[17] = 0.5
+    down, gains = timed_checks(2.0, losing)
+    assert down is not None and down <= gain.WINDOW + SpecParams().patience, (down, gains)
+
+
 def test_demotion_waits_for_its_own_rounds_and_spares_rejection_and_always():
     be = dspark.get_backend("numpy")
     with cost.using(be, scripted(100.0)):
@@ -350,9 +430,9 @@ def test_rejection_mode_comes_from_the_request_and_the_prior_alone():
     """Whatever the measured costs, the same request gets the same mode; the margin (a request
     setting) moves it at the prior's gain."""
     be = dspark.get_backend("numpy")
-    drafter = SimpleNamespace(accept_floor=4.7, config=SimpleNamespace(drafts=7), be=be,
-                              acceptance={("rejection", 0.8): cost.Average()})
-    drafter.acceptance[("rejection", 0.8)].add(0.5)  # what other requests measured: never read for the mode
+    drafter = SimpleNamespace(accept_floor=4.7, config=SimpleNamespace(drafts=7), be=be, acceptance=Memory())
+    for _ in range(5):  # what other requests measured: never read for the mode
+        drafter.acceptance.remember((None, "rejection", 0.8), 0.5, 64)
     p = SpecParams(sampler="rejection", sampling=SamplingParams(temperature=0.8), max_verify=8)
     prior_gain = gain.NEUTRAL_TOKENS / FLAT.round(1, 8, 0)
     modes = set()
@@ -365,36 +445,85 @@ def test_rejection_mode_comes_from_the_request_and_the_prior_alone():
         assert gain.rejection_mode(SpecParams(**{**p.__dict__, "margin": prior_gain - 1 - 1e-6}), drafter, 50)[0] is True
 
 
-def test_later_sessions_start_from_what_earlier_ones_measured():
-    """A demotable session's prior is what earlier sessions of its accept rule and temperature
-    measured: after a hot coupled session accepted about 1.1 a round, the next one starts plain where the
-    neutral prior would have admitted it; another temperature still gets the neutral prior."""
+def ended(params, drafter, tokens_per_round: float, tokens: int = 64):
+    """A session that ended after `tokens` at `tokens_per_round` (what gain.remember reads)."""
+    stats = SimpleNamespace(rounds=max(1, round(tokens / tokens_per_round)), mean_accepted_length=tokens_per_round)
+    return SimpleNamespace(params=params, drafter=drafter, stats=stats, emitted=[0] * tokens, remembered=False)
+
+
+def test_the_memory_is_a_prior_pooled_with_the_record():
+    """What earlier sessions measured is pooled with the drafter's record at RECORD_WEIGHT
+    sessions: one session at 1 token a round against a record of 4 predicts 2.5, counted once
+    however often it is remembered; many weigh at most 1 / (1 - DECAY) sessions, so the record
+    keeps a fifth; later sessions outweigh earlier ones (a memory set by its first session would
+    stay at 1.6 after good ones); a short session weighs its tokens' share. Other namespaces, no
+    namespace, other temperatures: their own buckets."""
+    p, hot = SpecParams(), SpecParams(sampling=SamplingParams(temperature=1.0, seed=1))
+    drafter = fake_session([], floor=4.0).drafter
+    s = ended(p, drafter, 1.0)
+    gain.remember(s, "a")
+    gain.remember(s, "a")
+    assert gain.predicted_tokens(p, drafter, "a") == pytest.approx((4.0 + 1.0) / 2)
+    assert gain.predicted_tokens(p, drafter) == gain.predicted_tokens(p, drafter, "b") == 4.0
+    assert gain.predicted_tokens(hot, drafter, "a") == gain.NEUTRAL_TOKENS
+    for _ in range(60):
+        gain.remember(ended(p, drafter, 1.0), "a")
+    bound = memory.RECORD_WEIGHT + 1 / (1 - memory.DECAY)
+    assert gain.predicted_tokens(p, drafter, "a") == pytest.approx((4.0 * memory.RECORD_WEIGHT + bound - 1) / bound)
+    for _ in range(3):
+        gain.remember(ended(p, drafter, 6.0), "a")
+    assert gain.predicted_tokens(p, drafter, "a") > 3.5
+    gain.remember(ended(p, drafter, 1.0, tokens=16), "c")
+    assert gain.predicted_tokens(p, drafter, "c") == pytest.approx((4.0 + 0.25) / 1.25)
+    rej = SpecParams(sampler="rejection", sampling=SamplingParams(temperature=0.8, seed=1))
+    gain.remember(ended(rej, drafter, 1.0), "a")  # a rejection-sampled request's mode never reads it
+    assert gain.predicted_tokens(rej, drafter, "a") == gain.NEUTRAL_TOKENS
+
+
+def test_the_memory_remembers_and_explores():
+    """Hot coupled sessions at 1.1 tokens a round against the neutral prior (4), rounds at 2 plain
+    steps: after one, a further one is still admitted (2.55 > 2.2); after three it starts plain
+    (1.98), in that namespace only; of the arrivals predicted under the record there, every
+    EXPLORE_EVERY-th is predicted by the record alone and admitted. A memory deleted admits them all."""
     be = dspark.get_backend("numpy")
     hot = SpecParams(sampling=SamplingParams(temperature=1.0, seed=1))
+    drafter = fake_session([], be=be).drafter
+
+    def admitted(ns):
+        return gain.admit(hot, drafter, 50, tokens=gain.predicted_tokens(hot, drafter, ns))[0]
     with cost.using(be, scripted(2.0)):
-        s = fake_session([1] * gain.WINDOW + [2] * 2, be=be, params=hot)
-        drafter = s.drafter
-        assert gain.admit(hot, drafter, 50)[0]  # 4 / 2
-        s.recent = s.recent[-gain.WINDOW:]
-        gain.demote_check(s, [s])
-        assert gain.predicted_tokens(hot, drafter) == pytest.approx((gain.WINDOW + 2) / gain.WINDOW)
-        assert not gain.admit(SpecParams(sampling=SamplingParams(temperature=1.0, seed=9)), drafter, 50)[0]
-        assert gain.admit(SpecParams(sampling=SamplingParams(temperature=0.3)), drafter, 50)[0]
+        gain.remember(ended(hot, drafter, 1.1), "a")
+        assert admitted("a")
+        for _ in range(2):
+            gain.remember(ended(hot, drafter, 1.1), "a")
+        assert not admitted("a") and admitted("b") and admitted(None)
+        arrivals = [gain.arrival_tokens(hot, drafter, "a") for _ in range(2 * memory.EXPLORE_EVERY)]
+        explored = [i for i, (_, note) in enumerate(arrivals) if note]
+        assert explored == [memory.EXPLORE_EVERY - 1, 2 * memory.EXPLORE_EVERY - 1], arrivals
+        tokens, note = arrivals[explored[0]]
+        assert tokens == gain.NEUTRAL_TOKENS and note.startswith("exploring: predicted by the record (4.00)")
+        assert gain.admit(hot, drafter, 50, tokens=tokens)[0]
+        assert gain.arrival_tokens(hot, drafter, "b") == (gain.NEUTRAL_TOKENS, "")  # nothing to explore
 
 
-def test_a_sessions_own_remembered_rounds_never_become_its_prior():
-    """A check remembers a session's rounds for later sessions; the session itself keeps the prior
-    it started from, so its first window (a text's least predictable rounds) is counted once, not
-    again as its prior: at the next check its gain still pools the floor."""
+def test_a_sessions_prior_is_what_its_admission_predicted():
+    """The worker fixes a session's prior at what its admission predicted: an exploring one keeps
+    the record while the memory says 1.6, so its own rounds, not the memory it was admitted to
+    test, decide it; a prior read when first used stays fixed as later sessions are remembered
+    (they would count its kind twice)."""
     be = dspark.get_backend("numpy")
     k, w = gain.PRIOR_ROUNDS, gain.WINDOW
     s = fake_session([1] * w, be=be, params=SpecParams(patience=3), floor=4.0)
-    with cost.using(be, scripted(2.0)):
-        gain.demote_check(s, [s])
-        assert gain.predicted_tokens(s.params, s.drafter) == pytest.approx(1.0)  # later sessions start from it
-        gain.demote_check(s, [s])
-        assert gain.expected_tokens(s) == pytest.approx((4.0 * k + w) / (k + w))
-        assert s.gain == pytest.approx((4.0 * k + w) / (k + w) / 2.0) and s.below == 0
+    for _ in range(20):
+        gain.remember(ended(s.params, s.drafter, 1.0), None)
+    s.prior = 4.0
+    assert gain.expected_tokens(s) == pytest.approx((4.0 * k + w) / (k + w))
+    fresh = fake_session([1] * w, be=be, floor=4.0)
+    fresh.drafter = s.drafter
+    first = gain.expected_tokens(fresh)
+    for _ in range(3):
+        gain.remember(ended(s.params, s.drafter, 6.0), None)
+    assert gain.expected_tokens(fresh) == first and fresh.prior < 2.0
 
 
 def shared(round_per_row: float, plain_per_row: float, batches=(1, 2, 3, 4)) -> CostModel:
@@ -567,3 +696,59 @@ def test_rejection_sampled_text_depends_only_on_seed_and_request(shipped):
         modes.append([e.what for e in w.events if e.what.startswith("admit")])
     assert texts[0] == texts[1] == texts[2]
     assert modes == [["admit_spec"]] * 3
+
+
+# ---- the Worker's memory of past sessions (dspark.memory) ---------------------------------------------
+NUMBERS = "x = [0.9134, 0.2207, 0.7781, 0.0452, 0.6619, 0.3308, "  # the embedded pair drafts ~2.5 a round
+
+
+def one_at_a_time(trunk, drafter, reqs, model):
+    """Each (prompt, max_new, namespace) sent when the last one is done, greedy, to one worker
+    under `model`; returns the worker, the ids and each request's admission (what, why)."""
+    with cost.using(trunk.be, model):
+        w = Worker(trunk, drafter, GateConfig(low=4, high=8), spec=SpecParams(burst_target=8))
+        ids = []
+        for p, n, ns in reqs:
+            ids.append(w.submit(p, n, namespace=ns))
+            w.run()
+    admits = {e.request: (e.what, e.why) for e in w.events if e.what.startswith("admit")}
+    return w, ids, [admits[i] for i in ids]
+
+
+def test_one_poorly_drafted_request_does_not_switch_speculation_off(shipped):
+    """A greedy request on a list of numbers (about 2.5 tokens a round), then three on code (5 or
+    more), one at a time, rounds at 3.1 plain steps: the code runs speculative (with the memory
+    set by its first session, 2.5, every one ran plain), and so it does with the numbers in
+    another namespace. Every stream is plain decode's."""
+    trunk, drafter = shipped
+    rng = np.random.default_rng(11)
+    good = [(code_prompt(trunk, rng, n), 48) for n in (60, 70, 80)]
+    poor = (encode(NUMBERS), 64)
+    want = [plain_generate(trunk, p, n) for p, n in [poor] + good]
+    for poor_ns in (None, "other"):
+        drafter.acceptance.clear()
+        reqs = [(*poor, poor_ns)] + [(p, n, None) for p, n in good]
+        w, ids, admits = one_at_a_time(trunk, drafter, reqs, scripted(3.1))
+        assert [a for a, _ in admits] == ["admit_spec"] * 4, admits
+        assert [w.result(i) for i in ids] == want
+        if poor_ns is not None:  # remembered, in its own namespace
+            assert gain.predicted_tokens(SpecParams(), drafter, poor_ns) < 3.7
+
+
+def test_the_worker_remembers_per_namespace_and_explores(shipped, monkeypatch):
+    """Poorly drafted requests in namespace "a", one at a time, rounds at 3.1 plain steps: after
+    two, a third there starts plain (the memory still remembers: deleted, it would admit it on the
+    record); the same request in "b" and without a namespace starts speculative (their buckets are
+    their own); with EXPLORE_EVERY at 3, the next in "a" explores: speculative, admitted on the
+    record. Every stream is plain decode's."""
+    trunk, drafter = shipped
+    monkeypatch.setattr(memory, "EXPLORE_EVERY", 3)
+    drafter.acceptance.clear()
+    p, n = encode(NUMBERS), 64
+    reqs = [(p, n, ns) for ns in ("a", "a", "a", "b", None, "a")]
+    w, ids, admits = one_at_a_time(trunk, drafter, reqs, scripted(3.1))
+    assert [a for a, _ in admits] == ["admit_spec", "admit_spec", "admit_plain", "admit_spec", "admit_spec",
+                                      "admit_spec"], admits
+    assert "exploring: predicted by the record" in admits[-1][1] and "exploring" not in " ".join(w for _, w in admits[:-1])
+    want = plain_generate(trunk, p, n)
+    assert all(w.result(i) == want for i in ids)

@@ -15,6 +15,7 @@ from dspark import cost, gain
 from dspark.backends import contract
 from dspark.decode import PlainBatch, plain_generate, prefill_anchor
 from dspark.errors import NonFiniteRowsError, StateError
+from dspark.memory import Memory
 from dspark.models.presets import tiny_pair
 from dspark.params import SamplingParams, SpecParams
 from dspark.session import DsparkSpecSession, Riders, spec_round
@@ -138,7 +139,7 @@ def test_mixed_session_gain_is_the_steps_rate_against_riding(numpy_backend):
     trunk, drafter = tiny_pair(numpy_backend, 21)
     with cost.using(trunk.be, shared(2.0, 0.1)):
         for t, above in ((3.45, False), (3.55, True)):
-            s = SimpleNamespace(be=trunk.be, drafter=SimpleNamespace(acceptance={}, accept_floor=t, config=drafter.config),
+            s = SimpleNamespace(be=trunk.be, drafter=SimpleNamespace(acceptance=Memory(), accept_floor=t, config=drafter.config),
                                 params=SpecParams(), cache=SimpleNamespace(pos=0), recent=deque([(t, 8)] * 32))
             g = gain.session_gain(s, [s], 2, "greedy")
             assert (g > 1) == above, (t, g)
