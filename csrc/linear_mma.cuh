@@ -79,15 +79,26 @@ DSPARK_DEVICE uint32_t mma_pack2(float lo, float hi) {
   return (uint32_t)from_float<T>(lo).bits | (uint32_t)from_float<T>(hi).bits << 16;
 }
 
-template <typename T, typename Cfg>
+// A tile's rows are rows [r0, r0 + BM) of a block of `rows` output rows starting at output row
+// `row0` (the whole product: row0 0; an expert's group of the grouped product, moe.cu: its first
+// grouped row). Output row row0 + r reads x row row0 + r, or x_rows[row0 + r] where the product
+// gathers its rows (Gather with a map: the grouped product's first projection reads each token's
+// row; Gather without one reads row0 + r, so one instantiation serves both grouped products).
+template <typename T, typename Cfg, bool Gather = false>
 struct MmaGemm {
   using C = Cfg;
   const float* __restrict__ x;
-  int rows, K;
-  int r0, n0;         // the tile's first row and column
+  const int* __restrict__ x_rows;  // Gather: the x row of each output row
+  int rows, K, N;
+  int row0;           // the block's first output row
+  int r0, n0;         // the tile's first row (in the block) and column
   bool x_vec;         // float4 loads of x (uniform over the launch)
   T* sa;              // A stages
   T* sb;              // B stages
+
+  __device__ __forceinline__ int64_t x_row(int r) const {
+    return Gather && x_rows ? (int64_t)x_rows[row0 + r] : (int64_t)(row0 + r);
+  }
 
   // A tile kt (columns [k, k + BK)): thread-owned float4s of x, after the prologue.
   __device__ __forceinline__ void load_a(int k, float4 (&v)[C::A_VECS]) const {
@@ -97,7 +108,7 @@ struct MmaGemm {
       const int r = r0 + row;
       float e[4] = {0.f, 0.f, 0.f, 0.f};
       if (r < rows) {
-        const float* p = x + (int64_t)r * K + col;
+        const float* p = x + x_row(r) * K + col;
         if (x_vec) {
           if (col < K) {
             const float4 f = *reinterpret_cast<const float4*>(p);
@@ -190,33 +201,19 @@ DSPARK_DEVICE void mma_tile_steps(float (&acc)[Cfg::MT][Cfg::NT][4], const T* sa
   }
 }
 
-// The GEMM over any weight source Wt (MmaWeights16 here, MmaWeightsFp8 in linear_fp8.cu): the K order
-// of the header whatever the source, since every source puts the same kind of tile in the stages.
-template <typename T, typename Cfg, typename Wt>
-DSPARK_DEVICE void mma_gemm(const float* __restrict__ x, const Wt& wt, int rows, int K, int N, int kchunk,
-                            int grid_splits, float* __restrict__ out, float* __restrict__ part,
-                            unsigned* __restrict__ tickets) {
+// One tile of the product over weight source Wt (MmaWeights16 here, MmaWeightsFp8 in linear_fp8.cu: the
+// K order of the header whatever the source, since every source puts the same kind of tile in the
+// stages), its K chunks folded in registers (grid_splits 1) or chunk `split` alone
+// with its partial in part[split][row][n] (part_rows rows per chunk) and the fold by the last of the
+// tile's CTAs to arrive at tickets[row_tile * col_tiles + tile]. The order of every output is the
+// header's, whatever the tile. (The ticket's address is formed after the K loop: formed before it,
+// ptxas gives the 16-row shape 74 more registers.)
+template <typename T, typename Cfg, bool Gather, typename Wt>
+DSPARK_DEVICE void mma_tile(const MmaGemm<T, Cfg, Gather>& g, const Wt& wt, int kchunk, int grid_splits, int split,
+                            float* __restrict__ out, float* __restrict__ part, int part_rows,
+                            unsigned* __restrict__ tickets, int row_tile, int tile, int col_tiles) {
   using C = Cfg;
-  DSPARK_DYNAMIC_SMEM(T, smem);
-#if defined(DSPARK_SIMT)
-  if ((size_t)C::SMEM_BYTES > simt::dynamic_smem_size() || (int)blockDim.x != C::THREADS)
-    simt::fault("linear_mma: launch plan does not match the kernel (shared_mem " +
-                std::to_string(simt::dynamic_smem_size()) + " < " + std::to_string(C::SMEM_BYTES) +
-                " or block != " + std::to_string(C::THREADS) + ")");
-#endif
-  const int col_tiles = (N + C::BN - 1) / C::BN;
-  int tile = blockIdx.x / grid_splits, row_tile = blockIdx.y;
-  const int split = blockIdx.x % grid_splits;
-  if (grid_splits == 1) {  // fold: CTAs in groups of kMmaGroupRows row tiles, column tile by column tile
-    const int id = blockIdx.y * gridDim.x + blockIdx.x, per_group = kMmaGroupRows * col_tiles;
-    const int first = id / per_group * kMmaGroupRows, in_group = min(kMmaGroupRows, (int)gridDim.y - first);
-    row_tile = first + id % per_group % in_group;
-    tile = id % per_group / in_group;
-  }
-  MmaGemm<T, C> g{x, rows, K, row_tile * C::BM, tile * C::BN,
-                  K % 4 == 0 && !(reinterpret_cast<unsigned long long>(x) & 15ull), smem,
-                  smem + C::STAGES * C::A_STAGE};
-  typename Wt::Held held;
+  const int K = g.K, N = g.N, rows = g.rows;
   const int splits = (K + kchunk - 1) / kchunk;
   const int k_lo = grid_splits == 1 ? 0 : split * kchunk;
   const int k_hi = grid_splits == 1 ? K : min(K, k_lo + kchunk);
@@ -231,6 +228,7 @@ DSPARK_DEVICE void mma_gemm(const float* __restrict__ x, const Wt& wt, int rows,
       for (int c = 0; c < 4; ++c) acc[mt][nt][c] = 0.f, total[mt][nt][c] = -0.f;
 
   float4 av[C::A_VECS];
+  typename Wt::Held held;
 #pragma unroll
   for (int s = 0; s < C::STAGES - 1; ++s) {
     if (s < iters) {
@@ -273,7 +271,7 @@ DSPARK_DEVICE void mma_gemm(const float* __restrict__ x, const Wt& wt, int rows,
   const int row0 = g.r0 + (warp / C::WARPS_N) * C::WM + (lane >> 2);
   const int col0 = g.n0 + (warp % C::WARPS_N) * C::WN + 2 * (lane & 3);
   const bool partial = grid_splits > 1 && splits > 1;
-  float* dst = partial ? part + (int64_t)split * rows * N : out;
+  float* dst = partial ? part + (int64_t)split * part_rows * N : out;
 #pragma unroll
   for (int mt = 0; mt < C::MT; ++mt)
 #pragma unroll
@@ -282,18 +280,51 @@ DSPARK_DEVICE void mma_gemm(const float* __restrict__ x, const Wt& wt, int rows,
       for (int c = 0; c < 4; ++c) {
         const int r = row0 + 16 * mt + 8 * (c >> 1), n = col0 + 8 * nt + (c & 1);
         if (r < rows && n < N)
-          dst[(int64_t)r * N + n] = partial ? total[mt][nt][c] : mma_epilogue(r, n, total[mt][nt][c]);
+          dst[(int64_t)(g.row0 + r) * N + n] = partial ? total[mt][nt][c] : mma_epilogue(g.row0 + r, n, total[mt][nt][c]);
       }
   if (!partial) return;
   if (!split_arrive(tickets + row_tile * col_tiles + tile, (unsigned)splits, /*all_wrote=*/true)) return;
   const int nr = min(C::BM, rows - g.r0), nc = min(C::BN, N - g.n0);
   for (int i = threadIdx.x; i < nr * nc; i += blockDim.x) {
-    const int r = g.r0 + i / nc, n = g.n0 + i % nc;
+    const int r = g.row0 + g.r0 + i / nc, n = g.n0 + i % nc;
     const volatile float* p = part + (int64_t)r * N + n;  // other CTAs' partials: from L2
     float v = -0.f;
-    for (int c = 0; c < splits; ++c) v = v + p[(int64_t)c * rows * N];
+    for (int c = 0; c < splits; ++c) v = v + p[(int64_t)c * part_rows * N];
     out[(int64_t)r * N + n] = mma_epilogue(r, n, v);
   }
+}
+
+template <typename Cfg>
+DSPARK_DEVICE void mma_check_launch() {
+#if defined(DSPARK_SIMT)
+  if ((size_t)Cfg::SMEM_BYTES > simt::dynamic_smem_size() || (int)blockDim.x != Cfg::THREADS)
+    simt::fault("linear_mma: launch plan does not match the kernel (shared_mem " +
+                std::to_string(simt::dynamic_smem_size()) + " < " + std::to_string(Cfg::SMEM_BYTES) +
+                " or block != " + std::to_string(Cfg::THREADS) + ")");
+#endif
+}
+
+// The whole product over weight source Wt: the CTA's tile and K chunk from its block index.
+template <typename T, typename Cfg, typename Wt>
+DSPARK_DEVICE void mma_gemm(const float* __restrict__ x, const Wt& wt, int rows, int K, int N, int kchunk,
+                            int grid_splits, float* __restrict__ out, float* __restrict__ part,
+                            unsigned* __restrict__ tickets) {
+  using C = Cfg;
+  DSPARK_DYNAMIC_SMEM(T, smem);
+  mma_check_launch<C>();
+  const int col_tiles = (N + C::BN - 1) / C::BN;
+  int tile = blockIdx.x / grid_splits, row_tile = blockIdx.y;
+  const int split = blockIdx.x % grid_splits;
+  if (grid_splits == 1) {  // fold: CTAs in groups of kMmaGroupRows row tiles, column tile by column tile
+    const int id = blockIdx.y * gridDim.x + blockIdx.x, per_group = kMmaGroupRows * col_tiles;
+    const int first = id / per_group * kMmaGroupRows, in_group = min(kMmaGroupRows, (int)gridDim.y - first);
+    row_tile = first + id % per_group % in_group;
+    tile = id % per_group / in_group;
+  }
+  const MmaGemm<T, C> g{x, nullptr, rows, K, N, 0, row_tile * C::BM, tile * C::BN,
+                        K % 4 == 0 && !(reinterpret_cast<unsigned long long>(x) & 15ull), smem,
+                        smem + C::STAGES * C::A_STAGE};
+  mma_tile<T, C, false>(g, wt, kchunk, grid_splits, split, out, part, rows, tickets, row_tile, tile, col_tiles);
 }
 
 template <typename T, typename Cfg>

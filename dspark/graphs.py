@@ -90,11 +90,13 @@ class RecordingError(RuntimeError):
 class Recording:
     """One pass's launches as they ran: (raw kernel, grid, block, arguments, shared memory, name),
     checked when recorded, and `hold`: what their arguments point into (kept alive with them).
-    `moved`: the state and K/V bytes the pass moves (dspark.profile), reported again at each run."""
+    `moved`: the state and K/V bytes the pass moves (dspark.profile), reported again at each run, as
+    are `experts`: the MoE layers' device counts of distinct experts, which each run rewrites."""
 
-    def __init__(self, launches: list, hold, moved=None):
+    def __init__(self, launches: list, hold, moved=None, experts=()):
         self.launches, self.hold, self.graph = launches, hold, None
         self.moved = dict(moved or {})
+        self.experts = list(experts)
 
     def __len__(self) -> int:
         return len(self.launches)
@@ -112,6 +114,8 @@ class Recording:
         if counting:
             for kind, n in self.moved.items():
                 profile.moved(kind, n)
+            for layer, count in self.experts:
+                profile.experts(layer, count)
 
     def capture(self, stream) -> None:
         """The launches as a CUDA graph (stream capture of `issue`)."""
@@ -145,7 +149,7 @@ def record(be, work, workspaces=()):
     if c.d2h or c.syncs or ops:
         raise RecordingError(f"a recorded pass made {c.d2h} device->host copies, {c.syncs} syncs and {ops} array "
                              f"operations ({dict(c.sites)}): a replay would skip them")
-    return Recording(launches, result, c.bytes), result
+    return Recording(launches, result, c.bytes, c.experts), result
 
 
 class PassStore:

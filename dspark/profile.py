@@ -19,7 +19,9 @@ state and K/V rows report the bytes their launches move, by kind (`moved`): "sta
 reads and writes of the live gdn state and conv window), "checkpoints" (per-column checkpoints a
 verify writes), "rollback" (checkpoint select and snapshot copies, read and written) and
 "kv_commit" (accepted K/V rows, read and written); profiling/perf_model.py predicts the same
-numbers from a model's shapes. Copies, synchronisations and
+numbers from a model's shapes. A MoE layer's router reports the distinct experts the pass routed
+to (`experts`): what its grouped products read, one expert's weights each, so the cost of a verify
+follows it; `Counts.distinct_experts()` lists them per layer, pass by pass. Copies, synchronisations and
 CuPy array operations are reported by the CuPy contract stand-in, which sees every one of them
 and names the dspark line that caused each device->host copy and synchronisation; on a real GPU,
 Nsight Systems counts them (profiling/nsys_session.sh, its cuda_api_sum report).
@@ -170,6 +172,14 @@ class Counts:
     by_name: Counter = field(default_factory=Counter)
     sites: Counter = field(default_factory=Counter)
     bytes: Counter = field(default_factory=Counter)
+    experts: list = field(default_factory=list)   # (layer, distinct experts: an int or a device count)
+
+    def distinct_experts(self) -> list[tuple[int, int]]:
+        """(layer, distinct experts its grouped products read) for every MoE layer of every pass
+        counted, in order. A count left on the device is read now (on cuda: a copy; read it after
+        the pass, before the next pass over the same workspace rewrites it)."""
+        return [(layer, n if isinstance(n, int) else int(n.get().reshape(-1)[0]) if hasattr(n, "get")
+                 else int(n.reshape(-1)[0])) for layer, n in self.experts]
 
     def add(self, kind: str, name: str | None, site: str | None, amount: int = 1) -> None:
         if kind == "bytes":
@@ -233,6 +243,13 @@ def record(kind: str, name: str | None = None, site: str | None = None, amount: 
     """Report one event to every open counter (nothing happens when none is open)."""
     for c in _active:
         c.add(kind, name, site, amount)
+
+
+def experts(layer: int, distinct) -> None:
+    """Report the distinct experts a MoE layer's pass routed to: an int (the host knows it), or the
+    one-int array the router wrote on the device (read when the counts are, never now: no sync)."""
+    for c in _active:
+        c.experts.append((int(layer), distinct if isinstance(distinct, int) else distinct[:1]))
 
 
 def moved(kind: str, nbytes: int) -> None:

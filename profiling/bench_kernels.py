@@ -88,6 +88,11 @@ class Sizes:
     mlp_hidden: int = 17408
     prompt_rows: int = 8192          # rows of a prompt pass (the GEMMs, prompt attention, the chunked gdn)
     plain_batches: tuple[int, ...] = (1, 8, 32)  # plain batched decode's rows for the GEMMs
+    # the MoE family at Qwen3.5-35B-A3B's layer: 256 experts, top-8, d_model 2048, experts 512 wide
+    experts: int = 256
+    expert_top_k: int = 8
+    moe_d_model: int = 2048
+    expert_hidden: int = 512
 
     @property
     def drafts(self) -> int:
@@ -102,7 +107,8 @@ GPU = Sizes("Qwen3.5-27B: 16 attention layers (Hkv=4, Hq=24, D=256, bf16 KV), 48
 CPU = Sizes("tiny (simt, CPU): 2 attention layers (Hkv=2, Hq=8, D=64, bf16 KV), 3 gdn layers (H=2, dk=dv=16), "
             "V=1000", batches=(1, 3), contexts=(100,), vt=8, hkv=2, gqa=4, head_dim=64, kv_dtype=BF16, vocab=1000,
             attn_layers=2, gdn_layers=3, gdn_heads=2, dk=16, dv=16, markov_rank=8, reduce_batches=(1, 3), d_model=64,
-            mlp_hidden=96, prompt_rows=130, plain_batches=(1, 3))
+            mlp_hidden=96, prompt_rows=130, plain_batches=(1, 3), experts=16, expert_top_k=4, moe_d_model=64,
+            expert_hidden=32)
 
 
 @dataclasses.dataclass
@@ -485,6 +491,34 @@ def linear_benches(be, s: Sizes) -> Iterator[Bench]:
                         pm.linear("bench", proj, rows, k, n, 2, pm.H200)[0].time)
 
 
+# ---- moe: a mixture-of-experts layer's router, grouped product and combine ---------------------------------
+def moe_benches(be, s: Sizes) -> Iterator[Bench]:
+    """One MoE layer (experts, top-k, d_model and expert width of the Sizes: Qwen3.5-35B-A3B's on the
+    GPU) over a verify's rows (B * vt) and a prompt pass's: the router (logits read; ids, weights,
+    grouped rows and the map written), the grouped gate|up product (bf16; bytes: each distinct expert's
+    weights once, counted from the plan's CTA map for the routing drawn, the rows gathered, the
+    outputs) and the combine (k outputs a row read, the row written). No prediction: the performance
+    model does not price MoE layers yet."""
+    from dspark.ops.moe import combine, group_ref, grouped_linear, grouped_plan, route, route_ref
+    E, k, d, I = s.experts, s.expert_top_k, s.moe_d_model, s.expert_hidden
+    w = randn(be, (E, d, 2 * I), BF16, scale=float(1 / np.sqrt(d)))
+    for case, B, rows in [("verify", B, B * s.vt) for B in s.batches] + [("prompt", 1, s.prompt_rows)]:
+        P, logits = rows * k, randn(be, (rows, E))
+        plan = grouped_plan(rows, k, E, d, 2 * I, 2)
+        g = group_ref(route_ref(be.to_host(logits), k, True)[0], E, plan.tile_rows)
+        r = route(be, logits, E, k, True, plan.tile_rows)
+        shape = {"B": B, "rows": rows, "E": E, "k": k}
+        yield Bench("moe", f"{case} router", shape, F32 * (rows * E + 3 * P + P), 6 * rows * E, ("moe_route_f32",),
+                    lambda b, x=logits, t=plan.tile_rows: route(b, x, E, k, True, t))
+        x, out = randn(be, (rows, d)), be.xp.empty((P, 2 * I), np.float32)
+        yield Bench("moe", f"{case} grouped gate|up", {**shape, "distinct": g.distinct, "K": d, "N": 2 * I},
+                    sum(plan.expert_bytes(g).values()) + F32 * (rows * d + P * 2 * I), 2 * P * d * 2 * I,
+                    (plan.entry,), lambda b, x=x, r=r, o=out: grouped_linear(b, x, w, r, gather=True, out=o))
+        y, o = randn(be, (P, d)), be.xp.empty((rows, d), np.float32)
+        yield Bench("moe", f"{case} combine", {**shape, "d": d}, F32 * (P * d + 2 * P + rows * d), 2 * P * d,
+                    ("moe_combine_f32",), lambda b, y=y, r=r, o=o: combine(b, y, r, out=o))
+
+
 # ---- gdn_chunk: one gdn layer's prompt pass in chunks of 64 ------------------------------------------------
 def gdn_chunk_benches(be, s: Sizes) -> Iterator[Bench]:
     """A prompt pass of prompt_rows rows of one session through one gdn layer (bf16 operands): the
@@ -548,6 +582,7 @@ FAMILIES: dict[str, Callable[[object, Sizes], Iterator[Bench]]] = {
     "norm": norm_benches,
     "linear": linear_benches,
     "gdn_chunk": gdn_chunk_benches,
+    "moe": moe_benches,
     "activation": activation_benches,
     "rope": rope_benches,
     "heads": heads_benches,

@@ -2,8 +2,8 @@
 kernel entry point, for sm_80 and sm_90, from the ptxas log of the very cubin the `cuda` backend
 loads (dspark.toolchain.family_cubin: NVRTC with dspark's options, cached by source, headers,
 options, arch and NVRTC version), once per NVRTC major (12 and 13: CUDA 12's wheel, and the
-device image's CUDA 13); and, for every tile shape of the GEMMs, the attention kernels and the
-chunked gdn pass, the block, the shared memory its launch plan asks and the CTAs one SM holds
+device image's CUDA 13); and, for every tile shape of the GEMMs (the grouped expert product's too),
+the attention kernels and the chunked gdn pass, the block, the shared memory its launch plan asks and the CTAs one SM holds
 (`perf_model.resident`, the count the performance model prices with: the least of what
 registers, shared memory, threads and the CTA slots allow; sm_80 with the A100's 164 KiB).
 
@@ -22,6 +22,7 @@ from dspark.kernel_sources import kernel_files
 from dspark.ops import attention as attention_ops
 from dspark.ops import gdn_chunk as chunk_ops
 from dspark.ops import linear as linear_ops
+from dspark.ops import moe as moe_ops
 from dspark.toolchain import ARCHS, NVRTC_OPTIONS, Cubin, Nvrtc, default_nvrtc, family_cubin, find_nvrtc
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -48,6 +49,11 @@ def tile_shapes() -> list[tuple[str, int, int, str]]:
             out.append((f"linear_mma_{dt}_m{bm}", 32 * warps, linear_ops.mma_shared_mem(bm), serves))
             out.append((f"linear_fp8_{dt}_m{bm}", 32 * warps, linear_ops.mma_shared_mem(bm),
                         serves.replace("16-bit", f"FP8 ({dt} activations)")))
+    out.append(("moe_route_f32", moe_ops.ROUTE_THREADS, 0, "MoE router and grouping"))
+    out.append(("moe_linear_f32", linear_ops.THREADS, 0, "grouped experts, f32"))
+    for bm in moe_ops.MMA_TILES:
+        out.append((f"moe_linear_mma_bf16_m{bm}", 32 * linear_ops.MMA_CONFIGS[bm][2], linear_ops.mma_shared_mem(bm),
+                    f"grouped experts, bf16, {'<= 16 rows an expert' if bm == 16 else 'prompts'}"))
     for (isz, d), _ in attention_ops.CONFIGS.items():
         dt = {4: ("f32",), 2: ("bf16", "f16")}[isz]
         for name in dt:

@@ -7,6 +7,7 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 MIXERS = ("gdn", "attn")
+FFNS = ("mlp", "moe")  # a dense SwiGLU MLP, or a sparse mixture of experts (dspark.models.moe)
 
 
 ROPE_TYPES = ("default", "linear", "yarn")
@@ -68,6 +69,16 @@ class TrunkConfig:
     tie_embeddings: bool = extension(False)  # LM head = embedding^T (no lm_head tensor)
     extra_eos_ids: tuple[int, ...] = extension(())  # more ids that end a stream, after eos_id (a checkpoint's
                                                     # eos_token_id list: Qwen's <|im_end|> and <|endoftext|>)
+    # Mixture-of-experts FFNs (dspark.models.moe): the FFN kind per layer, () meaning every layer "mlp"
+    # (its width mlp_hidden); a "moe" layer routes each row to expert_top_k of `experts` SwiGLU experts
+    # of width expert_hidden, their weights renormalized over the k with expert_renorm, plus a shared
+    # expert of width shared_expert_hidden (0: none) scaled by the sigmoid of its gate.
+    ffn: tuple[str, ...] = extension(())
+    experts: int = extension(0)
+    expert_top_k: int = extension(0)
+    expert_hidden: int = extension(0)
+    shared_expert_hidden: int = extension(0)
+    expert_renorm: bool = extension(False)
 
     def __post_init__(self):
         bad = [m for m in self.layers if m not in MIXERS]
@@ -95,11 +106,25 @@ class TrunkConfig:
             raise ValueError(f"rope_fraction={self.rope_fraction} with head_dim={self.head_dim} rotates "
                              f"{self.rope_dim} dims: expected an even count in [2, {self.head_dim}]")
         object.__setattr__(self, "rope_scaling", rope_pairs(self.rope_scaling))
+        if self.ffn and (len(self.ffn) != len(self.layers) or any(f not in FFNS for f in self.ffn)):
+            raise ValueError(f"ffn={self.ffn}: expected one of {FFNS} for each of the {len(self.layers)} layers")
+        if "moe" in self.ffn_kinds:
+            if self.experts < 1 or not 1 <= self.expert_top_k <= self.experts:
+                raise ValueError(f"experts={self.experts}, expert_top_k={self.expert_top_k}: expected 1 <= "
+                                 f"expert_top_k <= experts")
+            if self.expert_hidden < 1 or self.shared_expert_hidden < 0:
+                raise ValueError(f"expert_hidden={self.expert_hidden}, shared_expert_hidden="
+                                 f"{self.shared_expert_hidden}: expected >= 1 and >= 0")
 
     @property
     def eos_ids(self) -> tuple[int, ...]:
         """Every id that ends a stream: eos_id, then extra_eos_ids; () when there is none."""
         return () if self.eos_id < 0 else (self.eos_id, *self.extra_eos_ids)
+
+    @property
+    def ffn_kinds(self) -> tuple[str, ...]:
+        """The FFN kind of every layer (FFNS)."""
+        return self.ffn or ("mlp",) * len(self.layers)
 
     @property
     def gdn_key_heads(self) -> int:

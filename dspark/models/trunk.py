@@ -1,9 +1,10 @@
-"""The hybrid trunk: embedding, blocks of [RMSNorm, mixer (gdn | attn), residual, RMSNorm, SwiGLU
-MLP, residual], final norm, LM head. Tap layers expose hidden states for the drafter.
+"""The hybrid trunk: embedding, blocks of [RMSNorm, mixer (gdn | attn), residual, RMSNorm, FFN
+(a SwiGLU MLP, or a sparse mixture of experts: dspark.models.moe), residual], final norm, LM head.
+Tap layers expose hidden states for the drafter.
 
 One model code path for every checkpoint: the embedded byte-level trunk, Qwen3 (dense attention,
-q/k norms) and Qwen3.5 (gdn + gated attention with partial RoPE, zero-centred norms, several
-value heads per key head) are configurations of it (TrunkConfig; dspark.models.hf maps Hugging
+q/k norms), Qwen3.5 (gdn + gated attention with partial RoPE, zero-centred norms, several
+value heads per key head) and their MoE models (the FFN kind per layer) are configurations of it (TrunkConfig; dspark.models.hf maps Hugging
 Face checkpoints onto it).
 
 One ragged forward serves every use: `prefill` (one session, many rows), `decode` (many sessions,
@@ -47,6 +48,7 @@ from ..params import PROMPT_CHUNK
 from .batch_tables import TableStore
 from .cache import Cache
 from .config import TrunkConfig
+from .moe import moe_ffn, require_expert_storage
 from .weights import OFFSET_NORMS, STORAGE, check_weights, load_model, random_weights, save_model, trunk_placeholders, \
     trunk_spec, trunk_to_backend
 
@@ -152,6 +154,8 @@ class HybridTrunk:
         hears of each tensor on the backend."""
         check_weights(weights, trunk_spec(config), "trunk", dtypes=STORAGE + (E4M3,))  # E4M3: ops.fp8.Fp8Host
         dtype = storage(dtype)
+        if "moe" in config.ffn_kinds:
+            require_expert_storage(backend, dtype)
         self._setup(config, backend, dtype, weights, trunk_to_backend(backend, config, weights, dtype, progress))
 
     def _setup(self, config: TrunkConfig, backend, dtype, host_weights, w: dict) -> None:
@@ -314,6 +318,7 @@ class HybridTrunk:
         x, h = ws.take("x", rows, (d,)), ws.take("h", rows, (d,))
         embed_rmsnorm(be, w["embed"], inp["ids"], norms[0], eps, x=x, out=h, tap=tap_at.get(-1))
         ia = ig = 0
+        ffn = c.ffn_kinds
         for i, kind in enumerate(c.layers):
             p = f"layers.{i}."
             if kind == "attn":
@@ -323,9 +328,13 @@ class HybridTrunk:
                 y = self._gdn(h, p, tables, ig, inp, out, commit, record_gdn, checkpoints, ws, prompt)
                 ig += 1
             add_rmsnorm(be, x, y, w[p + "norm2"], eps, out=h)
-            gate_up = linear(be, h, w[p + "mlp.w_gate_up"], out=ws.take("mlp.gate_up", rows, (2 * c.mlp_hidden,)), ws=ws)
-            act = swiglu(be, gate_up, out=ws.take("mlp.act", rows, (c.mlp_hidden,)))
-            y = linear(be, act, w[p + "mlp.w_down"], out=ws.take("sublayer", rows, (d,)), ws=ws)
+            if ffn[i] == "moe":
+                y = moe_ffn(self, h, p, i, ws)
+            else:
+                gate_up = linear(be, h, w[p + "mlp.w_gate_up"], out=ws.take("mlp.gate_up", rows, (2 * c.mlp_hidden,)),
+                                 ws=ws)
+                act = swiglu(be, gate_up, out=ws.take("mlp.act", rows, (c.mlp_hidden,)))
+                y = linear(be, act, w[p + "mlp.w_down"], out=ws.take("sublayer", rows, (d,)), ws=ws)
             add_rmsnorm(be, x, y, norms[i + 1], eps, out=h, tap=tap_at.get(i))  # h: the next norm1, or the final norm
         if logits == "last":  # each session's last row (row-invariant products: the same bits as "all")
             lens = np.diff(indptr)

@@ -24,6 +24,7 @@ from ..errors import DTypeError, ShapeError
 from ..ops.fp8 import BLOCK as FP8_BLOCK, Fp8Host, Fp8Matrix
 from .config import TrunkConfig
 from .drafter_config import drafter_spec  # noqa: F401  (the drafter's table lives beside its config)
+from .moe import moe_spec, stacked_layout, stacks
 
 F32 = np.dtype(np.float32)
 STORAGE = (F32, np.dtype(np.float16), BF16)
@@ -57,9 +58,12 @@ def trunk_spec(c: TrunkConfig) -> dict[str, tuple[int, ...]]:
             spec[p + "gdn.dt_bias"] = (H,)
             spec[p + "gdn.o_norm"] = (c.gdn_dv,)
             spec[p + "gdn.wo"] = (H * c.gdn_dv, d)
-        spec[p + "mlp.w_gate"] = (d, F)
-        spec[p + "mlp.w_up"] = (d, F)
-        spec[p + "mlp.w_down"] = (F, d)
+        if c.ffn_kinds[i] == "moe":
+            spec.update(moe_spec(c, p))
+        else:
+            spec[p + "mlp.w_gate"] = (d, F)
+            spec[p + "mlp.w_up"] = (d, F)
+            spec[p + "mlp.w_down"] = (F, d)
     spec["final_norm"] = (d,)
     if not c.tie_embeddings:
         spec["lm_head"] = (d, c.vocab)
@@ -157,7 +161,8 @@ def save_model(directory, name: str, config, weights: dict[str, np.ndarray], fmt
 # as a column view of the fused matrix. A fused matrix's columns may round differently from the
 # part's own product on some BLAS, never differently between rows or batches.
 FUSED = {"attn.wqkv": ("attn.wq", "attn.wk", "attn.wv"), "gdn.w_in": ("gdn.w_qkv", "gdn.w_z", "gdn.w_a", "gdn.w_b"),
-         "mlp.w_gate_up": ("mlp.w_gate", "mlp.w_up")}
+         "mlp.w_gate_up": ("mlp.w_gate", "mlp.w_up"), "moe.w_route": ("moe.router", "moe.shared_gate"),
+         "moe.shared.w_gate_up": ("moe.shared.w_gate", "moe.shared.w_up")}
 
 
 def fused_parts(names) -> dict[str, tuple[str, ...]]:
@@ -239,7 +244,8 @@ def storage_dtype(name: str, shape, dtype) -> np.dtype:
 # The matrices the trunk multiplies by (dspark.models.trunk's `linear` calls): on the numpy backend
 # with its native product they are laid out panel-major (dspark.ops.product.Panelled) in place of
 # the row-major array, the same bits, a verify's tiles reading w sequentially.
-PRODUCT_MATRICES = ("attn.wqkv", "attn.wo", "gdn.w_in", "gdn.wo", "mlp.w_gate_up", "mlp.w_down", "lm_head")
+PRODUCT_MATRICES = ("attn.wqkv", "attn.wo", "gdn.w_in", "gdn.wo", "mlp.w_gate_up", "mlp.w_down", "lm_head",
+                    "moe.router", "moe.w_route", "moe.shared.w_gate_up", "moe.shared.w_down")
 
 
 def _laid_out(be, name: str, arr):
@@ -260,8 +266,10 @@ def _trunk_layout(be, c: TrunkConfig, shapes: dict, make, progress=None) -> dict
     from ..ops.product import Panelled, PanelledColumns
     out, owned = {}, []
     done = progress or (lambda name: None)
-    groups = fused_parts(list(shapes))
-    grouped = {q for parts in groups.values() for q in parts}
+    experts = stacks(shapes)  # a MoE layer's experts: one [E, K, N] array per stack (dspark.models.moe)
+    stacked = {q for per_expert in experts.values() for parts in per_expert for q in parts}
+    groups = fused_parts([name for name in shapes if name not in stacked])
+    grouped = {q for parts in groups.values() for q in parts} | stacked
 
     def own(name, m):
         m = _laid_out(be, name, m)
@@ -273,6 +281,10 @@ def _trunk_layout(be, c: TrunkConfig, shapes: dict, make, progress=None) -> dict
         if isinstance(m, Fp8Matrix):
             return m.columns(at, width)
         return PanelledColumns(m, at, width) if isinstance(m, Panelled) else m[:, at : at + width]
+
+    def one_matrix(parts):  # an expert's slice: 16-bit or f32 (FP8 experts are refused at load)
+        (m,) = make(parts)
+        return m
     try:
         for name in shapes:
             if name not in grouped:
@@ -294,6 +306,9 @@ def _trunk_layout(be, c: TrunkConfig, shapes: dict, make, progress=None) -> dict
                 out[q] = view(runs[r], at - starts[r], width)
                 at += width
                 done(q)
+        stacks_out = stacked_layout(be, experts, shapes, one_matrix, done)
+        owned.extend(stacks_out[name] for name in experts)
+        out.update(stacks_out)
     except BaseException:
         for a in owned:
             be.alloc.free(a)

@@ -1,5 +1,5 @@
-"""Tiny random Qwen3 and Qwen3.5 models built and saved by transformers itself: the oracle of the
-Hugging Face target tests.
+"""Tiny random Qwen3 and Qwen3.5 models, dense and mixture-of-experts, built and saved by
+transformers itself: the oracle of the Hugging Face target tests.
 
 Each case is a transformers config plus how it is saved (dtype, shards, tied embeddings). The
 weights are redrawn at unit scale (transformers' 0.02 init gives logits so flat that greedy
@@ -26,13 +26,15 @@ def require_transformers():
 @dataclass(frozen=True)
 class Case:
     name: str
-    family: str                      # qwen3 | qwen3_5_text | qwen3_5 (with a vision tower)
+    family: str                      # qwen3 | qwen3_5_text | qwen3_5 (with a vision tower) | qwen3_moe |
+                                     # qwen3_5_moe_text | qwen3_5_moe (with a vision tower)
     config: dict = field(hash=False)
     dtype: str = "float32"           # dtype of the saved tensors
     shard: int | None = None         # save_pretrained(max_shard_size=...) in bytes
     seed: int = 0
     tied: bool = False               # tie_word_embeddings (qwen3_5: on the composite config only, the
                                      # flag transformers ties by; its text_config keeps False)
+    fused: bool = False              # MoE: the fused 3-D expert tensors (save_original_format=False)
 
     def __repr__(self):
         return self.name
@@ -95,15 +97,23 @@ QWEN3_8 = Case("qwen3_8-tiny", "qwen3_5_text", dict(
 
 def model_class(transformers, family: str):
     return {"qwen3": transformers.Qwen3ForCausalLM, "qwen3_5_text": transformers.Qwen3_5ForCausalLM,
-            "qwen3_5": transformers.Qwen3_5ForConditionalGeneration}[family]
+            "qwen3_5": transformers.Qwen3_5ForConditionalGeneration, "qwen3_moe": transformers.Qwen3MoeForCausalLM,
+            "qwen3_5_moe_text": transformers.Qwen3_5MoeForCausalLM,
+            "qwen3_5_moe": transformers.Qwen3_5MoeForConditionalGeneration}[family]
 
 
 def hf_config(transformers, case: Case):
-    if case.family == "qwen3":
-        return transformers.Qwen3Config(**case.config, tie_word_embeddings=case.tied)
-    if case.family == "qwen3_5_text":
-        return transformers.Qwen3_5TextConfig(**copy.deepcopy(case.config), tie_word_embeddings=case.tied)
-    return transformers.Qwen3_5Config(text_config=case.config, vision_config=VISION, tie_word_embeddings=case.tied)
+    flat = {"qwen3": transformers.Qwen3Config, "qwen3_5_text": transformers.Qwen3_5TextConfig,
+            "qwen3_moe": transformers.Qwen3MoeConfig, "qwen3_5_moe_text": transformers.Qwen3_5MoeTextConfig}
+    if case.family in flat:
+        return flat[case.family](**copy.deepcopy(case.config), tie_word_embeddings=case.tied)
+    composite = transformers.Qwen3_5Config if case.family == "qwen3_5" else transformers.Qwen3_5MoeConfig
+    return composite(text_config=case.config, vision_config=VISION, tie_word_embeddings=case.tied)
+
+
+def zero_centred(family: str) -> bool:
+    """Qwen3.5's RMSNorms scale by 1 + w; Qwen3's by w."""
+    return family not in ("qwen3", "qwen3_moe")
 
 
 def redraw(torch, model, zero_centred: bool) -> None:
@@ -128,10 +138,10 @@ def build(case: Case, directory) -> None:
     torch, transformers = require_transformers()
     torch.manual_seed(case.seed)
     model = model_class(transformers, case.family)(hf_config(transformers, case))
-    redraw(torch, model, case.family != "qwen3")
+    redraw(torch, model, zero_centred(case.family))
     model = model.to(getattr(torch, case.dtype)).eval()
     kw = {"max_shard_size": case.shard} if case.shard else {}
-    model.save_pretrained(directory, **kw)
+    model.save_pretrained(directory, **kw, **({"save_original_format": False} if case.fused else {}))
 
 
 def reference(case: Case, directory):
@@ -181,3 +191,30 @@ def save_tokenizer(d, texts) -> None:
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tok.train_from_iterator(list(texts) * 20 + ["import os\nimport sys\n"] * 20, trainer)
     transformers.PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>").save_pretrained(d)
+
+# Mixture-of-experts targets: 16 experts, top-4, both model types in both expert layouts (per expert,
+# save_pretrained's default; fused 3-D, save_original_format=False).
+MOE_SHAPE = dict(vocab_size=300, hidden_size=64, num_attention_heads=2, num_key_value_heads=1, head_dim=64,
+                 num_experts=16, num_experts_per_tok=4, moe_intermediate_size=32)
+QWEN3_MOE = [
+    # renormalized top-k, a dense layer among the sparse ones (mlp_only_layers), per-expert tensors
+    Case("qwen3_moe-renorm-mlp-only", "qwen3_moe", dict(MOE_SHAPE, num_hidden_layers=3, intermediate_size=96,
+                                                        norm_topk_prob=True, mlp_only_layers=[1]), seed=20),
+    # plain top-k probabilities (norm_topk_prob False), every other layer sparse, fused tensors, bf16
+    Case("qwen3_moe-sparse-step-fused-bf16", "qwen3_moe", dict(MOE_SHAPE, num_hidden_layers=4, intermediate_size=80,
+                                                               norm_topk_prob=False, decoder_sparse_step=2),
+         dtype="bfloat16", seed=21, fused=True),
+]
+QWEN35_MOE = [
+    # every layer sparse with its gated shared expert, fused tensors
+    Case("qwen3_5_moe-text-fused", "qwen3_5_moe_text", dict(
+        MOE_SHAPE, num_hidden_layers=4, shared_expert_intermediate_size=48, linear_num_key_heads=2,
+        linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16, layer_types=GDN_ATTN),
+        seed=22, fused=True),
+    # the multimodal checkpoint (vision tower skipped), per-expert tensors, bf16
+    Case("qwen3_5_moe-vision-bf16", "qwen3_5_moe", dict(
+        MOE_SHAPE, num_hidden_layers=3, shared_expert_intermediate_size=40, linear_num_key_heads=1,
+        linear_num_value_heads=2, linear_key_head_dim=32, linear_value_head_dim=32,
+        layer_types=["linear_attention", "linear_attention", "full_attention"]), dtype="bfloat16", seed=23),
+]
+MOE_CASES = QWEN3_MOE + QWEN35_MOE

@@ -84,13 +84,7 @@ FORMATS = list(formats(4))
 Z_LAB = ("dflash", "dflash2")
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    """Tiny torch forwards are many times faster on one thread on a shared CPU."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")
@@ -336,6 +330,8 @@ def test_rounds_equal_dflash_generate(world, case, name, monkeypatch):
 
 
 def check_rounds_equal_dflash_generate(w, name, monkeypatch):
+    """The z-lab drafter `name` of world w: dspark's session (verify="full") and dflash_generate emit
+    the same tokens, verify the same block and accept as many drafts, round by round."""
     theirs, accepted, blocks, hidden = run_dflash_generate(w, name, N + BLOCK + 1, monkeypatch)
     s, rounds = run_session(w.trunk, oracle(w, name), w.prompt, "full", monkeypatch)
     assert s.emitted == theirs[:N] == w.want[:N]

@@ -50,7 +50,7 @@ def test_bench_kernels_dry_run_lists_every_family():
 def test_bench_kernels_runs_under_the_cli():
     """`dspark bench kernels` runs the script with runpy: its sibling imports must still resolve."""
     out = ok(script("-m", "dspark", "bench", "kernels", "--dry-run")[0])
-    assert "benchmarks in 12 families" in out
+    assert "benchmarks in 13 families" in out
 
 
 def test_ncu_regexes_pick_the_verify_kernel_and_every_family():

@@ -1,18 +1,21 @@
 """Targets from Hugging Face checkpoints: qwen3 (dense attention) and qwen3_5 / qwen3_5_text
-(Gated-DeltaNet + gated attention), mapped onto the one trunk (TrunkConfig + our tensor names).
+(Gated-DeltaNet + gated attention), and their mixture-of-experts models qwen3_moe and qwen3_5_moe /
+qwen3_5_moe_text (dspark.models.hf.moe: the FFN kind per layer, the router, both expert layouts),
+mapped onto the one trunk (TrunkConfig + our tensor names).
 
 Config: `config_of` reads config.json (the text config nested under `text_config` for qwen3_5)
 into a TrunkConfig, with the end-of-sequence ids where transformers' generate() finds them
 (`eos_ids_of`: generation_config.json first). Every numeric convention is a field of it, set here
 per model_type, exactly as transformers' modeling_qwen3.py / modeling_qwen3_5.py compute:
 
-| convention | qwen3 | qwen3_5, qwen3_5_text |
+| convention | qwen3, qwen3_moe | qwen3_5, qwen3_5_text, qwen3_5_moe, qwen3_5_moe_text |
 |---|---|---|
 | RMSNorm weight | w | 1 + w (zero-centred), except the gdn output norm: w |
 | q/k RMSNorm per head before RoPE | yes | yes |
 | q_proj | [H*D, d] | [H*2D, d]: per head [q (D) | gate (D)]; output * sigmoid(gate) before o_proj |
 | RoPE | full head, rope_parameters | first int(D * partial_rotary_factor) dims (0.25) |
 | mixers | attention | layer_types: linear_attention -> gdn, full_attention -> attn |
+| FFN | MLP; qwen3_moe: MoE by layer (hf.moe) | MLP; the _moe types: MoE in every layer (hf.moe) |
 
 RoPE scaling: default, linear and yarn (dynamic and the others depend on more than the position
 and are refused). Qwen3.5's mrope (mrope_section, mrope_interleaved) is a no-op for text: the three
@@ -31,7 +34,8 @@ stored as F8_E4M3 keeps its bytes and `weight_scale_inv` block scales on the bac
 
 Refusals (one CheckpointError naming the config key or tensor, raised before anything is
 allocated on the backend, or, for an FP8 weight's NaN bytes, when that weight is read, with what
-was allocated before it freed): a mixture-of-experts config, a model_type not served, a feature the
+was allocated before it freed): a model_type not served, an expert count or top-k the config or the
+kernels cannot hold (hf.moe), a feature the
 trunk lacks (attention or MLP bias, sliding windows, an activation other than SiLU, a conv width
 other than 4), a missing, misshaped or unknown tensor, a tensor dtype other than f32/f16/bf16 (or
 e4m3 where the FP8 format allows it), a quantization other than block-scaled FP8 and every
@@ -55,13 +59,16 @@ from ...ops.linear import tensor_cores
 from ..config import TrunkConfig
 from ..weights import STORAGE, trunk_spec
 from .checkpoint import Checkpoint, CheckpointError
+from .moe import layer_table as moe_layer_table, moe_fields, unfuse
 from .quantization import F8, Fp8Format, check_linear, quantization_of
 
-SERVED = ("qwen3", "qwen3_5", "qwen3_5_text")
+SERVED = ("qwen3", "qwen3_5", "qwen3_5_text", "qwen3_moe", "qwen3_5_moe", "qwen3_5_moe_text")
+ATTENTION_ONLY = ("qwen3", "qwen3_moe")    # every layer full attention, Qwen3's conventions
+NESTED = ("qwen3_5", "qwen3_5_moe")        # the multimodal checkpoints: the text config under text_config
 DEFAULT_MAX_CTX = 4096           # cache rows per session unless load_target(max_ctx=) says otherwise
-SKIPPED = {"qwen3": (), "qwen3_5": ("model.visual.", "mtp."), "qwen3_5_text": ("mtp.",)}
+SKIPPED = {"qwen3": (), "qwen3_5": ("model.visual.", "mtp."), "qwen3_5_text": ("mtp.",), "qwen3_moe": (),
+           "qwen3_5_moe": ("model.visual.", "mtp."), "qwen3_5_moe_text": ("mtp.",)}
 MIXERS = {"linear_attention": "gdn", "full_attention": "attn"}
-EXPERT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_intermediate_size")
 
 # checkpoint name inside a decoder layer -> (our name inside layer i, layout)
 LAYER = {
@@ -133,14 +140,9 @@ class LoadReport:
 def text_config(config: dict) -> tuple[str, dict]:
     """(model_type, the text model's config) after the refusals that need only the config."""
     model_type = config.get("model_type")
-    text = config.get("text_config") if model_type == "qwen3_5" else config
+    text = config.get("text_config") if model_type in NESTED else config
     if not isinstance(text, dict):
         raise CheckpointError(f"config.json of model_type {model_type!r} has no text_config")
-    experts = [k for k in EXPERT_KEYS if (text.get(k) or 0) > 0]
-    if "moe" in str(model_type) or experts:
-        raise CheckpointError(f"model_type={model_type!r} is a mixture-of-experts model"
-                              + (f" ({experts[0]}={text[experts[0]]})" if experts else "")
-                              + ": dspark serves dense MLPs only")
     if model_type not in SERVED:
         raise CheckpointError(f"model_type={model_type!r}: dspark serves {', '.join(SERVED)}")
     for key, ok in (("hidden_act", "silu"), ("attention_bias", False), ("mlp_bias", False),
@@ -157,16 +159,17 @@ def layer_types(model_type: str, t: dict) -> tuple[str, ...]:
     n = int(t["num_hidden_layers"])
     types = t.get("layer_types")
     if types is None:
-        if model_type == "qwen3":
+        if model_type in ATTENTION_ONLY:
             return ("attn",) * n
         every = int(t.get("full_attention_interval", 4))  # transformers' default pattern
         return tuple("attn" if (i + 1) % every == 0 else "gdn" for i in range(n))
     if len(types) != n:
         raise CheckpointError(f"config layer_types has {len(types)} entries: expected num_hidden_layers={n}")
-    bad = [x for x in types if x not in MIXERS or (model_type == "qwen3" and x != "full_attention")]
+    dense = model_type in ATTENTION_ONLY
+    bad = [x for x in types if x not in MIXERS or (dense and x != "full_attention")]
     if bad:
         raise CheckpointError(f"config layer_types has {bad[0]!r}: dspark serves "
-                              f"{'full_attention' if model_type == 'qwen3' else ', '.join(MIXERS)}")
+                              f"{'full_attention' if dense else ', '.join(MIXERS)}")
     return tuple(MIXERS[x] for x in types)
 
 
@@ -179,7 +182,7 @@ def rope_of(model_type: str, t: dict) -> tuple[float, float, tuple]:
     if "type" in params and "rope_type" not in params:
         params["rope_type"] = params.pop("type")
     theta = float(params.get("rope_theta", t.get("rope_theta", 10000.0)))
-    default_fraction = 0.25 if model_type != "qwen3" else 1.0  # transformers' Qwen3.5 default
+    default_fraction = 1.0 if model_type in ATTENTION_ONLY else 0.25  # transformers' Qwen3.5 default
     fraction = float(params.get("partial_rotary_factor", t.get("partial_rotary_factor", default_fraction)))
     kind = params.get("rope_type", "default")
     if kind == "default":
@@ -222,8 +225,9 @@ def config_of(config: dict, max_ctx: int | None = None, tap_layers=None, generat
     """The TrunkConfig of a served config.json (raises CheckpointError otherwise); `generation`
     is generation_config.json where the directory has one (its end-of-sequence ids)."""
     model_type, t = text_config(config)
-    hybrid = model_type != "qwen3"
+    hybrid = model_type not in ATTENTION_ONLY
     layers = layer_types(model_type, t)
+    moe = moe_fields(model_type, t, len(layers))
     heads = int(t["num_attention_heads"])
     theta, fraction, scaling = rope_of(model_type, t)
     n = len(layers)
@@ -238,7 +242,9 @@ def config_of(config: dict, max_ctx: int | None = None, tap_layers=None, generat
             extra_eos_ids=eos[1:],
             mask_id=int(t["vocab_size"]) - 1,  # a placeholder id: a drafter format brings its own
             d_model=int(t["hidden_size"]),
-            mlp_hidden=int(t["intermediate_size"]),
+            # the dense MLP's width; a model with no dense layer (Qwen3.5-MoE) need not have one
+            mlp_hidden=int(t["intermediate_size"] if "mlp" in moe.get("ffn", ("mlp",)) else
+                           t.get("intermediate_size", 0)),
             layers=layers,
             attn_heads=heads,
             attn_kv_heads=int(t.get("num_key_value_heads") or heads),
@@ -258,6 +264,7 @@ def config_of(config: dict, max_ctx: int | None = None, tap_layers=None, generat
             rope_scaling=scaling,
             # qwen3_5's tie flag is the composite config's (transformers ties by it, not text_config's)
             tie_embeddings=bool(config.get("tie_word_embeddings", False)),
+            **moe,
         )
     except KeyError as e:
         raise CheckpointError(f"config.json of model_type {model_type!r} has no {e.args[0]!r}") from None
@@ -296,7 +303,9 @@ def tensor_map(c: TrunkConfig, prefix: str) -> dict[str, tuple[str, str]]:
     out = {prefix + k: v for k, v in TOP.items()}
     for i, kind in enumerate(c.layers):
         p = f"{prefix}layers.{i}."
-        for table in (LAYER, ATTN if kind == "attn" else GDN):
+        ffn = LAYER if c.ffn_kinds[i] == "mlp" else {**{k: v for k, v in LAYER.items() if not k.startswith("mlp.")},
+                                                     **moe_layer_table(c)}
+        for table in (ffn, ATTN if kind == "attn" else GDN):
             out.update({p + k: (f"layers.{i}.{ours}", how) for k, (ours, how) in table.items()})
     if not c.tie_embeddings:
         out["lm_head.weight"] = ("lm_head", "T")
@@ -325,8 +334,10 @@ def plan(ckpt: Checkpoint, config: TrunkConfig, model_type: str, fmt: Fp8Format 
     """(our name -> checkpoint name, layout and the FP8 scale's name or None, report) after checking
     every tensor's presence, name, shape and dtype (and an FP8 checkpoint's scales: quantization.py).
     Reads headers, and the scales."""
+    prefix = text_prefix(model_type, ckpt.tensors)
+    fused = unfuse(ckpt.tensors, config, prefix)  # fused 3-D expert tensors read as per-expert views
     names = set(ckpt.tensors)
-    wanted = tensor_map(config, text_prefix(model_type, names))
+    wanted = tensor_map(config, prefix)
     spec = trunk_spec(config)
     report = LoadReport(ckpt.path, model_type, {})
     rules = SKIPPED[model_type] + (("lm_head.",) if config.tie_embeddings else ())
@@ -352,6 +363,9 @@ def plan(ckpt: Checkpoint, config: TrunkConfig, model_type: str, fmt: Fp8Format 
                                   + (" (or F8_E4M3 with block scales)" if linear else "")
                                   + " (other quantized formats are not served)")
         scale = check_linear(ckpt, name, info, fmt, linear)
+        if scale is not None and ".moe." in ours:
+            raise CheckpointError(f"tensor {name!r} is an FP8 expert weight: dspark serves FP8 dense layers and "
+                                  "16-bit mixture-of-experts layers, not FP8 experts yet")
         if scale is not None:
             report.quantized.append(ours)
             sd = ckpt.tensors[scale].dtype
@@ -364,6 +378,8 @@ def plan(ckpt: Checkpoint, config: TrunkConfig, model_type: str, fmt: Fp8Format 
         report.quantization = fmt.describe()
     if "lm_head." in report.skipped:
         report.notes.append("tied embeddings: lm_head.weight ignored, the LM head is the embedding")
+    if fused:
+        report.notes.append(f"{fused} fused expert tensors read expert by expert")
     return where, report
 
 

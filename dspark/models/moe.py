@@ -1,0 +1,115 @@
+"""The sparse mixture-of-experts FFN: one more FFN kind of the one trunk, chosen per layer by
+TrunkConfig.ffn (Qwen3.5-MoE: every layer; Qwen3-MoE: by decoder_sparse_step and mlp_only_layers).
+
+A MoE layer's FFN, on the post-attention norm's output h [rows, d]:
+
+    logits  = h @ router                                  [rows, E] (the shared expert's gate beside it)
+    routing = top-k of softmax(logits), ties to the lower expert, weights renormalized over the k
+              where the model does (expert_renorm)
+    y_e     = SwiGLU expert e on the rows routed to it    (grouped: each expert's weights read once)
+    out     = sum of w_e y_e over the row's experts, in increasing expert id
+              + sigmoid(h @ shared_gate) * SwiGLU_shared(h)      (where the model has a shared expert)
+
+dspark.ops.moe holds the router, the grouped products and the combine. Every op is row-invariant,
+so a row's output is the same bits alone, in any batch, in a verify column or a decode step.
+
+Weights (our names, inside layer i): `moe.router` [d, E]; per expert e `moe.experts.{e}.w_gate`,
+`.w_up` [d, I] and `.w_down` [I, d]; the shared expert `moe.shared.w_gate`, `.w_up` [d, Is],
+`.w_down` [Is, d] and `moe.shared_gate` [d, 1]. On the backend each layer's experts are stacked
+(`stacks`): `moe.w_gate_up` [E, d, 2I] (each expert's [gate | up], as dspark.models.weights fuses
+a dense MLP's) and `moe.w_down` [E, I, d], every per-expert name a view of its slice; the router and
+the shared gate are one GEMM (`moe.w_route`, weights.FUSED), as are the shared expert's gate and up.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..errors import DTypeError
+from ..ops.activation import swiglu
+from ..ops.linear import linear
+from ..ops.moe import KERNEL_DTYPES, combine, grouped_linear, grouped_plan, grouped_rows, route
+from .config import TrunkConfig
+
+EXPERT_PARTS = ("w_gate", "w_up", "w_down")
+
+
+def moe_spec(c: TrunkConfig, p: str) -> dict[str, tuple[int, ...]]:
+    """Our tensors of one MoE layer (prefix p = "layers.{i}.") and their shapes."""
+    d, E, I, Is = c.d_model, c.experts, c.expert_hidden, c.shared_expert_hidden
+    spec = {p + "moe.router": (d, E)}
+    for e in range(E):
+        q = f"{p}moe.experts.{e}."
+        spec.update({q + "w_gate": (d, I), q + "w_up": (d, I), q + "w_down": (I, d)})
+    if Is:
+        spec.update({p + "moe.shared.w_gate": (d, Is), p + "moe.shared.w_up": (d, Is), p + "moe.shared.w_down": (Is, d),
+                     p + "moe.shared_gate": (d, 1)})
+    return spec
+
+
+def stacks(names) -> dict[str, list[tuple[str, ...]]]:
+    """Stacked name -> per expert, in increasing e, the tensors side by side in its slice: for every
+    MoE layer among `names`, `moe.w_gate_up` (w_gate, w_up) and `moe.w_down` (w_down)."""
+    experts: dict[str, int] = {}
+    for name in names:
+        head, sep, rest = name.partition(".moe.experts.")
+        if sep:
+            e = int(rest.split(".", 1)[0])
+            experts[head] = max(experts.get(head, -1), e)
+    out = {}
+    for head, last in experts.items():
+        q = [f"{head}.moe.experts.{e}." for e in range(last + 1)]
+        out[f"{head}.moe.w_gate_up"] = [(x + "w_gate", x + "w_up") for x in q]
+        out[f"{head}.moe.w_down"] = [(x + "w_down",) for x in q]
+    return out
+
+
+def stacked_layout(be, groups: dict, shapes: dict, make, done) -> dict:
+    """name -> backend array for the stacked experts: one [E, K, sum of widths] array per stack
+    (`make(parts)` gives one expert's slice on the backend, one at a time: a checkpoint is never
+    held whole), owned by 'weights', and every per-expert tensor a view of its columns."""
+    out = {}
+    for name, per_expert in groups.items():
+        first = make(per_expert[0])
+        dev = be.alloc.adopt(be.xp.empty((len(per_expert), *first.shape), first.dtype), "weights")
+        for e, parts in enumerate(per_expert):
+            dev[e] = first if e == 0 else make(parts)
+            at = 0
+            for q in parts:
+                width = shapes[q][1]
+                out[q] = dev[e, :, at : at + width]
+                at += width
+                done(q)
+        out[name] = dev
+    return out
+
+
+def require_expert_storage(be, dtype) -> None:
+    """The experts' storage dtype on `be`: any on numpy; float32 or bfloat16 on the kernel backends
+    (the grouped product's entries, csrc/moe.cu). Refused before anything is uploaded."""
+    if be.kernels is not None and np.dtype(dtype) not in KERNEL_DTYPES:
+        raise DTypeError(f"dtype={np.dtype(dtype)}: a mixture-of-experts trunk on {be.name!r} stores its matrices as "
+                         f"float32 or bfloat16 (the grouped expert product's kernels)")
+
+
+def moe_ffn(trunk, h, p: str, layer: int, ws):
+    """The MoE FFN of layer `layer` (prefix p) on h [rows, d] -> [rows, d] (the workspace's
+    "sublayer", what the residual add reads)."""
+    c, w, be = trunk.config, trunk.w, trunk.be
+    rows, d, E, k = h.shape[0], c.d_model, c.experts, c.expert_top_k
+    shared = c.shared_expert_hidden
+    router = w.get(p + "moe.w_route", w[p + "moe.router"])  # [router | shared gate] where both exist
+    logits = linear(be, h, router, out=ws.take("moe.logits", rows, (router.shape[1],)), ws=ws)
+    w_gate_up, w_down = w[p + "moe.w_gate_up"], w[p + "moe.w_down"]
+    plan = grouped_plan(rows, k, E, d, w_gate_up.shape[2], np.dtype(w_gate_up.dtype).itemsize)
+    r = route(be, logits, E, k, c.expert_renorm, plan.tile_rows, layer=layer, ws=ws)
+    gate_up = grouped_linear(be, h, w_gate_up, r, gather=True, name="moe.gate_up", ws=ws)
+    act = swiglu(be, gate_up, out=grouped_rows(be, ws, "moe.act", r.P, k, (c.expert_hidden,)))
+    y = grouped_linear(be, act, w_down, r, gather=False, name="moe.down", ws=ws)
+    shared_y = gate = None
+    if shared:
+        sg = linear(be, h, w[p + "moe.shared.w_gate_up"], out=ws.take("moe.shared.gate_up", rows, (2 * shared,)), ws=ws)
+        sa = swiglu(be, sg, out=ws.take("moe.shared.act", rows, (shared,)))
+        shared_y = linear(be, sa, w[p + "moe.shared.w_down"], out=ws.take("moe.shared.y", rows, (d,)), ws=ws)
+        gate = (logits, E)
+    return combine(be, y, r, shared=shared_y, gate=gate, out=ws.take("sublayer", rows, (d,)))

@@ -1,0 +1,222 @@
+"""moe: the router, the grouped expert product and the combine (csrc/moe.cu) on simt against their
+NumPy twins (dspark.ops.moe): the routing's ids and grouping exactly, its weights up to exp's last
+bit; ties to the lower expert in the kernel and in the twin; each grouped row bitwise the product
+(dspark.ops.linear) of its row by its expert; a row's block output the same bits alone and in
+batches of 2, 7 and 16 (numpy and simt); a verify of w rows reading each distinct expert once,
+counted from the plan's CTA-to-expert map against the twin's routing; bad input refused before
+anything is written."""
+
+import numpy as np
+import pytest
+
+from dspark.dtypes import BF16
+from dspark.errors import DTypeError, ShapeError
+from dspark.ops import moe
+from dspark.ops.activation import swiglu_ref
+from dspark.ops.linear import linear_mma_ref, linear_ref, mma_split_plan, split_plan
+from dspark.ops.product import product_ref
+from tests.conftest import poison
+
+# (rows, experts, top_k): one row, ragged lanes (37 experts), a prompt's rows, the kernels' widest
+ROUTES = [(1, 16, 4), (7, 37, 5), (33, 128, 8), (300, 16, 4), (9, 512, 32)]
+
+
+def routed(be, logits, k, renorm=True, tile_rows=16):
+    return moe.route(be, be.asarray(logits), logits.shape[1], k, renorm, tile_rows)
+
+
+@pytest.mark.parametrize("renorm", [True, False], ids=["renorm", "plain"])
+@pytest.mark.parametrize("rows,E,k", ROUTES, ids=[f"{r}x{e}k{k}" for r, e, k in ROUTES])
+def test_router_matches_its_twin(simt, rng, rows, E, k, renorm):
+    """Ids, pos, src, counts, offsets and the map exactly; weights within 1e-6 (exp's last bit, through
+    the sum and the divisions)."""
+    logits = (rng.standard_normal((rows, E)) * 3).astype(np.float32)
+    tile = 16 if rows > 100 else 4
+    r = routed(simt, logits, k, renorm, tile)
+    ids, w = moe.route_ref(logits, k, renorm)
+    g = moe.group_ref(ids, E, tile)
+    assert np.array_equal(r.ids, ids)
+    np.testing.assert_allclose(r.weights, w, rtol=1e-6, atol=0)
+    assert np.all(np.diff(ids, axis=1) > 0), "a row's entries go in increasing expert id"
+    for name in ("pos", "src", "counts", "offsets"):
+        assert np.array_equal(getattr(r, name), getattr(g, name)), name
+    assert list(r.stats) == [len(g.items), g.distinct]
+    assert np.array_equal(r.items[: len(g.items)], g.items)
+    if renorm:
+        np.testing.assert_allclose(w.sum(axis=1), 1, rtol=1e-6)
+
+
+def tie_rows(E):
+    """Router rows whose top values tie: everything equal; three equal maxima across lanes (3, 35,
+    67 share lane 3); equal values straddling the k-th place; a tie at the k-th place only."""
+    rows = np.zeros((4, E), np.float32)
+    rows[1, [3, 35, 67]] = 2.0
+    rows[2, [1, 2]] = 3.0
+    rows[2, [40, 9, 70, 5]] = 1.0
+    rows[3] = np.linspace(-1, 0, E, dtype=np.float32)
+    rows[3, [50, 20]] = 0.5
+    rows[3, [60, 30]] = 0.25
+    return rows
+
+
+def test_router_ties_pick_the_lower_index(simt):
+    """Equal probabilities go to the lower expert index, in the kernel and in the twin."""
+    E, k = 80, 4
+    logits = tie_rows(E)
+    want = [[0, 1, 2, 3], [3, 35, 67, 0], [1, 2, 5, 9], [20, 30, 50, 60]]
+    ids, _ = moe.route_ref(logits, k, True)
+    assert [sorted(r) for r in ids.tolist()] == [sorted(r) for r in want]
+    r = routed(simt, logits, k)
+    assert np.array_equal(r.ids, ids)
+
+
+def experts(rng, E, K, N, dtype):
+    return (rng.standard_normal((E, K, N)) / np.sqrt(K)).astype(dtype)
+
+
+def product_of(x, w):
+    """The product (dspark.ops.linear's kernels' twins) of rows x by one expert's w [K, N]."""
+    K, N = w.shape
+    if w.dtype == np.float32:
+        return linear_ref(x, w, split_plan(K, N)[1])
+    return linear_mma_ref(x, w, mma_split_plan(K, N)[1])
+
+
+# (rows, E, K, N): one row, a few, an expert with more rows than a tensor-core tile (17+: BM 128) over
+# two column tiles, and K in two chunks (split mode: partials and the last CTA's fold per item)
+@pytest.mark.parametrize("gather", [True, False], ids=["gathered", "grouped"])
+@pytest.mark.parametrize("dtype", [np.float32, BF16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("rows,E,K,N", [(1, 16, 37, 70), (7, 16, 64, 40), (20, 19, 40, 264), (2, 16, 600, 24)])
+def test_grouped_rows_are_the_product_by_their_expert(simt, rng, rows, E, K, N, dtype, gather):
+    k = 4
+    logits = rng.standard_normal((rows, E)).astype(np.float32)
+    plan = moe.grouped_plan(rows, k, E, K, N, np.dtype(dtype).itemsize)
+    r = routed(simt, logits, k, tile_rows=plan.tile_rows)
+    x = rng.standard_normal((rows if gather else rows * k, K)).astype(np.float32)
+    w = experts(rng, E, K, N, dtype)
+    out = poison(np, (rows * k, N), np.float32)
+    moe.grouped_linear(simt, x, w, r, gather=gather, out=out)
+    g = r.grouping or moe.group_ref(r.ids, E, plan.tile_rows)
+    for e in np.flatnonzero(g.counts):
+        at = g.rows_of(e)
+        assert np.array_equal(out[at], product_of(x[g.src[at]] if gather else x[at], w[e])), f"expert {e}"
+
+
+def block(be, h, router, w_gate_up, w_down, k, shared):
+    """One MoE block through the ops, for a backend whose arrays are host arrays (numpy, simt): the
+    router's logits (and the shared expert's gate beside them) and the SwiGLU by their row-invariant
+    NumPy twins, so that only moe.cu's kernels run; `shared` the shared expert's output."""
+    E = w_gate_up.shape[0]
+    src = product_ref(h, router)  # [rows, E + 1]: the router's logits, then the shared expert's gate
+    plan = moe.grouped_plan(h.shape[0], k, E, h.shape[1], w_gate_up.shape[2], w_gate_up.dtype.itemsize)
+    r = moe.route(be, src, E, k, True, plan.tile_rows)
+    act = swiglu_ref(moe.grouped_linear(be, h, w_gate_up, r, gather=True))
+    y = moe.grouped_linear(be, np.ascontiguousarray(act), w_down, r, gather=False)
+    return moe.combine(be, y, r, shared=shared, gate=(src, E))
+
+
+def batch_around(rng, row, n, lead=None):
+    """n rows holding `row`: the others near it (routed to its experts) and `row` at a random place;
+    or, given `lead` (a row routed to the highest of row's experts), `lead` first, rows anywhere
+    (mostly routed to others) and `row` last: the batch reaches row's experts in another order than
+    row alone does (what a combine in arrival order would show)."""
+    d = row.shape[0]
+    if lead is None:
+        at = int(rng.integers(0, n))
+        return np.insert((row + 0.01 * rng.standard_normal((n - 1, d))).astype(np.float32), at, row, axis=0), at
+    others = rng.standard_normal((n - 1, d)).astype(np.float32)
+    others[0] = lead
+    return np.concatenate([others, row[None]]).astype(np.float32), n - 1
+
+
+@pytest.mark.parametrize("backend,dtype", [("numpy_backend", np.float32), ("simt", np.float32), ("simt", BF16)],
+                         ids=["numpy", "simt-f32", "simt-bf16"])
+def test_a_rows_output_is_the_same_bits_alone_and_in_any_batch(request, rng, backend, dtype):
+    """A row's MoE output alone equals the same row in batches of 2, 7 and 16 whose other rows are
+    routed to its own experts and to others (the shared expert's gate and output included)."""
+    be = request.getfixturevalue(backend)
+    d, E, I, k = 48, 16, 24, 4
+    router = rng.standard_normal((d, E + 1)).astype(np.float32)
+    wgu, wd = experts(rng, E, d, 2 * I, dtype), experts(rng, E, I, d, dtype)
+    row = rng.standard_normal((1, d)).astype(np.float32)
+    alone = block(be, row, router, wgu, wd, k, np.tanh(row))  # tanh: any per-row shared output
+    mine = moe.route_ref(product_ref(row, router)[:, :E], k, True)[0][0]
+    lead = 3 * router[:, mine[-1]]  # its logits peak at row's highest expert
+    for n in (2, 7, 16):
+        for same in (True, False):
+            h, at = batch_around(rng, row[0], n, None if same else lead)
+            got = block(be, h, router, wgu, wd, k, np.tanh(h))
+            assert np.array_equal(got[at], alone[0]), (n, same)
+            routes = moe.route_ref(product_ref(h, router)[:, :E], k, True)[0]
+            shared_experts = [len(set(mine) & set(r)) for i, r in enumerate(routes) if i != at]
+            assert (max(shared_experts) == k) if same else (min(shared_experts) < k), shared_experts
+            if not same:
+                assert mine[-1] in routes[0] and not set(mine[:-1]) <= set(routes[0]), (mine, routes[0])
+
+
+@pytest.mark.parametrize("backend", ["numpy_backend", "simt"], ids=["numpy", "simt"])
+def test_combine_matches_its_twin(request, rng, backend):
+    """The kernel bitwise without the shared expert, with it up to the gate's exp; the numpy
+    backend's expert-by-expert loop bitwise with both."""
+    be = request.getfixturevalue(backend)
+    rows, k, N, E = 9, 4, 50, 16
+    r = routed(be, rng.standard_normal((rows, E)).astype(np.float32), k)
+    y = rng.standard_normal((rows * k, N)).astype(np.float32)
+    assert np.array_equal(moe.combine(be, y, r), moe.combine_ref(y, r.pos, r.weights))
+    shared = rng.standard_normal((rows, N)).astype(np.float32)
+    src = rng.standard_normal((rows, E + 1)).astype(np.float32)
+    got = moe.combine(be, y, r, shared=shared, gate=(src, E))
+    want = moe.combine_ref(y, r.pos, r.weights, shared, src[:, E])
+    if be.kernels is None:
+        assert np.array_equal(got, want)
+    else:
+        np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("itemsize", [4, 2], ids=["f32", "bf16"])
+@pytest.mark.parametrize("w", [1, 4, 8, 16])
+def test_a_verify_reads_each_distinct_expert_once(simt, rng, w, itemsize):
+    """Counted from the plan's CTA-to-expert map for the twin's routing of w verify rows: every
+    distinct expert's weights are read once in all (the union of the rows' experts), and the
+    router kernel's map is that map."""
+    E, k, K, N = 64, 8, 256, 192
+    logits = rng.standard_normal((w, E)).astype(np.float32)
+    plan = moe.grouped_plan(w, k, E, K, N, itemsize)
+    ids, _ = moe.route_ref(logits, k, True)
+    g = moe.group_ref(ids, E, plan.tile_rows)
+    per_expert = plan.expert_bytes(g)
+    assert set(per_expert) == set(np.unique(ids).tolist())
+    assert all(b == K * N * itemsize for b in per_expert.values()), per_expert
+    assert sum(c["w_bytes"] for c in plan.ctas(g)) == g.distinct * K * N * itemsize
+    assert len(g.items) <= plan.items
+    r = routed(simt, logits, k, tile_rows=plan.tile_rows)
+    assert np.array_equal(r.items[: int(r.stats[0])], g.items) and int(r.stats[1]) == g.distinct
+
+
+def test_bad_input_is_refused_before_anything_is_written(simt, rng):
+    rows, E, k = 5, 16, 4
+    logits = rng.standard_normal((rows, E)).astype(np.float32)
+    with pytest.raises(ShapeError, match=r"top_k=17: expected 1 to min\(experts=16, 32\)"):
+        moe.route(simt, logits, E, 17, True, 16)
+    with pytest.raises(ShapeError, match="experts=20: expected 1 to min"):
+        moe.route(simt, logits, 20, k, True, 16)
+    r = routed(simt, logits, k)
+    x, w = rng.standard_normal((rows, 32)).astype(np.float32), experts(rng, E, 32, 24, np.float32)
+    out = poison(np, (rows * k, 24), np.float32)
+    before = out.copy()
+    with pytest.raises(ShapeError, match="w has 8 experts: the routing has 16"):
+        moe.grouped_linear(simt, x, w[:8], r, gather=True, out=out)
+    with pytest.raises(ShapeError, match=r"x has shape \(5, 32\): expected \(20, 32\) \(the grouped rows\)"):
+        moe.grouped_linear(simt, x, w, r, gather=False, out=out)
+    with pytest.raises(DTypeError, match="the grouped product's kernels take float32 or bfloat16"):
+        moe.grouped_linear(simt, x, w.astype(np.float16), r, gather=True, out=out)
+    assert np.array_equal(out, before, equal_nan=True)
+
+
+def test_the_plan_splits_k_by_k_and_n_alone():
+    """The grouped product's K split is the product's (from K and N), whatever the rows; a K of two
+    chunks runs one CTA per chunk while the worst-case CTAs are few."""
+    for itemsize in (4, 2):
+        plans = [moe.grouped_plan(rows, 8, 64, 600, 24, itemsize) for rows in (1, 5, 16, 17, 300)]
+        assert len({(p.splits, p.kchunk) for p in plans}) == 1 and plans[0].splits == 2
+        assert plans[0].grid_splits == 2
