@@ -503,9 +503,12 @@ def rowsplit_kernel(phase, plan, dev: Device) -> Kernel:
         kernels.append(planned(phase, plan.op, "other", even(share, launch.ctas), flops * launch.ctas / plan.ctas,
                                launch.threads, launch.shared_mem, dev, entry))
     t = sum(k.time for k in kernels)
+    # its launches run one after another: each limiter (and the floor) of the reduction is theirs added
+    limits = {lim: sum(k.limits[lim] for k in kernels) for lim in LIMITERS}
     return Kernel(phase, plan.op, "other", int(plan.bytes), int(flops), plan.ctas, max(k.waves for k in kernels), t,
                   len(plan.launches), plan.min_bytes, kernels[0].entry, sum(k.f32_instr for k in kernels), 0.0,
-                  min(k.per_sm for k in kernels))
+                  min(k.per_sm for k in kernels), limits, sum(k.wavefronts for k in kernels),
+                  sum(k.ideal_wavefronts for k in kernels), all(k.smem_counted for k in kernels))
 
 
 def commit_kernel(phase, name, B, layers, keep, row_bytes, dev: Device, kind="kv") -> Kernel:

@@ -15,8 +15,8 @@ share of it, as the SM's limiters do):
            by the launch's units (CTAs, key tiles, merges, mma.sync, bytes)
   tensor   mma.sync m16n8k16 instructions (whole tiles, as executed) at the mma.sync ceiling
   issue    warp-instructions at four per SM clock: the main loop's SASS per iteration
-           (profiling/sass.py: the shortest path through one iteration that issues all its MMAs,
-           plus the cp.async issue loops as often as simt counts their copies) times the loop's
+           (profiling/sass.py: the shortest path through one iteration that issues all its MMAs;
+           a loop written for more m-tiles than the launch runs, that share of it) times the loop's
            iterations; kernels whose loop trips the model does not know: their f32 arithmetic as
            the PTX has it (a floor: loads, integer and control instructions not counted)
   latency  where one CTA per SM leaves nothing to overlap: a DRAM round trip per wave, and each
@@ -279,12 +279,22 @@ class Work:
 
 def makespan(per_cta: np.ndarray, slots: int) -> float:
     """Seconds to run CTAs of per_cta seconds each (at their slot's rate) on `slots` slots, longest
-    first onto the slot that frees first."""
+    first onto the slot that frees first (for many CTAs, wave by wave in a snake order, which is
+    what that greedy order gives for sorted CTAs within a CTA's time)."""
     loads = np.sort(np.asarray(per_cta, np.float64))[::-1]
     if loads.size == 0:
         return 0.0
     if loads.size <= slots:
         return float(loads[0])
+    if loads[0] == loads[-1]:
+        return float(loads[0]) * math.ceil(loads.size / slots)
+    if loads.size > 16 * slots:
+        waves = -(-loads.size // slots)
+        grid = np.zeros(waves * slots)
+        grid[:loads.size] = loads
+        grid = grid.reshape(waves, slots)
+        grid[1::2] = grid[1::2, ::-1]
+        return float(grid.sum(axis=0).max())
     heap = [0.0] * slots
     for t in loads:
         heapq.heappush(heap, heapq.heappop(heap) + float(t))
@@ -329,14 +339,19 @@ def price(w: Work, dev: Device) -> Priced:
     warps = -(-w.threads // 32)
     wf, ideal, counted = smem_per_cta(w.entry, w.units, n)
     f32_instr = f32_flops / code.flops_per_instruction          # lane-instructions per CTA
-    looped = bool(iters.any())
-    if looped:  # the main loop's SASS (profiling/sass.py), per warp
-        s = sass.issue(w.entry)
+    try:  # the main loop's SASS (profiling/sass.py), per warp; without cuobjdump, the f32 floor alone
+        s = sass.issue(w.entry) if iters.any() else None
+    except FileNotFoundError:
+        s = None
+    if s is not None:
         copies = cp_async_per_cta(w.entry, w.units, n) / warps / np.maximum(iters, 1)  # per warp per iteration
-        per_iter = s.path + np.maximum(copies - s.path_copies, 0.0) * s.per_copy
-        floor_instr = warps * iters * s.floor_path
+        # a loop written for more m-tiles than the launch runs (a decode's attention: one of four) issues
+        # that share of its path: the MMAs the plan counts over those the loop holds
+        used = np.clip(mma / warps / np.maximum(iters, 1) / s.mmas, 0.0, 1.0) if s.mmas else np.ones(n)
+        per_iter = s.path * used + np.maximum(copies - s.path_copies, 0.0) * s.per_copy
+        floor_instr = warps * iters * s.floor_path * used
         instr = warps * (iters * per_iter + s.outside_path)
-        serial = iters * np.maximum(per_iter - s.in_mma_stretches, 0.0) / dev.clock   # one warp alone on its scheduler
+        serial = iters * np.maximum(per_iter - s.in_mma_stretches * used, 0.0) / dev.clock   # one warp per scheduler
         drains = iters * s.barriers * dev.barrier_cycles / dev.clock
         asynchronous = s.copies > 0
     else:

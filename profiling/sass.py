@@ -201,8 +201,17 @@ def loops(instrs: list[Instr]) -> list[Loop]:
 
 @functools.lru_cache(maxsize=None)
 def family_sass(cubin_path: str) -> dict[str, list[Instr]]:
+    """Every entry's instructions of one cubin, disassembled once and kept beside it (`.sass.json`)."""
+    import json
+    cached = Path(cubin_path).with_suffix(".sass.json")
+    if cached.is_file():
+        return {e: [Instr(*i) for i in instrs] for e, instrs in json.loads(cached.read_text()).items()}
     r = subprocess.run([cuobjdump(), "-sass", cubin_path], capture_output=True, text=True, check=True)
-    return parse(r.stdout)
+    out = parse(r.stdout)
+    tmp = cached.with_name(f"{cached.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps({e: [dataclasses.astuple(i) for i in instrs] for e, instrs in out.items()}))
+    os.replace(tmp, cached)
+    return out
 
 
 @functools.lru_cache(maxsize=None)
@@ -238,6 +247,7 @@ class Issue:
     outside_path: int
     barriers: int
     static: int           # every instruction of the loop, inner loops once (both sides of each branch)
+    mmas: int = 0         # HMMA on the path: all the loop has (m-tiles a launch may leave out included)
 
 
 STRETCH = 24
@@ -278,7 +288,7 @@ def issue(entry: str, arch: str = "sm_90") -> Issue:
     outside = sum(1 for i in body if not main.start <= i.addr <= main.end)
     return Issue(entry, anchor, n, floor, sum(1 for a in path if kinds[a] == "ldgsts"), per_copy,
                  sum(1 for i in body if main.start <= i.addr <= main.end and i.kind == "ldgsts"), stretch, outside,
-                 sum(1 for a in path if kinds[a] == "bar"), main.instructions)
+                 sum(1 for a in path if kinds[a] == "bar"), main.instructions, len(mmas))
 
 
 def main(argv=None) -> int:

@@ -70,13 +70,19 @@ def test_shared_memory_wavefronts_bind_at_one_per_sm_clock():
 
 
 def test_instructions_bind_at_four_per_sm_clock():
-    """linear_mma's K loop as its SASS issues it (the shortest path that issues its MMAs), 10,000
-    iterations a CTA and no MMA counted: warps x iterations x that path at four per SM clock."""
-    entry = "linear_mma_bf16_m16"
+    """The f32 split attention's key-tile loop as its SASS issues it (the shortest path through an
+    iteration: a floor), 10,000 iterations a CTA of 8 warps, as many CTAs as the SMs hold at once
+    (so no barrier drains: other CTAs overlap them): warps x iterations x that path at four per SM
+    clock, shared by the CTAs of an SM."""
+    from dspark.ops.attention import shared_mem_bytes
+    entry = "attention_f32_d64"
     s = sass.issue(entry)
-    from dspark.ops.linear import mma_shared_mem
-    p = priced(entry, smem=mma_shared_mem(16), dram=np.full(132, 1e3), iterations=1e4)
-    want = 4 * 1e4 * s.floor_path / (DEV.issue_per_sm * DEV.clock)
+    code = pricing.compiled(entry, DEV)
+    smem = shared_mem_bytes(4, 64)
+    per_sm = pricing.resident(256, smem + code.static_smem, code.registers, DEV)
+    assert s.anchor == "fp32" and s.mmas == 0 and per_sm > 1
+    p = priced(entry, threads=256, smem=smem, dram=np.full(132 * per_sm, 1e3), iterations=1e4)
+    want = 8 * 1e4 * s.floor_path / (DEV.issue_per_sm * DEV.clock / per_sm)
     assert p.bound == "issue" and p.floor == pytest.approx(want, rel=1e-6) and p.expected >= p.floor
 
 

@@ -36,7 +36,7 @@ def rows_of(text: str, first: str, has: str = "") -> list[list[str]]:
     start = next(i for i, line in enumerate(lines) if line.startswith(first) and has in line)
     out = []
     for line in lines[start + 1:]:
-        if not line.strip() or line.startswith(("attn of copy", "recurrent")):
+        if not line.strip() or line.startswith(("attn of copy", "recurrent", "floor:")):
             break
         out.append(re.split(r"\s{2,}", line.strip()))
     return out
@@ -185,13 +185,14 @@ def attention_flops(tokens: int) -> int:
 def test_the_floor_is_the_hand_counted_flops_at_the_ceiling(tokens):
     """The GEMMs' and the attention's tensor-pipe limiter over a prompt of `tokens` (passes of 8192)
     is their FLOPs counted by hand at the mma.sync ceiling: at least that, and above it only by the
-    tiles' padding (whole 128-column tiles of gdn's 16,480 outputs, whole 64 x 64 attention tiles on
-    the causal diagonal) and the waves; every one of their floors is at least its tensor limiter."""
+    tiles' padding (whole 128-column tiles of gdn's 16,480 outputs; attention CTAs of 64 items that
+    hold 10 rows of 6 heads, whole 64-key tiles on the causal diagonal) and the last wave's quantisation (7,168 CTAs of q|k|v on 132 SMs: 54.3
+    waves); every one of their floors is at least its tensor limiter."""
     dev = pm.H200
     pr = pm.prompt(pm.shapes()["qwen3.5-27b"], tokens, dev)
     gemms = [k for k in pr.kernels if k.kind == "weights" and "lm head" not in k.name]
     attn = [k for k in pr.kernels if k.name.startswith("attention_prompt")]
-    for ks, flops, slack in ((gemms, gemm_flops(tokens), 0.01), (attn, attention_flops(tokens), 0.03)):
+    for ks, flops, slack in ((gemms, gemm_flops(tokens), 0.02), (attn, attention_flops(tokens), 0.10)):
         tensor = sum(k.limits["tensor"] for k in ks)
         assert flops / dev.mma_sync <= tensor <= (1 + slack) * flops / dev.mma_sync, (tensor, flops / dev.mma_sync)
         assert all(k.floor >= k.limits["tensor"] for k in ks)
@@ -260,7 +261,7 @@ def test_no_kernel_beats_its_issue_or_bandwidth_bound(model, batch, context):
         issue = max(instructions / dev.f32_issue, k.mma_flops / dev.mma_sync)
         assert k.time >= issue * (1 - 1e-9), f"{k.name}: {k.time * 1e6:.1f} us beats its issue bound {issue * 1e6:.1f}"
         assert k.time >= k.bytes / dev.bw * (1 - 1e-9), f"{k.name}: priced under its DRAM bytes"
-        assert k.limits["dram"] == pytest.approx(k.bytes / dev.bw, rel=1e-9), k.name
+        assert k.limits["dram"] == pytest.approx(k.bytes / dev.bw, rel=1e-4), k.name  # bytes: whole per layer
         assert (k.issue_bound(dev), k.bandwidth_bound(dev)) == pytest.approx((issue, k.bytes / dev.bw))
 
 
