@@ -84,41 +84,51 @@ class Loop:
         return sum(self.issued.values())
 
 
-def shortest_path(instrs: list[Instr], start: int, end: int, inner: list[tuple[int, int]],
-                  must: frozenset = frozenset()) -> tuple[int, list[int]]:
-    """(instructions, their addresses) on a path of one iteration of the loop [start, end]: from
-    its first instruction to its back edge, forward branches taken or not, each inner loop [s, e]
-    entered at s, run once and left after e (paths that leave the loop do not count). Of the paths
-    that issue the most instructions at addresses in `must` (the work the iteration does), the one
-    that issues the fewest instructions (NOPs not counted): guards of work are passed, alternatives
-    without it skipped, of two alternatives with as much work the shorter taken."""
+def _steps(body: list[Instr], index: dict, skip: dict, end: int, n: int) -> list[tuple[int, int]]:
+    """(where to, the last instruction issued on the way) of each way on from body[n] in one
+    iteration of the loop ending at `end`: an inner loop entered at n runs once and is left after
+    its back edge; the loop's own back edge ends the iteration (len(body)); a forward branch inside
+    the loop may go to its target; anything but an unconditional branch or an exit falls through."""
+    if n in skip:
+        return [(skip[n] + 1, skip[n])]
+    ins = body[n]
+    if ins.addr == end:
+        return [(len(body), n)]
+    out = []
+    if ins.target is not None and ins.target > ins.addr and ins.target in index:
+        out.append((index[ins.target], n))
+    if (ins.target is None or ins.predicated or ins.opcode != "BRA") and ins.opcode != "EXIT":
+        out.append((n + 1, n))
+    return out
+
+
+def _loop_body(instrs: list[Instr], start: int, end: int, inner: list[tuple[int, int]]):
     body = [i for i in instrs if start <= i.addr <= end]
     index = {i.addr: n for n, i in enumerate(body)}
     cost = [0 if i.opcode == "NOP" else 1 for i in body]
-    work = [1 if i.addr in must else 0 for i in body]
     skip = {index[s]: index[e] for s, e in inner if s in index and e in index}
+    return body, index, cost, skip
+
+
+def shortest_path(instrs: list[Instr], start: int, end: int, inner: list[tuple[int, int]],
+                  must: frozenset = frozenset()) -> tuple[int, list[int]]:
+    """(instructions, their addresses) on a path of one iteration of the loop [start, end] (_steps;
+    paths that leave the loop do not count). Of the paths that issue the most instructions at
+    addresses in `must` (the work the iteration does), the one that issues the fewest instructions
+    (NOPs not counted): guards of work are passed, alternatives without it skipped, of two
+    alternatives with as much work the shorter taken."""
+    body, index, cost, skip = _loop_body(instrs, start, end, inner)
+    work = [1 if i.addr in must else 0 for i in body]
     none = (-1, 0)
     best, prev = [none] * (len(body) + 1), [-1] * (len(body) + 1)   # (work covered, -instructions)
     best[0] = (0, 0)
-
-    def relax(src: int, dst: int, value: tuple[int, int]) -> None:
-        if value > best[dst]:
-            best[dst], prev[dst] = value, src
-    for n, ins in enumerate(body):
+    for n in range(len(body)):
         if best[n] == none:
             continue
-        if n in skip:
-            e = skip[n]
-            relax(n, e + 1, (best[n][0] + sum(work[n:e + 1]), best[n][1] - sum(cost[n:e + 1])))
-            continue
-        here = (best[n][0] + work[n], best[n][1] - cost[n])
-        if ins.addr == end:
-            relax(n, len(body), here)
-            continue
-        if ins.target is not None and start <= ins.target <= end and ins.target > ins.addr and ins.target in index:
-            relax(n, index[ins.target], here)
-        if (ins.target is None or ins.predicated or ins.opcode != "BRA") and ins.opcode != "EXIT":
-            relax(n, n + 1, here)
+        for dst, last in _steps(body, index, skip, end, n):
+            value = (best[n][0] + sum(work[n:last + 1]), best[n][1] - sum(cost[n:last + 1]))
+            if value > best[dst]:
+                best[dst], prev[dst] = value, n
     if best[-1] == none:
         return sum(cost), [i.addr for i in body]
     path, n = [], len(body)
@@ -135,33 +145,19 @@ def shortest_floor(instrs: list[Instr], start: int, end: int, inner: list[tuple[
                    must: frozenset) -> int:
     """Instructions on the shortest path of one iteration that issues every instruction in `must`
     (a floor of what an iteration that does that work issues); without such a path, the shortest."""
-    body = [i for i in instrs if start <= i.addr <= end]
-    index = {i.addr: n for n, i in enumerate(body)}
-    cost = [0 if i.opcode == "NOP" else 1 for i in body]
+    body, index, cost, skip = _loop_body(instrs, start, end, inner)
     req = sorted(index[a] for a in must if a in index)
-    skip = {index[s]: index[e] for s, e in inner if s in index and e in index}
     for required in (req, []):
         inf = float("inf")
         best = [inf] * (len(body) + 1)
         best[0] = 0
-
-        def relax(src: int, dst: int, c: float) -> None:
-            if c < best[dst] and not any(src < r < dst for r in required):
-                best[dst] = c
-        for n, ins in enumerate(body):
+        for n in range(len(body)):
             if best[n] == inf:
                 continue
-            if n in skip:
-                relax(n, skip[n] + 1, best[n] + sum(cost[n:skip[n] + 1]))
-                continue
-            here = best[n] + cost[n]
-            if ins.addr == end:
-                relax(n, len(body), here)
-                continue
-            if ins.target is not None and start <= ins.target <= end and ins.target > ins.addr and ins.target in index:
-                relax(n, index[ins.target], here)
-            if (ins.target is None or ins.predicated or ins.opcode != "BRA") and ins.opcode != "EXIT":
-                relax(n, n + 1, here)
+            for dst, last in _steps(body, index, skip, end, n):
+                c = best[n] + sum(cost[n:last + 1])
+                if c < best[dst] and not any(n < r < dst for r in required):
+                    best[dst] = c
         if best[-1] != inf:
             return int(best[-1])
     return sum(cost)
