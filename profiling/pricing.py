@@ -162,11 +162,15 @@ class Compiled:
 _F32_OP = re.compile(r"^\s*(fma|mul|add|sub)(?:\.r[nzmp])?(?:\.ftz)?(?:\.sat)?\.f32\s", re.M)
 
 
+@functools.lru_cache(maxsize=64)
+def _entry_bodies(ptx: str) -> tuple[str, ...]:
+    return tuple(re.split(r"^\.(?:visible|weak)\s+\.entry\s+", ptx, flags=re.M)[1:])
+
+
 def f32_mix(ptx: str, entry: str) -> tuple[int, int]:
     """(fma, mul + add + sub) f32 instructions in the body of `entry` in PTX text (device
     functions are inlined into it)."""
-    bodies = re.split(r"^\.(?:visible|weak)\s+\.entry\s+", ptx, flags=re.M)
-    body = next((b for b in bodies[1:] if b.startswith(entry + "(")), None)
+    body = next((b for b in _entry_bodies(ptx) if b.startswith(entry + "(")), None)
     if body is None:
         raise LookupError(f"no entry {entry} in the PTX")
     ops = _F32_OP.findall(body)

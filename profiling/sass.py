@@ -213,9 +213,9 @@ def family_sass(cubin_path: str) -> dict[str, list[Instr]]:
 @functools.lru_cache(maxsize=None)
 def entry_sass(entry: str, arch: str = "sm_90") -> list[Instr]:
     """The SASS of one entry point, from its family's cubin as dspark builds it."""
-    from dspark.kernel_sources import kernel_files, scan
+    from dspark.kernel_sources import kernel_files, load_json
     from dspark.toolchain import family_cubin
-    table = scan()
+    table = load_json()   # the signature table the build wrote (a test keeps it equal to the sources)
     if entry not in table:
         raise LookupError(f"no kernel entry {entry!r} in csrc/")
     source = next(f for f in kernel_files() if f.name == table[entry].source)
@@ -263,15 +263,16 @@ def issue(entry: str, arch: str = "sm_90") -> Issue:
     inner = [(lp.start, lp.end) for lp in ls if main.start <= lp.start and lp.end <= main.end and lp != main]
     outer_inner = [(s, e) for s, e in inner if not any(s2 <= s and e <= e2 and (s2, e2) != (s, e) for s2, e2 in inner)]
     in_inner = lambda a: any(s <= a <= e for s, e in outer_inner)  # noqa: E731
-    must = frozenset(i.addr for i in body if main.start <= i.addr <= main.end and i.kind in WORK and not in_inner(i.addr))
+    loop = [i for i in body if main.start <= i.addr <= main.end]
+    must = frozenset(i.addr for i in loop if i.kind in WORK and not in_inner(i.addr))
     n, path = shortest_path(instrs, main.start, main.end, outer_inner, must)
-    anchors = frozenset(a for a in must if next(i for i in body if i.addr == a).kind == anchor)
+    kinds = {i.addr: i.kind for i in loop}
+    anchors = frozenset(a for a in must if kinds[a] == anchor)
     floor = min(n, shortest_floor(instrs, main.start, main.end, outer_inner, anchors))
     on = set(path)
-    kinds = {i.addr: i.kind for i in body}
-    copy_loops = [(s, e) for s, e in outer_inner if any(s <= i.addr <= e and i.kind == "ldgsts" for i in body)]
-    per_copy = (sum(sum(1 for i in body if s <= i.addr <= e) for s, e in copy_loops)
-                / max(1, sum(sum(1 for i in body if s <= i.addr <= e and i.kind == "ldgsts") for s, e in copy_loops))
+    copy_loops = [(s, e) for s, e in outer_inner if any(s <= i.addr <= e and i.kind == "ldgsts" for i in loop)]
+    per_copy = (sum(sum(1 for i in loop if s <= i.addr <= e) for s, e in copy_loops)
+                / max(1, sum(sum(1 for i in loop if s <= i.addr <= e and i.kind == "ldgsts") for s, e in copy_loops))
                 ) if copy_loops else 1.0
     mmas = [a for a in path if kinds[a] == "mma"]
     stretch = 0
@@ -283,7 +284,7 @@ def issue(entry: str, arch: str = "sm_90") -> Issue:
     stretch += len(mmas) > 0
     outside = sum(1 for i in body if not main.start <= i.addr <= main.end)
     return Issue(entry, anchor, n, floor, sum(1 for a in path if kinds[a] == "ldgsts"), per_copy,
-                 sum(1 for i in body if main.start <= i.addr <= main.end and i.kind == "ldgsts"), stretch, outside,
+                 sum(1 for i in loop if i.kind == "ldgsts"), stretch, outside,
                  sum(1 for a in path if kinds[a] == "bar"), main.instructions, len(mmas))
 
 
