@@ -971,8 +971,10 @@ def prompt_report(table_of: dict[str, Shape], chunk: int, kernels: bool = False,
                   mode: str = "graph") -> str:
     """The --prompt tables: time to first token, the plain batched decode step, memory per session."""
     gib = lambda n: f"{n / 2**30:.2f}"  # noqa: E731
-    out = [f"{dev.name}: mma.sync {dev.mma_sync / 1e12:.0f} TFLOP/s ({dev.mma_sync_share:.2f} of {dev.mma / 1e12:.0f}), "
-           f"copy {dev.bw / 1e12:.1f} TB/s, f32 issue {dev.f32_issue / 1e12:.1f} T instr/s, launch "
+    out = [f"{dev.name} (assumed rates: pricing.Device): mma.sync {dev.mma_sync / 1e12:.0f} TFLOP/s "
+           f"({dev.mma_sync_share:.2f} of {dev.mma / 1e12:.0f}; data sheet {dev.mma_peak / 1e12:.0f}), copy "
+           f"{dev.bw / 1e12:.1f} TB/s (data sheet {dev.dram_peak / 1e12:.1f}), L2 {dev.l2_bw / 1e12:.1f} TB/s, "
+           f"f32 issue {dev.f32_issue / 1e12:.1f} T instr/s, launch "
            f"{dev.launch * 1e6:.1f} us host, sync {dev.sync * 1e6:.0f} us; code as compiled for {dev.arch} by "
            f"{compiled_kernels(dev.arch, dev.nvrtc)[0]}; prompt passes of {chunk} tokens, bf16 weights and K/V", ""]
     rows, details = [], []
@@ -1173,7 +1175,8 @@ def main(argv=None) -> int:
     table_of = shapes(a.drafter_window)
     cases = [(table_of[m], b, ctx) for m in a.model for b in a.batch for ctx in a.context]
     rounds = [spec_round(sh, b, ctx, a.width, d, rollback=a.rollback, mode=a.launches) for sh, b, ctx in cases]
-    print(f"{d.name}: copy {d.bw / 1e12:.1f} TB/s, bf16 MMA {d.mma / 1e12:.0f} TFLOP/s, f32 issue "
+    print(f"{d.name} (assumed rates: pricing.Device): copy {d.bw / 1e12:.1f} TB/s (data sheet {d.dram_peak / 1e12:.1f}), "
+          f"L2 {d.l2_bw / 1e12:.1f} TB/s, bf16 MMA {d.mma / 1e12:.0f} TFLOP/s (data sheet {d.mma_peak / 1e12:.0f}), f32 issue "
           f"{d.f32_issue / 1e12:.1f} T instr/s ({d.f32 / 1e12:.0f} TFLOP/s as FMAs), sync {d.sync * 1e6:.0f} us, "
           f"{d.sms} SMs; code as compiled for {d.arch} by {compiled_kernels(d.arch, d.nvrtc)[0]}; GEMMs linear_f32 / "
           f"linear_mma (weights read as stored); rollback {a.rollback}; speedup at mean accepted length {a.accepted}")
