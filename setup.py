@@ -56,7 +56,9 @@ setup(
         "test": ["pytest>=7.4", "pytest-xdist>=3.5", "hypothesis>=6.90", "nvidia-cuda-nvrtc-cu12>=12.0", "nvidia-cuda-nvrtc>=13.0", "scipy>=1.10",
                  "pybind11>=2.12", "cupy-cuda12x>=13.6", "torch>=2.9", "transformers>=5.15,<=5.19",
                  "tokenizers>=0.21", "accelerate>=1.0", "dflash>=0.1.0", "pydantic>=2.0", "pydantic-settings>=2.0",
-                 "loguru>=0.7.2", "openai>=2.0", "hs-connectors>=0.9.0"],
+                 "loguru>=0.7.2", "openai>=2.0", "hs-connectors>=0.9.0",
+                 # cuobjdump and nvdisasm: the performance model reads the cubins' SASS (profiling/sass.py)
+                 "nvidia-cuda-cuobjdump>=13.0", "nvidia-cuda-nvdisasm>=13.0"],
         "train": ["torch==2.13.0"],
         "plots": ["matplotlib>=3.8"],  # --plot and profiling/plots.py
         # The site (mkdocs.yml, docs/): MkDocs because the pages are Markdown (they grew out of the README),

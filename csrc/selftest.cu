@@ -6,6 +6,7 @@
 // The others exercise each warp and block primitive against a NumPy expectation.
 #include "common.cuh"
 #include "reduce.cuh"
+#include "tensor_core.cuh"
 
 // out[i] = in[i-1] (out[0] = in[0]) through shared memory.
 extern "C" __global__ void selftest_shift(const float* __restrict__ in, float* __restrict__ out, int n) {
@@ -91,4 +92,52 @@ extern "C" __global__ void selftest_convert(const float* __restrict__ in, int n,
   b[i] = from_float<bf16_t>(in[i]);
   back[2 * i] = to_float(h[i]);
   back[2 * i + 1] = to_float(b[i]);
+}
+
+// Shared-memory bank conflicts, counted by hand in tests/kernels/test_simt_wavefronts.py against the
+// counting build: one warp stores n floats into shared memory (lane l the floats l, l + 32, ..: no
+// conflict), then lane l loads the `width`-byte element (a float, float2 or float4) at element index
+// l * stride and writes it to out[l] (widths in floats).
+template <typename V>
+DSPARK_DEVICE void selftest_bank_read(const float* in, float* out, int n, int stride) {
+  DSPARK_DYNAMIC_SMEM(float, buf);
+  for (int i = threadIdx.x; i < n; i += blockDim.x) buf[i] = in[i];
+  __syncthreads();
+  reinterpret_cast<V*>(out)[threadIdx.x] = reinterpret_cast<const V*>(buf)[threadIdx.x * stride];
+}
+
+extern "C" __global__ void selftest_bank_read_b4(const float* __restrict__ in, float* __restrict__ out, int n,
+                                                 int stride) {
+  selftest_bank_read<float>(in, out, n, stride);
+}
+extern "C" __global__ void selftest_bank_read_b8(const float* __restrict__ in, float* __restrict__ out, int n,
+                                                 int stride) {
+  selftest_bank_read<float2>(in, out, n, stride);
+}
+extern "C" __global__ void selftest_bank_read_b16(const float* __restrict__ in, float* __restrict__ out, int n,
+                                                  int stride) {
+  selftest_bank_read<float4>(in, out, n, stride);
+}
+
+// The same 4-byte read from a static __shared__ array (1024 floats).
+extern "C" __global__ void selftest_bank_read_static(const float* __restrict__ in, float* __restrict__ out,
+                                                     int stride) {
+  __shared__ float buf[1024];
+  for (int i = threadIdx.x; i < 1024; i += blockDim.x) buf[i] = in[i];
+  __syncthreads();
+  out[threadIdx.x] = buf[(threadIdx.x * stride) % 1024];
+}
+
+// ldmatrix_x4 over 16-byte rows `row_stride` floats apart (lane l gives row l): per 8x8 matrix one
+// phase of its eight rows. out[4 l + i]: lane l's register i, as bits.
+extern "C" __global__ void selftest_ldmatrix_rows(const float* __restrict__ in, float* __restrict__ out, int n,
+                                                  int row_stride) {
+  DSPARK_DYNAMIC_SMEM(float, buf);
+  for (int i = threadIdx.x; i < n; i += blockDim.x) buf[i] = in[i];
+  __syncthreads();
+#if DSPARK_TENSOR_CORES
+  uint32_t r[4];
+  ldmatrix_x4(r, buf + threadIdx.x * row_stride);
+  for (int i = 0; i < 4; ++i) out[4 * threadIdx.x + i] = __uint_as_float(r[i]);
+#endif
 }

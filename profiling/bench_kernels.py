@@ -14,9 +14,13 @@ a prompt pass of 8192 rows (the GEMMs, prompt attention, the chunked gdn). The v
 across ceil(V / 8192) CTAs, and the shape column names the split (S), the launches and the passes
 over each row, from the op's own launch plan (dspark.ops.argmax / dspark.ops.sampling `*_plan`).
 
-Measured beside predicted: every row also gives the H200 time profiling/perf_model.py predicts for
-that call from the same plan (no timing in the model), and measured / predicted. On the CPU sizes
-the prediction is still the H200's: the ratio there says nothing.
+Measured beside the model: every row also gives the H200 floor and expected time
+profiling/perf_model.py prices that call at from the same plan (no timing in the model; the floor
+is the largest single limiter, docs/performance.md), measured / expected, and "MODEL ERROR" where
+the measurement refutes the model: faster than the floor, or outside +-25 % of the expected time
+(`model_error`; profiling/gpu_check.py fails the bench step on it). `--json FILE` writes the rows
+for profiling/plots.py. On the CPU sizes the model is still the H200's: the ratio there says
+nothing.
 
 Per call: the bytes the kernel must move at least and the flops it must do, counted from the
 shapes (each family's formulas are written out below, or the plan's `min_bytes`), the time of the kernel alone
@@ -30,6 +34,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import datetime
+import json
 import re
 import sys
 from pathlib import Path
@@ -121,7 +127,23 @@ class Bench:
     flops: int
     kernels: tuple[str, ...]      # the entry points the op launches
     op: Callable[[object], None]  # op(backend)
-    predicted: float = float("nan")  # the H200 time profiling/perf_model.py gives this call
+    model: object = None          # the kernel(s) profiling/perf_model.py prices this call as (H200)
+
+    @property
+    def kernels_priced(self) -> list:
+        return [] if self.model is None else list(self.model) if isinstance(self.model, (list, tuple)) else [self.model]
+
+    @property
+    def floor(self) -> float:
+        """The model's floor for the call: its kernels' floors added (each its largest limiter)."""
+        ks = self.kernels_priced
+        return sum(k.floor for k in ks) if ks else float("nan")
+
+    @property
+    def predicted(self) -> float:
+        """The model's expected H200 time for the call."""
+        ks = self.kernels_priced
+        return sum(k.time for k in ks) if ks else float("nan")
 
     @property
     def shape_text(self) -> str:
@@ -209,13 +231,13 @@ def attention_benches(be, s: Sizes) -> Iterator[Bench]:
                                    dtype=s.kv_dtype)
                 names = (plan.kernel,) + ((plan.combine_kernel,) if plan.combine_kernel else ())
                 yield Bench("attention", case, {"B": B, "ctx": ctx, "vt": vt, "CTAs": plan.ctas}, x.bytes, x.flops,
-                            names, x.op, sum(k.time for k in pm.attention_kernels("bench", plan, pm.H200)))
+                            names, x.op, list(pm.attention_kernels("bench", plan, pm.H200)))
     # A prompt pass of one session from position 0: the prompt kernel (16-bit K/V)
     rows, hq = s.prompt_rows, s.hkv * s.gqa
     x = attention_inputs(be, 1, 0, rows, s.hkv, s.gqa, s.head_dim, s.kv_dtype)
     plan = launch_plan([rows], [0], hq=hq, hkv=s.hkv, head_dim=s.head_dim, dtype=s.kv_dtype)
     yield Bench("attention", "prompt", {"B": 1, "ctx": 0, "vt": rows, "CTAs": plan.ctas}, x.bytes, x.flops,
-                (plan.kernel,), x.op, pm.prompt_attention("bench", hq, s.hkv, s.head_dim, 0, rows, pm.H200).time)
+                (plan.kernel,), x.op, pm.prompt_attention("bench", hq, s.hkv, s.head_dim, 0, rows, pm.H200))
 
 
 # ---- kv_commit: the accepted rows of every attention layer, one launch ----------------------------------
@@ -233,7 +255,7 @@ def kv_commit_benches(be, s: Sizes) -> Iterator[Bench]:
         yield Bench("kv_commit", "commit", {"B": B, "layers": L, "keep": keep}, nbytes, 0, ("kv_commit_rows",),
                     lambda b, k=blk[0], v=blk[1], kc=caches[0], vc=caches[1], p=pos, n=keeps, i=ptr:
                     kv_commit(b, k, v, kc, vc, p, n, i),
-                    pm.commit_kernel("bench", "kv_commit", B, L, keep, s.hkv * s.head_dim * isz, pm.H200).time)
+                    pm.commit_kernel("bench", "kv_commit", B, L, keep, s.hkv * s.head_dim * isz, pm.H200))
 
 
 # ---- gdn_scan: decode (t = 1) and verify (t = vt, per-column checkpoints), one layer ----------------------
@@ -265,8 +287,7 @@ def gdn_scan_benches(be, s: Sizes) -> Iterator[Bench]:
             # per column: 7 dv dk per head (decay S 1, u = S k 2, S += (beta (v - u)) k^T 2,
             # o = S q 2), the width-4 causal conv, 8 per channel, the gated norm, 6 per output
             flops = cols * (H * 7 * dv * dk + 8 * C + 6 * H * dv)
-            predicted = sum(k.time for k in pm.gdn_kernels("bench", H, dk, dv, kh, B, cols, pm.H200,
-                                                            checkpoints=ckpt, commit=True))
+            predicted = pm.gdn_kernels("bench", H, dk, dv, kh, B, cols, pm.H200, checkpoints=ckpt, commit=True)
             yield Bench("gdn_scan", case, {"B": B, "t": t, "H": H, "dk": dk, "dv": dv}, nbytes, flops,
                         (f"gdn_scan_dk{dk}_f32",),
                         lambda b, x=proj, st=states, w=windows, p=ptr, o=out, sc=sck, cc=cck:
@@ -286,7 +307,7 @@ def snapshot_benches(be, s: Sizes) -> Iterator[Bench]:
         # every state and conv window of every gdn layer and session, read and written once
         yield Bench("snapshot", "snapshot_save", {"B": B, "layers": G}, 2 * B * G * (state + window) * F32, 0,
                     ("snapshot_copy_f32",), lambda b, src=live, dst=snap: snapshot_save(b, src, dst),
-                    pm.copy_kernel("bench", [state, window] * (B * G), pm.H200).time)
+                    pm.copy_kernel("bench", [state, window] * (B * G), pm.H200))
         del live, snap
 
         cols, keep = B * s.vt, s.vt // 2  # a partial accept
@@ -300,7 +321,7 @@ def snapshot_benches(be, s: Sizes) -> Iterator[Bench]:
                     2 * G * B * (state + window) * F32, 0, ("checkpoint_select_layers_f32",),
                     lambda b, a=sck, c=cck, st=states, w=windows, p=ptr, k=keeps:
                     checkpoint_select_layers(b, a, c, st, w, p, k),
-                    pm.select_kernel("bench", B, state, window, pm.H200, G).time)
+                    pm.select_kernel("bench", B, state, window, pm.H200, G))
 
 
 # ---- sampling: filtered draws and the speculative accept -------------------------------------------------
@@ -356,7 +377,7 @@ def sampling_benches(be, s: Sizes) -> Iterator[Bench]:
                     probs.min_bytes + acc.min_bytes, 0, ("sample_filtered_f32", "spec_accept_f32"),
                     lambda b, x=x, f=f_dev, pr=p_rows, d=drafts, i=dptr, q=q, s=seed, c=counter, o=outs: (
                         filtered_probs(b, x, f, out=pr), speculative_accept(b, d, i, q, pr, s, c, *o)),
-                    predict(probs) + predict(acc))
+                    [predict(probs), predict(acc)])
         picks = Streams.full(cols, np.repeat(np.arange(B, dtype=np.uint64), vt), np.tile(np.arange(vt) + 100, B),
                              Tag.PICK)
         plan = coupled_accept_plan(B, cols, V, F32)
@@ -386,7 +407,7 @@ def norm_benches(be, s: Sizes) -> Iterator[Bench]:
             writes = 1 if case == "rmsnorm" else 2
             yield Bench("norm", case, {"B": B, "rows": rows, "n": d}, int(F32 * ((reads + writes) * rows * d + d)),
                         3 * rows * d, (entry,), run,
-                        pm.row_norm("bench", case, entry, rows, d, pm.H200, reads=reads, writes=writes).time)
+                        pm.row_norm("bench", case, entry, rows, d, pm.H200, reads=reads, writes=writes))
 
 
 # ---- the layers' gates: SwiGLU, the attention output gate, the confidence sigmoid -----------------------------
@@ -399,18 +420,18 @@ def activation_benches(be, s: Sizes) -> Iterator[Bench]:
         gate_up, act = randn(be, (rows, 2 * F)), be.xp.empty((rows, F), np.float32)
         yield Bench("activation", "swiglu", {"B": B, "rows": rows, "F": F}, F32 * 3 * rows * F, 5 * rows * F,
                     ("swiglu_f32",), lambda b, g=gate_up, o=act: swiglu(b, g, out=o),
-                    pm.swiglu_kernel("bench", rows, F, pm.H200).time)
+                    pm.swiglu_kernel("bench", rows, F, pm.H200))
         o, qg = randn(be, (rows, hq, D), BF16), randn(be, (rows, hq * 2 * D))
         out = be.xp.empty((rows, hq * D), np.float32)
         yield Bench("activation", "attention output gate", {"B": B, "rows": rows, "heads": hq, "D": D},
                     rows * hq * D * (2 + 2 * F32), 4 * rows * hq * D, ("attn_gate_bf16",),
                     lambda b, o=o, g=qg, out=out: attn_gate(b, o, (g, D, 2 * D), out=out),
-                    pm.attn_gate_kernel("bench", rows, hq * D, 2, True, pm.H200).time)
+                    pm.attn_gate_kernel("bench", rows, hq * D, 2, True, pm.H200))
         n = B * s.drafts
         x, bias, c = randn(be, (n,)), randn(be, (1,)), be.xp.empty(n, np.float32)
         yield Bench("activation", "confidence sigmoid", {"B": B, "n": n}, F32 * 2 * n, 4 * n, ("sigmoid_bias_f32",),
                     lambda b, x=x, c=c: sigmoid_bias(b, x, bias, out=c),
-                    pm.elementwise("bench", "sigmoid", "sigmoid_bias_f32", n, F32 * 2 * n, 4 * n, pm.H200).time)
+                    pm.elementwise("bench", "sigmoid", "sigmoid_bias_f32", n, F32 * 2 * n, 4 * n, pm.H200))
 
 
 # ---- rope: an attention layer's q, k, v made ready (norms, RoPE, the K/V dtype) -----------------------------
@@ -432,7 +453,7 @@ def rope_benches(be, s: Sizes) -> Iterator[Bench]:
                     k_out.flops, ("qk_prepare_bf16",),
                     lambda b, x=src, q=q, k=k, v=v, p=pos, r=ptr: qk_prepare(b, x, heads, rotary, p, r, q_norm=qn,
                                                                             k_norm=kn, q=q, k=k, v=v, dtype=BF16),
-                    k_out.time)
+                    k_out)
 
 
 # ---- heads: the drafter's glue before its Markov chain and confidence head -----------------------------------
@@ -449,14 +470,14 @@ def heads_benches(be, s: Sizes) -> Iterator[Bench]:
         out = be.xp.empty((n, d), np.float32)
         yield Bench("heads", "draft rows", {"B": B, "rows": n, "d": d}, F32 * 2 * n * d, 0, ("gather_rows_f32",),
                     lambda b, h=h, r=rows, o=out: gather_rows(b, h, r, out=o),
-                    pm.elementwise("bench", "gather", "gather_rows_f32", n * d, F32 * 2 * n * d, 0, pm.H200).time)
+                    pm.elementwise("bench", "gather", "gather_rows_f32", n * d, F32 * 2 * n * d, 0, pm.H200))
         hid, drafts = randn(be, (n, d)), be.asarray(np.arange(n, dtype=np.int32).reshape(B, nd) % V)
         anchors, feats = np.zeros(B, np.int32), be.xp.empty((n, d + r), np.float32)
         yield Bench("heads", "confidence features", {"B": B, "rows": n, "d": d, "r": r}, F32 * 2 * n * (d + r), 0,
                     ("confidence_features_f32",),
                     lambda b, h=hid, a=anchors, x=drafts, o=feats: confidence_features(b, h, w1, a, x, out=o),
                     pm.elementwise("bench", "features", "confidence_features_f32", n * (d + r), F32 * 2 * n * (d + r), 0,
-                                   pm.H200).time)
+                                   pm.H200))
         w2, slot_logits, picks = randn(be, (r, V)), randn(be, (n, V)), be.asarray(np.arange(B, dtype=np.int32) % V)
         row, drafts_out = be.xp.empty((B, V), np.float32), be.xp.empty((B, nd), np.int32)
         bias_bytes = F32 * (2 * B * V + r * V)   # a slot's rows in, its chain logits out, w2 once (from L2 after)
@@ -465,11 +486,11 @@ def heads_benches(be, s: Sizes) -> Iterator[Bench]:
                     lambda b, x=slot_logits, w=w2, a=anchors, p=picks, o=row, dr=drafts_out:
                     markov_logits(b, x, w1, w, a, p, 1, nd, dr, out=o),
                     pm.elementwise("bench", "slot logits", "markov_logits_f32", B * V, bias_bytes, 2 * B * r * V,
-                                   pm.H200).time)
+                                   pm.H200))
         logits = randn(be, (n, V))
         yield Bench("heads", "logit scale + cap", {"B": B, "rows": n, "V": V}, F32 * 2 * n * V, 3 * n * V,
                     ("logit_scale_f32",), lambda b, x=logits: logit_scale(b, x, 0.5, 30.0, out=x),
-                    pm.elementwise("bench", "scale", "logit_scale_f32", n * V, F32 * 2 * n * V, 3 * n * V, pm.H200).time)
+                    pm.elementwise("bench", "scale", "logit_scale_f32", n * V, F32 * 2 * n * V, 3 * n * V, pm.H200))
 
 
 # ---- linear: the MLP's GEMMs, bf16 weights as stored ---------------------------------------------------
@@ -488,7 +509,7 @@ def linear_benches(be, s: Sizes) -> Iterator[Bench]:
             yield Bench("linear", case, {"proj": proj, "B": B, "rows": rows, "K": k, "N": n, "S": plan.splits},
                         plan.min_bytes, 2 * rows * k * n, (f"linear_mma_bf16_m{plan.notes['bm']}",),
                         lambda b, x=x, w=w, o=out: linear(b, x, w, out=o),
-                        pm.linear("bench", proj, rows, k, n, 2, pm.H200)[0].time)
+                        pm.linear("bench", proj, rows, k, n, 2, pm.H200)[0])
 
 
 # ---- moe: a mixture-of-experts layer's router, grouped product and combine ---------------------------------
@@ -545,12 +566,12 @@ def gdn_chunk_benches(be, s: Sizes) -> Iterator[Bench]:
                 lambda b, x=(mixed, a, b_gate): gdn_prompt(b, *x, conv_w, A_log, dt_bias, states, windows, chunk_states,
                                                            tails, ptr, np.zeros(1, np.int32), heads=H, dk=dk, dv=dv,
                                                            k_heads=kh, dtype=BF16, out=out),
-                sum(k.time for k in pm.prompt_gdn("bench", H, dk, dv, kh, rows, pm.H200)))
+                list(pm.prompt_gdn("bench", H, dk, dv, kh, rows, pm.H200)))
 
 
-def predict(plan) -> float:
-    """The H200 time perf_model gives a row-split reduction's plan."""
-    return pm.rowsplit_kernel("bench", plan, pm.H200).time
+def predict(plan) -> "pm.Kernel":
+    """The kernel perf_model prices a row-split reduction's plan as."""
+    return pm.rowsplit_kernel("bench", plan, pm.H200)
 
 
 def reduction_plans(s: Sizes) -> list[tuple]:
@@ -587,7 +608,8 @@ FAMILIES: dict[str, Callable[[object, Sizes], Iterator[Bench]]] = {
     "rope": rope_benches,
     "heads": heads_benches,
 }
-NOT_BENCHMARKED = {"selftest"}  # csrc/selftest.cu: the simt runtime's own checks
+NOT_BENCHMARKED = {"selftest", "fp8"}  # the simt runtime's own checks; the e4m3 decode alone (csrc/fp8.cu: its
+# test kernel; the FP8 products decode inline, linear_fp8)
 
 # Ratios of two rows of one run, paired by the shape keys given.
 RATIOS = (
@@ -637,7 +659,7 @@ def ncu_misses(entries) -> list[str]:
     if not found:
         return []
     pattern = re.compile(found[-1])
-    return sorted(e for e in entries if not e.startswith(("selftest", "attention_mma_probe", "attention_cp_async"))
+    return sorted(e for e in entries if not e.startswith(("selftest", "attention_mma_probe", "attention_cp_async", "fp8_decode"))
                   and not pattern.search(e))
 
 
@@ -652,9 +674,9 @@ def dry_run(families: list[str]) -> int:
         for bench in FAMILIES[fam](be, CPU):
             problems += [f"{fam} {bench.case}: no kernel {k} in csrc/" for k in bench.kernels if k not in entries]
             rows.append((fam, bench.case, bench.shape_text, amount(bench.nbytes / 1e6), amount(bench.flops / 1e6),
-                         seconds(bench.predicted), " ".join(bench.kernels)))
+                         seconds(bench.floor), seconds(bench.predicted), " ".join(bench.kernels)))
     print(f"dry run: {len(rows)} benchmarks in {len(families)} families at the CPU sizes ({CPU.label})")
-    print(table(("family", "case", "shape", "MB", "MFLOP", "H200 model", "kernels"), rows))
+    print(table(("family", "case", "shape", "MB", "MFLOP", "H200 floor", "H200 expected", "kernels"), rows))
     missed = ncu_misses(entries)
     if missed:
         print(f"note: profiling/ncu_kernels.sh's --kernel-name regex skips {', '.join(missed)}")
@@ -680,18 +702,42 @@ def run_family(be, sizes: Sizes, fam: str, clock, ceilings) -> list[Result]:
             raise RuntimeError(f"{fam} {bench.case}: the op launched {launched}, the benchmark counts {bench.kernels}")
         t = clock.median(replay(launches))
         roof, bound = ceilings.roofline(bench.nbytes, bench.flops)
+        error = model_error(t, bench.floor, bench.predicted)
         rows.append((bench.case, bench.shape_text, amount(bench.nbytes / 1e6), amount(bench.flops / 1e6), seconds(t),
                      amount(bench.nbytes / t / 1e9), amount(bench.flops / t / 1e9), bound, f"{roof / t:.1%}",
-                     seconds(bench.predicted), f"{t / bench.predicted:.2f}x" if bench.predicted > 0 else "-"))
+                     seconds(bench.floor), seconds(bench.predicted),
+                     f"{t / bench.predicted:.2f}x" if bench.predicted > 0 else "-", "MODEL ERROR" if error else "ok"))
         results.append(Result(bench, t))
         del launches, bench
         if cp is not None:
             cp.get_default_memory_pool().free_all_blocks()
     print(f"\n== {fam}")
-    print(table(("case", "shape", "MB", "MFLOP", "time", "GB/s", "GFLOP/s", "bound", "of roof", "predicted",
-                 "measured/predicted"), rows))
+    print(table(("case", "shape", "MB", "MFLOP", "time", "GB/s", "GFLOP/s", "bound", "of roof", "floor", "expected",
+                 "measured/expected", "model"), rows))
     print("\n".join(notes), end="\n" if notes else "", flush=True)
     return results
+
+
+TOLERANCE = 0.25  # measured within +-25 % of the expected time, and never faster than the floor
+
+
+def model_error(measured: float, floor: float, expected: float, tolerance: float = TOLERANCE) -> str:
+    """Why a measured time refutes the model ("" when it does not): faster than its floor, or outside
+    +-tolerance of its expected time. profiling/gpu_check.py reports these as FAILED."""
+    if not (expected > 0 and floor >= 0):
+        return ""
+    if measured < floor:
+        return f"faster than its floor ({seconds(measured)} < {seconds(floor)})"
+    if abs(measured - expected) > tolerance * expected:
+        return f"{measured / expected:.2f}x its expected time ({seconds(measured)} against {seconds(expected)})"
+    return ""
+
+
+def json_rows(results: list[Result], device: str, date: str) -> list[dict]:
+    """Each measured call as profiling/plots.py reads it (docs/gpu-check.md: the JSON layout)."""
+    return [{"family": r.bench.family, "case": r.bench.case, "kernel": " ".join(r.bench.kernels),
+             "shape": r.bench.shape, "measured_s": r.time, "floor_s": r.bench.floor, "expected_s": r.bench.predicted,
+             "device": device, "date": date} for r in results]
 
 
 def ratio_rows(results: list[Result]) -> list[tuple]:
@@ -714,6 +760,9 @@ def main(argv=None) -> int:
     ap.add_argument("--plans", action="store_true", help="the reductions' launch plans at the GPU sizes; run nothing")
     ap.add_argument("--family", nargs="+", choices=sorted(FAMILIES), default=list(FAMILIES))
     ap.add_argument("--reps", type=int, default=None, help="timed repeats per call (default 20 GPU, 3 CPU)")
+    ap.add_argument("--json", type=Path, default=None, metavar="FILE",
+                    help="also write every measured row (kernel, shape, measured, floor and expected seconds, device, "
+                         "date) as JSON, for profiling/plots.py (keep them in profiling/results/)")
     a = ap.parse_args(argv)
     if a.plans:
         print(f"launch plans of the vocabulary reductions (f32 rows): {GPU.label}")
@@ -729,15 +778,28 @@ def main(argv=None) -> int:
     sizes = dataclasses.replace(GPU, kv_dtype=storage_dtype(be.xp, GPU.kv_dtype)) if gpu else CPU
     clock = clock_for(be, a.reps)
     ceilings = measure_ceilings(be, clock)
+    device = "CPU (simt)"
     if gpu:
         name = be.xp.cuda.runtime.getDeviceProperties(be.xp.cuda.Device().id)["name"]
-        print(f"device: {name.decode() if isinstance(name, bytes) else name}")
+        device = name.decode() if isinstance(name, bytes) else name
+        print(f"device: {device}")
     print(f"backend {be.name}, {clock.name} clock: {sizes.label}")
     print("\n".join(ceilings.lines()))
     print("roofline: max(bytes / copy bandwidth, flops / GEMM float32); bound = the ceiling that sets it")
     results = []
     for fam in a.family:
         results += run_family(be, sizes, fam, clock, ceilings)
+    errors = [(r, model_error(r.time, r.bench.floor, r.bench.predicted)) for r in results] if gpu else []
+    for r, why in errors:
+        if why:
+            print(f"model error: {r.bench.family} {r.bench.case} ({' '.join(r.bench.kernels)}, {r.bench.shape_text}): {why}")
+    if a.json is not None:
+        a.json.parent.mkdir(parents=True, exist_ok=True)
+        date = datetime.date.today().isoformat()
+        a.json.write_text(json.dumps({"command": "python profiling/bench_kernels.py " + " ".join(argv or sys.argv[1:]),
+                                      "device": device, "date": date, "backend": be.name,
+                                      "rows": json_rows(results, device, date)}, indent=1) + "\n")
+        print(f"wrote {a.json}: {len(results)} rows")
     rows = ratio_rows(results)
     if rows:
         print("\n== ratios (this run)")

@@ -8,8 +8,9 @@ installed. `bash profiling/gpu_check.sh` runs it.
 
 The steps, in order: what the run is for comes first. wheels (pip --no-index from profiling/wheels),
 info, cubins (every family compiled by dspark's NVRTC options and loaded), bench (the kernel
-benchmarks at Qwen3.5-27B's shapes, each row measured beside profiling/perf_model.py's
-prediction), gate (the exactness gate on cuda), perf_model (the model's rounds, and with --prompt
+benchmarks at Qwen3.5-27B's shapes, each row measured beside profiling/perf_model.py's floor and
+expected time, written to OUTDIR/kernels.json; a kernel faster than its floor or outside +-25 % of
+its expected time is a model error: the step is FAILED and names it), gate (the exactness gate on cuda), perf_model (the model's rounds, and with --prompt
 its time to first token, plain batched decode and memory tables), rounds (a Qwen3.5-27B round and
 plain decode step op by op, from recordings and as CUDA graphs, beside the model, and CuPy's own
 per-call costs: profiling/graph_rounds.py); then Nsight
@@ -186,6 +187,47 @@ def gate_check(log: str, rc: int) -> Outcome:
     if rc == 0 and cases and "ALL EXACT" in log:
         return Outcome("ok", f"{cases} cases, ALL EXACT")
     return Outcome("FAILED", f"{cases} cases checked, {len(re.findall(r'^MISMATCH', log, re.M))} mismatched")
+
+
+# ---- the model check: measured kernels against profiling/perf_model.py ---------------------------------
+MODEL_TOLERANCE = 0.25   # a kernel's measured time within +-25 % of its expected time, and never under its floor
+
+
+def model_errors(rows: list[dict], tolerance: float = MODEL_TOLERANCE) -> list[str]:
+    """The rows (profiling/bench_kernels.py --json) whose measurement refutes the model: faster than
+    the floor (a limiter priced too high, or one that does not bind), or outside +-tolerance of the
+    expected time. Each names its kernel, case and shape."""
+    out = []
+    for r in rows:
+        measured, floor, expected = r["measured_s"], r["floor_s"], r["expected_s"]
+        what = f"{r['kernel']} ({r['family']} {r['case']}, " + " ".join(f"{k}={v}" for k, v in r["shape"].items()) + ")"
+        if measured < floor:
+            out.append(f"{what}: measured {measured * 1e6:.1f} us is faster than its floor {floor * 1e6:.1f} us")
+        elif abs(measured - expected) > tolerance * expected:
+            out.append(f"{what}: measured {measured * 1e6:.1f} us is {measured / expected:.2f}x its expected "
+                       f"{expected * 1e6:.1f} us (outside +-{tolerance:.0%})")
+    return out
+
+
+def model_verdict(rows: list[dict], tolerance: float = MODEL_TOLERANCE) -> Outcome:
+    """ok when every measured kernel lies in its band; FAILED (a model error) naming each that does not."""
+    if not rows:
+        return Outcome("FAILED", "no kernel measured")
+    errors = model_errors(rows, tolerance)
+    if errors:
+        return Outcome("FAILED", f"model error in {len(errors)} of {len(rows)} kernels: " + "; ".join(errors))
+    return Outcome("ok", f"{len(rows)} kernels within +-{tolerance:.0%} of the model's expected time, none under "
+                         "its floor")
+
+
+def model_check(path: Path) -> Callable[[str, int], Outcome]:
+    """The bench step's verdict from the JSON rows it wrote."""
+    def check(log: str, rc: int) -> Outcome:
+        if not path.is_file():
+            return Outcome("FAILED", f"exit {rc}; no {path.name} written")
+        import json
+        return model_verdict(json.loads(path.read_text())["rows"])
+    return check
 
 
 def families() -> int:
@@ -384,17 +426,19 @@ def plan(dry: bool, out: Path, py: str) -> list[Step]:
                       loaded))
     if dry:
         steps.append(Step("bench", 100, [py, "profiling/bench_kernels.py", "--dry-run"],
-                          rows_check(r"^\w+\s+.*\s(?:[\d.]+(?:us|ms|s)|nan)\s+\S+_\w+", "benchmarks planned with "
-                                     "their H200 prediction"), tail=60))
+                          rows_check(r"^\w+\s+.*\s(?:[\d.]+(?:us|ms|s)|nan)\s+(?:[\d.]+(?:us|ms|s)|nan)\s+\S+_\w+",
+                                     "benchmarks planned with their H200 floor and expected time"), tail=60))
         steps.append(Step("gate", 45, [py, "profiling/e2e_gate.py", "--help"], text_check("usage:", "the gate's usage")))
     else:
-        steps.append(Step("bench", 100, [py, "profiling/bench_kernels.py"],
-                          rows_check(r"\s\d+\.\d\dx\s*$", "rows measured beside predicted"), tail=200))
+        steps.append(Step("bench", 100, [py, "profiling/bench_kernels.py", "--json", str(out / "kernels.json")],
+                          all_of(rows_check(r"\s\d+\.\d\dx\s+(?:ok|MODEL ERROR)\s*$",
+                                            "rows measured beside the model's floor and expected time"),
+                                 model_check(out / "kernels.json")), tail=200))
         steps.append(Step("gate", 45, [py, "profiling/e2e_gate.py", "--backend", "cuda", "--quick"], gate_check))
     steps.append(Step("perf_model", 10, ["bash", "-c", f"{py} profiling/perf_model.py --model qwen3.5-27b --batch 1 2 32 "
                                          f"--context 4096 32768 && {py} profiling/perf_model.py --prompt"],
                       all_of(rows_check(r"^Qwen3\.5-27B\s+\d+\s+\d+\s+\d+\s", "rounds predicted", 6),
-                             rows_check(r"^Qwen3\.5-27B\s+\d+\s+[\d,]+\s+[\d,]+\s+[\d.]+\s+[\d.]+\s+[\d.]+\s+[\d.]+\s+[\d,.]+\s+[\d,]+\s+\d+%$",
+                             rows_check(r"^Qwen3\.5-27B\s+\d+(?:\s+[\d,.]+){14}\s+\d+%$",
                                         "prompts priced (time to first token)", 2)), tail=60))
     rounds = rows_check(r"^\S.*\s(?:plain|eager|graph)\s+[\d,]+\s+[\d,.]+\s+[\d,]+", "rounds measured beside predicted")
     if dry and not simt_built():  # the stand-in runs its kernels on simt

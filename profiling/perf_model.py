@@ -1,5 +1,5 @@
 """Performance model of a speculative round on an H200: bytes, FLOPs, CTAs and waves per kernel,
-the predicted time of each, the round's composition and the spec/plain speedup.
+each kernel's limiters, floor and expected time, the round's composition and the spec/plain speedup.
 
     python profiling/perf_model.py                     # the table in RESULTS.md: three shapes, B=1, 32k, 8 columns
     python profiling/perf_model.py --model qwen3.5-27b --batch 1 2 32 --context 4096 32768 --width 8 --kernels
@@ -28,45 +28,37 @@ heads of 256, MLP 17408, full attention over every committed row) with the same 
 taps and block, a vanilla rank-256 Markov head and the confidence head on [h ; W1[x]]; the
 layer count and head sizes of its export are not published either.
 
-How a kernel is priced (extend it here: new kernels go through `planned`, new costs into Device):
+How a kernel is priced (profiling/pricing.py; docs/performance.md): each launch's `Work`, built from
+its op's own launch plan (dspark.ops.attention.launch_plan, the row-split plans of dspark.ops.argmax /
+sampling, dspark.ops.linear.linear_plan and mma_plan, dspark.ops.gdn.scan_plan and scan_bytes, the
+chunked gdn's, the norm, commit and select grids): per CTA its DRAM bytes, its L2 bytes, its mma.sync
+(whole tiles), its f32 flops, its main loop's iterations and the units its shared-memory counts scale
+by. `pricing.price` turns it into six limiters (dram, l2, smem, tensor, issue, latency), the floor
+(the largest) and the expected time, from the code as compiled: residency from registers and shared
+memory (`resident`: linear_f32's 126 registers hold it to 4 CTAs per SM; profiling/ptxas_report.md
+lists every tile shape's count), instructions per loop iteration from the sm_90 cubin's SASS
+(profiling/sass.py), the f32 mix from its PTX (`Compiled.flops_per_instruction`: -fmad=false keeps
+a * b + c as two instructions), and shared-memory wavefronts, bank conflicts included, counted by
+simt where the kernel runs (profiling/wavefronts.py -> wavefronts.json). A new kernel (FP8 GEMMs)
+slots in by building its Work from its plan in the function that prices its op (`linear`,
+`attention_kernels`, `prompt_gdn`, ...) and, if it has shared memory, a probe in wavefronts.py.
+Kernel.time is the expected time; Kernel.floor and Kernel.limits the rest; every total the tables
+print is given as floor and expected.
 
-* Plan: every dspark kernel from its op's own launch plan (dspark.ops.attention.launch_plan, the
-  row-split plans of dspark.ops.argmax / sampling, dspark.ops.linear.linear_plan, dspark.ops.gdn.
-  scan_plan and scan_bytes, the norm, commit and select grids): CTAs, threads, dynamic shared
-  memory, the bytes each CTA moves, the flops, and the entry point it launches (`Kernel.entry`).
-* Code as compiled (`compiled(entry)`): registers per thread, static shared memory, and the f32
-  instruction mix, read from the sm_90 cubin and the PTX it was assembled from, built by the device
-  image's NVRTC (13; another major where 13 is absent, named in the header) with dspark's options
-  (dspark.toolchain.family_cubin, cached). Under -fmad=false a multiply-add the source writes as
-  a * b + c is two instructions (mul.rn, add.rn) and only fmaf() is one (fma.rn): the PTX says
-  how many flops each f32 instruction carries (`Compiled.flops_per_instruction`, 1 to 2).
-* Residency (`resident`): CTAs per SM = the least of 32, 2048 threads / threads, 64 K registers
-  / the CTA's registers (allocated per warp in units of 256) and 228 KiB / (shared memory + 1 KiB
-  reserved per CTA). linear_f32's 126 registers hold it to 4 CTAs per SM, the tensor-core GEMM's
-  32-row tile's 198 to 2 (profiling/ptxas_report.md lists every tile shape's count).
-* Memory time (`priced`): each CTA moves its bytes at its SM's share of the copy bandwidth (BW /
-  132 / CTAs resident per SM; fewer CTAs than SMs get an SM each), CTAs go longest first to the
-  slot that frees first (the attention kernel dispatches each row's splits last-first), and the
-  memory time is the last slot's finish, so waves and imbalance both show. Never below bytes / BW.
-* Issue time: f32 instructions (flops / flops per instruction as compiled) at the f32 issue rate
-  (132 SMs x 128 lanes x 1.98 GHz = 33.5 T lane-instructions/s; the data sheet's 67 TFLOP/s is that
-  rate with every instruction an FMA) over the busy share of the SMs; tensor-core flops at the
-  mma.sync ceiling (`Device.mma_sync`: two thirds of the 790 TFLOP/s wgmma rate, the instruction
-  dspark's kernels issue; the GPU check measures it). Only the f32 arithmetic is counted (loads, integer and conversion instructions
-  share the same issue slots), so it is a lower bound. The kernel's time is the larger of memory
-  and issue time: `Kernel.bandwidth_bound` and `Kernel.issue_bound` are what it may never beat
-  (tests/profiling/test_perf_model.py checks every kernel of every round).
-* Host: each launch costs `Device.launch` of host time, the ops' host path measured by
-  profiling/launch_cost.py (the stand-in with execution off; --launch-us overrides it), dspark
-  kernels from the plans and CuPy array ops from per-layer counts made on the CuPy contract path
-  (LAUNCH_GLUE), listed with the round's two synchronisations as "overhead". Predicted round time
-  = GPU time + overhead (no overlap assumed). Speedup = mean accepted length x plain step time /
-  round time.
+Host: each launch costs `Device.launch` of host time (the ops' host path timed by
+profiling/launch_cost.py on the 2-core CPU machine, a RESULTS entry; the same assumed for a GPU
+machine's host; --launch-us overrides it), dspark kernels from the plans and CuPy array ops from per-layer counts made on the
+CuPy contract path (LAUNCH_GLUE), listed with the round's two synchronisations as "overhead".
+Round time = GPU time + overhead (no overlap assumed). Speedup = mean accepted length x plain step
+time / round time.
 
-Device: copy bandwidth 4.3 TB/s and bf16 MMA 790 TFLOP/s (measured on the lent H200), 132 SMs;
-from NVIDIA's H200/H100 data sheets: the f32 rate (67 TFLOP/s with FMA), 228 KiB shared memory,
-64 K registers, 2048 threads and 32 CTAs per SM, 50 MB L2. CuPy's elementwise ops have no plan of
-ours: their launches are priced, their bytes are in no kernel.
+Device (pricing.Device): every constant names its source, a data sheet (H200 SXM: 4.8 TB/s HBM3e,
+989 TFLOP/s bf16 dense, 132 SMs at 1.98 GHz, 228 KiB shared memory, 64 K registers, 2048 threads and
+32 CTAs per SM, 50 MB L2) or "assumed" (the 4.3 TB/s copy bandwidth, 90 % of the data sheet's; the
+790 TFLOP/s sustained wgmma rate, 80 % of it, and mma.sync at two thirds of that; the L2 bandwidth;
+the latencies). No GPU has run this package: nothing here is measured on one. CuPy's elementwise ops
+have no plan of ours: their bytes and flops are priced (`roofline`), their shared memory is not
+counted.
 """
 
 from __future__ import annotations
@@ -99,73 +91,15 @@ from dspark.ops.attention import TILE, launch_plan
 from dspark.ops.kv_commit import THREADS as COMMIT_THREADS
 from dspark.ops.kv_commit import commit_bytes
 from dspark.params import PROMPT_CHUNK
-from dspark.toolchain import default_nvrtc, family_cubin, find_nvrtc
+from pricing import (H200, LIMITERS, MMA_FLOPS, Compiled, Device, Priced, Work, compiled, compiled_kernels,  # noqa: F401
+                     f32_mix, makespan, price, resident)
 from timing import table
 
 F32 = 4
 STORAGE_SUFFIX = {4: "f32", 2: "bf16"}  # the models' weights: f32 (embedded pair) or bf16 as stored
-LAUNCH_MEASURED = 114e-6  # s: `python profiling/launch_cost.py`, 111-117 us in three runs on the 2-core CI machine
-HOST_EAGER = 2.6e-6       # s per launch: `python profiling/host_round.py`, Qwen3.5-27B B = 1, mode eager
-HOST_GRAPH = 346e-6       # s per round: `python profiling/host_round.py`, Qwen3.5-27B B = 1, mode graph
 MODES = ("plain", "eager", "graph")  # dspark.graphs: op by op, recorded passes issued by the host, CUDA graphs
 
 
-@dataclasses.dataclass(frozen=True)
-class Device:
-    name: str = "H200"
-    bw: float = 4.3e12             # copy bandwidth, bytes/s (read + write)
-    mma: float = 790e12            # bf16 tensor-core FLOP/s (wgmma, dense)
-    # mma.sync m16n8k16 (what dspark's kernels issue) reaches about two thirds of the wgmma rate on
-    # Hopper: its ceiling, which every MMA flop of ours is priced at; the GPU check measures it
-    mma_sync_share: float = 2 / 3
-    f32_issue: float = 33.5e12     # f32 lane-instructions/s: 132 SMs x 128 lanes x 1.98 GHz (FMA: 2 flops each)
-    # Host time of one launch, s: the ops' host path measured by `python profiling/launch_cost.py`
-    # (CuPy contract stand-in, execution off, weighted by a Qwen3.5-27B round's launches; 2 shared
-    # CPU cores). A measured default: a GPU machine's benchmark of the whole round replaces it.
-    launch: float = LAUNCH_MEASURED
-    sync: float = 10e-6            # one device->host wait (a copy of a few bytes), s
-    # CuPy's own host cost per call (its Cython and the driver), s: documented estimates until the
-    # GPU check measures them (profiling/gpu_check.py). A RawKernel call with its cuLaunchKernel;
-    # an elementwise op with its output from the pool (CuPy's own benchmark, cupy/cupy#3298: 11 us
-    # of CPU per call on small arrays); a small host<->device copy; a Graph.launch (cudaGraphLaunch).
-    cupy_launch: float = 5e-6
-    cupy_array_op: float = 10e-6
-    cupy_copy: float = 8e-6
-    graph_launch: float = 4e-6
-    # dspark's own host time (profiling/host_round.py, the null executor at Qwen3.5-27B's shapes, B = 1,
-    # 32k, median of its rounds on the 2-core CI machine): per launch issued from a recorded pass
-    # (launches "eager"), and per round of replayed graphs (launches "graph": filling three inputs
-    # blocks, the round's host logic, the graph launches); `launch` above is the plain path's.
-    host_eager: float = HOST_EAGER
-    host_graph_round: float = HOST_GRAPH
-    # The GPU's own cost of a replayed graph: per kernel node (launch latency between nodes, ~1.5-6 us
-    # published; the GPU check measures it), and per wave of CTAs that leave at once (a grid sized for
-    # a horizon past the live context).
-    graph_node: float = 3e-6
-    idle_wave: float = 1e-6
-    sms: int = 132
-    smem: int = 228 * 1024         # shared memory per SM, bytes
-    smem_reserved: int = 1024      # shared memory the runtime keeps per CTA (sm_80 and later)
-    regs: int = 65536              # registers per SM
-    reg_unit: int = 256            # registers are allocated per warp in units of this many
-    threads: int = 2048
-    ctas: int = 32
-    l2: int = 50 * 10**6
-    arch: str = "sm_90"
-    nvrtc: int = 13                # the NVRTC major of the device image (CUDA 13.0)
-
-    @property
-    def f32(self) -> float:
-        """f32 FLOP/s when every instruction is an FMA (the data sheet's figure)."""
-        return 2 * self.f32_issue
-
-    @property
-    def mma_sync(self) -> float:
-        """bf16 FLOP/s of mma.sync m16n8k16 with f32 accumulation: about 527 TFLOP/s on an H200."""
-        return self.mma_sync_share * self.mma
-
-
-H200 = Device()
 
 
 # ---- shapes ---------------------------------------------------------------------------------------------
@@ -249,6 +183,19 @@ class Kernel:
     f32_instr: float = 0.0  # f32 lane-instructions issued: flops / flops per instruction as compiled
     mma_flops: float = 0.0  # flops on the tensor cores
     per_sm: int = 0         # CTAs resident per SM
+    limits: dict = dataclasses.field(default_factory=dict)  # limiter -> seconds alone (pricing.LIMITERS)
+    wavefronts: float = 0.0           # shared-memory wavefronts, bank conflicts included
+    ideal_wavefronts: float = 0.0     # without bank conflicts
+    smem_counted: bool = True         # the entry's shared-memory accesses were counted by simt
+
+    @property
+    def floor(self) -> float:
+        """The largest single limiter: what the kernel can never beat."""
+        return max(self.limits.values()) if self.limits else self.time
+
+    @property
+    def bound(self) -> str:
+        return max(self.limits, key=self.limits.get) if self.limits else "-"
 
     def bandwidth_bound(self, dev: "Device") -> float:
         return self.bytes / dev.bw
@@ -257,116 +204,38 @@ class Kernel:
         return max(self.f32_instr / dev.f32_issue, self.mma_flops / dev.mma_sync)
 
 
-# ---- the code as compiled ------------------------------------------------------------------------------
-@dataclasses.dataclass(frozen=True)
-class Compiled:
-    """One entry point as ptxas built it: registers, static shared memory, f32 instruction mix."""
-    entry: str
-    registers: int
-    static_smem: int
-    fma: int                # fma.rn.f32 in its PTX: 2 flops each
-    mul_add: int            # mul / add / sub .f32: 1 flop each
-
-    @property
-    def flops_per_instruction(self) -> float:
-        n = self.fma + self.mul_add
-        return (2 * self.fma + self.mul_add) / n if n else 1.0
-
-
-_F32_OP = re.compile(r"^\s*(fma|mul|add|sub)(?:\.r[nzmp])?(?:\.ftz)?(?:\.sat)?\.f32\s", re.M)
-
-
-def f32_mix(ptx: str, entry: str) -> tuple[int, int]:
-    """(fma, mul + add + sub) f32 instructions in the body of `entry` in PTX text (device
-    functions are inlined into it)."""
-    bodies = re.split(r"^\.(?:visible|weak)\s+\.entry\s+", ptx, flags=re.M)
-    body = next((b for b in bodies[1:] if b.startswith(entry + "(")), None)
-    if body is None:
-        raise LookupError(f"no entry {entry} in the PTX")
-    ops = _F32_OP.findall(body)
-    return ops.count("fma"), len(ops) - ops.count("fma")
-
-
-@functools.lru_cache(maxsize=None)
-def compiled_kernels(arch: str, nvrtc_major: int) -> tuple[str, dict[str, Compiled]]:
-    """(NVRTC used, entry -> Compiled) over every kernel family, from dspark's own cubins."""
-    try:
-        nv = find_nvrtc(nvrtc_major)
-    except OSError:
-        nv = default_nvrtc()  # the header says which NVRTC's code was priced
-    out = {}
-    for source in kernel_files():
-        cubin = family_cubin(source, arch, nv)
-        ptx = cubin.ptx()
-        for name, r in cubin.resources().items():
-            out[name] = Compiled(name, r.registers, r.smem, *f32_mix(ptx, name))
-    return f"NVRTC {nv.version[0]}.{nv.version[1]}", out
-
-
-def compiled(entry: str, dev: "Device") -> Compiled:
-    table = compiled_kernels(dev.arch, dev.nvrtc)[1]
-    if entry not in table:
-        raise LookupError(f"no kernel entry {entry!r} in csrc/ (the model names what the ops launch)")
-    return table[entry]
-
-
-def resident(threads: int, smem: int, regs: int, dev: Device) -> int:
-    """CTAs of a kernel resident on one SM: threads, registers (per warp, in units of
-    dev.reg_unit) and shared memory (plus what the runtime reserves per CTA) each cap it."""
-    warps = -(-max(threads, 1) // 32)
-    n = min(dev.ctas, dev.threads // max(threads, 1))
-    if regs:
-        per_warp = -(-regs * 32 // dev.reg_unit) * dev.reg_unit
-        n = min(n, (dev.regs // per_warp) // warps)
-    if smem:
-        n = min(n, dev.smem // (smem + dev.smem_reserved))
-    if n < 1:
-        raise ValueError(f"a CTA of {threads} threads, {regs} registers and {smem} bytes of shared memory "
-                         f"does not fit on an SM")
-    return n
-
-
-def priced(cta_bytes, f32_instr: float, mma_flops: float, per_sm: int, dev: Device) -> tuple[float, int]:
-    """(time, waves) of a kernel whose CTAs move cta_bytes each: longest first onto SMs x per_sm
-    slots, each slot streaming at BW / slots; f32 instructions at the issue rate and tensor-core
-    flops at the mma.sync ceiling, over the busy share of the SMs."""
-    loads = np.sort(np.asarray(cta_bytes, np.float64))[::-1]
-    n = loads.size
-    if n == 0:
-        return 0.0, 0
-    waves = math.ceil(n / (dev.sms * per_sm))
-    per_sm = min(per_sm, math.ceil(n / dev.sms))  # a few CTAs spread one per SM, each with its SM's share
-    slots = dev.sms * per_sm
-    if n <= slots:
-        finish = float(loads[0])
-    else:
-        heap = [0.0] * slots
-        for b in loads:
-            heapq.heappush(heap, heapq.heappop(heap) + float(b))
-        finish = max(heap)
-    busy = min(1.0, n / dev.sms)
-    return max(finish / (dev.bw / slots), f32_instr / (dev.f32_issue * busy), mma_flops / (dev.mma_sync * busy)), waves
+def kernel_of(phase, name, kind, work: Work, dev: Device, *, flops, mma_flops=0.0, launches=1, min_bytes=0) -> Kernel:
+    """A dspark kernel priced from its launch's Work (pricing.price): its time is the expected one."""
+    p = price(work, dev)
+    return Kernel(phase, name, kind, int(np.sum(work.dram)), int(flops), int(np.size(work.dram)), p.waves, p.expected,
+                  launches, min_bytes, work.entry, p.f32_instr, float(mma_flops), p.per_sm, p.limits, p.wavefronts,
+                  p.ideal_wavefronts, p.smem_counted)
 
 
 def planned(phase, name, kind, cta_bytes, flops, threads, smem, dev, entry: str, *, mma=False, launches=1,
-            min_bytes=0) -> Kernel:
-    """A dspark kernel from its plan (CTAs' bytes, flops, threads, dynamic shared memory) and its
-    entry point as compiled (registers, static shared memory, flops per f32 instruction); `mma`:
-    its flops run on the tensor cores."""
-    code = compiled(entry, dev)
-    per_sm = resident(threads, smem + code.static_smem, code.registers, dev)
-    f32_instr = 0.0 if mma else flops / code.flops_per_instruction
-    mma_flops = float(flops) if mma else 0.0
-    t, waves = priced(cta_bytes, f32_instr, mma_flops, per_sm, dev)
-    return Kernel(phase, name, kind, int(np.sum(cta_bytes)), int(flops), int(np.size(cta_bytes)), waves, t, launches,
-                  min_bytes, entry, f32_instr, mma_flops, per_sm)
+            min_bytes=0, units=None, iterations=0.0, l2=None) -> Kernel:
+    """A dspark kernel from its plan (CTAs' DRAM bytes, flops, threads, dynamic shared memory;
+    optionally its L2 bytes per CTA, main-loop iterations per CTA and the units its shared-memory
+    counts scale by) and its entry point as compiled; `mma`: its flops are the MMAs' (whole tiles),
+    else f32 flops on CUDA cores."""
+    cta_bytes = np.asarray(cta_bytes, np.float64).ravel()
+    ctas = max(cta_bytes.size, 1)
+    units = {"cta": 1.0, "byte": cta_bytes, **(units or {})}
+    work = Work(entry, threads, smem, cta_bytes, l2=l2, mma=flops / MMA_FLOPS / ctas if mma else 0.0,
+                f32_flops=0.0 if mma else flops / ctas, iterations=iterations, units=units)
+    return kernel_of(phase, name, kind, work, dev, flops=flops, mma_flops=flops if mma else 0.0, launches=launches,
+                     min_bytes=min_bytes)
 
 
 def roofline(phase, name, kind, nbytes, flops, dev, launches=1) -> Kernel:
     """A CuPy array op (no plan of ours): its bytes at the copy bandwidth and its flops at one per
-    f32 instruction (CuPy's elementwise code contracts nothing we can see), whichever is longer."""
-    t = max(nbytes / dev.bw, flops / dev.f32_issue)
-    return Kernel(phase, name, kind, int(nbytes), int(flops), 0, 0, t, launches, f32_instr=float(flops))
+    f32 instruction (CuPy's elementwise code contracts nothing we can see); expected: the larger,
+    plus a DRAM round trip (its launch's first loads wait for it)."""
+    limits = {"dram": nbytes / dev.bw, "l2": 0.0, "smem": 0.0, "tensor": 0.0, "issue": flops / dev.f32_issue,
+              "latency": dev.dram_latency}
+    t = max(limits["dram"], limits["issue"]) + dev.dram_latency
+    return Kernel(phase, name, kind, int(nbytes), int(flops), 0, 0, t, launches, f32_instr=float(flops), limits=limits,
+                  smem_counted=False)
 
 
 def even(total: float, ctas: int) -> np.ndarray:
@@ -389,10 +258,14 @@ def linear(phase, name, rows, k, n, wb, dev, kind="weights") -> list[Kernel]:
         if p.grid_splits == 1 and p.m_tiles > 1:
             return [prompt_gemm(phase, name, kind, p, plan, rows, k, n, entry, dev)]
         # x ([rows, K] f32, at most 128 x 17408 x 4 = 8.9 MB) stays in L2 across the column tiles: DRAM
-        # sees it once, not once per column tile as the plan's bytes (what the CTAs load) count it
+        # sees it once, not once per column tile as the plan's bytes (what the CTAs load, through L2) count it
         dram = plan.bytes - (p.n_tiles - 1) * 4 * rows * k
-        return [planned(phase, name, kind, even(dram, p.ctas), plan.notes["mma_flops"], p.threads, p.shared_mem,
-                        dev, entry, mma=True, min_bytes=plan.min_bytes)]
+        iters = -(-min(p.kchunk, k) // p.bk)
+        work = Work(entry, p.threads, p.shared_mem, even(dram, p.ctas), l2=even(plan.bytes, p.ctas),
+                    mma=plan.notes["mma_flops"] / MMA_FLOPS / p.ctas, iterations=iters,
+                    units={"cta": 1.0, "iteration": float(iters)})
+        return [kernel_of(phase, name, kind, work, dev, flops=plan.notes["mma_flops"],
+                          mma_flops=plan.notes["mma_flops"], min_bytes=plan.min_bytes)]
     p = linear_ops.linear_plan(rows, k, n, wb)
     (run,) = p.launches
     # the plan's shared memory is the kernel's static array (launched with none dynamic): compiled() has it
@@ -401,10 +274,10 @@ def linear(phase, name, rows, k, n, wb, dev, kind="weights") -> list[Kernel]:
 
 
 def prompt_gemm(phase, name, kind, p, plan, rows, k, n, entry, dev: Device) -> Kernel:
-    """A tensor-core GEMM in fold mode (many rows): its CTAs' MMAs at the mma.sync ceiling, each at
-    its slot's share, wave after wave (`scheduled`); DRAM: each wave reads its group of
-    kMmaGroupRows row tiles of x (f32) and the weight columns of its CTAs once (L2 keeps them while
-    it runs), and the output is written. The larger."""
+    """A tensor-core GEMM in fold mode (many rows): every CTA walks all of K (ceil(K / BK) iterations)
+    and loads its row tile of x (f32) and its column tile of the weights through L2; DRAM: each wave
+    reads its group of kMmaGroupRows row tiles of x and the weight columns of its CTAs once (L2
+    keeps them while it runs), and the output is written."""
     code = compiled(entry, dev)
     per_sm = resident(p.threads, p.shared_mem + code.static_smem, code.registers, dev)
     slots = dev.sms * per_sm
@@ -412,16 +285,11 @@ def prompt_gemm(phase, name, kind, p, plan, rows, k, n, entry, dev: Device) -> K
     group = min(linear_ops.MMA_GROUP_ROWS, p.m_tiles)
     dram = waves * (group * p.bm * k * 4 + min(p.n_tiles, -(-slots // group)) * p.bn * k * 2) + rows * n * 4
     flops = plan.notes["mma_flops"]
-    t = max(scheduled(even(flops, p.ctas), dev.mma_sync, per_sm, dev), dram / dev.bw)
-    return Kernel(phase, name, kind, int(dram), int(flops), p.ctas, waves, t, 1, plan.min_bytes, entry, 0.0,
-                  float(flops), per_sm)
-
-
-def scheduled(cta_work, rate: float, per_sm: int, dev: Device) -> float:
-    """Seconds for CTAs of `cta_work` units each (bytes or flops) at `rate` units/s for the whole
-    device: longest first onto 132 x per_sm slots, each at rate / slots (waves and imbalance show,
-    as `priced` does for bytes)."""
-    return priced(cta_work, 0.0, 0.0, per_sm, dataclasses.replace(dev, bw=rate))[0]
+    iters = -(-k // p.bk)
+    work = Work(entry, p.threads, p.shared_mem, even(dram, p.ctas),
+                l2=np.full(p.ctas, float(p.bm * k * 4 + k * p.bn * 2 + p.bm * p.bn * 4)), mma=flops / MMA_FLOPS / p.ctas,
+                iterations=iters, units={"cta": 1.0, "iteration": float(iters)})
+    return kernel_of(phase, name, kind, work, dev, flops=flops, mma_flops=flops, min_bytes=plan.min_bytes)
 
 
 # ---- the trunk pass ---------------------------------------------------------------------------------------
@@ -547,32 +415,61 @@ def qk_prepare_kernel(phase, rows, hq, hkv, D, width, rot, isz, dev: Device, *, 
 
 
 def scaled(kernels: list[Kernel], n: int, suffix: str) -> list[Kernel]:
-    """The kernels of one layer, for n layers alike: bytes, flops, time and launches times n."""
+    """The kernels of one layer, for n layers alike: bytes, flops, limiters, time and launches times n."""
     return [dataclasses.replace(k, name=f"{k.name} ({suffix})", bytes=k.bytes * n, flops=k.flops * n, time=k.time * n,
                                 launches=k.launches * n, min_bytes=k.min_bytes * n, f32_instr=k.f32_instr * n,
-                                mma_flops=k.mma_flops * n) for k in kernels]
+                                mma_flops=k.mma_flops * n, limits={lim: v * n for lim, v in k.limits.items()},
+                                wavefronts=k.wavefronts * n, ideal_wavefronts=k.ideal_wavefronts * n) for k in kernels]
+
+
+def attention_units(plan) -> dict[str, np.ndarray]:
+    """Per working CTA of an attention plan, the units its shared-memory counts scale by: key tiles
+    walked; splits ended (merged into its running result, or written as partials): a
+    split-parallel CTA ends one, a serial or prompt CTA every split of its keys, counted from
+    position 0 (exact in causal mode; the block modes' CTAs start later: an upper bound there); and
+    key tiles times the m-tiles of 16 items its MMAs run (a decode's few items take one)."""
+    keys = np.maximum(plan.cta_keys, 1)
+    merges = np.ones(keys.size) if plan.slots else plan.split.index(keys - 1) + 1.0
+    tiles = -(-keys // TILE).astype(np.float64)
+    isz = 4 if plan.kernel.startswith("attention_f32") else 2
+    items = plan.bytes["q"] / (plan.head_dim * isz) / max(plan.ctas, 1)   # (row, head) pairs a CTA holds, mean
+    return {"cta": 1.0, "tile": tiles, "merge": np.asarray(merges, np.float64),
+            "mtile": tiles * max(1, -(-int(round(items)) // 16))}
 
 
 def attention_kernels(phase, plan, dev: Device) -> list[Kernel]:
     """The attention op's launches from its plan: the split kernel (each CTA its keys' K and V,
-    its items' q, its partials or output) and, when it splits, the combine (partials from L2
-    while they fit, the output to memory)."""
+    its items' q, its partials or output; its key tiles the main loop's iterations; 16-bit K/V:
+    the MMAs of whole m-tiles of 16 items per tile, f32: the flops on CUDA cores) and, when it
+    splits, the combine (partials from L2 while they fit, the output to memory)."""
     isz = 2 if "bf16" in plan.kernel or "f16" in plan.kernel else 4
     kv = plan.cta_keys * 2 * plan.head_dim * isz
     rest = plan.bytes["q"] + (plan.bytes["partials_written"] if plan.combine_kernel else plan.bytes["out"])
     cta = kv + rest / max(plan.ctas, 1)
     min_bytes = plan.bytes["kv"] + plan.bytes["q"] + plan.bytes["out"]
-    main = planned(phase, plan.kernel, "kv", cta, plan.flops, plan.block[0], plan.shared_mem, dev, plan.kernel,
-                   mma=isz == 2, min_bytes=min_bytes)
+    units = attention_units(plan)
+    per_cta = plan.flops / max(plan.ctas, 1)
+    if isz == 2:  # each tile's MMAs run whole m-tiles of 16 items (CTAs of fewer items pad them)
+        items = max(1.0, plan.bytes["q"] / (plan.head_dim * isz) / max(plan.ctas, 1))  # (row, head) pairs a CTA holds
+        mma = per_cta * (16 * -(-items // 16) / items) / MMA_FLOPS
+        work = Work(plan.kernel, plan.block[0], plan.shared_mem, cta, mma=mma, iterations=units["tile"], units=units)
+        main = kernel_of(phase, plan.kernel, "kv", work, dev, flops=plan.flops, mma_flops=plan.flops,
+                         min_bytes=min_bytes)
+    else:
+        work = Work(plan.kernel, plan.block[0], plan.shared_mem, cta, f32_flops=per_cta, iterations=units["tile"],
+                    units=units)
+        main = kernel_of(phase, plan.kernel, "kv", work, dev, flops=plan.flops, min_bytes=min_bytes)
     if plan.idle_ctas:  # CTAs with no key (a grid sized past the live keys): a wave of exits each
-        main.time += -(-plan.idle_ctas // (dev.sms * main.per_sm)) * dev.idle_wave
+        idle = -(-plan.idle_ctas // (dev.sms * main.per_sm)) * dev.idle_wave
+        main.time += idle
+        main.limits["latency"] += idle
     if not plan.combine_kernel:
         return [main]
     partials = plan.bytes["partials_read"]
     from_memory = partials if partials > dev.l2 else 0
     ctas = plan.combine_grid[0] * plan.combine_grid[1]
     combine = planned(phase, plan.combine_kernel, "kv", even(from_memory + plan.bytes["out"], ctas), 0,
-                      plan.combine_block[0], 0, dev, plan.combine_kernel)
+                      plan.combine_block[0], 0, dev, plan.combine_kernel, l2=even(partials + plan.bytes["out"], ctas))
     return [main, combine]
 
 
@@ -606,9 +503,12 @@ def rowsplit_kernel(phase, plan, dev: Device) -> Kernel:
         kernels.append(planned(phase, plan.op, "other", even(share, launch.ctas), flops * launch.ctas / plan.ctas,
                                launch.threads, launch.shared_mem, dev, entry))
     t = sum(k.time for k in kernels)
+    # its launches run one after another: each limiter (and the floor) of the reduction is theirs added
+    limits = {lim: sum(k.limits[lim] for k in kernels) for lim in LIMITERS}
     return Kernel(phase, plan.op, "other", int(plan.bytes), int(flops), plan.ctas, max(k.waves for k in kernels), t,
                   len(plan.launches), plan.min_bytes, kernels[0].entry, sum(k.f32_instr for k in kernels), 0.0,
-                  min(k.per_sm for k in kernels))
+                  min(k.per_sm for k in kernels), limits, sum(k.wavefronts for k in kernels),
+                  sum(k.ideal_wavefronts for k in kernels), all(k.smem_counted for k in kernels))
 
 
 def commit_kernel(phase, name, B, layers, keep, row_bytes, dev: Device, kind="kv") -> Kernel:
@@ -775,7 +675,16 @@ class Round:
     mode: str = "graph"
 
     def gpu(self, kernels=None) -> float:
+        """Expected GPU time: the kernels' expected times added."""
         return sum(k.time for k in (self.kernels if kernels is None else kernels))
+
+    def gpu_floor(self, kernels=None) -> float:
+        """The kernels' floors added: what the GPU time can never go under."""
+        return sum(k.floor for k in (self.kernels if kernels is None else kernels))
+
+    def floor(self) -> float:
+        """The round's floor: its kernels' floors and its launch and host overhead."""
+        return self.gpu_floor() + self.overhead()
 
     def _overhead(self, launches: int, syncs: int, spec: bool) -> float:
         dev, passes = self.dev, UPLOADS["round" if spec else "step"]
@@ -835,36 +744,34 @@ def spec_round(shape: Shape, B: int, context: int, vt: int, dev: Device = H200,
 # Priced from the kernels as compiled, as the round is: occupancy from their registers and shared
 # memory (`resident`), the MMAs at the mma.sync ceiling, bytes at the copy bandwidth, launches at the
 # measured host cost. Each price names its bound and never goes under it.
-SM_CLOCK = 1.98e9        # an H200 SM's boost clock, Hz
-FMA_LATENCY = 4          # cycles from an fmaf to a dependent one (Ampere, Hopper)
+FMA_LATENCY = 4          # assumed: cycles from an fmaf to a dependent one (Ampere, Hopper microbenchmarks)
 SOLVE_CHAIN = 120 + 32 + 48 + 64  # dependent fmaf of gdn_chunk_prep's solve: the longest diagonal column,
                                   # then M and T_IJ at block distances 1, 2, 3 (csrc/gdn_chunk.cu, chunk_solve)
 
 
 def prompt_attention(phase, hq: int, hkv: int, head_dim: int, start: int, rows: int, dev: Device) -> Kernel:
     """attention_prompt (bf16 K/V) over a pass of `rows` query rows after `start` committed ones:
-    each CTA's key tiles (64 items x 64 keys x 4 D flops each, the whole tile as the MMAs run it) at
-    the mma.sync ceiling, longest CTA first; the K/V of the visible keys once from DRAM (the CTAs'
-    re-reads of them from L2), q and out."""
+    each CTA walks the key tiles up to its last row's (its main loop's iterations), every tile's
+    MMAs over 64 items x 64 keys x D (the whole tile as the MMAs run it); DRAM: the K/V of the
+    visible keys once, q and out (the CTAs' re-reads of K/V come from L2: the plan's bytes)."""
     plan = launch_plan([rows], [start], hq=hq, hkv=hkv, head_dim=head_dim, dtype=BF16)
-    code = compiled(plan.kernel, dev)
-    per_sm = resident(plan.block[0], plan.shared_mem + code.static_smem, code.registers, dev)
-    cta_flops = -(-plan.cta_keys // TILE) * TILE * 64 * 4 * head_dim
+    units = attention_units(plan)
+    cta_flops = units["tile"] * TILE * 64 * 4 * head_dim
     dram = 2 * ((start + rows) * 2 * hkv + rows * hq) * head_dim + plan.bytes["out"]
-    t = max(scheduled(cta_flops, dev.mma_sync, per_sm, dev), dram / dev.bw)
-    return Kernel(phase, plan.kernel, "kv", int(dram), int(cta_flops.sum()), plan.ctas,
-                  -(-plan.ctas // (dev.sms * per_sm)), t, 1, int(dram), plan.kernel, 0.0, float(cta_flops.sum()),
-                  per_sm)
+    l2 = plan.cta_keys * 2 * head_dim * 2 + (plan.bytes["q"] + plan.bytes["out"]) / max(plan.ctas, 1)
+    work = Work(plan.kernel, plan.block[0], plan.shared_mem, even(dram, plan.ctas), l2=l2, mma=cta_flops / MMA_FLOPS,
+                iterations=units["tile"], units=units)
+    return kernel_of(phase, plan.kernel, "kv", work, dev, flops=int(cta_flops.sum()), mma_flops=float(cta_flops.sum()),
+                     min_bytes=int(dram))
 
 
 def prompt_gdn(phase, H: int, dk: int, dv: int, k_heads, rows: int, dev: Device) -> list[Kernel]:
     """One gdn layer's prompt pass (dspark.ops.gdn_chunk): the conv (a thread per channel and 64
-    columns); gdn_chunk_prep, one CTA per (chunk, value head), its products at the mma.sync ceiling,
-    its inputs (x and the gates once: a key head's value heads share them in L2) and scratch at the
-    copy bandwidth, and its triangular solve's dependent fmaf chain (SOLVE_CHAIN) at the FMA latency
-    per wave; and gdn_chunk_state, one CTA per (32 state rows, value head) walking the chunks in
-    order: per chunk its share of the products at its slot's share of the mma.sync ceiling, waves
-    in series, never under its bytes at the copy bandwidth."""
+    columns); gdn_chunk_prep, one CTA per (chunk, value head), its products on the tensor cores,
+    its inputs (x and the gates once: a key head's value heads share them in L2) and scratch, and
+    its triangular solve's dependent fmaf chain (SOLVE_CHAIN at the FMA latency: a latency where
+    nothing overlaps it); and gdn_chunk_state, one CTA per (32 state rows, value head) walking the
+    chunks in order (its main loop's iterations), each chunk its share of the products."""
     C = gdn_ops.channels(H, dk, dv, k_heads)
     chunks = -(-rows // chunk_ops.CHUNK)
     conv = planned(phase, "gdn_conv_rows_f32", "state",
@@ -873,25 +780,21 @@ def prompt_gdn(phase, H: int, dk: int, dv: int, k_heads, rows: int, dev: Device)
     fl = chunk_ops.chunk_flops(H, dk, dv)
     scratch = chunk_ops.scratch_bytes(chunks, H, dk, dv, 2)
     entry = f"gdn_chunk_prep_bf16_dk{dk}"
-    code = compiled(entry, dev)
     prep_ctas = chunks * H
-    per_sm = resident(chunk_ops.THREADS, chunk_ops.prep_shared_mem(dk, dv, 2) + code.static_smem, code.registers, dev)
-    waves = -(-prep_ctas // (dev.sms * per_sm))
     prep_bytes = 4 * rows * (C + 2 * H) + scratch
-    t_prep = max(scheduled(even(chunks * fl["prep"], prep_ctas), dev.mma_sync, per_sm, dev),
-                 scheduled(even(prep_bytes, prep_ctas), dev.bw, per_sm, dev)) + waves * SOLVE_CHAIN * FMA_LATENCY / SM_CLOCK
-    prep = Kernel(phase, entry, "state", prep_bytes, chunks * fl["prep"], prep_ctas, waves, t_prep, 1, prep_bytes,
-                  entry, 0.0, float(chunks * fl["prep"]), per_sm)
+    work = Work(entry, chunk_ops.THREADS, chunk_ops.prep_shared_mem(dk, dv, 2), even(prep_bytes, prep_ctas),
+                mma=fl["prep"] / MMA_FLOPS, chain=SOLVE_CHAIN * FMA_LATENCY / dev.clock,
+                units={"cta": 1.0, "byte": even(prep_bytes, prep_ctas)})
+    prep = kernel_of(phase, entry, "state", work, dev, flops=chunks * fl["prep"], mma_flops=float(chunks * fl["prep"]),
+                     min_bytes=prep_bytes)
     entry = f"gdn_chunk_state_bf16_dk{dk}"
-    code = compiled(entry, dev)
     walk_ctas = -(-dv // chunk_ops.SLICE) * H
-    per_sm = resident(chunk_ops.THREADS, chunk_ops.state_shared_mem(dk, 2) + code.static_smem, code.registers, dev)
-    slots = dev.sms * per_sm
-    waves = -(-walk_ctas // slots)
     walk_bytes = scratch + 4 * rows * H * dv + 3 * 4 * H * dv * dk
-    t_walk = max(waves * chunks * fl["state"] / walk_ctas / (dev.mma_sync / slots), walk_bytes / dev.bw)
-    walk = Kernel(phase, entry, "state", walk_bytes, chunks * fl["state"], walk_ctas, waves, t_walk, 1, walk_bytes,
-                  entry, 0.0, float(chunks * fl["state"]), per_sm)
+    work = Work(entry, chunk_ops.THREADS, chunk_ops.state_shared_mem(dk, 2), even(walk_bytes, walk_ctas),
+                mma=chunks * fl["state"] / walk_ctas / MMA_FLOPS, iterations=float(chunks),
+                units={"cta": 1.0, "chunk": float(chunks)})
+    walk = kernel_of(phase, entry, "state", work, dev, flops=chunks * fl["state"], mma_flops=float(chunks * fl["state"]),
+                     min_bytes=walk_bytes)
     return [conv, prep, walk]
 
 
@@ -939,14 +842,20 @@ class Prompt:
     def gpu(self) -> float:
         return sum(k.time for k in self.kernels)
 
-    def ttft(self, dev: Device = H200) -> float:
-        """Time to first token. A pass's launches are asynchronous: the host issues them while the
-        GPU runs the ones before, so they cost GPU time only at a wait (each wait: the copy, then one
-        launch's issue before the GPU has work again), and where all of them take longer than the
-        GPU work; the tables' uploads before any work; the final fetch."""
-        host = self.launches * dev.launch
-        return (self.gpu() + self.syncs * (dev.sync + dev.launch) + self.tables * dev.sync
-                + max(0.0, host - self.gpu()) + dev.sync)
+    def gpu_floor(self) -> float:
+        return sum(k.floor for k in self.kernels)
+
+    def waits(self, dev: Device = H200) -> float:
+        """Each wait inside the passes (the copy, then one launch's issue before the GPU has work
+        again), the tables' uploads before any work, the final fetch."""
+        return self.syncs * (dev.sync + dev.launch) + self.tables * dev.sync + dev.sync
+
+    def ttft(self, dev: Device = H200, floor: bool = False) -> float:
+        """Time to first token (expected, or its floor from the kernels' floors). A pass's launches
+        are asynchronous: the host issues them while the GPU runs the ones before, so they cost GPU
+        time only at a wait (`waits`), and where all of them take longer than the GPU work."""
+        gpu = self.gpu_floor() if floor else self.gpu()
+        return gpu + self.waits(dev) + max(0.0, self.launches * dev.launch - gpu)
 
 
 def prompt(shape: Shape, tokens: int, dev: Device = H200, chunk: int = PROMPT_CHUNK) -> Prompt:
@@ -1062,28 +971,35 @@ def prompt_report(table_of: dict[str, Shape], chunk: int, kernels: bool = False,
                   mode: str = "graph") -> str:
     """The --prompt tables: time to first token, the plain batched decode step, memory per session."""
     gib = lambda n: f"{n / 2**30:.2f}"  # noqa: E731
-    out = [f"{dev.name}: mma.sync {dev.mma_sync / 1e12:.0f} TFLOP/s ({dev.mma_sync_share:.2f} of {dev.mma / 1e12:.0f}), "
-           f"copy {dev.bw / 1e12:.1f} TB/s, f32 issue {dev.f32_issue / 1e12:.1f} T instr/s, launch "
+    out = [f"{dev.name} (assumed rates: pricing.Device): mma.sync {dev.mma_sync / 1e12:.0f} TFLOP/s "
+           f"({dev.mma_sync_share:.2f} of {dev.mma / 1e12:.0f}; data sheet {dev.mma_peak / 1e12:.0f}), copy "
+           f"{dev.bw / 1e12:.1f} TB/s (data sheet {dev.dram_peak / 1e12:.1f}), L2 {dev.l2_bw / 1e12:.1f} TB/s, "
+           f"f32 issue {dev.f32_issue / 1e12:.1f} T instr/s, launch "
            f"{dev.launch * 1e6:.1f} us host, sync {dev.sync * 1e6:.0f} us; code as compiled for {dev.arch} by "
            f"{compiled_kernels(dev.arch, dev.nvrtc)[0]}; prompt passes of {chunk} tokens, bf16 weights and K/V", ""]
     rows, details = [], []
     for model, tokens in TTFT_CASES:
         pr = prompt(table_of[model], tokens, dev, chunk)
-        gemms = sum(x.time for x in pr.kernels if x.kind == "weights")
-        attn = sum(x.time for x in pr.kernels if x.name.startswith("attention_prompt"))
-        gdn = sum(x.time for x in pr.kernels if x.kind == "state")
+        parts = prompt_parts(pr)
         flops = sum(x.flops for x in pr.kernels)
-        rows.append([table_of[model].label, str(tokens), f"{pr.ttft(dev) * 1e3:,.0f}", f"{gemms * 1e3:,.0f}",
-                     f"{attn * 1e3:,.1f}", f"{gdn * 1e3:,.1f}", f"{(pr.gpu() - gemms - attn - gdn) * 1e3:,.1f}",
-                     f"{(pr.ttft(dev) - pr.gpu()) * 1e3:,.1f}", f"{pr.launches * dev.launch * 1e3:,.0f}",
-                     f"{flops / 1e12:,.0f}", f"{flops / pr.gpu() / dev.mma_sync:.0%}"])
+        at_90 = flops / (0.9 * dev.mma_sync)
+        row = [table_of[model].label, str(tokens), f"{pr.ttft(dev, floor=True) * 1e3:,.0f}", f"{pr.ttft(dev) * 1e3:,.0f}"]
+        for ks in parts.values():
+            row += [f"{sum(k.floor for k in ks) * 1e3:,.1f}", f"{sum(k.time for k in ks) * 1e3:,.1f}"]
+        row += [f"{pr.waits(dev) * 1e3:,.1f}", f"{pr.launches * dev.launch * 1e3:,.0f}", f"{flops / 1e12:,.0f}",
+                f"{at_90 * 1e3:,.0f}", f"{flops / pr.gpu() / dev.mma_sync:.0%}"]
+        rows.append(row)
         if kernels:
             details.append((f"{table_of[model].label} {tokens} tokens", pr))
     out.append("TTFT: the prompt passes' GPU time + each wait inside them (a sync + one launch's host cost) + the "
                "pointer tables' uploads + the final fetch; the launches (column: their host time) are issued while the "
-               "GPU runs; TFLOP as the kernels execute them; of mma.sync: TFLOP / GPU time / the mma.sync ceiling")
-    out.append(table(["shape", "prompt", "TTFT ms", "GEMMs ms", "attention ms", "gdn ms", "other ms", "waits ms",
-                      "launches ms", "TFLOP", "of mma.sync"], rows))
+               "GPU runs. floor: the kernels' floors (each its largest limiter) added; expected: their expected times "
+               "(docs/performance.md). TFLOP as the kernels execute them; at 90 %: that many FLOPs at 90 % of the "
+               "mma.sync ceiling, under which the expected time never goes; of mma.sync: TFLOP / expected GPU time / "
+               "the ceiling")
+    out.append(table(["shape", "prompt", "TTFT floor ms", "TTFT expected ms"]
+                     + [f"{part} {w} ms" for part in PROMPT_PARTS for w in ("floor", "expected")]
+                     + ["waits ms", "launches ms", "TFLOP", "at 90 % ms", "of mma.sync"], rows))
     out.append("")
     rows = []
     for model in ("qwen3.5-27b", "qwen3-8b"):
@@ -1112,12 +1028,41 @@ def prompt_report(table_of: dict[str, Shape], chunk: int, kernels: bool = False,
     out.append(table(["shape", "context", "K/V GiB", "gdn state GiB", "draft KV GiB", "session GiB", "pass GiB",
                       "served"], rows))
     for head, pr in details:
-        out.append(f"\n{head}: TTFT {pr.ttft(dev) * 1e3:,.1f} ms")
-        out.append(table(["phase", "kernel", "kind", "MB", "GFLOP", "CTAs", "waves", "launches", "us"],
-                         [[k.phase, k.name, k.kind, f"{k.bytes / 1e6:,.1f}", f"{k.flops / 1e9:,.1f}",
-                           str(k.ctas) if k.ctas else "-", str(k.waves) if k.ctas else "-", str(k.launches), us(k.time)]
-                          for k in pr.kernels]))
+        out.append(f"\n{head}: TTFT floor {pr.ttft(dev, floor=True) * 1e3:,.1f} ms, expected {pr.ttft(dev) * 1e3:,.1f} ms")
+        out.append(table(LIMIT_HEADERS, limit_rows(pr.kernels, dev)))
     return "\n".join(out)
+
+
+PROMPT_PARTS = ("GEMMs", "attention", "gdn", "other")
+
+
+def prompt_parts(pr: "Prompt") -> dict[str, list[Kernel]]:
+    """A prompt's kernels by part: the GEMMs (weights), prompt attention, the chunked gdn (state) and
+    the rest (norms, RoPE, gates, glue, the K/V commit)."""
+    out = {p: [] for p in PROMPT_PARTS}
+    for k in pr.kernels:
+        part = "GEMMs" if k.kind == "weights" else "attention" if k.name.startswith("attention_prompt") \
+            else "gdn" if k.kind == "state" else "other"
+        out[part].append(k)
+    return out
+
+
+LIMIT_HEADERS = ["phase", "kernel", "MB", "GFLOP", "CTAs", "CTAs/SM", "launches", *(f"{lim} us" for lim in LIMITERS),
+                 "floor us", "expected us", "bound", "smem conflicts"]
+
+
+def limit_rows(kernels: list[Kernel], dev: Device) -> list[list[str]]:
+    """Every kernel's limiters (seconds each alone), floor, expected time, the limiter that sets the
+    floor, and its shared-memory wavefronts over those it would take without bank conflicts ("-":
+    not counted by simt)."""
+    rows = []
+    for k in kernels:
+        conflicts = (f"{k.wavefronts / k.ideal_wavefronts:.2f}x" if k.ideal_wavefronts else "none") \
+            if k.smem_counted else "-"
+        rows.append([k.phase, k.name, f"{k.bytes / 1e6:,.2f}", f"{k.flops / 1e9:,.2f}", str(k.ctas) if k.ctas else "-",
+                     str(k.per_sm) if k.ctas else "-", str(k.launches),
+                     *(us(k.limits.get(lim, 0.0)) for lim in LIMITERS), us(k.floor), us(k.time), k.bound, conflicts])
+    return rows
 
 
 # ---- printing ---------------------------------------------------------------------------------------------
@@ -1136,43 +1081,30 @@ def attention_row(r: Round) -> Kernel:
 def summary_rows(rounds: list[Round], accepted: float, dev: Device = H200) -> list[list[str]]:
     rows = []
     for r in rounds:
-        comp = r.composition()
-        total = r.time()
-        verify = r.gpu(r.verify_pass())
-        plain_gpu = r.gpu(r.plain)
+        verify, plain = r.verify_pass(), r.plain
         try:
             a = attention_row(r)
-            layers = r.shape.trunk.layers.count("attn")
-            per_layer = a.time / layers
-            att = f"{a.min_bytes / layers / per_layer / dev.bw:.0%}"
+            att = f"{a.min_bytes / a.time / dev.bw:.0%}"
         except LookupError:
             att = "-"
-        rows.append([r.shape.label, str(r.B), str(r.context), str(r.vt), att, f"{verify / plain_gpu:.3f}",
-                     us(plain_gpu), us(verify), us(total)]
-                    + [f"{comp[k] / total:.0%}" for k in (*KINDS, "overhead")]
-                    + [str(r.launches), f"{r.speedup(accepted):.2f}x"])
+        row = [r.shape.label, str(r.B), str(r.context), str(r.vt), att, f"{r.gpu(verify) / r.gpu(plain):.3f}",
+               us(r.gpu_floor(plain)), us(r.gpu(plain)), us(r.gpu_floor(verify)), us(r.gpu(verify)), us(r.floor()),
+               us(r.time())]
+        for kind in KINDS:
+            ks = [k for k in r.kernels if k.kind == kind]
+            row += [us(r.gpu_floor(ks)), us(r.gpu(ks))]
+        rows.append(row + [us(r.overhead()), str(r.launches), f"{r.speedup(accepted):.2f}x"])
     return rows
 
 
-SUMMARY_HEADERS = ["shape", "B", "context", "vt", "attn of copy", "verify/plain", "plain us", "verify us",
-                   "round us", "weights", "kv", "state", "other", "overhead", "launches", "speedup"]
+SUMMARY_HEADERS = ["shape", "B", "context", "vt", "attn of copy", "verify/plain", "plain floor us", "plain us",
+                   "verify floor us", "verify us", "round floor us", "round us",
+                   *(f"{kind} {w}" for kind in KINDS for w in ("floor us", "us")), "overhead us", "launches", "speedup"]
 
 
 def kernel_rows(r: Round) -> list[list[str]]:
-    out, dev = [], r.dev
-    for k in r.kernels:
-        frac = f"{(k.min_bytes or k.bytes) / k.time / dev.bw:.0%}" if k.time else "-"
-        bound = "issue" if k.issue_bound(dev) >= k.bandwidth_bound(dev) else "memory"
-        if k.entry:
-            code = compiled(k.entry, dev)
-            regs, per_sm = str(code.registers), str(k.per_sm)
-            mix = "mma" if k.mma_flops else f"{code.flops_per_instruction:.2f}"
-        else:  # a CuPy array op (roofline): no code of ours to read
-            regs = per_sm = mix = "-"
-        out.append([k.phase, k.name, k.kind, f"{k.bytes / 1e6:,.2f}", f"{k.flops / 1e9:,.2f}",
-                    str(k.ctas) if k.ctas else "-", str(k.waves) if k.ctas else "-", str(k.launches), us(k.time),
-                    frac, regs, per_sm, mix, bound])
-    return out
+    """Every kernel of the round: its limiters, floor and expected time (limit_rows)."""
+    return limit_rows(r.kernels, r.dev)
 
 
 MODE_HEADERS = ["shape", "B", "context", "launches", "mode", "step us", "step overhead", "round us", "round overhead",
@@ -1193,8 +1125,7 @@ def mode_rows(cases, a, dev: Device) -> list[list[str]]:
     return rows
 
 
-KERNEL_HEADERS = ["phase", "kernel", "kind", "MB", "GFLOP", "CTAs", "waves", "launches", "us", "of copy", "regs",
-                  "CTAs/SM", "flop/instr", "bound"]
+KERNEL_HEADERS = LIMIT_HEADERS
 
 
 def main(argv=None) -> int:
@@ -1244,7 +1175,8 @@ def main(argv=None) -> int:
     table_of = shapes(a.drafter_window)
     cases = [(table_of[m], b, ctx) for m in a.model for b in a.batch for ctx in a.context]
     rounds = [spec_round(sh, b, ctx, a.width, d, rollback=a.rollback, mode=a.launches) for sh, b, ctx in cases]
-    print(f"{d.name}: copy {d.bw / 1e12:.1f} TB/s, bf16 MMA {d.mma / 1e12:.0f} TFLOP/s, f32 issue "
+    print(f"{d.name} (assumed rates: pricing.Device): copy {d.bw / 1e12:.1f} TB/s (data sheet {d.dram_peak / 1e12:.1f}), "
+          f"L2 {d.l2_bw / 1e12:.1f} TB/s, bf16 MMA {d.mma / 1e12:.0f} TFLOP/s (data sheet {d.mma_peak / 1e12:.0f}), f32 issue "
           f"{d.f32_issue / 1e12:.1f} T instr/s ({d.f32 / 1e12:.0f} TFLOP/s as FMAs), sync {d.sync * 1e6:.0f} us, "
           f"{d.sms} SMs; code as compiled for {d.arch} by {compiled_kernels(d.arch, d.nvrtc)[0]}; GEMMs linear_f32 / "
           f"linear_mma (weights read as stored); rollback {a.rollback}; speedup at mean accepted length {a.accepted}")
@@ -1258,10 +1190,11 @@ def main(argv=None) -> int:
         print(f"  {table_of[m].label}: {table_of[m].source}; draft KV {ring} rows, "
               f"{2 * dc.layers * dc.kv_heads * ring * dc.head_dim * F32 / 1e6:,.1f} MB per session (f32)")
     print(table(SUMMARY_HEADERS, summary_rows(rounds, a.accepted, d)))
-    print("attn of copy: the verify attention kernel's K/V + q + out bytes over its predicted time, as a share of "
-          "the copy bandwidth; verify/plain: the trunk verify pass over a plain decode step (GPU time); "
-          f"weights .. overhead: shares of the round (overhead: launches and host as `{a.launches}` issues them, "
-          "2 syncs)")
+    print("floor: the kernels' floors (each its largest limiter) added; us: expected (docs/performance.md); attn of "
+          "copy: the verify attention kernel's K/V + q + out bytes over its expected time, as a share of the copy "
+          "bandwidth; verify/plain: the trunk verify pass over a plain decode step (expected GPU time); weights .. "
+          f"other: the round's kernels by what they move; overhead: launches and host as `{a.launches}` issues them, "
+          "2 syncs")
     print("\nlaunch and host overhead by how the passes reach the device (plain decode step and speculative round):")
     print(table(MODE_HEADERS, mode_rows(cases, a, d)))
     print("\nrecurrent state and K/V moved per round (a full accept; the kinds dspark.profile counts):")
@@ -1274,8 +1207,8 @@ def main(argv=None) -> int:
     print(table(["shape", "B", "vt", "state MB", "checkpoints MB", "rollback MB", "kv_commit MB", "total MB"], moves))
     if a.kernels:
         for r in rounds:
-            print(f"\n{r.shape.label} B={r.B} context={r.context} vt={r.vt}: round {us(r.time())} us, "
-                  f"plain step {us(r.plain_time())} us")
+            print(f"\n{r.shape.label} B={r.B} context={r.context} vt={r.vt}: round floor {us(r.floor())} us, "
+                  f"expected {us(r.time())} us, plain step {us(r.plain_time())} us")
             print(table(KERNEL_HEADERS, kernel_rows(r)))
     return 0
 

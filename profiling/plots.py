@@ -4,8 +4,9 @@
 
 Writes three PNG files into DIR (default profiling/out/plots), each from figures a command prints:
 
-* round-composition.png: where a round's time goes, per shape (weights, K/V, state, other,
-  overhead), B = 1, 32k context, 8 columns: the shares `python profiling/perf_model.py` prints.
+* round-composition.png: where a round's expected time goes, per shape (weights, K/V, state,
+  other, overhead), B = 1, 32k context, 8 columns, with the round's floor marked: the parts
+  `python profiling/perf_model.py` prints (its "us" columns).
 * speedup-context.png: the speedup over plain decode against context length, B = 1, at the mean
   accepted length `--accepted`: `python profiling/perf_model.py --context C --accepted A`.
 * predicted-measured.png: each kernel's measured time against the model's expected time, from the
@@ -37,13 +38,14 @@ COMPOSITION_SHAPE = dict(B=1, context=32768, vt=8)  # perf_model.py's default ta
 
 
 def composition_series(dev=pm.H200) -> list[dict]:
-    """Per shape: the round's time (us) and its shares by part, as perf_model.py's table prints them."""
+    """Per shape: the round's expected time and floor (us) and its expected time by part (us), as
+    perf_model.py's table prints them."""
     out = []
     for sh in pm.shapes().values():
         r = pm.spec_round(sh, COMPOSITION_SHAPE["B"], COMPOSITION_SHAPE["context"], COMPOSITION_SHAPE["vt"], dev)
-        comp, total = r.composition(), r.time()
-        out.append({"shape": sh.label, "context": r.context, "round_us": total * 1e6,
-                    "shares": {k: comp[k] / total for k in PARTS}})
+        comp = r.composition()
+        out.append({"shape": sh.label, "context": r.context, "round_us": r.time() * 1e6, "floor_us": r.floor() * 1e6,
+                    "parts_us": {k: comp[k] * 1e6 for k in PARTS}})
     return out
 
 
@@ -90,13 +92,17 @@ def draw_composition(series, path) -> None:
     labels = [s["shape"] for s in series]
     left = [0.0] * len(series)
     for part in PARTS:
-        widths = [s["shares"][part] * 100 for s in series]
+        widths = [s["parts_us"][part] / 1e3 for s in series]
         ax.barh(labels, widths, left=left, color=COLOURS[part], label=part)
         left = [a + b for a, b in zip(left, widths)]
+    top = max(s["round_us"] for s in series) / 1e3
     for i, s in enumerate(series):
-        ax.text(101, i, f"{s['round_us'] / 1e3:.2f} ms", va="center", fontsize=8)
+        ax.plot([s["floor_us"] / 1e3] * 2, [i - 0.4, i + 0.4], color="black", lw=1.5)
+        ax.text(s["round_us"] / 1e3 + top * 0.01, i, f"{s['round_us'] / 1e3:.2f} ms (floor {s['floor_us'] / 1e3:.2f})",
+                va="center", fontsize=8)
     ax.invert_yaxis()
-    ax.set(xlim=(0, 115), xlabel="% of the round's predicted time (H200, B = 1, 32k context, 8 columns)")
+    ax.set(xlim=(0, top * 1.3), xlabel="ms of the round, expected on an H200 (B = 1, 32k context, 8 columns); "
+                                        "black: the floor")
     ax.legend(ncol=5, fontsize=8, loc="upper center", bbox_to_anchor=(0.45, 1.18))
     fig.tight_layout()
     fig.savefig(path, dpi=110)

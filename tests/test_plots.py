@@ -73,16 +73,17 @@ def test_plot_without_matplotlib_is_one_line_and_exit_code_2(capsys, monkeypatch
     assert not list(tmp_path.iterdir())
 
 
-def summary_table(text: str) -> list[tuple[str, list[str]]]:
-    """perf_model.py's summary table (its first): each row's shape label and cells."""
+def summary_table(text: str) -> list[dict[str, str]]:
+    """perf_model.py's summary table (its first): each row's cells by column name."""
     lines = text.splitlines()
     head = next(i for i, ln in enumerate(lines) if ln.startswith("shape ") and "speedup" in ln)
+    names = re.split(r"\s{2,}", lines[head].strip())
     rows = []
     for ln in lines[head + 1:]:
-        m = re.match(r"(.+?)\s{2,}(\d.*x)$", ln)
-        if not m:
+        cells = re.split(r"\s{2,}", ln.strip())
+        if len(cells) != len(names):
             break
-        rows.append((m.group(1).strip(), m.group(2).split()))
+        rows.append(dict(zip(names, cells)))
     return rows
 
 
@@ -92,14 +93,14 @@ def test_performance_pictures_draw_what_the_model_prints(capsys):
     assert pm.main([]) == 0  # the default table: every shape, B = 1, 32k, 8 columns
     table = summary_table(capsys.readouterr().out)
     series = plots_script.composition_series()
-    assert [s["shape"] for s in series] == [label for label, _ in table]
-    for s, (_, cells) in zip(series, table):  # B context vt attn verify/plain plain verify round weights kv ...
-        assert pm.us(s["round_us"] / 1e6) == cells[7]
-        assert [f"{s['shares'][k]:.0%}" for k in plots_script.PARTS] == cells[8:13]
+    assert [s["shape"] for s in series] == [row["shape"] for row in table]
+    for s, row in zip(series, table):
+        assert pm.us(s["round_us"] / 1e6) == row["round us"] and pm.us(s["floor_us"] / 1e6) == row["round floor us"]
+        assert [pm.us(s["parts_us"][k] / 1e6) for k in plots_script.PARTS] == [row[f"{k} us"] for k in plots_script.PARTS]
     contexts = (8192, 32768)
     speedups = plots_script.speedup_series(4.97, contexts)
     assert pm.main(["--model", "qwen3-8b", "qwen3.5-27b", "--context", *map(str, contexts)]) == 0
-    printed_speedups = {(label, int(cells[1])): cells[-1] for label, cells in summary_table(capsys.readouterr().out)}
+    printed_speedups = {(row["shape"], int(row["context"])): row["speedup"] for row in summary_table(capsys.readouterr().out)}
     for label in ("Qwen3-8B", "Qwen3.5-27B"):
         for ctx, x in speedups[label]:
             assert printed_speedups[label, ctx] == f"{x:.2f}x"

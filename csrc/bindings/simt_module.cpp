@@ -38,6 +38,24 @@ py::dict kernels() {
   return out;
 }
 
+// The counting build's per-launch counts (simt.h: count_ldmatrix), taken once.
+py::list take_counts() {
+  static const char* kinds[simt::kSmemKinds] = {"load", "store", "ldmatrix", "cp_async"};
+  py::list out;
+  for (const simt::LaunchCounts& c : simt::take_counts()) {
+    py::dict d;
+    d["kernel"] = c.kernel;
+    d["grid"] = py::make_tuple(c.grid.x, c.grid.y, c.grid.z);
+    d["block"] = py::make_tuple(c.block.x, c.block.y, c.block.z);
+    d["shared_mem"] = c.shared_mem;
+    for (int k = 0; k < simt::kSmemKinds; ++k)
+      d[kinds[k]] = py::make_tuple(c.requests[k], c.wavefronts[k], c.ideal[k]);
+    d["mma"] = c.mma;
+    out.append(d);
+  }
+  return out;
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_simt, m) {
@@ -56,6 +74,12 @@ PYBIND11_MODULE(_simt, m) {
   m.def("set_schedule", &simt::set_schedule, py::arg("seed"),
         "0: threads in index order between barriers; otherwise a random order from this seed");
   m.def("schedule_seed", &simt::schedule_seed);
+  m.def("set_counting", &simt::set_counting, py::arg("on"),
+        "count each launch's shared-memory wavefronts and mma.sync (the counting build only)");
+  m.def("take_counts", &take_counts,
+        "the counts of every launch since the last call: kernel, grid, block, shared_mem, mma, and per kind "
+        "(load, store, ldmatrix, cp_async) (warp-wide accesses, wavefronts, wavefronts without bank conflicts)");
+  m.attr("counts_shared_accesses") = simt::counts_shared_accesses();
 #if defined(__SANITIZE_ADDRESS__)
   m.attr("asan") = true;
 #else

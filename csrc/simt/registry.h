@@ -84,6 +84,21 @@ struct Registration {
 // Run `entry` over the whole grid. Throws KernelFault on a fault inside the kernel.
 void launch(const Entry& entry, dim3 grid, dim3 block, void** params, size_t shared_mem);
 
+// What the counting build counted in one launch (simt.h: count_ldmatrix), by kind of access.
+enum SmemKind { kSmemLoad = 0, kSmemStore = 1, kSmemLdmatrix = 2, kSmemCpAsync = 3, kSmemKinds = 4 };
+struct LaunchCounts {
+  std::string kernel;
+  dim3 grid, block;
+  size_t shared_mem = 0;
+  uint64_t requests[kSmemKinds] = {};    // warp-wide accesses
+  uint64_t wavefronts[kSmemKinds] = {};  // as served, bank conflicts included
+  uint64_t ideal[kSmemKinds] = {};       // with no bank conflict
+  uint64_t mma = 0;                      // mma.sync m16n8k16 (warp instructions)
+};
+bool counts_shared_accesses();  // the counting build
+void set_counting(bool on);     // throws in a build that does not count
+std::vector<LaunchCounts> take_counts();
+
 // Schedule between barriers: in thread-index order (seed == 0) or a random order drawn
 // afresh for every block from `seed`.
 void set_schedule(uint64_t seed);

@@ -7,8 +7,10 @@
 #include <memory>
 #include <random>
 #include <sstream>
+#include <unordered_map>
 
 #include "registry.h"
+#include "wavefronts.h"
 
 #if defined(__SANITIZE_ADDRESS__)
 #include <sanitizer/asan_interface.h>
@@ -201,6 +203,57 @@ struct BlockState {
 BlockState g;
 std::vector<char*> g_stacks;
 
+// ---- counting (simt.h: count_ldmatrix; the counting build's access hooks at the end) -------------
+// One warp-wide access in the making: the lanes that executed instruction `pc` for the k-th time
+// since the last __syncthreads, each with its address.
+struct PendingAccess {
+  int kind = 0;
+  int bytes = 0;
+  unsigned mask = 0;
+  uint64_t addr[kWarpSize];
+};
+struct AccessKey {
+  uintptr_t pc;
+  uint32_t occurrence;
+  bool operator==(const AccessKey& o) const { return pc == o.pc && occurrence == o.occurrence; }
+};
+struct AccessKeyHash {
+  size_t operator()(const AccessKey& k) const { return std::hash<uintptr_t>()(k.pc * 0x9e3779b97f4a7c15ull + k.occurrence); }
+};
+
+struct Counting {
+  bool on = false;
+  std::vector<LaunchCounts> launches;
+  std::vector<std::unordered_map<AccessKey, PendingAccess, AccessKeyHash>> pending;  // per warp
+  std::vector<std::unordered_map<uintptr_t, uint32_t>> occurrences;                  // per thread: pc -> count
+};
+Counting g_count;
+
+void add_access(int kind, const Wavefronts& w) {
+  LaunchCounts& c = g_count.launches.back();
+  c.requests[kind] += 1;
+  c.wavefronts[kind] += (uint64_t)w.wavefronts;
+  c.ideal[kind] += (uint64_t)w.ideal;
+}
+
+// Every lane of the block is at a __syncthreads (or done): the accesses before it are complete.
+void flush_accesses() {
+  for (auto& warp : g_count.pending) {
+    for (auto& [key, a] : warp) add_access(a.kind, warp_wavefronts(a.addr, a.mask, a.bytes));
+    warp.clear();
+  }
+  for (auto& o : g_count.occurrences) o.clear();
+}
+
+void record_access(int kind, const void* addr, int bytes, const void* pc) {
+  Thread* t = g.current;
+  const uint32_t k = g_count.occurrences[t->index][(uintptr_t)pc]++;
+  PendingAccess& a = g_count.pending[t->warp][AccessKey{(uintptr_t)pc, k}];
+  if (!a.mask) a.kind = kind, a.bytes = bytes;
+  a.mask |= 1u << t->lane;
+  a.addr[t->lane] = (uint64_t)(uintptr_t)addr;
+}
+
 char* stack_for(int i) {
   while ((int)g_stacks.size() <= i) {
     void* p = mmap(nullptr, kStackBytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
@@ -235,6 +288,7 @@ std::string describe(const Thread& t) {
 }
 
 void release_barrier() {
+  if (g_count.on) flush_accesses();
   int result = g.bar_kind == kBarCount ? g.bar_accum
                : g.bar_kind == kBarOr  ? (g.bar_accum > 0)
                : g.bar_kind == kBarAnd ? (g.bar_accum == g.bar_arrived)
@@ -365,6 +419,7 @@ void run_block() {
     }
   }
   if (g.live > 0) throw KernelFault(g.entry->name + ": " + deadlock_report());
+  if (g_count.on) flush_accesses();
 }
 
 }  // namespace
@@ -482,6 +537,7 @@ void cp_async(void* dst, const void* src, int bytes, int src_bytes) {
   if (d < g.smem.data() || d + bytes > g.smem.data() + g.smem.size())
     fault("cp.async: the destination is outside dynamic shared memory");
   Landing landing = g.seed ? static_cast<Landing>(g.rng() % 3) : kAtWait;
+  if (g_count.on) record_access(kSmemCpAsync, dst, bytes, __builtin_return_address(0));
   AsyncCopy c{d, static_cast<const unsigned char*>(src), bytes, src_bytes, 0, landing};
   if (landing == kNow) land(c);
   else t->copies.push_back(c);
@@ -498,6 +554,40 @@ void cp_async_wait(int newest_pending) {
   Thread* t = g.current;
   const int done = t->committed - newest_pending;  // groups 1..done must have landed
   land_if(*t, [done](const AsyncCopy& c) { return c.group && c.group <= done; });
+}
+
+void count_ldmatrix(const void* const* rows, int matrices) {
+  if (!g_count.on) return;
+  uint64_t addr[kWarpSize];
+  for (int l = 0; l < 8 * matrices; ++l)
+    addr[l] = (uint64_t)(uintptr_t)*static_cast<const unsigned char* const*>(rows[l]);
+  const unsigned mask = matrices == 4 ? 0xffffffffu : (1u << (8 * matrices)) - 1u;
+  add_access(kSmemLdmatrix, warp_wavefronts(addr, mask, 16));  // 16-byte rows: a phase per 8 lanes
+}
+
+void count_mma() {
+  if (g_count.on) g_count.launches.back().mma += 1;
+}
+
+bool counts_shared_accesses() {
+#if defined(SIMT_COUNT_SMEM)
+  return true;
+#else
+  return false;
+#endif
+}
+
+void set_counting(bool on) {
+  if (on && !counts_shared_accesses())
+    throw std::runtime_error("this build of dspark._simt does not count shared-memory accesses (its kernels are "
+                             "not instrumented); the counting build does: dspark.backends.simt_build.counting_env()");
+  g_count.on = on;
+}
+
+std::vector<LaunchCounts> take_counts() {
+  std::vector<LaunchCounts> out;
+  out.swap(g_count.launches);
+  return out;
 }
 
 void set_schedule(uint64_t seed) { g.seed = seed; g.rng.seed(seed); }
@@ -522,6 +612,16 @@ void launch(const Entry& entry, dim3 grid, dim3 block, void** params, size_t sha
                       std::to_string(kMaxDynamicSmem) + " bytes");
   if ((size_t)grid.x * grid.y * grid.z == 0) return;
 
+  if (g_count.on) {
+    LaunchCounts c;
+    c.kernel = entry.name;
+    c.grid = grid;
+    c.block = block;
+    c.shared_mem = shared_mem;
+    g_count.launches.push_back(c);
+    g_count.pending.assign((nthreads + kWarpSize - 1) / kWarpSize, {});
+    g_count.occurrences.assign(nthreads, {});
+  }
   g.entry = &entry;
   g.params = params;
   g.fault.clear();
@@ -549,3 +649,46 @@ void launch(const Entry& entry, dim3 grid, dim3 block, void** params, size_t sha
 }
 
 }  // namespace simt
+
+// ---- the counting build's access hooks ----------------------------------------------------------
+// Its kernel translation units are compiled with GCC's -fsanitize=thread instrumentation and no
+// sanitizer runtime: every load and store the compiler emits calls one of these with its address,
+// from the instruction's own site (the return address names it). Only addresses in shared memory
+// count: the launch's dynamic shared memory, and the kernels' `__shared__` statics, which the build
+// links between the two markers below (every .bss of the kernel units, in link order).
+#if defined(SIMT_COUNT_SMEM)
+extern "C" char simt_static_shared_begin[], simt_static_shared_end[];
+
+namespace simt {
+namespace {
+inline void shared_access(const void* p, int bytes, const void* pc, bool write) {
+  if (!g_count.on || !g.current) return;
+  const auto* a = static_cast<const unsigned char*>(p);
+  const bool dynamic = a >= g.smem.data() && a < g.smem.data() + g.smem.size();
+  const bool stat = a >= reinterpret_cast<unsigned char*>(simt_static_shared_begin) &&
+                    a < reinterpret_cast<unsigned char*>(simt_static_shared_end);
+  if (dynamic || stat) record_access(write ? kSmemStore : kSmemLoad, p, bytes, pc);
+}
+}  // namespace
+}  // namespace simt
+
+#define SIMT_ACCESS_HOOKS(N)                                                                                         \
+  extern "C" void __tsan_read##N(void* p) { simt::shared_access(p, N, __builtin_return_address(0), false); }          \
+  extern "C" void __tsan_write##N(void* p) { simt::shared_access(p, N, __builtin_return_address(0), true); }          \
+  extern "C" void __tsan_unaligned_read##N(void* p) { simt::shared_access(p, N, __builtin_return_address(0), false); } \
+  extern "C" void __tsan_unaligned_write##N(void* p) { simt::shared_access(p, N, __builtin_return_address(0), true); }
+SIMT_ACCESS_HOOKS(1)
+SIMT_ACCESS_HOOKS(2)
+SIMT_ACCESS_HOOKS(4)
+SIMT_ACCESS_HOOKS(8)
+SIMT_ACCESS_HOOKS(16)
+extern "C" void __tsan_read_range(void* p, unsigned long n) {
+  simt::shared_access(p, (int)n, __builtin_return_address(0), false);
+}
+extern "C" void __tsan_write_range(void* p, unsigned long n) {
+  simt::shared_access(p, (int)n, __builtin_return_address(0), true);
+}
+extern "C" void __tsan_init() {}
+extern "C" void __tsan_func_entry(void*) {}
+extern "C" void __tsan_func_exit() {}
+#endif

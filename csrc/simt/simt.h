@@ -38,6 +38,9 @@
 #define __device__
 #define __host__
 #define __noinline__ __attribute__((noinline))
+// Emulation code that runs as one lane on behalf of the whole warp (warp collectives) must not be
+// seen by the counting build's access instrumentation: it is counted as the warp's instruction.
+#define SIMT_NOT_INSTRUMENTED __attribute__((no_sanitize_thread))
 #define __forceinline__ inline __attribute__((always_inline))
 #define __launch_bounds__(...)
 #define __restrict__ __restrict
@@ -96,6 +99,16 @@ void warp_collective(const char* op, const void* in, void* out, WarpCollectiveFn
 void cp_async(void* dst, const void* src, int bytes, int src_bytes);
 void cp_async_commit();
 void cp_async_wait(int newest_pending);
+
+// Counting (the counting build only, SIMT_COUNT_SMEM: dspark/backends/simt_build.py counting_env).
+// Per launch, while switched on: every warp-wide shared-memory access (plain loads and stores, each
+// seen through the compiler's access instrumentation; ldmatrix; cp.async's shared side), its
+// wavefronts with bank conflicts (simt/wavefronts.h) and without, and the mma.sync issued. A warp's
+// access is the k-th execution of one instruction by each of its lanes between two __syncthreads
+// (lanes that run it fewer times are inactive in the later ones), as a warp issues it on hardware.
+// The plain build is not instrumented: it counts nothing and refuses to be asked.
+void count_ldmatrix(const void* const* rows, int matrices);
+void count_mma();
 
 }  // namespace simt
 

@@ -51,15 +51,19 @@ inline float bf16_to_float(uint16_t h) {
 
 void check_shared_rows(const char* op, const void* const* rows, int count);
 
+// Element (r, c) of matrix i of an ldmatrix: a function, not a lambda, so that it is not instrumented either.
+SIMT_NOT_INSTRUMENTED inline uint32_t ldmatrix_element(const void* const* in, int i, int r, int c) {
+  const unsigned char* row = *static_cast<const unsigned char* const*>(in[8 * i + r]);
+  uint16_t v;
+  std::memcpy(&v, row + 2 * c, 2);
+  return (uint32_t)v;
+}
+
 template <int N, bool kTrans>
-inline void ldmatrix_lanes(const void* const* in, void* const* out) {
+SIMT_NOT_INSTRUMENTED inline void ldmatrix_lanes(const void* const* in, void* const* out) {
   check_shared_rows(kTrans ? "ldmatrix.trans" : "ldmatrix", in, 8 * N);
-  auto elem = [&](int i, int r, int c) {
-    const unsigned char* row = *static_cast<const unsigned char* const*>(in[8 * i + r]);
-    uint16_t v;
-    std::memcpy(&v, row + 2 * c, 2);
-    return (uint32_t)v;
-  };
+  count_ldmatrix(in, N);
+  auto elem = [&](int i, int r, int c) { return ldmatrix_element(in, i, r, c); };
   for (int l = 0; l < kWarpSize; ++l) {
     uint32_t* reg = static_cast<uint32_t*>(out[l]);
     const int a = l / 4, b = 2 * (l % 4);
@@ -81,7 +85,8 @@ struct MmaOperands {
 };
 
 template <bool kBf16>
-inline void mma_m16n8k16_lanes(const void* const* in, void* const* out) {
+SIMT_NOT_INSTRUMENTED inline void mma_m16n8k16_lanes(const void* const* in, void* const* out) {
+  count_mma();
   float A[16][16], B[16][8], C[16][8];
   auto lo = [](uint32_t w) { return kBf16 ? bf16_to_float((uint16_t)w) : half_to_float((uint16_t)w); };
   auto hi = [](uint32_t w) { return kBf16 ? bf16_to_float((uint16_t)(w >> 16)) : half_to_float((uint16_t)(w >> 16)); };

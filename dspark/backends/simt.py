@@ -2,12 +2,14 @@
 
 `get_function(name)` returns a callable with CuPy's RawKernel convention. Run under
 `simt_build.asan_env()` to load an AddressSanitizer build, and DSPARK_SIMT_SCHEDULE=<seed> (or `schedule(seed)`) to run threads in
-a random order between barriers.
+a random order between barriers. Under `simt_build.counting_env()` (the counting build), `counting()`
+counts each launch's shared-memory wavefronts and mma.sync (LaunchCounts).
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import struct
 from pathlib import Path
@@ -36,6 +38,42 @@ def signatures_for(module) -> dict[str, Signature]:
     """The signature table built with this module (a private build carries its own)."""
     beside = Path(module.__file__).with_name("_kernels.json")
     return load_json(beside) if beside.is_file() else load_json()
+
+
+SMEM_KINDS = ("load", "store", "ldmatrix", "cp_async")
+
+
+@dataclasses.dataclass(frozen=True)
+class Access:
+    """Warp-wide shared-memory accesses of one kind in a launch: how many, the wavefronts they take
+    with their bank conflicts, and the wavefronts they would take without any."""
+    requests: int
+    wavefronts: int
+    ideal: int
+
+
+@dataclasses.dataclass(frozen=True)
+class LaunchCounts:
+    """What the counting build counted in one launch (csrc/simt/simt.h: count_ldmatrix)."""
+    kernel: str
+    grid: tuple[int, int, int]
+    block: tuple[int, int, int]
+    shared_mem: int
+    mma: int                        # mma.sync m16n8k16, warp instructions
+    access: dict[str, Access]       # SMEM_KINDS -> Access
+
+    @property
+    def wavefronts(self) -> int:
+        return sum(a.wavefronts for a in self.access.values())
+
+    @property
+    def ideal(self) -> int:
+        return sum(a.ideal for a in self.access.values())
+
+    @classmethod
+    def of(cls, d: dict) -> "LaunchCounts":
+        return cls(d["kernel"], tuple(d["grid"]), tuple(d["block"]), d["shared_mem"], d["mma"],
+                   {k: Access(*d[k]) for k in SMEM_KINDS})
 
 
 class SimtKernel:
@@ -90,6 +128,26 @@ class SimtExecutor:
             yield
         finally:
             self._module.set_schedule(old)
+
+    @property
+    def counts_shared_accesses(self) -> bool:
+        return bool(getattr(self._module, "counts_shared_accesses", False))
+
+    @contextlib.contextmanager
+    def counting(self):
+        """Count every launch inside: yields a list that holds one LaunchCounts per launch when the
+        block ends. Only the counting build counts (simt_build.counting_env); the plain one raises."""
+        if not self.counts_shared_accesses:
+            raise RuntimeError("this build of dspark._simt does not count shared-memory accesses; run under "
+                               "dspark.backends.simt_build.counting_env() (DSPARK_SIMT_MODULE=<counting build>)")
+        out: list[LaunchCounts] = []
+        self._module.take_counts()
+        self._module.set_counting(True)
+        try:
+            yield out
+        finally:
+            self._module.set_counting(False)
+            out.extend(LaunchCounts.of(d) for d in self._module.take_counts())
 
     @property
     def fault_type(self):

@@ -15,6 +15,7 @@ import pytest
 
 from dspark.ops.argmax import argmax_rows, argmax_rows_ref
 from tests.conftest import poison
+from tests.scripts import load_script
 
 ROOT = Path(__file__).resolve().parents[2]
 PROFILING = ROOT / "profiling"
@@ -184,16 +185,22 @@ def test_bench_coupled_prints_both_samplers_and_checks_equality(capsys):
 
 
 def test_bench_cpu_runs_beside_transformers():
-    """profiling/bench_cpu.py on its tiny size: both architectures, the ratio table, and greedy
-    tokens identical (its exit code)."""
+    """profiling/bench_cpu.py on its tiny size: both architectures at two prompt lengths, the ratio
+    table, greedy tokens identical (its exit code), and the peer's torch fallback for Qwen3.5's
+    Gated-DeltaNet named (no fla on a CPU) where the dense rows have none."""
     from tests.peers import peer
     peer("torch"), peer("transformers")
+    bench_cpu = load_script("bench_cpu")
     r, _ = script("profiling/bench_cpu.py", "--size", "tiny", "--threads", "1", "--repeats", "1", "--steps", "2",
-                  timeout=300)
+                  "--prompt", "8", "40", timeout=300)
     out = ok(r)
-    for arch in ("qwen3_5", "qwen3"):
-        assert re.search(rf"^\| {arch} \| 1 \| plain decode, per token \|", out, re.M), out
-        assert f"{arch}, 1 thread(s): greedy tokens identical: yes" in out
+    for arch, peer_path in (("qwen3_5", "torch fallback"), ("qwen3", "its CPU path")):
+        for n in (8, 40):
+            assert re.search(rf"^\| {arch} \| 1 \| {n} \| prompt pass of {n} \|.*\| {peer_path} \|$", out, re.M), out
+            assert f"{arch}, 1 thread(s), prompt {n}: greedy tokens identical: yes" in out
+    assert bench_cpu.peer_fallbacks("qwen3") == []
+    if bench_cpu.peer_fallbacks("qwen3_5"):
+        assert "qwen3_5: the peer runs a torch fallback for kernels it has on a GPU: chunk_gated_delta_rule" in out
 
 
 def test_bench_product_prints_each_row_count_against_one_row():

@@ -150,3 +150,39 @@ def test_imports_the_image_lacks_must_be_carried():
     lacking = dict(spec, packages={k: v for k, v in spec["packages"].items() if k != "scipy"})
     _, problems = gc.import_problems(gc.plan_for_imports(ROOT, sys.executable), lacking)
     assert problems == ["scipy (scipy), imported by tests/kernels/test_sampling.py"]
+
+
+def _row(kernel: str, measured: float, floor: float, expected: float) -> dict:
+    return {"family": "linear", "case": "prompt", "kernel": kernel, "shape": {"rows": 8192}, "measured_s": measured,
+            "floor_s": floor, "expected_s": expected, "device": "NVIDIA H200", "date": "2026-12-03"}
+
+
+def test_a_kernel_outside_its_band_or_under_its_floor_is_a_model_error():
+    """gpu_check's model verdict (pure): a kernel within +-25 % of its expected time and above its
+    floor passes; one faster than its floor, or 26 % off its expected time either way, is FAILED as a
+    model error that names the kernel; an empty measurement is FAILED too."""
+    inside = [_row("linear_mma_bf16_m128", 1.2e-3, 0.8e-3, 1.0e-3), _row("argmax_rows_f32", 0.76e-3, 0.5e-3, 1.0e-3)]
+    assert gc.model_verdict(inside).status == "ok" and gc.model_errors(inside) == []
+    under = gc.model_verdict(inside + [_row("attention_prompt_bf16_d256", 0.9e-3, 1.0e-3, 1.1e-3)])
+    assert under.status == "FAILED" and "attention_prompt_bf16_d256" in under.summary
+    assert "faster than its floor" in under.summary and "model error in 1 of 3" in under.summary
+    for measured in (1.26e-3, 0.74e-3):
+        slow = gc.model_verdict([_row("gdn_chunk_state_bf16_dk128", measured, 0.1e-3, 1.0e-3)])
+        assert slow.status == "FAILED" and "gdn_chunk_state_bf16_dk128" in slow.summary and "outside +-25%" in slow.summary
+    assert gc.model_verdict([]).status == "FAILED"
+
+
+def test_the_bench_step_checks_the_model_from_its_json(tmp_path):
+    """On a GPU the bench step writes its rows as JSON (bench_kernels --json) and fails on a model
+    error, naming the kernel; the bench script's own verdict is the same rule."""
+    import json
+    bench = load_script("bench_kernels")
+    (step,) = [s for s in gc.plan(False, tmp_path, sys.executable) if s.name == "bench"]
+    assert step.cmd[-2:] == ["--json", str(tmp_path / "kernels.json")]
+    rows = [_row("linear_mma_bf16_m16", 2.0e-3, 0.5e-3, 1.0e-3)]
+    (tmp_path / "kernels.json").write_text(json.dumps({"rows": rows}))
+    log = "decode  B=1  1.00  2.00  2.0ms  1  1  memory  50%  0.5ms  1.0ms  2.00x  MODEL ERROR\n"
+    outcome = step.check(log, 0)
+    assert outcome.status == "FAILED" and "linear_mma_bf16_m16" in outcome.summary
+    assert bench.model_error(2.0e-3, 0.5e-3, 1.0e-3) and bench.model_error(0.4e-3, 0.5e-3, 1.0e-3)
+    assert not bench.model_error(1.1e-3, 0.5e-3, 1.0e-3)

@@ -1,10 +1,12 @@
-"""profiling/perf_model.py: its CLI's table is internally consistent and meets issue 16's targets
-for Qwen3.5-27B; it prices the ops' own launch plans and their code as compiled (registers in
-residency, f32 instructions at the issue rate), so no kernel beats its issue or bandwidth bound;
-the launch cost is a parameter; --prompt's time to first token, plain batched decode and memory
-tables meet issue 23's targets and add up, with every tile shape's residency as the ptxas report
-lists it; and the bytes of state and K/V it predicts for a round, and the
-launches, are what the CuPy contract path counts for the same round."""
+"""profiling/perf_model.py: the model's arithmetic, never whether it meets a goal (goals are for
+measured figures: docs/performance.md). Its CLI's tables are internally consistent: floors under
+expected times, parts that add up; it prices the ops' own launch plans and their code as compiled
+(registers in residency, the SASS's loops, simt's shared-memory counts), so every kernel's expected
+time is at or above each of its limiters and its DRAM bytes; a plan built to be bound by a limiter
+is priced by it; the prompt's floor is the FLOPs counted here by hand at the mma.sync ceiling, and
+its expected time never goes under them at 90 % of it; the launch cost is a parameter; and the
+bytes of state and K/V it predicts for a round, and the launches, are what the CuPy contract path
+counts for the same round."""
 
 from __future__ import annotations
 
@@ -34,7 +36,7 @@ def rows_of(text: str, first: str, has: str = "") -> list[list[str]]:
     start = next(i for i, line in enumerate(lines) if line.startswith(first) and has in line)
     out = []
     for line in lines[start + 1:]:
-        if not line.strip() or line.startswith(("attn of copy", "recurrent")):
+        if not line.strip() or line.startswith(("attn of copy", "recurrent", "floor:")):
             break
         out.append(re.split(r"\s{2,}", line.strip()))
     return out
@@ -44,29 +46,34 @@ def num(cell: str) -> float:
     return float(cell.rstrip("x%").replace(",", ""))
 
 
-def test_cli_table_is_consistent_and_meets_the_targets():
+def test_cli_table_is_consistent():
+    """The summary: floors under expected times (plain step, verify, round and each kind), the kinds'
+    expected times and the overhead add up to the round; every kernel of a round: each limiter at
+    most its floor, the floor at most its expected time, and the expected times add up to the
+    round's GPU time."""
     out = ok(script("profiling/perf_model.py", "--batch", "1", "2", "--context", "4096", "32768", "--kernels")[0])
     summary = rows_of(out, "shape ")
     assert len(summary) == len(pm.shapes()) * 2 * 2
     for r in summary:
-        shape, B, ctx, vt, att, ratio, plain, verify, total = r[:9]
-        shares, launches = [num(x) for x in r[9:14]], int(r[14])
-        assert abs(sum(shares) - 100) <= 3, r                        # the composition covers the round
-        v, p = num(verify), num(plain)
-        assert abs(v / p - num(ratio)) <= v / p * (0.06 / v + 0.06 / p) + 0.001, r  # the cells' rounding
-        assert num(total) >= num(verify) and launches > 0, r
-        assert att == "-" or 0 < num(att) <= 100, r
-        if shape == "Qwen3.5-27B" and B == "1" and ctx == "32768":    # issue 16's targets
-            assert num(att) >= 80 and num(ratio) <= 1.15, r
-    # every round's kernels add up to its GPU time; the overhead is its launches and syncs
-    for block in re.split(r"\n(?=\S.* B=\d+ context=\d+ vt=\d+: round)", out)[1:]:
+        att, ratio = r[4], num(r[5])
+        cells = [num(x) for x in r[6:20]]
+        plain_f, plain, verify_f, verify, round_f, round_e = cells[:6]
+        kinds = list(zip(cells[6:14:2], cells[7:14:2]))
+        overhead, launches = num(r[20]), int(r[21])
+        for f, e in [(plain_f, plain), (verify_f, verify), (round_f, round_e), *kinds]:
+            assert f <= e * 1.0005 + 0.06, r
+        assert abs(sum(e for _, e in kinds) + overhead - round_e) <= 0.002 * round_e + 1, r   # the cells' rounding
+        assert abs(verify / plain - ratio) <= verify / plain * (0.06 / verify + 0.06 / plain) + 0.001, r
+        assert round_e >= verify and launches > 0 and (att == "-" or 0 < num(att) <= 100), r
+    for block in re.split(r"\n(?=\S.* B=\d+ context=\d+ vt=\d+: round floor)", out)[1:]:
         head = block.splitlines()[0]
-        total = num(re.search(r"round ([\d,.]+) us", head).group(1))
+        total = num(re.search(r"expected ([\d,.]+) us", head).group(1))
         kernels = rows_of(block, "phase ")
-        gpu = sum(num(k[8]) for k in kernels)
-        launches = sum(int(k[7]) for k in kernels if k[5] != "-")
-        assert launches > 0 and all(k[9] == "-" or num(k[9]) <= 100 for k in kernels), head
-        assert gpu < total, head
+        limits = [[num(x) for x in k[7:13]] for k in kernels]
+        floors, expected = [num(k[13]) for k in kernels], [num(k[14]) for k in kernels]
+        for k, lim, f, e in zip(kernels, limits, floors, expected):
+            assert max(lim) <= f * 1.0005 + 0.06 and f <= e * 1.0005 + 0.06 and k[15] in pm.LIMITERS, k
+        assert sum(expected) < total, head
     moves = rows_of(out, "shape ", "state MB")
     assert len(moves) == len({tuple(r[:2]) for r in summary})  # one row per shape and batch
     for m in moves:
@@ -130,28 +137,66 @@ def test_a_prompts_array_ops_and_waits_are_what_the_contract_path_counts():
     assert sum(h2d) == pr.syncs + pr.tables
 
 
-def test_prompt_table_meets_the_targets_and_adds_up():
-    """--prompt: time to first token for Qwen3.5-27B within 0.9 s at 8k and 4.0 s at 32k (bf16,
-    H200, the GEMMs and attention at the mma.sync ceiling, residency as compiled); each row's
-    parts add up to its TTFT; plain batched decode at B = 32 within 1.5x the B = 1 step (GPU time;
-    with the launches' host time the ratio is nearer 1); the B = 1 verify/plain ratio with
-    occupancy priced; the memory rows add up and say where a context passes
-    max_position_embeddings."""
+def test_prompt_table_adds_up():
+    """--prompt: for each shape and prompt length, the TTFT's floor and expected time, each the
+    parts' (GEMMs, attention, gdn, other) floors or expected times plus the waits; each part's floor
+    under its expected time; the expected time never under the pass's FLOPs at 90 % of the
+    mma.sync ceiling; the plain batched decode rows' ratios are their cells'; the memory rows add up
+    and say where a context passes max_position_embeddings."""
     out = ok(script("profiling/perf_model.py", "--prompt")[0])
-    ttft = {(r[0], int(r[1])): r for r in rows_of(out, "shape ", "TTFT ms")}
+    ttft = {(r[0], int(r[1])): r for r in rows_of(out, "shape ", "TTFT floor ms")}
     assert set(ttft) == {("Qwen3.5-27B", 8192), ("Qwen3.5-27B", 32768), ("Qwen3-8B", 8192)}
     for r in ttft.values():
-        parts = sum(num(x) for x in r[3:8])
-        assert abs(parts - num(r[2])) <= 0.01 * num(r[2]) + 2, r     # GEMMs .. waits add up (rounded cells)
-        assert 0 < num(r[10]) <= 100, r
-    assert num(ttft["Qwen3.5-27B", 8192][2]) <= 900 and num(ttft["Qwen3.5-27B", 32768][2]) <= 4000
+        floor, expected = num(r[2]), num(r[3])
+        parts = [(num(r[4 + 2 * i]), num(r[5 + 2 * i])) for i in range(4)]
+        waits, at_90 = num(r[12]), num(r[15])
+        assert abs(sum(f for f, _ in parts) + waits - floor) <= 0.002 * floor + 1, r   # the cells' rounding
+        assert abs(sum(e for _, e in parts) + waits - expected) <= 0.002 * expected + 1, r
+        assert all(f <= e + 0.05 for f, e in parts) and floor <= expected, r
+        assert expected >= at_90 and 0 < num(r[16]) <= 90, r
     plain = {r[0]: r for r in rows_of(out, "shape ", "plain B=1")}
     q35 = plain["Qwen3.5-27B"]
-    assert num(q35[4]) <= 1.5 * num(q35[2]) and abs(num(q35[5]) - num(q35[4]) / num(q35[2])) <= 0.01
-    assert 1.0 <= num(q35[6]) <= num(q35[5]) and 1.0 < num(q35[7]) <= 1.15
+    assert abs(num(q35[5]) - num(q35[4]) / num(q35[2])) <= 0.01 and num(q35[7]) >= 1.0
     mem = rows_of(out, "shape ", "K/V GiB")
     assert len(mem) == 4 and all(abs(sum(num(x) for x in r[2:5]) - num(r[5])) <= 0.02 for r in mem)
     assert [r[7] for r in mem] == ["yes", "yes", "yes", "no: max_position_embeddings 40960"]
+
+
+# The FLOPs of Qwen3.5-27B's prompt pass, counted here from its config (not from the model's plans):
+# per token, 2 K N for every product, over 64 layers: 16 attention layers (q and gate 24 x 256 x 2, k
+# and v 4 x 256 each, the output 24 x 256 -> 5120), 48 gdn layers (in: 2 x 16 x 128 q/k + 48 x 128 v
+# channels, z 48 x 128, a and b 48 each; out 48 x 128 -> 5120), and every layer's MLP (5120 -> 2 x 17408
+# -> 5120); attention: 4 D per (query head, visible key) in 16 layers, row i of a pass sees i + 1 keys.
+D_MODEL, MLP = 5120, 17408
+ATTN_KN = D_MODEL * (24 * 256 * 2 + 2 * 4 * 256) + 24 * 256 * D_MODEL
+GDN_KN = D_MODEL * (2 * 16 * 128 + 48 * 128 + 48 * 128 + 2 * 48) + 48 * 128 * D_MODEL
+MLP_KN = D_MODEL * 2 * MLP + MLP * D_MODEL
+
+
+def gemm_flops(tokens: int) -> int:
+    return 2 * tokens * (16 * ATTN_KN + 48 * GDN_KN + 64 * MLP_KN)
+
+
+def attention_flops(tokens: int) -> int:
+    return 16 * 4 * 256 * 24 * tokens * (tokens + 1) // 2
+
+
+@pytest.mark.parametrize("tokens", [8192, 32768])
+def test_the_floor_is_the_hand_counted_flops_at_the_ceiling(tokens):
+    """The GEMMs' and the attention's tensor-pipe limiter over a prompt of `tokens` (passes of 8192)
+    is their FLOPs counted by hand at the mma.sync ceiling: at least that, and above it only by the
+    tiles' padding (whole 128-column tiles of gdn's 16,480 outputs; attention CTAs of 64 items that
+    hold 10 rows of 6 heads, whole 64-key tiles on the causal diagonal) and the last wave's quantisation (7,168 CTAs of q|k|v on 132 SMs: 54.3
+    waves); every one of their floors is at least its tensor limiter."""
+    dev = pm.H200
+    pr = pm.prompt(pm.shapes()["qwen3.5-27b"], tokens, dev)
+    gemms = [k for k in pr.kernels if k.kind == "weights" and "lm head" not in k.name]
+    attn = [k for k in pr.kernels if k.name.startswith("attention_prompt")]
+    for ks, flops, slack in ((gemms, gemm_flops(tokens), 0.02), (attn, attention_flops(tokens), 0.10)):
+        tensor = sum(k.limits["tensor"] for k in ks)
+        assert flops / dev.mma_sync <= tensor <= (1 + slack) * flops / dev.mma_sync, (tensor, flops / dev.mma_sync)
+        assert all(k.floor >= k.limits["tensor"] for k in ks)
+    assert sum(k.time for k in pr.kernels) >= (gemm_flops(tokens) + attention_flops(tokens)) / (0.9 * dev.mma_sync)
 
 
 def test_every_tile_shape_is_resident_as_the_ptxas_report_lists_it():
@@ -198,10 +243,11 @@ MODEL_ROUNDS = [(m, b, ctx) for m in ("embedded", "qwen3-8b", "qwen3.5-27b") for
 
 @pytest.mark.parametrize("model, batch, context", MODEL_ROUNDS)
 def test_no_kernel_beats_its_issue_or_bandwidth_bound(model, batch, context):
-    """Every kernel of a spec round and of a plain step takes at least its bytes at the copy
-    bandwidth and its f32 instructions at the issue rate, the instructions counted as compiled:
-    flops / flops per f32 instruction of its PTX (1 where -fmad=false keeps a * b + c as mul and
-    add, 2 for fmaf); tensor-core flops at the MMA rate."""
+    """Every kernel of a spec round and of a plain step: its expected time at or above each of its
+    limiters (its floor the largest), its DRAM bytes at the copy bandwidth, and its f32
+    instructions at the issue rate, counted as compiled: flops / flops per f32 instruction of its
+    PTX (1 where -fmad=false keeps a * b + c as mul and add, 2 for fmaf); tensor-core flops at the
+    MMA rate."""
     dev = pm.H200
     r = pm.spec_round(pm.shapes()[model], batch, context, 8)
     for k in r.kernels + r.plain:
@@ -209,10 +255,24 @@ def test_no_kernel_beats_its_issue_or_bandwidth_bound(model, batch, context):
         instructions = 0.0 if k.mma_flops else k.flops / code.flops_per_instruction
         assert k.f32_instr == pytest.approx(instructions, rel=1e-9), k.name
         assert k.mma_flops == (k.flops if k.mma_flops else 0), k.name
+        assert set(k.limits) == set(pm.LIMITERS) and k.floor == max(k.limits.values()), k.name
+        for lim, t in k.limits.items():
+            assert k.time >= t * (1 - 1e-9), f"{k.name}: expected {k.time * 1e6:.2f} us under its {lim} {t * 1e6:.2f} us"
         issue = max(instructions / dev.f32_issue, k.mma_flops / dev.mma_sync)
         assert k.time >= issue * (1 - 1e-9), f"{k.name}: {k.time * 1e6:.1f} us beats its issue bound {issue * 1e6:.1f}"
-        assert k.time >= k.bytes / dev.bw * (1 - 1e-9), f"{k.name}: beats the copy bandwidth"
+        assert k.time >= k.bytes / dev.bw * (1 - 1e-9), f"{k.name}: priced under its DRAM bytes"
+        assert k.limits["dram"] == pytest.approx(k.bytes / dev.bw, rel=1e-4), k.name  # bytes: whole per layer
         assert (k.issue_bound(dev), k.bandwidth_bound(dev)) == pytest.approx((issue, k.bytes / dev.bw))
+
+
+def test_every_prompt_kernel_is_at_or_above_its_limiters():
+    """The prompt pass's kernels (the GEMMs in fold mode, prompt attention, the chunked gdn, the
+    glue): expected at or above each limiter and the DRAM bytes."""
+    dev = pm.H200
+    for name in ("qwen3.5-27b", "qwen3-8b"):
+        for k in pm.prompt(pm.shapes()[name], 8192, dev).kernels:
+            assert all(k.time >= t * (1 - 1e-9) for t in k.limits.values()), k.name
+            assert k.time >= k.bytes / dev.bw * (1 - 1e-9) and k.floor == max(k.limits.values()), k.name
 
 
 def test_the_skinny_gemm_is_priced_at_two_instructions_per_multiply_add():
@@ -272,14 +332,11 @@ def test_the_launch_costs_are_parameters_of_the_round():
     assert "plain 2.5 us" in out and "1.0 us a node on the GPU" in out
 
 
-def test_the_round_with_graphs_meets_its_targets():
-    """Issue 22: at Qwen3.5-27B, B = 1, 32k, at most 600 launches a round, and with graphs the
-    launch and host overhead is at most 10 % of the round; the CLI prints every mode's round and
-    speedup."""
+def test_the_round_is_priced_in_every_mode():
+    """The CLI prints every mode's round and its launch and host overhead's share, as the model
+    prices them (graphs replace per-launch host costs by one round's: the cheapest there)."""
     shape = pm.shapes()["qwen3.5-27b"]
     rounds = {m: pm.spec_round(shape, 1, 32768, 8, mode=m) for m in pm.MODES}
-    assert rounds["graph"].launches <= 600
-    assert rounds["graph"].overhead() <= 0.10 * rounds["graph"].time()
     assert rounds["graph"].time() < rounds["eager"].time() < rounds["plain"].time()
     out = ok(script("profiling/perf_model.py", "--model", "qwen3.5-27b")[0])
     modes = rows_of(out, "shape ", "mode")
