@@ -44,17 +44,29 @@ DRAFTER_FIELDS = ("block", "window", "layer_windows", "layers", "heads", "kv_hea
                   "markov", "markov_rank", "draft_vocab", "selector_rank", "conv_kernel")
 
 
-def fingerprint_fields(trunk_config, drafter_config) -> dict:
+def fingerprint_fields(trunk_config, drafter_config, weights: str = "") -> dict:
     """What prices a pass: the widths, layers and their kinds, heads, vocabulary, drafter block and
-    window (None for a field a config-like object lacks: no shape of the table then matches)."""
+    window (None for a field a config-like object lacks: no shape of the table then matches), and
+    `weights`, the trunk's weight format where it is not its storage dtype ("fp8": block-scaled
+    e4m3 linears, half the bytes a pass reads; absent otherwise, so 16-bit pairs keep their keys)."""
     def pick(cfg, names, prefix):
         return {f"{prefix}.{n}": (list(v) if isinstance(v := getattr(cfg, n, None), tuple) else v) for n in names}
-    return {**pick(trunk_config, TRUNK_FIELDS, "trunk"), **pick(drafter_config, DRAFTER_FIELDS, "drafter")}
+    fields = {**pick(trunk_config, TRUNK_FIELDS, "trunk"), **pick(drafter_config, DRAFTER_FIELDS, "drafter")}
+    return {**fields, "trunk.weights": weights} if weights else fields
 
 
-def fingerprint(trunk_config, drafter_config) -> str:
+def weight_format(trunk) -> str:
+    """"fp8" for a trunk whose linears are block-scaled e4m3 (dspark.ops.fp8.Fp8Matrix), else ""."""
+    from .ops.fp8 import Fp8Matrix
+    from .ops.linear import ColumnRuns
+    return "fp8" if any(isinstance(w, Fp8Matrix) or (isinstance(w, ColumnRuns)
+                                                     and any(isinstance(m, Fp8Matrix) for m, _ in w.runs))
+                        for w in trunk.w.values()) else ""
+
+
+def fingerprint(trunk_config, drafter_config, weights: str = "") -> str:
     """The table's key for a (trunk, drafter) pair: a hash of `fingerprint_fields`."""
-    text = json.dumps(fingerprint_fields(trunk_config, drafter_config), sort_keys=True)
+    text = json.dumps(fingerprint_fields(trunk_config, drafter_config, weights), sort_keys=True)
     return hashlib.sha1(text.encode()).hexdigest()[:16]
 
 
@@ -124,16 +136,18 @@ class TablePrior:
         return self._grid(self._verify, batch, context, width)
 
 
-def prior_for(be, trunk_config, drafter_config):
+def prior_for(be, trunk_config, drafter_config, weights: str = ""):
     """The prior for the pair on backend `be`: on `cuda` the table's entry for it, else Prior()."""
     if be.name != "cuda":
         return Prior()
-    entry = table()["entries"].get(fingerprint(trunk_config, drafter_config))
+    entry = table()["entries"].get(fingerprint(trunk_config, drafter_config, weights))
     return TablePrior(entry) if entry is not None else Prior()
 
 
-def adopt(be, trunk_config, drafter_config) -> None:
-    """Set the backend's cost model prior for the pair: once, before anything is measured (module doc)."""
+def adopt(be, trunk_config, drafter_config, weights: str = "") -> None:
+    """Set the backend's cost model prior for the pair (`weights`: weight_format of its trunk):
+    once, before anything is measured (module doc)."""
     if be.name != "cuda":  # the CPU backends keep Prior()
         return
-    cost_model(be).adopt(prior_for(be, trunk_config, drafter_config), fingerprint(trunk_config, drafter_config))
+    cost_model(be).adopt(prior_for(be, trunk_config, drafter_config, weights),
+                         fingerprint(trunk_config, drafter_config, weights))

@@ -512,6 +512,29 @@ def linear_benches(be, s: Sizes) -> Iterator[Bench]:
                         pm.linear("bench", proj, rows, k, n, 2, pm.H200)[0])
 
 
+# ---- linear_fp8: the same GEMMs on FP8 weights (e4m3 and a scale per 128 x 128 block) ---------------------
+def linear_fp8_benches(be, s: Sizes) -> Iterator[Bench]:
+    """linear_fp8_bf16_m<BM> (fp8_plan's tile shape) for the MLP's two projections over the rows of
+    linear_benches: bytes from fp8_linear_plan's min_bytes (the weights once at 1 byte plus 4 per
+    scale, x, out), 2 rows K N flops; predicted as perf_model.linear prices FP8 weights (wb 1)."""
+    from dspark.ops.fp8 import Fp8Matrix, scale_grid
+    from dspark.ops.linear import fp8_linear_plan, linear_fp8
+    d, f = s.d_model, s.mlp_hidden
+    for proj, k, n in (("gate|up", d, 2 * f), ("down", f, d)):
+        q = _RNG.integers(0, 256, (k, n), dtype=np.uint8)
+        q[(q & 0x7F) == 0x7F] = 0x38   # no NaN patterns (the loader refuses them)
+        w = Fp8Matrix(be.asarray(q), be.asarray(_RNG.uniform(0.5, 2.0, scale_grid(k, n)).astype(np.float32) / 256),
+                      np.dtype(BF16))
+        cases = [("decode", B, B) for B in s.plain_batches] + [("verify", B, B * s.vt) for B in s.batches]
+        for case, B, rows in cases + [("prompt", 1, s.prompt_rows)]:
+            x, out = randn(be, (rows, k)), be.xp.empty((rows, n), np.float32)
+            plan = fp8_linear_plan(rows, k, n)
+            yield Bench("linear_fp8", case, {"proj": proj, "B": B, "rows": rows, "K": k, "N": n, "S": plan.splits},
+                        plan.min_bytes, 2 * rows * k * n, (f"linear_fp8_bf16_m{plan.notes['bm']}",),
+                        lambda b, x=x, w=w, o=out: linear_fp8(b, x, w, out=o),
+                        pm.linear("bench", proj, rows, k, n, 1, pm.H200)[0])
+
+
 # ---- moe: a mixture-of-experts layer's router, grouped product and combine ---------------------------------
 def moe_benches(be, s: Sizes) -> Iterator[Bench]:
     """One MoE layer (experts, top-k, d_model and expert width of the Sizes: Qwen3.5-35B-A3B's on the
@@ -602,6 +625,7 @@ FAMILIES: dict[str, Callable[[object, Sizes], Iterator[Bench]]] = {
     "sampling": sampling_benches,
     "norm": norm_benches,
     "linear": linear_benches,
+    "linear_fp8": linear_fp8_benches,
     "gdn_chunk": gdn_chunk_benches,
     "moe": moe_benches,
     "activation": activation_benches,
@@ -615,6 +639,7 @@ NOT_BENCHMARKED = {"selftest", "fp8"}  # the simt runtime's own checks; the e4m3
 RATIOS = (
     ("verify / decode", ("attention", "verify"), ("attention", "decode"), ("B", "ctx")),
     ("linear verify / decode", ("linear", "verify"), ("linear", "decode"), ("proj", "B")),
+    ("fp8 / bf16 GEMM", ("linear_fp8", "decode"), ("linear", "decode"), ("proj", "B")),
     ("verify+checkpoints / decode", ("gdn_scan", "verify"), ("gdn_scan", "decode"), ("B",)),
     ("greedy_accept / argmax_rows", ("argmax", "greedy_accept"), ("argmax", "argmax_rows"), ("B",)),
     ("markov_chain / argmax_rows", ("argmax", "markov_chain"), ("argmax", "argmax_rows"), ("B",)),

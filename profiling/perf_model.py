@@ -5,6 +5,7 @@ each kernel's limiters, floor and expected time, the round's composition and the
     python profiling/perf_model.py --model qwen3.5-27b --batch 1 2 32 --context 4096 32768 --width 8 --kernels
     python profiling/perf_model.py --accepted 5.9      # the speedup at another mean accepted length
     python profiling/perf_model.py --prompt [--kernels] # time to first token, plain batched decode, memory
+    python profiling/perf_model.py --fp8                # the FP8 releases beside their bf16 twins, time per token
     python profiling/perf_model.py --prior-table        # write dspark/cost_prior_h200.json (the cost prior on cuda), print it
 
 Shapes (SHAPES): the embedded pair (dspark/models/default), Qwen3-8B and Qwen3.5-27B with their
@@ -110,6 +111,17 @@ class Shape:
     drafter: DrafterConfig
     weight_bytes: int       # storage bytes per matrix element (2: bf16)
     source: str
+    fp8: bool = False       # the trunk's decoder-layer linears block-scaled e4m3 (docs/models/fp8.md)
+
+    def proj_bytes(self) -> int:
+        """Bytes per element of the trunk's decoder-layer projections: 1 (FP8) or the storage's.
+        The embedding, the LM head and Qwen3.5's gdn a|b stay 16-bit in the FP8 releases."""
+        return 1 if self.fp8 else self.weight_bytes
+
+    def drafter_bytes(self) -> int:
+        """Bytes per element of the drafter's matrices on cuda (dspark.models.drafter.storage_dtype):
+        the trunk's 16-bit type where it has one (FP8 trunks compute in bf16), else f32."""
+        return 2 if self.weight_bytes == 2 else F32
 
 
 def _default_configs() -> tuple[TrunkConfig, DrafterConfig]:
@@ -156,10 +168,19 @@ def shapes(drafter_window: int = 4096) -> dict[str, Shape]:
         "qwen3.5-27b": Shape("Qwen3.5-27B", q35, _drafter_for(q35, drafter_window), 2,
                              "Qwen/Qwen3.5-27B config.json (text_config)"),
         **{f"qwen3.8-27b-{name}": Shape(f"Qwen3.8-27B + {label}", q35, dc, 2, source)
-           for (name, dc), (label, source) in zip(_qwen3_8_drafters(q35).items(), (
-               ("DFlash2", "DeepSpec dflash2/qwen3_8/config.py (draft vocabulary assumed)"),
-               ("DSpark", "DeepSpec dspark/qwen3_8/config.py (layers and Markov head assumed)")))},
+           for (name, dc), (label, source) in zip(_qwen3_8_drafters(q35).items(), QWEN3_8_SOURCES)},
+        # The FP8 releases (block-scaled e4m3, docs/models/fp8.md): the same configs, the decoder-layer
+        # linears at 1 byte plus a scale per 128 x 128 block; the embedding, LM head and gdn a|b 16-bit.
+        "qwen3.5-27b-fp8": Shape("Qwen3.5-27B-FP8", q35, _drafter_for(q35, drafter_window), 2,
+                                 "Qwen/Qwen3.5-27B-FP8 (the text_config above, quantization_config fp8 e4m3 128x128)",
+                                 fp8=True),
+        **{f"qwen3.8-27b-fp8-{name}": Shape(f"Qwen3.8-27B-FP8 + {label}", q35, dc, 2, f"{source}; FP8 target", fp8=True)
+           for (name, dc), (label, source) in zip(_qwen3_8_drafters(q35).items(), QWEN3_8_SOURCES)},
     }
+
+
+QWEN3_8_SOURCES = (("DFlash2", "DeepSpec dflash2/qwen3_8/config.py (draft vocabulary assumed)"),
+                   ("DSpark", "DeepSpec dspark/qwen3_8/config.py (layers and Markov head assumed)"))
 
 
 # ---- kernels -----------------------------------------------------------------------------------------------
@@ -251,12 +272,19 @@ def linear(phase, name, rows, k, n, wb, dev, kind="weights") -> list[Kernel]:
     its MMAs' executed flops (whole tiles) at the mma.sync ceiling; a few rows (split mode) move the
     weights once per row tile, the partials, and x once (L2 keeps it for the other column tiles),
     each CTA at its slot's share;
-    a prompt (fold mode, `prompt_gemm`) reads each wave's tiles from DRAM once."""
-    if wb == 2:
-        p, plan = linear_ops.mma_plan(rows, k, n), linear_ops.mma_linear_plan(rows, k, n)
-        entry = f"linear_mma_bf16_m{p.bm}"
+    a prompt (fold mode, `prompt_gemm`) reads each wave's tiles from DRAM once. FP8 weights (wb 1):
+    linear_fp8_bf16_m<BM>, the same tiles and modes (fp8_plan: its K chunk a multiple of the
+    128-row scale block), the weights at 1 byte each plus 4 per scale (fp8_linear_plan), priced
+    as compiled (its registers, its SASS loop: the in-register decode is in it)."""
+    if wb in (1, 2):   # 1: FP8 (e4m3 and a scale per 128 x 128 block), bf16 activations: linear_fp8_bf16_m<BM>
+        if wb == 1:
+            p, plan = linear_ops.fp8_plan(rows, k, n), linear_ops.fp8_linear_plan(rows, k, n)
+            entry = f"linear_fp8_bf16_m{p.bm}"
+        else:
+            p, plan = linear_ops.mma_plan(rows, k, n), linear_ops.mma_linear_plan(rows, k, n)
+            entry = f"linear_mma_bf16_m{p.bm}"
         if p.grid_splits == 1 and p.m_tiles > 1:
-            return [prompt_gemm(phase, name, kind, p, plan, rows, k, n, entry, dev)]
+            return [prompt_gemm(phase, name, kind, p, plan, rows, k, n, entry, dev, wb)]
         # x ([rows, K] f32, at most 128 x 17408 x 4 = 8.9 MB) stays in L2 across the column tiles: DRAM
         # sees it once, not once per column tile as the plan's bytes (what the CTAs load, through L2) count it
         dram = plan.bytes - (p.n_tiles - 1) * 4 * rows * k
@@ -273,21 +301,23 @@ def linear(phase, name, rows, k, n, wb, dev, kind="weights") -> list[Kernel]:
                     f"linear_{STORAGE_SUFFIX[wb]}", min_bytes=p.min_bytes)]
 
 
-def prompt_gemm(phase, name, kind, p, plan, rows, k, n, entry, dev: Device) -> Kernel:
+def prompt_gemm(phase, name, kind, p, plan, rows, k, n, entry, dev: Device, wb: int = 2) -> Kernel:
     """A tensor-core GEMM in fold mode (many rows): every CTA walks all of K (ceil(K / BK) iterations)
-    and loads its row tile of x (f32) and its column tile of the weights through L2; DRAM: each wave
-    reads its group of kMmaGroupRows row tiles of x and the weight columns of its CTAs once (L2
-    keeps them while it runs), and the output is written."""
+    and loads its row tile of x (f32) and its column tile of the weights (wb bytes each; FP8: with
+    the scales of its blocks) through L2; DRAM: each wave reads its group of kMmaGroupRows row tiles
+    of x and the weight columns of its CTAs once (L2 keeps them while it runs), and the output is
+    written."""
     code = compiled(entry, dev)
     per_sm = resident(p.threads, p.shared_mem + code.static_smem, code.registers, dev)
     slots = dev.sms * per_sm
     waves = -(-p.ctas // slots)
     group = min(linear_ops.MMA_GROUP_ROWS, p.m_tiles)
-    dram = waves * (group * p.bm * k * 4 + min(p.n_tiles, -(-slots // group)) * p.bn * k * 2) + rows * n * 4
+    col_bytes = p.bn * k * wb + (4 * -(-k // linear_ops.FP8_BLOCK) * -(-p.bn // linear_ops.FP8_BLOCK) if wb == 1 else 0)
+    dram = waves * (group * p.bm * k * 4 + min(p.n_tiles, -(-slots // group)) * col_bytes) + rows * n * 4
     flops = plan.notes["mma_flops"]
     iters = -(-k // p.bk)
     work = Work(entry, p.threads, p.shared_mem, even(dram, p.ctas),
-                l2=np.full(p.ctas, float(p.bm * k * 4 + k * p.bn * 2 + p.bm * p.bn * 4)), mma=flops / MMA_FLOPS / p.ctas,
+                l2=np.full(p.ctas, float(p.bm * k * 4 + col_bytes + p.bm * p.bn * 4)), mma=flops / MMA_FLOPS / p.ctas,
                 iterations=iters, units={"cta": 1.0, "iteration": float(iters)})
     return kernel_of(phase, name, kind, work, dev, flops=flops, mma_flops=flops, min_bytes=plan.min_bytes)
 
@@ -302,7 +332,7 @@ def layers(shape: Shape, ph: str, rows: int, dev: Device, attention, gdn) -> lis
     products (linear), one kernel of glue between them each (q/k norm + RoPE, the output gate,
     SwiGLU), the residual add + next RMSNorm twice; the mixer's own kernels from `attention()` (the
     attention kernels) and `gdn()` (between the gdn's two products)."""
-    c, wb, out = shape.trunk, shape.weight_bytes, []
+    c, wb, pb, out = shape.trunk, shape.weight_bytes, shape.proj_bytes(), []
     d, kv_isz = c.d_model, kv_itemsize(c)
     nq = c.attn_heads * c.head_dim * (2 if c.attn_gate else 1)
     nkv = c.attn_kv_heads * c.head_dim
@@ -314,24 +344,37 @@ def layers(shape: Shape, ph: str, rows: int, dev: Device, attention, gdn) -> lis
         if not count:
             continue
         if kind == "attn":
-            layer = linear(ph, "attn q|k|v", rows, d, nq + 2 * nkv, wb, dev)
+            layer = linear(ph, "attn q|k|v", rows, d, nq + 2 * nkv, pb, dev)
             layer.append(qk_prepare_kernel(ph, rows, c.attn_heads, c.attn_kv_heads, c.head_dim, nq + 2 * nkv,
                                            c.rope_dim, kv_isz, dev, q_norm=c.qk_norm, k_norm=c.qk_norm))
             layer += attention()
             if c.attn_gate or kv_isz != F32:
                 layer.append(attn_gate_kernel(ph, rows, c.attn_heads * c.head_dim, kv_isz, c.attn_gate, dev))
-            layer += linear(ph, "attn o", rows, c.attn_heads * c.head_dim, d, wb, dev)
+            layer += linear(ph, "attn o", rows, c.attn_heads * c.head_dim, d, pb, dev)
         else:
-            layer = linear(ph, "gdn in", rows, d, C + H * dv + 2 * H, wb, dev)
+            layer = gdn_in(ph, rows, d, C + H * dv, 2 * H, shape, dev)
             layer += gdn()
-            layer += linear(ph, "gdn out", rows, H * dv, d, wb, dev)
+            layer += linear(ph, "gdn out", rows, H * dv, d, pb, dev)
         layer.append(row_norm(ph, "residual + norm", "add_rmsnorm_f32", rows, d, dev, reads=2, writes=2))
-        layer += linear(ph, "mlp gate|up", rows, d, 2 * c.mlp_hidden, wb, dev)
+        layer += linear(ph, "mlp gate|up", rows, d, 2 * c.mlp_hidden, pb, dev)
         layer.append(swiglu_kernel(ph, rows, c.mlp_hidden, dev))
-        layer += linear(ph, "mlp down", rows, c.mlp_hidden, d, wb, dev)
+        layer += linear(ph, "mlp down", rows, c.mlp_hidden, d, pb, dev)
         layer.append(row_norm(ph, "residual + norm", "add_rmsnorm_f32", rows, d, dev, reads=2,
                               writes=2 + taps / len(c.layers)))
         out += scaled(layer, count, f"x{count} {kind} layers")
+    return out
+
+
+def gdn_in(ph, rows, d, qkvz: int, ab: int, shape: Shape, dev: Device) -> list[Kernel]:
+    """The gdn input projection [d, qkvz + ab]: one GEMM; in an FP8 trunk two runs of columns
+    (dspark.ops.linear.ColumnRuns: q|k|v|z in e4m3, a|b left 16-bit), each its GEMM into scratch
+    and a linear_place_columns launch placing it (a thread per element, read and written)."""
+    if not shape.fp8:
+        return linear(ph, "gdn in", rows, d, qkvz + ab, shape.weight_bytes, dev)
+    out = linear(ph, "gdn in q|k|v|z (fp8)", rows, d, qkvz, 1, dev)
+    out += linear(ph, "gdn in a|b (16-bit)", rows, d, ab, shape.weight_bytes, dev)
+    out += [elementwise(ph, "gdn in runs placed", "linear_place_columns", rows * w, 2 * F32 * rows * w, 0, dev)
+            for w in (qkvz, ab)]
     return out
 
 
@@ -522,13 +565,13 @@ def drafter_pass(shape: Shape, B: int, context: int, dev: Device, reach: int | N
     """The drafter's block pass (b rows per session over its window), the Markov chain and the
     confidence head, and the ingest of the accepted rows (per layer its K|V, normed and rotated,
     and one ring commit): dspark.models.drafter's run_block, run_propose and run_ingest."""
-    t, dc, wb = shape.trunk, shape.drafter, shape.weight_bytes
+    t, dc, wb, db = shape.trunk, shape.drafter, shape.weight_bytes, shape.drafter_bytes()
     rows, d, ph = B * dc.block, t.d_model, "draft"
     nq, nkv = dc.heads * dc.head_dim, dc.kv_heads * dc.head_dim
     out = [row_norm(ph, "drafter embedding + norm", f"embed_rmsnorm_{STORAGE_SUFFIX[F32 if dc.own_embed else wb]}", rows,
                     d, dev, reads=(F32 if dc.own_embed else wb) / F32, writes=2)]
     for i in range(dc.layers):
-        out += linear(ph, "drafter q|k|v", rows, d, nq + 2 * nkv, F32, dev)
+        out += linear(ph, "drafter q|k|v", rows, d, nq + 2 * nkv, db, dev)
         out.append(qk_prepare_kernel(ph, rows, dc.heads, dc.kv_heads, dc.head_dim, nq + 2 * nkv, dc.head_dim, F32, dev,
                                      q_norm=dc.q_norm, k_norm=True))
         window = dc.windows()[i] or context
@@ -536,21 +579,21 @@ def drafter_pass(shape: Shape, B: int, context: int, dev: Device, reach: int | N
                            head_dim=dc.head_dim, dtype=np.float32, mode="block", window=window,
                            window_mode=dc.window_mode if dc.windows()[i] else "anchor", reach=reach)
         out += attention_kernels(ph, plan, dev)
-        out += linear(ph, "drafter o", rows, nq, d, F32, dev)
+        out += linear(ph, "drafter o", rows, nq, d, db, dev)
         if dc.conv_kernel:   # DFlash2: each sublayer's dynamic kernels, one projection per side
             out += scaled(linear(ph, "drafter conv kernels", rows, d, 2 * dc.conv_kernel * (d // dc.conv_group), F32,
                                  dev), 2, "two sides")
         out.append(row_norm(ph, "drafter residual + norm", "add_rmsnorm_f32", rows, d, dev, reads=2, writes=2))
-        out += linear(ph, "drafter gate|up", rows, d, 2 * dc.mlp_hidden, F32, dev)
+        out += linear(ph, "drafter gate|up", rows, d, 2 * dc.mlp_hidden, db, dev)
         out.append(swiglu_kernel(ph, rows, dc.mlp_hidden, dev))
-        out += linear(ph, "drafter down", rows, dc.mlp_hidden, d, F32, dev)
+        out += linear(ph, "drafter down", rows, dc.mlp_hidden, d, db, dev)
         out.append(row_norm(ph, "drafter residual + norm", "add_rmsnorm_f32", rows, d, dev, reads=2, writes=2))
     nd = dc.drafts
     if dc.harvest != "shifted":  # the draft rows of each block, before the LM head
         out.append(elementwise(ph, "draft rows", "gather_rows_f32", B * nd * d, 2 * F32 * B * nd * d, 0, dev))
     vd = dc.draft_vocab or t.vocab
     out += linear(ph, "drafter lm head" + (" (own, draft vocabulary)" if dc.own_head else " (the trunk's)"), B * nd, d,
-                  vd, F32 if dc.own_head else wb, dev)
+                  vd, db if dc.own_head else wb, dev)
     if dc.logit_scale != 1.0 or dc.logit_softcap > 0:
         out.append(elementwise(ph, "logit scale", "logit_scale_f32", B * nd * vd, 2 * F32 * B * nd * vd,
                                3 * B * nd * vd, dev))
@@ -568,10 +611,10 @@ def drafter_pass(shape: Shape, B: int, context: int, dev: Device, reach: int | N
                                4 * B * nd, dev))
     keep = dc.block  # a full accept ingests every row
     taps = len(dc.taps or t.tap_layers)
-    out += linear("ingest", "drafter fc", B * keep, taps * d, d, F32, dev)
+    out += linear("ingest", "drafter fc", B * keep, taps * d, d, db, dev)
     out.append(row_norm("ingest", "drafter fc norm", "add_rmsnorm_f32", B * keep, d, dev, reads=1, writes=2))
     for _ in range(dc.layers):
-        out += linear("ingest", "drafter k|v", B * keep, d, 2 * nkv, F32, dev)
+        out += linear("ingest", "drafter k|v", B * keep, d, 2 * nkv, db, dev)
         out.append(qk_prepare_kernel("ingest", B * keep, 0, dc.kv_heads, dc.head_dim, 2 * nkv, dc.head_dim, F32, dev,
                                      q_norm=False, k_norm=True, with_q=False))
     out.append(commit_kernel("ingest", "kv_commit (ring)", B, dc.layers, keep, dc.kv_heads * dc.head_dim * F32, dev))
@@ -915,7 +958,8 @@ def prior_entry(shape: Shape, batches=None, widths=None, contexts=None, dev: Dev
             rs = [spec_round(shape, B, c, w, dev, mode="graph") for c in contexts]
             rounds[-1].append([rounded(r.time()) for r in rs])
             verify[-1].append([rounded(r.gpu(r.verify_pass()) + total - gpu) for r, (gpu, total) in zip(rs, steps)])
-    return {"shape": shape.label, "fingerprint": fingerprint(t, d), "fields": fingerprint_fields(t, d),
+    fmt = "fp8" if shape.fp8 else ""
+    return {"shape": shape.label, "fingerprint": fingerprint(t, d, fmt), "fields": fingerprint_fields(t, d, fmt),
             "batches": batches, "widths": widths, "contexts": contexts, "plain": plain, "round": rounds, "verify": verify}
 
 
@@ -1127,6 +1171,74 @@ def mode_rows(cases, a, dev: Device) -> list[list[str]]:
 
 KERNEL_HEADERS = LIMIT_HEADERS
 
+# Published mean accepted lengths (tokens a round commits) for the FP8 pairs: each with its source.
+# None is a target; the embedded pair's is ours, measured on a different pair, and labelled so.
+PUBLISHED_ACCEPTED = {
+    "dflash2": ((2.7, 8, "DFlash2 k=7 at 64k, vLLM recipes #839"),),
+    "dspark": ((3.7, 6, "DSpark v2 k=5, as quoted in the FP8 plan (no public source found)"),),
+}
+EMBEDDED_ACCEPTED = (4.97, 8, "the embedded pair's greedy mean (not this pair's: labelled)")
+FP8_HEADERS = ["shape", "B", "context", "plain floor us", "plain us", "verify/plain", "round floor us", "round us",
+               "fp8/bf16 round", "(floors)", "fp8 GEMMs us", "their floor"]
+TPOT_HEADERS = ["shape", "B", "context", "accepted", "vt", "source", "plain ms/token", "spec ms/token",
+                "spec floor ms/token", "speedup"]
+
+
+def sass_path(entry: str) -> str:
+    """Instructions a warp issues per K step on its main loop's path, or "-" without cuobjdump."""
+    import sass
+    try:
+        return str(sass.issue(entry).path)
+    except FileNotFoundError:
+        return "-"
+
+
+def fp8_pairs(table_of: dict[str, Shape]) -> list[tuple[str, str]]:
+    """(FP8 shape, its bf16 twin) for every FP8 shape the model knows."""
+    return [(name, name.replace("-fp8", "")) for name, s in table_of.items() if s.fp8]
+
+
+def fp8_report(table_of: dict[str, Shape], dev: Device, batches=(1, 2), contexts=(8192, 32768)) -> str:
+    """The FP8 releases beside their bf16 twins (issue: half the weight bytes): a plain step, verify
+    over plain and the round (8 columns), each as floor and expected; the FP8 round over the bf16
+    round of the same shape, and what bounds the FP8 GEMMs from below (their largest limiter,
+    summed over the round); then time per output token at the published accepted lengths."""
+    rows, tpot = [], []
+    for fp8, bf16 in fp8_pairs(table_of):
+        s, t = table_of[fp8], table_of[bf16]
+        for B in batches:
+            for ctx in contexts:
+                r, b = spec_round(s, B, ctx, 8, dev), spec_round(t, B, ctx, 8, dev)
+                gemms = [k for k in r.kernels if k.entry.startswith("linear_fp8")]
+                floors = {lim: sum(k.limits[lim] for k in gemms) for lim in LIMITERS}
+                bound = max(floors, key=floors.get)
+                rows.append([s.label, str(B), str(r.context), us(r.gpu_floor(r.plain)), us(r.plain_time()),
+                             f"{r.gpu(r.verify_pass()) / r.gpu(r.plain):.3f}", us(r.floor()), us(r.time()),
+                             f"{r.time() / b.time():.2f}", f"{r.floor() / b.floor():.2f}",
+                             f"{sum(k.time for k in gemms) * 1e6:,.0f} us", f"{bound} {floors[bound] * 1e6:,.0f} us"])
+                drafter = next((k for k in PUBLISHED_ACCEPTED if fp8.endswith(k)), None)
+                for acc, vt, source in PUBLISHED_ACCEPTED.get(drafter, ()) + (EMBEDDED_ACCEPTED,):
+                    rt = r if vt == 8 else spec_round(s, B, ctx, vt, dev)
+                    tpot.append([s.label, str(B), str(rt.context), f"{acc:g}", str(vt), source,
+                                 f"{rt.plain_time() * 1e3:.2f}", f"{rt.time() / acc * 1e3:.2f}",
+                                 f"{rt.floor() / acc * 1e3:.2f}", f"{rt.speedup(acc):.2f}x"])
+    return "\n".join([
+        f"FP8 releases on {dev.name}: decoder-layer linears e4m3 + a scale per 128 x 128 block (linear_fp8_bf16_m<BM>, "
+        f"priced as compiled); embedding, LM head, gdn a|b and the drafter 16-bit; passes replayed from CUDA graphs",
+        table(FP8_HEADERS, rows),
+        "fp8/bf16 round: the FP8 round's expected time over the bf16 twin's (same configs, same drafter); (floors): "
+        "their floors' ratio; fp8 GEMMs: the FP8 GEMMs' expected time in the round and their floor (the largest "
+        "limiter, summed)",
+        "the main loop as compiled, per warp and K step (profiling/sass.py): " + ", ".join(
+            f"{e} {sass_path(e)}" for e in ("linear_mma_bf16_m16", "linear_fp8_bf16_m16", "linear_fp8_bf16_m128"))
+        + " instructions on its path: the in-register e4m3 decode, scale and bf16 rounding is what the FP8 "
+        "GEMMs' expected time is made of where it exceeds their DRAM floor",
+        "",
+        table(TPOT_HEADERS, tpot),
+        "ms/token: a round's time over the accepted length (spec), a plain step (plain); accepted lengths are "
+        "published figures or the embedded pair's, never targets"])
+
+
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -1148,6 +1260,9 @@ def main(argv=None) -> int:
     ap.add_argument("--prompt", action="store_true",
                     help="instead: time to first token, the plain batched decode step, memory per session")
     ap.add_argument("--prompt-chunk", type=int, default=PROMPT_CHUNK, help="tokens per prompt pass (--prompt)")
+    ap.add_argument("--fp8", action="store_true",
+                    help="instead: the FP8 releases beside their bf16 twins at B 1, 2 and 8k, 32k, and time per token "
+                         "at published accepted lengths")
     ap.add_argument("--prior-table", action="store_true",
                     help="instead: write the cost model's prior on cuda (dspark/cost_prior_h200.json, every shape) "
                          "and print its round and verify in plain steps")
@@ -1171,6 +1286,9 @@ def main(argv=None) -> int:
         return 0
     if a.prompt:
         print(prompt_report(shapes(a.drafter_window), a.prompt_chunk, a.kernels, d, a.launches))
+        return 0
+    if a.fp8:
+        print(fp8_report(shapes(a.drafter_window), d))
         return 0
     table_of = shapes(a.drafter_window)
     cases = [(table_of[m], b, ctx) for m in a.model for b in a.batch for ctx in a.context]

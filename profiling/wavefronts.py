@@ -6,7 +6,7 @@ wavefronts per unit of its launch that profiling/perf_model.py scales them by:
 
   attention (prompt, split and serial kernels)  per CTA, per key tile walked, per split ended, per key
                                                 tile and m-tile of 16 items
-  linear_mma_<dt>_m<BM>                         per CTA, per K iteration (BK = 32)
+  linear_mma_<dt>_m<BM>, linear_fp8_<dt>_m<BM>  per CTA, per K iteration (BK = 32)
   gdn_chunk_state                               per CTA, per chunk walked
   every other kernel                            per byte its call moves (the benchmark's count), from
                                                 profiling/bench_kernels.py's ops at PROBE sizes
@@ -75,6 +75,7 @@ def child() -> list[dict]:
     from dspark.ops import gdn_chunk as chunk_ops
     from dspark.ops import linear as linear_ops
     from dspark.ops.attention import launch_plan
+    from dspark.ops.fp8 import Fp8Matrix, scale_grid
     from dspark.ops.linear import linear
     be = dspark.get_backend("simt")
     k = be.kernels
@@ -109,6 +110,15 @@ def child() -> list[dict]:
             units = {"cta": float(p.ctas), "iteration": float(p.ctas * iters)}
             take(counts, lambda c: units if c.kernel.startswith("linear_mma") else None,
                  f"linear m{bm} K={kk} {'split' if p.grid_splits > 1 else 'fold'}")
+            p = linear_ops.fp8_plan(rows, kk, n, bm=bm, split=split)   # FP8 weights: the stage written from registers
+            q = rng.integers(0, 0x70, (kk, n)).astype(np.uint8)
+            w8 = Fp8Matrix(q, np.ones(scale_grid(kk, n), np.float32), np.dtype(pm.BF16))
+            with k.counting() as counts:
+                linear_ops.linear_fp8(be, x, w8, bm=bm, split=split)
+            iters = -(-min(p.kchunk, kk) // p.bk) if p.grid_splits > 1 else -(-kk // p.bk)
+            units = {"cta": float(p.ctas), "iteration": float(p.ctas * iters)}
+            take(counts, lambda c: units if c.kernel.startswith("linear_fp8") else None,
+                 f"linear_fp8 m{bm} K={kk} {'split' if p.grid_splits > 1 else 'fold'}")
     import bench_kernels as bk
     for sizes in (PROBE_256, PROBE_128):
         for fam, benches in bk.FAMILIES.items():
@@ -140,7 +150,7 @@ def child() -> list[dict]:
 
 
 # entries with probes of their own (their units are not bytes)
-PROBED = ("attention_prompt", "attention_bf16", "attention_f16", "attention_f32", "linear_mma")
+PROBED = ("attention_prompt", "attention_bf16", "attention_f16", "attention_f32", "linear_mma", "linear_fp8")
 
 
 def fit(rows: list[dict]) -> dict:

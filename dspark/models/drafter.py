@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..cost_prior import adopt
+from ..cost_prior import adopt, weight_format
 from ..errors import ShapeError, TokenRangeError
 from ..memory import Memory
 from ..ops.activation import sigmoid_bias, swiglu
@@ -70,6 +70,11 @@ def storage_dtype(trunk, name: str) -> np.dtype:
     if trunk.be.name == "cuda" and wide.itemsize == 2 and name.endswith(LINEAR_MATRICES):
         return wide
     return np.dtype(np.float32)
+
+
+def stored_name(names: tuple) -> str:
+    """The name a backend tensor made of `names` goes by: its DEVICE_FUSED name, or the one name."""
+    return next((f for f, parts in DEVICE_FUSED if names[0].endswith(parts[0]) and len(names) > 1), names[0])
 
 
 def drafter_layout(be, c: DrafterConfig, spec: dict, make) -> dict:
@@ -133,8 +138,7 @@ class DsparkDrafter:
 
         def upload(names):
             host = weights[names[0]] if len(names) == 1 else np.concatenate([weights[q] for q in names], axis=1)
-            fused = next((f for f, parts in DEVICE_FUSED if names[0].endswith(parts[0]) and len(names) > 1), names[0])
-            return trunk.be.xp.asarray(np.asarray(host, np.float32).astype(storage_dtype(trunk, fused)))  # host RNE
+            return trunk.be.xp.asarray(np.asarray(host, np.float32).astype(storage_dtype(trunk, stored_name(names))))  # RNE
         self._setup(c, trunk, weights, drafter_layout(trunk.be, c, drafter_spec(c, tc), upload),
                     weights["draft_to_target"] if c.draft_vocab else None)
 
@@ -148,7 +152,7 @@ class DsparkDrafter:
         def empty(names):
             first = spec[names[0]]
             shape = first if len(names) == 1 else (first[0], sum(spec[q][1] for q in names))
-            return trunk.be.xp.zeros(shape, np.float32)
+            return trunk.be.xp.zeros(shape, storage_dtype(trunk, stored_name(names)))  # as a load stores it
         d2t = np.arange(config.draft_vocab, dtype=np.int32) if config.draft_vocab else None
         d._setup(config, trunk, None, drafter_layout(trunk.be, config, spec, empty), d2t)
         return d
@@ -166,7 +170,7 @@ class DsparkDrafter:
         if not 0 <= self.mask_id < tc.vocab:
             raise TokenRangeError(f"drafter mask_id={self.mask_id} is outside the vocabulary [0, {tc.vocab})")
         self.config, self.trunk, self.be = c, trunk, trunk.be
-        adopt(trunk.be, tc, c)  # the pair is known: its cost prior (dspark.cost_prior)
+        adopt(trunk.be, tc, c, weight_format(trunk))  # the pair is known: its cost prior (dspark.cost_prior)
         self.taps = taps
         self.source = None  # a description when loaded from a released checkpoint (dspark.models.hf)
         self.accept_floor = None  # greedy mean accepted length its record guarantees (the gain's prior), if any

@@ -16,8 +16,8 @@ from typing import Callable
 
 import numpy as np
 
-from dspark.ops import (activation, argmax, attention, coupled, gdn, heads, kv_commit, linear, norm, rope, sampling,
-                        snapshot)
+from dspark.ops import (activation, argmax, attention, coupled, fp8, gdn, heads, kv_commit, linear, norm, rope,
+                        sampling, snapshot)
 from dspark.philox import Tag
 
 F32, I32 = np.float32, np.int32
@@ -77,6 +77,20 @@ def _linear_bound(a):
     keeps it f32: they differ by that rounding, relative to |x| @ |w| (linear.MMA_TOLERANCE)."""
     w = a["w"].astype(np.float64)
     return linear.MMA_TOLERANCE[a["w"].dtype] * (np.abs(a["x"]).astype(np.float64) @ np.abs(w))
+
+
+def _linear_fp8(rng):  # an edge block on both axes (K 300, N 130: scale grid 3 x 2), f16 compute
+    q = rng.integers(0, 256, (300, 130)).astype(np.uint8)
+    q[(q & 0x7F) == 0x7F] = 0x38   # no e4m3 NaN patterns (refused at load)
+    scale = rng.uniform(0.5, 2.0, (3, 2)).astype(F32) / 64
+    return {"x": rng.standard_normal((3, 300)).astype(F32), "w": fp8.Fp8Matrix(q, scale, np.dtype(np.float16)),
+            "out": np.full((3, 130), -7, F32)}
+
+
+def _linear_fp8_bound(a):
+    """As _linear_bound: the kernels round x to the compute type, the numpy backend keeps it f32."""
+    w = np.asarray(a["w"], np.float64)
+    return linear.MMA_TOLERANCE[np.dtype(np.float16)] * (np.abs(a["x"]).astype(np.float64) @ np.abs(w))
 
 
 def _attention(mode):
@@ -261,6 +275,8 @@ CASES = [
         be, a["logits"], a["w1"], a["w2"], a["anchors"], 3, out=a["out"]), ("out",)),
     Case("linear", _linear, lambda be, a: linear.linear(be, a["x"], a["w"], out=a["out"]), ("out",),
          _linear_bound),
+    Case("linear_fp8", _linear_fp8, lambda be, a: linear.linear_fp8(be, a["x"], a["w"], out=a["out"]), ("out",),
+         _linear_fp8_bound),
     Case("attention_causal", _attention("causal"), lambda be, a: attention.attention(
         be, a["q"], a["k_blk"], a["v_blk"], a["k_caches"], a["v_caches"], a["pos"], a["row_indptr"], out=a["out"]),
          ("out",)),
@@ -324,7 +340,7 @@ CASES = [
         be, a["logits"], a["w1"], a["w2"], a["anchors"], a["picks"], 1, 3, a["drafts"], out=a["out"]),
          ("drafts", "out")),
 ]
-OPS = {"argmax_rows", "greedy_accept", "markov_chain", "linear", "attention", "kv_commit", "gdn_scan", "snapshot_save",
+OPS = {"argmax_rows", "greedy_accept", "markov_chain", "linear", "linear_fp8", "attention", "kv_commit", "gdn_scan", "snapshot_save",
        "snapshot_restore", "checkpoint_select", "sample_filtered", "filtered_probs", "speculative_accept",
        "coupled_accept", "pick_accept", "philox_random", "gdn_layer", "checkpoint_select_layers", "add_rmsnorm",
        "embed_rmsnorm", "swiglu", "attn_gate", "sigmoid_bias", "qk_prepare", "confidence_features", "gather_rows",

@@ -17,7 +17,7 @@ from dspark.decode import PlainBatch, plain_generate
 from dspark.dtypes import BF16
 from dspark.models.hf import CheckpointError, load_target, load_tokenizer
 from dspark.models.oracle import OracleDrafter, TrunkDrafter
-from dspark.models.presets import random_drafter
+from dspark.models.presets import random_drafter, tiny_pair
 from dspark.ops.fp8 import Fp8Matrix
 from dspark.ops.linear import ColumnRuns
 from dspark.session import DsparkSpecSession, SamplingParams, SpecParams, spec_burst
@@ -456,3 +456,20 @@ def test_drafters_take_the_targets_16_bit_type_on_cuda_only(fp8_trunks):
         assert {d.w[k].dtype for k in ("fc", "layers.0.attn.wqkv", "layers.0.attn.wkv", "layers.0.mlp.w_down")} \
             == {want}, name
         assert {d.w[k].dtype for k in ("layers.0.norm1", "markov.w1", "conf.w")} == {np.dtype(np.float32)}, name
+
+
+def test_an_fp8_pair_is_priced_by_its_own_cost_prior_key(fp8_trunks, monkeypatch):
+    """The cost prior (dspark.cost_prior) keys an FP8 trunk apart from the bf16 one of the same
+    configs: half the weight bytes, another table entry. The drafter hands the trunk's weight
+    format to adopt; a bf16 trunk's key is the one it always had."""
+    from dspark import cost_prior
+    from dspark.models import drafter as drafter_module
+    seen = []
+    monkeypatch.setattr(drafter_module, "adopt", lambda be, tc, dc, weights="": seen.append(weights))
+    trunk = fp8_trunks("contract")
+    assert cost_prior.weight_format(trunk) == "fp8"
+    random_drafter(trunk, 1, block=4)
+    assert seen == ["fp8"]
+    assert cost_prior.weight_format(tiny_pair(trunk.be)[0]) == ""
+    dc = random_drafter(trunk, 1, block=4).config
+    assert cost_prior.fingerprint(trunk.config, dc, "fp8") != cost_prior.fingerprint(trunk.config, dc)

@@ -39,7 +39,8 @@ from tests.models import drafter_peers as peers  # noqa: E402
 from tests.models.hf_models import QWEN3_8, assert_logits_close, hf_logits  # noqa: E402
 from tests.models.test_drafter_e2e import (MIN_MEAN, N, assert_hidden_close, boost, oracle,  # noqa: E402
                                            run_dflash_generate, run_session, saved_world, target_taps)
-from tests.models.test_drafter_e2e import one_torch_thread  # noqa: E402, F401  (autouse fixture: used here too)
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 WINDOW = 6                     # the DFlash2 layers' sliding window (Qwen3.8's: 2048)
 TAPS = (0, 2)                  # not the trunk's default taps (1, 3); layer 3's output is normed in HF

@@ -31,7 +31,7 @@ def shipped_at(entry: dict, batches, widths, contexts) -> dict:
 
 def test_every_shape_of_the_performance_model_has_its_own_entry():
     shapes = pm.shapes()
-    keys = {cost_prior.fingerprint(s.trunk, s.drafter): s for s in shapes.values()}
+    keys = {cost_prior.fingerprint(s.trunk, s.drafter, "fp8" if s.fp8 else ""): s for s in shapes.values()}
     assert len(keys) == len(shapes), "two shapes share a fingerprint"
     assert set(SHIPPED) == set(keys)
     for key, s in keys.items():
@@ -44,7 +44,7 @@ def test_every_shape_of_the_performance_model_has_its_own_entry():
 
 def keys_of(name: str) -> str:
     s = pm.shapes()[name]
-    return cost_prior.fingerprint(s.trunk, s.drafter)
+    return cost_prior.fingerprint(s.trunk, s.drafter, "fp8" if s.fp8 else "")
 
 
 @pytest.mark.parametrize("name,batches,widths,contexts", [
@@ -53,6 +53,8 @@ def keys_of(name: str) -> str:
     ("qwen3-8b", [1, 16], [8], [512, 32768]),
     ("qwen3.8-27b-dflash2", [2], [5], [4096]),
     ("qwen3.8-27b-dspark", [32], [8], [2048]),
+    ("qwen3.5-27b-fp8", [1, 2], [8], [8192, 32768]),
+    ("qwen3.8-27b-fp8-dflash2", [1], [8], [8192]),
 ])
 def test_the_shipped_table_is_what_the_performance_model_predicts(name, batches, widths, contexts):
     s = pm.shapes()[name]

@@ -36,7 +36,7 @@ def test_dry_run_passes_and_reports_every_step(tmp_path):
         assert got[name] == "ok", f"{name}: {got[name]}\n{report}"
     assert re.search(r"step limits: wheels 15 .* = 470s", report)
     assert re.search(rf"^{len(CASES)} tests collected", report, re.M)  # the sanitizer cases: every op once
-    assert "Qwen3.5-27B" in report and f"{gc.families()} kernel families loaded" in report and gc.families() == 14
+    assert "Qwen3.5-27B" in report and f"{gc.families()} kernel families loaded" in report and gc.families() == 16
 
 
 def run_pytest_step(tmp_path, body: str, check=gc.pytest_check, wrapper: list[str] = ()):

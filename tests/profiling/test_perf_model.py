@@ -378,3 +378,64 @@ def test_launch_cost_times_every_family_with_execution_off():
     assert m and float(m.group(1)) > 0, text
     for family in ("linear", "norm", "attention", "gdn_scan", "snapshot", "argmax", "kv_commit", "activation", "rope"):
         assert re.search(rf"^{family}\s+\d+\s+[\d.]+\s+[1-9]\d*$", text, re.M), f"{family}\n{text}"
+
+
+# ---- FP8 releases ---------------------------------------------------------------------------------------------
+def test_fp8_linears_are_priced_at_one_byte_and_their_scales():
+    """An FP8 release's plain step beside its bf16 twin's: each decoder-layer GEMM moves, at the
+    least, its weights at 1 byte plus 4 per 128 x 128 scale block instead of 2 bytes, on the FP8
+    entry; the LM head, the embedding and the gdn a|b stay 16-bit, and nothing else changes."""
+    table = pm.shapes()
+    fp8, bf16 = table["qwen3.5-27b-fp8"], table["qwen3.5-27b"]
+    assert fp8.trunk == bf16.trunk and fp8.drafter == bf16.drafter and fp8.fp8 and not bf16.fp8
+    c = fp8.trunk
+    H, qkvz = c.gdn_heads, c.gdn_channels + c.gdn_heads * c.gdn_dv
+    mine = pm.trunk_pass(fp8, 1, 8192, 1, pm.H200, verify=False)
+    theirs = pm.trunk_pass(bf16, 1, 8192, 1, pm.H200, verify=False)
+    gemms = [k for k in mine if k.entry.startswith("linear_fp8")]
+    assert {k.entry for k in gemms} == {"linear_fp8_bf16_m16"}
+    shapes_of = {"attn q|k|v": (c.d_model, (2 * c.attn_heads + 2 * c.attn_kv_heads) * c.head_dim),
+                 "attn o": (c.attn_heads * c.head_dim, c.d_model), "gdn in q|k|v|z (fp8)": (c.d_model, qkvz),
+                 "gdn out": (H * c.gdn_dv, c.d_model), "mlp gate|up": (c.d_model, 2 * c.mlp_hidden),
+                 "mlp down": (c.mlp_hidden, c.d_model)}
+    for k in gemms:
+        name, layers = re.match(r"(.+) \(x(\d+) ", k.name).groups()
+        K, N = shapes_of[name]
+        per_layer = K * N + 4 * -(-K // 128) * -(-N // 128) + 4 * (K + N)   # q, scales, x and out
+        assert k.min_bytes == int(layers) * per_layer, k.name
+    by_name = {k.name: k for k in theirs}
+    for k in mine:
+        if k.name.startswith(("lm head", "embedding")):
+            assert k.entry == by_name[k.name].entry and k.min_bytes == by_name[k.name].min_bytes, k.name
+    ab = [k for k in mine if k.name.startswith("gdn in a|b")]
+    assert len(ab) == 1 and ab[0].entry == "linear_mma_bf16_m16"
+    assert ab[0].min_bytes == c.layers.count("gdn") * (2 * c.d_model * 2 * H + 4 * (c.d_model + 2 * H))
+    weights = lambda ks: sum(k.min_bytes for k in ks if k.kind == "weights")  # noqa: E731
+    assert 0.5 < weights(mine) / weights(theirs) < 0.6   # the LM head (2.5 GB) keeps its 2 bytes
+
+
+def test_the_fp8_report_is_each_pairs_rounds_at_published_lengths():
+    """`perf_model.py --fp8`: every FP8 shape at B 1, 2 and 8k, 32k beside its bf16 twin; the
+    ratio is the two rounds' expected times, floors under expected times, and time per token is the
+    round over each published accepted length with its source (and the embedded pair's, labelled)."""
+    out = ok(script("profiling/perf_model.py", "--fp8")[0])
+    rows = [x for x in rows_of(out, "shape", "fp8/bf16 round") if len(x) == len(pm.FP8_HEADERS)]
+    fp8_shapes = [s for s in pm.shapes().values() if s.fp8]
+    assert {(r[0], r[1], r[2]) for r in rows} == {(s.label, str(b), str(c)) for s in fp8_shapes for b in (1, 2)
+                                                for c in (8192, 32768)}
+    table = pm.shapes()
+    r, b = pm.spec_round(table["qwen3.5-27b-fp8"], 1, 8192, 8, pm.H200), pm.spec_round(table["qwen3.5-27b"], 1, 8192, 8, pm.H200)
+    row = next(x for x in rows if x[:3] == ["Qwen3.5-27B-FP8", "1", "8192"])
+    assert num(row[8]) == pytest.approx(r.time() / b.time(), abs=0.006)
+    assert num(row[7]) == pytest.approx(r.time() * 1e6, rel=1e-3)
+    for x in rows:
+        assert num(x[3]) <= num(x[4]) and num(x[6]) <= num(x[7])
+    tpot = [x for x in rows_of(out, "shape", "ms/token") if len(x) == len(pm.TPOT_HEADERS)]
+    sources = {(x[0], x[3]): x[5] for x in tpot}
+    assert "vLLM recipes #839" in sources[("Qwen3.8-27B-FP8 + DFlash2", "2.7")]
+    assert ("Qwen3.8-27B-FP8 + DSpark", "3.7") in sources
+    assert all("embedded pair" in sources[(s.label, "4.97")] for s in fp8_shapes)
+    for x in tpot:
+        assert num(x[8]) <= num(x[7]) and num(x[9]) == pytest.approx(num(x[6]) / num(x[7]), abs=0.011)
+    x = next(x for x in tpot if x[:4] == ["Qwen3.5-27B-FP8", "1", "8192", "4.97"])
+    assert num(x[7]) == pytest.approx(r.time() / 4.97 * 1e3, abs=0.006)

@@ -127,3 +127,12 @@ def test_on_cuda_rejection_mode_reads_the_table_prior_never_a_timing(embedded_on
         with cost.using(be, m):
             assert gain.rejection_mode(replace(p, margin=g - 1 + 1e-6), drafter, 1024)[0] is False
             assert gain.rejection_mode(replace(p, margin=g - 1 - 1e-6), drafter, 1024)[0] is True
+
+
+def test_an_fp8_release_finds_its_own_entry():
+    """Qwen3.5-27B and its FP8 release share every config field: the weight format alone tells
+    their entries apart (each the performance model's prediction: test_cost_prior_table.py)."""
+    fp8 = next(k for k, e in ENTRIES.items() if e["shape"] == "Qwen3.5-27B-FP8")
+    bf16 = next(k for k, e in ENTRIES.items() if e["shape"] == "Qwen3.5-27B")
+    assert fp8 != bf16 and ENTRIES[fp8]["fields"] == {**ENTRIES[bf16]["fields"], "trunk.weights": "fp8"}
+    assert "trunk.weights" not in ENTRIES[bf16]["fields"]
