@@ -395,7 +395,8 @@ def cmd_demo(args) -> int:
 
 def print_acceptance(stats, file, split=None) -> None:
     """Mean accepted length (also apart for fresh text and repetitions when `split` is given, a
-    dspark.stats.RepetitionSplit) and acceptance by draft position."""
+    dspark.stats.RepetitionSplit), acceptance by draft position, and the verify widths the rounds
+    ran (what `--verify gain` or the confidence head chose)."""
     acc = " ".join(f"{a:.2f}" for a in stats.acceptance_by_position)
     print(f"mean accepted length   {stats.mean_accepted_length:.2f} tokens per round ({stats.rounds} rounds)",
           file=file)
@@ -405,6 +406,8 @@ def print_acceptance(stats, file, split=None) -> None:
         print(f"  (a round is inside a repetition when the last {REPEAT_SPAN} tokens up to its anchor occurred "
               "earlier)", file=file)
     print(f"acceptance by position {acc}", file=file)
+    print("verify widths          " + ", ".join(f"{w}: {n}" for w, n in sorted(stats.widths.items()))
+          + " (width: rounds)", file=file)
 
 
 def cmd_generate(args) -> int:
@@ -484,7 +487,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="drafter block size (default: the drafter's own)")
         p.add_argument("--verify", choices=VERIFY_POLICIES, default="auto",
                        help="verify width: the drafter's confidence head where it has one, else the ladder "
-                            "(auto); confidence, ladder, or full (every draft)")
+                            "(auto); confidence, ladder, full (every draft), or gain (most expected tokens per "
+                            "unit of round cost, from the confidence head or the session's acceptance by position)")
         p.add_argument("--tau", type=unit_float, default=DEMO_TAU,
                        help=f"confidence threshold for the verify width (default {DEMO_TAU})")
         p.add_argument("--max-verify", type=int, default=DEMO_MAX_VERIFY,

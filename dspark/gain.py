@@ -68,14 +68,40 @@ NEUTRAL_TOKENS = 4.0
 
 def width_by_gain(model: CostModel, conf, cap: int, context: int, rule: str = "greedy") -> int:
     """The verify width in [2, cap] of most expected tokens per unit of round cost: a width v
-    emits 1 + sum over k < v of c_1 ... c_k tokens in expectation (c_k: the confidence head's
-    probability that draft k is accepted once drafts 1..k-1 were), and costs the cost model's
-    round at width v."""
+    emits 1 + sum over k < v of c_1 ... c_k tokens in expectation (c_k: the probability that
+    draft k is accepted once drafts 1..k-1 were: the confidence head's, or without one the
+    session's own record, `position_acceptance`), and costs the cost model's round at width v."""
     c = np.cumprod(np.asarray(conf[: cap - 1], np.float64))
     widths = np.arange(2, cap + 1)
     tokens = 1.0 + np.cumsum(c)[widths - 2]
     cost = np.array([model.round_seconds(1, float(v), context, rule) for v in widths])
     return int(widths[int(np.argmax(tokens / cost))])
+
+
+def geometric_rate(tokens: float, drafts: int) -> float:
+    """The per-position acceptance r in [0, 1] at which a round of `drafts` drafts emits `tokens`
+    in expectation (1 + r + r^2 + ... + r^drafts): the prior of `position_acceptance`."""
+    target = min(max(tokens, 1.0), drafts + 1.0)
+    lo, hi = 0.0, 1.0
+    for _ in range(40):   # bisection: the sum grows with r
+        r = (lo + hi) / 2
+        lo, hi = (r, hi) if 1.0 + sum(r ** k for k in range(1, drafts + 1)) < target else (lo, r)
+    return (lo + hi) / 2
+
+
+def position_acceptance(recent, drafts: int, prior: float) -> np.ndarray:
+    """c_k for a drafter without a confidence head: per draft position k, the fraction of the
+    session's recent rounds that reached draft k (verified it, every earlier draft accepted) and
+    accepted it, pooled with PRIOR_ROUNDS rounds at the geometric rate of `prior` tokens a round.
+    `recent`: (tokens emitted, verify width) per round (DsparkSpecSession.recent). A position the
+    session has not reached lately keeps the prior's rate, so a narrow width can widen again."""
+    reached, accepted = np.zeros(drafts), np.zeros(drafts)
+    for tokens, width in recent:
+        m, v = tokens - 1, width - 1            # drafts accepted, drafts verified
+        reached[: min(m + 1, v)] += 1
+        accepted[:m] += 1
+    r = geometric_rate(prior, drafts)
+    return (accepted + PRIOR_ROUNDS * r) / (reached + PRIOR_ROUNDS)
 
 
 def prior_tokens(params: SpecParams, drafter) -> float:

@@ -39,7 +39,7 @@ from .cost import cost_model
 from .decode import check_prompt, first_token, pick_tokens, plain_step_rule
 from .params import SamplingParams, SpecParams, seeded
 from .errors import StateError
-from .gain import HISTORY, width_by_gain
+from .gain import HISTORY, position_acceptance, session_prior, width_by_gain
 from .models.cache import Cache
 from .models.drafter import DraftKV, DsparkDrafter
 from .models.trunk import HybridTrunk
@@ -294,20 +294,23 @@ def verify_policy(params: SpecParams, drafter: DsparkDrafter) -> str:
     the ladder otherwise."""
     if params.verify == "auto":
         return "confidence" if drafter.has_confidence else "ladder"
-    if params.verify in ("confidence", "gain") and not drafter.has_confidence:
+    if params.verify == "confidence" and not drafter.has_confidence:
         raise ValueError(f"SpecParams.verify={params.verify!r}: this drafter has no confidence head; use 'auto', "
-                         "'ladder' or 'full'")
+                         "'gain', 'ladder' or 'full'")
     return params.verify
 
 
 def verify_width(s: DsparkSpecSession, conf: np.ndarray, nd: int) -> int:
     """Columns to verify: every draft ("full", as dflash_generate), 1 + the confident prefix (tau),
-    the width of most expected tokens per unit of cost ("gain"), or the ladder; clamped to
+    the width of most expected tokens per unit of cost ("gain": by the confidence head, or by the
+    session's acceptance by position where the drafter has none), or the ladder; clamped to
     [2, min(nd + 1, max_verify)]."""
     cap = min(s.params.max_verify or nd + 1, nd + 1)
     if s.verify == "full":
         return cap
     if s.verify == "gain":
+        if not s.drafter.has_confidence:  # DFlash: the session's own acceptance by position
+            conf = position_acceptance(s.recent, nd, session_prior(s))
         return width_by_gain(cost_model(s.be), conf, cap, s.cache.pos, s.params.accept)
     if s.verify == "confidence":
         below = np.flatnonzero(conf < s.params.tau)

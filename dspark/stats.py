@@ -48,6 +48,12 @@ class SpecStats:
         """[k]: fraction of the rounds that verified draft k+1 which accepted it."""
         return [a / v if v else 0.0 for a, v in zip(self.accepted_at, self.verified_at)]
 
+    @property
+    def widths(self) -> dict[int, int]:
+        """{verify width (anchor + drafts): rounds that verified that many columns}, from verified_at."""
+        counts = [self.rounds, *self.verified_at, 0]
+        return {v + 1: counts[v] - counts[v + 1] for v in range(len(counts) - 1) if counts[v] > counts[v + 1]}
+
     def merge(self, other: "SpecStats") -> "SpecStats":
         out = SpecStats(self.rounds + other.rounds, self.drafted + other.drafted, self.accepted + other.accepted)
         for name in ("verified_at", "accepted_at", "histogram"):

@@ -40,6 +40,25 @@ def test_generate_greedy_spec_equals_no_spec(capsys):
     assert rc1 == rc2 == 0 and spec == plain and spec.startswith("def main():\n")
 
 
+def test_generate_verify_gain_prints_the_widths_it_chose(capsys):
+    """The widths line adds up to the rounds and names only widths the run can take."""
+    rc, _, err = run(capsys, "generate", "def main():\n", "--max-new-tokens", "24", "--verify", "gain",
+                     "--policy", "always")
+    assert rc == 0
+    rounds = int(re.search(r"\((\d+) rounds\)", err).group(1))
+    widths = dict(map(int, pair.split(": ")) for pair in
+                  re.search(r"^verify widths\s+(.+) \(width: rounds\)$", err, re.M).group(1).split(", "))
+    assert sum(widths.values()) == rounds and all(1 <= w <= 8 for w in widths)
+
+
+def test_spec_stats_widths_are_each_rounds_verify():
+    from dspark.stats import SpecStats
+    s = SpecStats()
+    for verified, accepted in ((1, 0), (4, 2), (4, 4), (7, 1), (0, 0)):
+        s.record(verified, accepted)
+    assert s.widths == {1: 1, 2: 1, 5: 2, 8: 1}
+
+
 def test_generate_no_spec_runs_no_speculative_session(capsys, monkeypatch):
     """--no-spec pays for no speculative warm-up (no session is primed at all); without it the
     warm-up primes one before the request's own."""

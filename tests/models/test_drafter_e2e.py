@@ -179,13 +179,14 @@ def run_session(trunk, drafter, prompt, verify, monkeypatch):
 @pytest.mark.parametrize("name", FORMATS)
 @pytest.mark.parametrize("case", TARGETS, ids=repr)
 def test_greedy_speculative_equals_plain(world, case, name, monkeypatch):
-    """Output byte-identical to plain greedy under verify full and auto; under full every round
-    verifies the whole block; the boosts are taken (mean accepted length, partial accepts)."""
+    """Output byte-identical to plain greedy under verify full, auto and gain (a DFlash drafter, with
+    no confidence head, by its acceptance by position); under full every round verifies the whole
+    block; the boosts are taken (mean accepted length, partial accepts)."""
     w = world(case)
     drafter = oracle(w, name)
     assert drafter.taps == w.drafters[name].taps != w.trunk.config.tap_layers
     nd = drafter.config.drafts
-    for verify in ("full", "auto"):
+    for verify in ("full", "auto", "gain"):
         s, rounds = run_session(w.trunk, drafter, w.prompt, verify, monkeypatch)
         assert s.emitted == w.want[:N], verify
         if verify == "full":

@@ -610,8 +610,52 @@ def test_verify_by_gain_runs_exact_and_needs_a_confidence_head(shipped):
     assert len(s.stats.verified_at) > 2 and s.stats.verified_at[1] > 0  # wider than 2 where confident
     t2, d2 = tiny_pair(trunk.be, 21)
     if not d2.has_confidence:
-        with pytest.raises(ValueError, match="verify='gain': this drafter has no confidence head"):
-            DsparkSpecSession.prime(t2, d2, [1, 2, 3], SpecParams(verify="gain"))
+        with pytest.raises(ValueError, match="verify='confidence': this drafter has no confidence head"):
+            DsparkSpecSession.prime(t2, d2, [1, 2, 3], SpecParams(verify="confidence"))
+
+
+def test_position_acceptance_counts_the_rounds_that_reached_each_draft():
+    """Rounds (tokens, width) (3, 5), (1, 3), (5, 5) of 4 drafts: they reached drafts 1..4 in 3, 2,
+    2, 1 rounds and accepted them in 2, 2, 1, 1; pooled with 16 rounds at the prior's rate (0.5:
+    1.9375 tokens a round of 4 drafts). Not the share of rounds that verified a draft (3, 3, 2, 2),
+    which counts a draft behind a rejected one as rejected."""
+    assert gain.geometric_rate(1.9375, 4) == pytest.approx(0.5, abs=1e-9)
+    assert gain.geometric_rate(1.0, 4) == pytest.approx(0.0, abs=1e-9)
+    assert gain.geometric_rate(9.0, 4) == pytest.approx(1.0, abs=1e-9)
+    got = gain.position_acceptance([(3, 5), (1, 3), (5, 5)], 4, 1.9375)
+    np.testing.assert_allclose(got, [(2 + 8) / 19, (2 + 8) / 18, (1 + 8) / 18, (1 + 8) / 17], rtol=1e-9)
+    np.testing.assert_allclose(gain.position_acceptance([], 4, 1.9375), [0.5] * 4, rtol=1e-9)
+
+
+@pytest.mark.parametrize("hit_rate, wide", [(0.97, True), (0.05, False)])
+def test_verify_by_gain_without_a_confidence_head_reads_the_sessions_acceptance(hit_rate, wide):
+    """A drafter without a confidence head (DFlash's kind) verifies by gain from its own rounds:
+    drafts that land take the widest verify, drafts that miss the narrowest, once the session's
+    record outweighs the prior; the text is plain decode's either way."""
+    from dataclasses import replace as dc_replace
+    from dspark.models.drafter import DsparkDrafter
+    from dspark.models.oracle import OracleDrafter
+    from dspark.models.presets import tiny_pair
+    from dspark.session import DsparkSpecSession
+    be = dspark.get_backend("numpy")
+    trunk, base = tiny_pair(be, 21)
+    plain = DsparkDrafter.random(dc_replace(base.config, confidence="none"), trunk, 3)
+    assert not plain.has_confidence
+    drafter = OracleDrafter(plain, hit_rate=hit_rate, seed=4)
+    p = [5, 9, 13, 2, 7, 11]
+    want = plain_generate(trunk, p, 120)
+    drafter.next_stream = list(p) + want
+    with cost.using(be, CostModel(FrozenClock(), Prior(round_per_column=0.3))):
+        s = DsparkSpecSession.prime(trunk, drafter, p, SpecParams(max_new_tokens=120, verify="gain", capture=False))
+        widths = []
+        while not s.finished():
+            s.round()
+            widths.append(s.recent[-1][1])
+        s.close()
+    assert s.emitted == want
+    late = widths[len(widths) // 2:]
+    cap = drafter.config.drafts + 1
+    assert (np.mean(late) > cap - 1) if wide else (np.mean(late) < 2.5), widths
 
 
 def test_spec_params_policy_checks():
