@@ -133,6 +133,17 @@ def make_copy(dest: Path) -> Path:
     return tree
 
 
+def seed_cubins(cache: Path) -> None:
+    """The run's cache starts with the cubins the suite already compiled ($DSPARK_CACHE/cubin or
+    ~/.cache/dspark/cubin): each is keyed by the bytes of its source and headers (dspark.toolchain.
+    cubin_key), so a mutated kernel never finds an unmutated cubin, and the performance model's
+    first mutant does not recompile every family (about two minutes)."""
+    from dspark.kernel_sources import cache_dir
+    src = cache_dir() / "cubin"
+    if src.is_dir() and src.resolve() != (cache / "cubin").resolve():
+        shutil.copytree(src, cache / "cubin", dirs_exist_ok=True)
+
+
 def child_env(tree: Path, cache: Path, module: str | None = None) -> dict:
     env = dict(os.environ)
     env.update(PYTHONPATH=str(tree), PYTHONDONTWRITEBYTECODE="1", DSPARK_CACHE=str(cache))
@@ -271,6 +282,7 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory(prefix="dspark-mutants-") as tmp:
         base = Path(tmp)
         cache = Path(args.cache).resolve() if args.cache else base / "cache"
+        seed_cubins(cache)
         jobs = max(1, min(args.jobs, len(runnable) or 1))
         spaces = [Workspace(base, cache, i) for i in range(jobs)]
         free = list(spaces)
