@@ -40,18 +40,21 @@ FIRST_CONTEXT = CONTEXT_BUCKET // 2  # in bucket 0; each doubling is in the next
 LAST_CONTEXT = 32768
 TRUNK_FIELDS = ("vocab", "d_model", "mlp_hidden", "layers", "attn_heads", "attn_kv_heads", "head_dim", "gdn_heads",
                 "gdn_k_heads", "gdn_dk", "gdn_dv", "attn_gate", "kv_dtype")
+MOE_FIELDS = ("ffn", "experts", "expert_top_k", "expert_hidden", "shared_expert_hidden")
 DRAFTER_FIELDS = ("block", "window", "layer_windows", "layers", "heads", "kv_heads", "head_dim", "mlp_hidden",
                   "markov", "markov_rank", "draft_vocab", "selector_rank", "conv_kernel")
 
 
 def fingerprint_fields(trunk_config, drafter_config, weights: str = "") -> dict:
     """What prices a pass: the widths, layers and their kinds, heads, vocabulary, drafter block and
-    window (None for a field a config-like object lacks: no shape of the table then matches), and
-    `weights`, the trunk's weight format where it is not its storage dtype ("fp8": block-scaled
+    window (None for a field a config-like object lacks: no shape of the table then matches), a
+    MoE trunk's experts (MOE_FIELDS), and `weights`, the trunk's weight format where it is not its storage dtype ("fp8": block-scaled
     e4m3 linears, half the bytes a pass reads; absent otherwise, so 16-bit pairs keep their keys)."""
     def pick(cfg, names, prefix):
         return {f"{prefix}.{n}": (list(v) if isinstance(v := getattr(cfg, n, None), tuple) else v) for n in names}
     fields = {**pick(trunk_config, TRUNK_FIELDS, "trunk"), **pick(drafter_config, DRAFTER_FIELDS, "drafter")}
+    if getattr(trunk_config, "experts", 0):  # MoE trunks only: dense pairs keep their keys
+        fields.update(pick(trunk_config, MOE_FIELDS, "trunk"))
     return {**fields, "trunk.weights": weights} if weights else fields
 
 

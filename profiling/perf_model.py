@@ -6,6 +6,7 @@ each kernel's limiters, floor and expected time, the round's composition and the
     python profiling/perf_model.py --accepted 5.9      # the speedup at another mean accepted length
     python profiling/perf_model.py --prompt [--kernels] # time to first token, plain batched decode, memory
     python profiling/perf_model.py --fp8                # the FP8 releases beside their bf16 twins, time per token
+    python profiling/perf_model.py --moe                # Qwen3.5-35B-A3B: verify widths by distinct experts
     python profiling/perf_model.py --prior-table        # write dspark/cost_prior_h200.json (the cost prior on cuda), print it
 
 Shapes (SHAPES): the embedded pair (dspark/models/default), Qwen3-8B and Qwen3.5-27B with their
@@ -112,6 +113,7 @@ class Shape:
     weight_bytes: int       # storage bytes per matrix element (2: bf16)
     source: str
     fp8: bool = False       # the trunk's decoder-layer linears block-scaled e4m3 (docs/models/fp8.md)
+    routing: str = "uniform"  # MoE trunks: how many distinct experts a pass's rows route to (ROUTINGS)
 
     def proj_bytes(self) -> int:
         """Bytes per element of the trunk's decoder-layer projections: 1 (FP8) or the storage's.
@@ -162,6 +164,13 @@ def shapes(drafter_window: int = 4096) -> dict[str, Shape]:
                       rope_theta=1e7, gdn_heads=48, gdn_k_heads=16, gdn_dk=128, gdn_dv=128, norm_offset=1.0,
                       qk_norm=True, attn_gate=True, rope_fraction=0.25, tap_layers=(1, 31, 61), max_ctx=262144,
                       kv_dtype="bfloat16")
+    q35_moe = TrunkConfig(vocab=248320, eos_id=248044, mask_id=248319, d_model=2048, mlp_hidden=0,
+                          layers=("gdn", "gdn", "gdn", "attn") * 10, attn_heads=16, attn_kv_heads=2, head_dim=256,
+                          rope_theta=1e7, gdn_heads=32, gdn_k_heads=16, gdn_dk=128, gdn_dv=128, norm_offset=1.0,
+                          qk_norm=True, attn_gate=True, rope_fraction=0.25, tap_layers=(1, 19, 37), max_ctx=262144,
+                          kv_dtype="bfloat16", ffn=("moe",) * 40, experts=256, expert_top_k=8, expert_hidden=512,
+                          shared_expert_hidden=512, expert_renorm=True)
+    moe_drafter = dataclasses.replace(_drafter_for(q35_moe, drafter_window), mlp_hidden=MOE_DRAFTER_MLP)
     return {
         "embedded": Shape("embedded pair", trunk, drafter, 4, "dspark/models/default/{trunk,drafter}.json"),
         "qwen3-8b": Shape("Qwen3-8B", q3, _drafter_for(q3, drafter_window), 2, "Qwen/Qwen3-8B config.json"),
@@ -176,7 +185,12 @@ def shapes(drafter_window: int = 4096) -> dict[str, Shape]:
                                  fp8=True),
         **{f"qwen3.8-27b-fp8-{name}": Shape(f"Qwen3.8-27B-FP8 + {label}", q35, dc, 2, f"{source}; FP8 target", fp8=True)
            for (name, dc), (label, source) in zip(_qwen3_8_drafters(q35).items(), QWEN3_8_SOURCES)},
+        "qwen3.5-35b-a3b": Shape("Qwen3.5-35B-A3B", q35_moe, moe_drafter, 2,
+                                 "Qwen/Qwen3.5-35B-A3B config.json (text_config; drafter MLP assumed)"),
     }
+
+
+MOE_DRAFTER_MLP = 6144  # the one-layer model drafter's MLP on a MoE target (3 x d_model): assumed
 
 
 QWEN3_8_SOURCES = (("DFlash2", "DeepSpec dflash2/qwen3_8/config.py (draft vocabulary assumed)"),
@@ -340,7 +354,9 @@ def layers(shape: Shape, ph: str, rows: int, dev: Device, attention, gdn) -> lis
     taps = len(c.tap_layers)
     out.append(row_norm(ph, "embedding + norm", f"embed_rmsnorm_{STORAGE_SUFFIX[wb]}", rows, d, dev,
                         reads=wb / F32, writes=2 + (1 if -1 in c.tap_layers else 0)))
-    for kind, count in (("attn", c.layers.count("attn")), ("gdn", c.layers.count("gdn"))):
+    pairs = list(zip(c.layers, c.ffn_kinds))
+    for kind, ffn in (("attn", "mlp"), ("attn", "moe"), ("gdn", "mlp"), ("gdn", "moe")):
+        count = pairs.count((kind, ffn))
         if not count:
             continue
         if kind == "attn":
@@ -356,12 +372,98 @@ def layers(shape: Shape, ph: str, rows: int, dev: Device, attention, gdn) -> lis
             layer += gdn()
             layer += linear(ph, "gdn out", rows, H * dv, d, pb, dev)
         layer.append(row_norm(ph, "residual + norm", "add_rmsnorm_f32", rows, d, dev, reads=2, writes=2))
-        layer += linear(ph, "mlp gate|up", rows, d, 2 * c.mlp_hidden, pb, dev)
-        layer.append(swiglu_kernel(ph, rows, c.mlp_hidden, dev))
-        layer += linear(ph, "mlp down", rows, c.mlp_hidden, d, pb, dev)
+        if ffn == "moe":
+            layer += moe_kernels(shape, ph, rows, dev)
+        else:
+            layer += linear(ph, "mlp gate|up", rows, d, 2 * c.mlp_hidden, pb, dev)
+            layer.append(swiglu_kernel(ph, rows, c.mlp_hidden, dev))
+            layer += linear(ph, "mlp down", rows, c.mlp_hidden, d, pb, dev)
         layer.append(row_norm(ph, "residual + norm", "add_rmsnorm_f32", rows, d, dev, reads=2,
                               writes=2 + taps / len(c.layers)))
-        out += scaled(layer, count, f"x{count} {kind} layers")
+        out += scaled(layer, count, f"x{count} {kind}{' moe' if ffn == 'moe' else ''} layers")
+    return out
+
+
+# How many distinct experts the rows of a pass route to, per MoE layer: named models, each with its source.
+def _uniform(rows: int, experts: int, k: int) -> float:
+    return experts * (1.0 - (1.0 - k / experts) ** rows)
+
+
+def _published(rows: int, experts: int, k: int) -> float:
+    alpha = math.log(PUBLISHED_DISTINCT_AT_8 / 8) / math.log(8)   # k n^alpha through (1, k) and (8, 39.4)
+    return min(experts, k * rows ** alpha)
+
+
+PUBLISHED_DISTINCT_AT_8 = 39.4   # a 256-expert top-8 model: 8 verify rows read about 39.4 experts (the MoE plan)
+ROUTINGS = {
+    "uniform": (_uniform, "each row's top-k uniform over the experts, rows independent"),
+    "published": (_published, "k n^a through the published 39.4 distinct experts at 8 rows (256 experts, top-8, "
+                              "as quoted in the MoE plan)"),
+}
+
+
+def distinct_experts(shape: Shape, rows: int) -> int:
+    """Distinct experts `rows` routed rows read in one MoE layer under the shape's routing model
+    (at least top-k, at most the rows' entries and the experts)."""
+    c = shape.trunk
+    d = ROUTINGS[shape.routing][0](rows, c.experts, c.expert_top_k)
+    return int(min(c.experts, rows * c.expert_top_k, max(c.expert_top_k, round(d))))
+
+
+def synthetic_routing(rows: int, k: int, distinct: int) -> np.ndarray:
+    """Routed ids [rows, k] with exactly `distinct` experts (>= k), spread evenly: row r takes
+    experts (r k + j) mod distinct, each row's k apart."""
+    return ((np.arange(rows)[:, None] * k + np.arange(k)[None, :]) % distinct).astype(np.int32)
+
+
+def grouped_kernel(ph, name, rows, K, N, shape: Shape, dev: Device, *, gather: bool) -> Kernel:
+    """One grouped expert product (dspark.ops.moe.grouped_linear, moe_linear_mma_bf16_m<BM>) over
+    the rows' P = rows k entries: the plan's CTA map for a routing of distinct_experts experts, each
+    CTA's DRAM bytes its expert's weights of its K chunk and column tile (read once a launch for all
+    of that expert's rows in the tile) and its rows of x, its MMAs over whole tiles; K-split partials
+    written and read back. min_bytes: the distinct experts' weights once, x, out."""
+    from dspark.ops import moe as moe_ops
+    c = shape.trunk
+    k, E = c.expert_top_k, c.experts
+    plan = moe_ops.grouped_plan(rows, k, E, K, N, shape.weight_bytes)
+    g = moe_ops.group_ref(synthetic_routing(rows, k, distinct_experts(shape, rows)), E, plan.tile_rows)
+    ctas = plan.ctas(g)
+    part = 2 * 4 * plan.tile_rows if plan.grid_splits > 1 else 0
+    dram = np.array([cta["w_bytes"] + cta["x_bytes"] + cta["rows"] * min(plan.cols, N) * 4
+                     + part * min(plan.cols, N) for cta in ctas], np.float64)
+    iters = np.array([-(-(K if plan.grid_splits == 1 else min(plan.kchunk, K - cta["split"] * plan.kchunk)) // 32)
+                      for cta in ctas], np.float64)
+    mma_flops = 2.0 * plan.tile_rows * plan.cols * 32 * iters
+    work = Work(plan.entry, plan.threads, plan.shared_mem, dram, mma=mma_flops / MMA_FLOPS, iterations=iters,
+                units={"cta": 1.0, "iteration": iters})
+    P = rows * k
+    w_once = sum(plan.expert_bytes(g).values())
+    return kernel_of(ph, f"{name} ({g.distinct} experts)", "weights", work, dev, flops=2 * P * K * N,
+                     mma_flops=float(mma_flops.sum()), min_bytes=w_once + 4 * (rows if gather else P) * K + 4 * P * N)
+
+
+def moe_kernels(shape: Shape, ph, rows, dev: Device) -> list[Kernel]:
+    """A sparse MoE FFN as dspark.models.moe.moe_ffn issues it: the router (and the shared expert's
+    gate) as one GEMM, moe_route_f32 (a warp per row: the logits read, ids, weights and the grouping
+    written), the grouped gate|up product over the rows' experts, SwiGLU over the grouped rows, the
+    grouped down product, the shared expert (gate|up, SwiGLU, down), and moe_combine_f32."""
+    from dspark.ops import moe as moe_ops
+    c, wb = shape.trunk, shape.weight_bytes
+    d, E, k, I, Is = c.d_model, c.experts, c.expert_top_k, c.expert_hidden, c.shared_expert_hidden
+    P = rows * k
+    out = linear(ph, "moe router" + (" | shared gate" if Is else ""), rows, d, E + (1 if Is else 0), wb, dev)
+    out.append(planned(ph, "moe route", "other", even(F32 * (rows * E + 4 * P), -(-rows // moe_ops.ROUTE_WARPS)),
+                       6 * rows * E, moe_ops.ROUTE_THREADS, 0, dev, "moe_route_f32"))
+    out.append(grouped_kernel(ph, "moe experts gate|up", rows, d, 2 * I, shape, dev, gather=True))
+    out.append(swiglu_kernel(ph, P, I, dev))
+    out.append(grouped_kernel(ph, "moe experts down", rows, I, d, shape, dev, gather=False))
+    if Is:
+        out += linear(ph, "moe shared gate|up", rows, d, 2 * Is, wb, dev)
+        out.append(swiglu_kernel(ph, rows, Is, dev))
+        out += linear(ph, "moe shared down", rows, Is, d, wb, dev)
+    out.append(elementwise(ph, "moe combine", "moe_combine_f32", rows * d,
+                           F32 * (P * d + 2 * P + rows * d * (3 if Is else 1)), 2 * P * d, dev,
+                           threads=moe_ops.COMBINE_THREADS))
     return out
 
 
@@ -1006,7 +1108,7 @@ def memory_row(shape: Shape, context: int, chunk: int = PROMPT_CHUNK) -> dict:
             "fits": context <= c.max_ctx}
 
 
-TTFT_CASES = (("qwen3.5-27b", 8192), ("qwen3.5-27b", 32768), ("qwen3-8b", 8192))
+TTFT_CASES = (("qwen3.5-27b", 8192), ("qwen3.5-27b", 32768), ("qwen3-8b", 8192), ("qwen3.5-35b-a3b", 8192))
 PLAIN_BATCHES, PLAIN_CONTEXT = (1, 8, 32), 4096
 MEMORY_CONTEXTS = (32768, 131072)
 
@@ -1184,6 +1286,73 @@ TPOT_HEADERS = ["shape", "B", "context", "accepted", "vt", "source", "plain ms/t
                 "spec floor ms/token", "speedup"]
 
 
+MOE_HEADERS = ["routing", "B", "context", "vt", "experts/layer", "expert MB", "verify floor us", "verify us",
+               "verify/plain", "plain us"]
+# Named acceptance curves for the width table: a geometric per-position rate through each mean
+# accepted length (tokens a round commits, at its drafts), each with its source; none is this pair's.
+ACCEPTANCE_CURVES = (
+    ("DFlash2 k=7, 2.7 (vLLM recipes #839; Qwen3.8-27B)", 2.7, 7),
+    ("DSpark v2 k=5, 3.7 (as quoted in the FP8 plan)", 3.7, 5),
+    ("embedded pair, 4.97 (ours, greedy)", 4.97, 7),
+)
+WIDTH_HEADERS = ["curve", "routing", "B", "context", "gain width", "tokens/round", "ms/token", "width 8 ms/token",
+                 "plain ms/token"]
+
+
+def curve_tokens(mean: float, drafts: int, width: int) -> float:
+    """Expected tokens of a round of `width` columns under the geometric curve through `mean`."""
+    from dspark.gain import geometric_rate
+    r = geometric_rate(mean, drafts)
+    return 1.0 + sum(r ** k for k in range(1, width))
+
+
+def moe_report(table_of: dict[str, Shape], dev: Device, batches=(1, 2), contexts=(8192, 32768)) -> str:
+    """Qwen3.5-35B-A3B under each routing model (ROUTINGS): the plain step and the verify at each
+    width 2..8, with the distinct experts per layer its rows read and those experts' bytes over the
+    verify; then, per named acceptance curve and routing model, the width of most tokens per unit
+    of round time (as verify="gain" chooses it), its time per token, and width 8's beside it."""
+    base = table_of["qwen3.5-35b-a3b"]
+    c = base.trunk
+    moe_layers = c.ffn_kinds.count("moe")
+    expert_bytes = 3 * c.d_model * c.expert_hidden * base.weight_bytes
+    rows, widths = [], []
+    for routing in ROUTINGS:
+        shape = dataclasses.replace(base, routing=routing)
+        for B in batches:
+            for ctx in contexts:
+                rounds = {w: spec_round(shape, B, ctx, w, dev) for w in range(2, 9)}
+                plain = rounds[8].plain_time()
+                for w, r in rounds.items():
+                    D = distinct_experts(shape, B * w)
+                    verify = r.verify_pass()
+                    rows.append([routing, str(B), str(r.context), str(w), str(D), f"{moe_layers * D * expert_bytes / 1e6:,.1f}",
+                                 us(r.gpu_floor(verify)), us(r.gpu(verify)), f"{r.gpu(verify) / r.gpu(r.plain):.2f}",
+                                 us(plain)])
+        for label, mean, drafts in ACCEPTANCE_CURVES:
+            for B in batches:
+                ctx = contexts[0]
+                rounds = {w: spec_round(shape, B, ctx, w, dev) for w in range(2, 9)}
+                per_token = {w: r.time() / curve_tokens(mean, drafts, w) for w, r in rounds.items()}
+                best = min(per_token, key=per_token.get)
+                widths.append([label, routing, str(B), str(rounds[best].context), str(best),
+                               f"{curve_tokens(mean, drafts, best):.2f}", f"{per_token[best] * 1e3:.2f}",
+                               f"{per_token[8] * 1e3:.2f}", f"{rounds[8].plain_time() * 1e3:.2f}"])
+    routings = "; ".join(f"{name}: {src}" for name, (_, src) in ROUTINGS.items())
+    return "\n".join([
+        f"{base.label} on {dev.name} ({base.source}): {moe_layers} MoE layers of {c.experts} experts, top-{c.expert_top_k}, "
+        f"{c.expert_hidden} wide, and a shared expert; bf16; rounds greedy, passes replayed from CUDA graphs",
+        f"routing models: {routings}",
+        table(MOE_HEADERS, rows),
+        "experts/layer: distinct experts the verify's rows read in each MoE layer; expert MB: their weights over the "
+        "verify (read once each, dspark.ops.moe.grouped_plan's CTA map); verify/plain: the verify pass over a plain "
+        "step (expected GPU time)",
+        "",
+        table(WIDTH_HEADERS, widths),
+        "gain width: the width of least time per token under the curve (what verify=\"gain\" chooses from the "
+        "same curve and these costs); the curves are geometric per position through published mean accepted "
+        "lengths of other pairs, and ours: none is this pair's, none a target"])
+
+
 def sass_path(entry: str) -> str:
     """Instructions a warp issues per K step on its main loop's path, or "-" without cuobjdump."""
     import sass
@@ -1263,6 +1432,9 @@ def main(argv=None) -> int:
     ap.add_argument("--fp8", action="store_true",
                     help="instead: the FP8 releases beside their bf16 twins at B 1, 2 and 8k, 32k, and time per token "
                          "at published accepted lengths")
+    ap.add_argument("--moe", action="store_true",
+                    help="instead: Qwen3.5-35B-A3B's plain step and verify at widths 2..8 under each routing model, "
+                         "and the width each acceptance curve chooses")
     ap.add_argument("--prior-table", action="store_true",
                     help="instead: write the cost model's prior on cuda (dspark/cost_prior_h200.json, every shape) "
                          "and print its round and verify in plain steps")
@@ -1289,6 +1461,9 @@ def main(argv=None) -> int:
         return 0
     if a.fp8:
         print(fp8_report(shapes(a.drafter_window), d))
+        return 0
+    if a.moe:
+        print(moe_report(shapes(a.drafter_window), d))
         return 0
     table_of = shapes(a.drafter_window)
     cases = [(table_of[m], b, ctx) for m in a.model for b in a.batch for ctx in a.context]

@@ -7,6 +7,7 @@ wavefronts per unit of its launch that profiling/perf_model.py scales them by:
   attention (prompt, split and serial kernels)  per CTA, per key tile walked, per split ended, per key
                                                 tile and m-tile of 16 items
   linear_mma_<dt>_m<BM>, linear_fp8_<dt>_m<BM>  per CTA, per K iteration (BK = 32)
+  moe_linear_mma_<dt>_m<BM>                     per working CTA, per K iteration
   gdn_chunk_state                               per CTA, per chunk walked
   every other kernel                            per byte its call moves (the benchmark's count), from
                                                 profiling/bench_kernels.py's ops at PROBE sizes
@@ -119,6 +120,23 @@ def child() -> list[dict]:
             units = {"cta": float(p.ctas), "iteration": float(p.ctas * iters)}
             take(counts, lambda c: units if c.kernel.startswith("linear_fp8") else None,
                  f"linear_fp8 m{bm} K={kk} {'split' if p.grid_splits > 1 else 'fold'}")
+    from dspark.ops import moe as moe_ops
+    for rows, kk in ((8, 64), (8, 256), (8, 1024), (130, 64), (130, 256)):   # the grouped expert product
+        E, top, n = 16, 4, 256
+        plan = moe_ops.grouped_plan(rows, top, E, kk, n, 2)
+        logits = rng.standard_normal((rows, E)).astype(np.float32)
+        routing = moe_ops.route(be, logits, E, top, True, plan.tile_rows)
+        g = moe_ops.group_ref(moe_ops.route_ref(logits, top, True)[0], E, plan.tile_rows)
+        x = rng.standard_normal((rows, kk)).astype(np.float32)
+        w = (rng.standard_normal((E, kk, n)) * 0.05).astype(pm.BF16)
+        with k.counting() as counts:
+            moe_ops.grouped_linear(be, x, w, routing, gather=True)
+        ctas = plan.ctas(g)
+        iters = sum(-(-(kk if plan.grid_splits == 1 else min(plan.kchunk, kk - c["split"] * plan.kchunk)) // 32)
+                    for c in ctas)
+        units = {"cta": float(len(ctas)), "iteration": float(iters)}
+        take(counts, lambda c, u=units: u if c.kernel.startswith("moe_linear_mma") else None,
+             f"moe grouped rows={rows} K={kk}")
     import bench_kernels as bk
     for sizes in (PROBE_256, PROBE_128):
         for fam, benches in bk.FAMILIES.items():
@@ -150,7 +168,8 @@ def child() -> list[dict]:
 
 
 # entries with probes of their own (their units are not bytes)
-PROBED = ("attention_prompt", "attention_bf16", "attention_f16", "attention_f32", "linear_mma", "linear_fp8")
+PROBED = ("attention_prompt", "attention_bf16", "attention_f16", "attention_f32", "linear_mma", "linear_fp8",
+          "moe_linear_mma")
 
 
 def fit(rows: list[dict]) -> dict:

@@ -145,7 +145,7 @@ def test_prompt_table_adds_up():
     and say where a context passes max_position_embeddings."""
     out = ok(script("profiling/perf_model.py", "--prompt")[0])
     ttft = {(r[0], int(r[1])): r for r in rows_of(out, "shape ", "TTFT floor ms")}
-    assert set(ttft) == {("Qwen3.5-27B", 8192), ("Qwen3.5-27B", 32768), ("Qwen3-8B", 8192)}
+    assert set(ttft) == {("Qwen3.5-27B", 8192), ("Qwen3.5-27B", 32768), ("Qwen3-8B", 8192), ("Qwen3.5-35B-A3B", 8192)}
     for r in ttft.values():
         floor, expected = num(r[2]), num(r[3])
         parts = [(num(r[4 + 2 * i]), num(r[5 + 2 * i])) for i in range(4)]
@@ -439,3 +439,69 @@ def test_the_fp8_report_is_each_pairs_rounds_at_published_lengths():
         assert num(x[8]) <= num(x[7]) and num(x[9]) == pytest.approx(num(x[6]) / num(x[7]), abs=0.011)
     x = next(x for x in tpot if x[:4] == ["Qwen3.5-27B-FP8", "1", "8192", "4.97"])
     assert num(x[7]) == pytest.approx(r.time() / 4.97 * 1e3, abs=0.006)
+
+
+# ---- MoE targets ------------------------------------------------------------------------------------------------
+def test_routing_models_and_their_distinct_experts():
+    """uniform: E (1 - (1 - k/E)^n), one row reads its k experts; published: through 39.4 experts
+    at 8 rows of a 256-expert top-8 model. Both grow with the rows, capped by the rows' entries and E."""
+    s = pm.shapes()["qwen3.5-35b-a3b"]
+    c = s.trunk
+    assert (c.experts, c.expert_top_k, c.expert_hidden, c.shared_expert_hidden) == (256, 8, 512, 512)
+    pub = dataclasses.replace(s, routing="published")
+    assert pm.distinct_experts(s, 1) == pm.distinct_experts(pub, 1) == 8
+    assert pm.distinct_experts(pub, 8) == 39
+    assert pm.distinct_experts(s, 8) == round(256 * (1 - (1 - 8 / 256) ** 8)) == 57
+    for shape in (s, pub):
+        counts = [pm.distinct_experts(shape, n) for n in range(1, 65)]
+        assert counts == sorted(counts) and counts[-1] <= 256
+
+
+@pytest.mark.parametrize("routing", ["uniform", "published"])
+@pytest.mark.parametrize("width", [2, 5, 8])
+def test_a_moe_verify_reads_each_distinct_expert_once(routing, width):
+    """The grouped products of a verify of `width` rows: the plan's CTA-to-expert map (for a routing
+    the twin groups: dspark.ops.moe.group_ref) touches exactly the routing model's distinct experts,
+    and the kernel's least bytes are those experts' weights once, its rows of x and its outputs."""
+    from dspark.ops import moe as moe_ops
+    s = dataclasses.replace(pm.shapes()["qwen3.5-35b-a3b"], routing=routing)
+    c = s.trunk
+    d, E, k, I = c.d_model, c.experts, c.expert_top_k, c.expert_hidden
+    D = pm.distinct_experts(s, width)
+    ids = pm.synthetic_routing(width, k, D)
+    assert all(len(set(row)) == k for row in ids.tolist())
+    for K, N, gather in ((d, 2 * I, True), (I, d, False)):
+        plan = moe_ops.grouped_plan(width, k, E, K, N, 2)
+        g = moe_ops.group_ref(ids, E, plan.tile_rows)
+        assert len({cta["expert"] for cta in plan.ctas(g)}) == g.distinct == D
+        kern = pm.grouped_kernel("verify", "x", width, K, N, s, pm.H200, gather=gather)
+        P = width * k
+        assert kern.min_bytes == D * K * N * 2 + 4 * (width if gather else P) * K + 4 * P * N
+        assert kern.bytes >= kern.min_bytes and kern.floor <= kern.time
+    ks = pm.trunk_pass(s, 1, 8192, width, pm.H200, verify=True)
+    grouped = [kk for kk in ks if kk.entry.startswith("moe_linear_mma")]
+    assert grouped and all(f"({D} experts)" in kk.name for kk in grouped)
+
+
+def test_the_moe_report_prices_widths_by_their_experts():
+    """`perf_model.py --moe`: every routing model, B 1 and 2, 8k and 32k, widths 2..8; the expert
+    bytes are the MoE layers' distinct experts' weights; a verify under the routing that reads
+    fewer experts is cheaper; the gain width is the width of least time per token, recomputed."""
+    out = ok(script("profiling/perf_model.py", "--moe")[0])
+    rows = [x for x in rows_of(out, "routing", "experts/layer") if len(x) == len(pm.MOE_HEADERS)]
+    assert {(x[0], x[1], x[2], x[3]) for x in rows} == {(r, str(b), str(c), str(w)) for r in pm.ROUTINGS
+                                                      for b in (1, 2) for c in (8192, 32768) for w in range(2, 9)}
+    s = pm.shapes()["qwen3.5-35b-a3b"]
+    c = s.trunk
+    for x in rows:
+        assert num(x[5]) == pytest.approx(40 * int(x[4]) * 3 * c.d_model * c.expert_hidden * 2 / 1e6, abs=0.06)
+        assert num(x[6]) <= num(x[7])
+    verify = {(x[0], x[1], x[2], x[3]): num(x[7]) for x in rows}
+    assert verify[("published", "1", "8192", "8")] < verify[("uniform", "1", "8192", "8")]
+    widths = [x for x in rows_of(out, "curve", "gain width") if len(x) == len(pm.WIDTH_HEADERS)]
+    assert len(widths) == len(pm.ACCEPTANCE_CURVES) * len(pm.ROUTINGS) * 2
+    label, mean, drafts = pm.ACCEPTANCE_CURVES[0]
+    x = next(x for x in widths if x[0] == label and x[1] == "uniform" and x[2] == "1")
+    per_token = {w: pm.spec_round(s, 1, 8192, w).time() / pm.curve_tokens(mean, drafts, w) for w in range(2, 9)}
+    assert int(x[4]) == min(per_token, key=per_token.get)
+    assert num(x[6]) == pytest.approx(per_token[int(x[4])] * 1e3, abs=0.006)
