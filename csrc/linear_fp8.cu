@@ -25,10 +25,31 @@
 #include "fp8.cuh"
 #include "linear_mma.cuh"
 
-// Two e4m3 bytes of `word` (at bit `shift` and shift + 8) dequantized and rounded into one T pair.
+// An e4m3 byte (not a NaN pattern: the loader refuses them) to f32 in a few instructions: its sign and
+// 7 magnitude bits placed at an f32's bits 31 and 26..20 are e4m3 * 2^-120 exactly, its subnormals
+// (m 2^-9) included as f32 subnormals (-ftz=false), and the multiply by 2^120 is exact: fp8.cuh's
+// e4m3_to_float for every other byte, without its branches.
+DSPARK_DEVICE float e4m3_exact(uint32_t b) {
+  return __uint_as_float(((b & 0x80u) << 24) | ((b & 0x7fu) << 20)) * __uint_as_float(0x7b800000u);  // 2^120
+}
+
+// Round to nearest even of a finite or infinite f32 pair (never NaN here: finite e4m3 times a finite
+// scale): T's rounding without from_float's NaN test.
+template <typename T>
+DSPARK_DEVICE uint32_t pack2_finite(float lo, float hi) {
+  return mma_pack2<T>(lo, hi);
+}
+template <>
+__device__ __forceinline__ uint32_t pack2_finite<bf16_t>(float lo, float hi) {
+  const uint32_t a = __float_as_uint(lo), b = __float_as_uint(hi);
+  return ((a + 0x7fffu + ((a >> 16) & 1u)) >> 16) | ((b + 0x7fffu + ((b >> 16) & 1u)) & 0xffff0000u);
+}
+
+// Two e4m3 bytes of `word` (at bit `shift` and shift + 8) dequantized, fl32(e4m3 * s), and rounded
+// into one T pair.
 template <typename T>
 DSPARK_DEVICE uint32_t fp8_pair(uint32_t word, int shift, float s) {
-  return mma_pack2<T>(e4m3_to_float((word >> shift) & 0xffu) * s, e4m3_to_float((word >> (shift + 8)) & 0xffu) * s);
+  return pack2_finite<T>(e4m3_exact(word >> shift) * s, e4m3_exact(word >> (shift + 8)) * s);
 }
 
 template <typename T, typename Cfg>

@@ -76,6 +76,21 @@ def test_kernel_equals_its_twin_bitwise(fp8_backend, rng, size, compute):
     np.testing.assert_array_equal(bits(run(fp8_backend, x, q, s, compute)), bits(want))
 
 
+def test_scales_of_every_range_give_the_twins_bits(simt, rng):
+    """The kernel's decode takes a short path for scales below 2^8 (each byte's bits placed as an
+    f32's, one multiply by scale x 2^120) and the general one above: both give the twin's bits, for
+    subnormal scales, scales around 2^8 and far above it, in one launch (blocks of each)."""
+    k, n = 384, 260
+    q, _ = random_fp8(rng, k, n)
+    grid = fp8.scale_grid(k, n)
+    s = np.exp2(rng.uniform(-140.0, 14.0, grid)).astype(np.float32)
+    s.flat[:4] = [255.99998, 256.0, 2.0**-149, 1.0]
+    assert (s >= 256).any() and (s < 256).any() and (s < 2.0**-126).any()
+    x = rng.standard_normal((5, k)).astype(np.float32)
+    want = linear_fp8_ref(x, q, s, BF16, fp8_plan(5, k, n).kchunk)
+    np.testing.assert_array_equal(bits(run(simt, x, q, s)), bits(want))
+
+
 def test_every_tile_shape_and_mode_gives_the_same_bits(simt, rng):
     x = rng.standard_normal((70, 600)).astype(np.float32)
     q, s = random_fp8(rng, 600, 136)
