@@ -48,8 +48,9 @@ DRAFTER_FIELDS = ("block", "window", "layer_windows", "layers", "heads", "kv_hea
 def fingerprint_fields(trunk_config, drafter_config, weights: str = "") -> dict:
     """What prices a pass: the widths, layers and their kinds, heads, vocabulary, drafter block and
     window (None for a field a config-like object lacks: no shape of the table then matches), a
-    MoE trunk's experts (MOE_FIELDS), and `weights`, the trunk's weight format where it is not its storage dtype ("fp8": block-scaled
-    e4m3 linears, half the bytes a pass reads; absent otherwise, so 16-bit pairs keep their keys)."""
+    MoE trunk's experts (MOE_FIELDS), and `weights`, the trunk's weight format where it is not its
+    storage dtype ("fp8": block-scaled e4m3 linears, half the bytes a pass reads; absent otherwise,
+    so 16-bit pairs keep their keys)."""
     def pick(cfg, names, prefix):
         return {f"{prefix}.{n}": (list(v) if isinstance(v := getattr(cfg, n, None), tuple) else v) for n in names}
     fields = {**pick(trunk_config, TRUNK_FIELDS, "trunk"), **pick(drafter_config, DRAFTER_FIELDS, "drafter")}

@@ -52,6 +52,8 @@ Decisions (each returns (bool, reason)):
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
 from .cost import CostModel, cost_model, plain_rule
@@ -78,9 +80,11 @@ def width_by_gain(model: CostModel, conf, cap: int, context: int, rule: str = "g
     return int(widths[int(np.argmax(tokens / cost))])
 
 
+@functools.lru_cache(maxsize=64)
 def geometric_rate(tokens: float, drafts: int) -> float:
     """The per-position acceptance r in [0, 1] at which a round of `drafts` drafts emits `tokens`
-    in expectation (1 + r + r^2 + ... + r^drafts): the prior of `position_acceptance`."""
+    in expectation (1 + r + r^2 + ... + r^drafts): the prior of `position_acceptance` (a session's
+    prior is fixed, so each round finds it cached)."""
     target = min(max(tokens, 1.0), drafts + 1.0)
     lo, hi = 0.0, 1.0
     for _ in range(40):   # bisection: the sum grows with r

@@ -499,17 +499,24 @@ def linear_benches(be, s: Sizes) -> Iterator[Bench]:
     projections (gate|up fused, down) over plain batched decode's rows (B), a verify's (B * vt) and
     a prompt pass's: bytes from the plan's min_bytes (the weights once, x, out), 2 rows K N flops;
     predicted time and occupancy as perf_model.linear prices them."""
+    return gemm_benches(be, s, "linear", "linear_mma", 2,
+                        lambda k, n: randn(be, (k, n), BF16, scale=float(1 / np.sqrt(k))))
+
+
+def gemm_benches(be, s: Sizes, family: str, entry: str, wb: int, weights) -> Iterator[Bench]:
+    """linear_benches' cases for weights of wb bytes an element made by `weights(K, N)`, launched
+    as `entry`_bf16_m<BM>."""
     d, f = s.d_model, s.mlp_hidden
     for proj, k, n in (("gate|up", d, 2 * f), ("down", f, d)):
-        w = randn(be, (k, n), BF16, scale=float(1 / np.sqrt(k)))
+        w = weights(k, n)
         cases = [("decode", B, B) for B in s.plain_batches] + [("verify", B, B * s.vt) for B in s.batches]
         for case, B, rows in cases + [("prompt", 1, s.prompt_rows)]:
             x, out = randn(be, (rows, k)), be.xp.empty((rows, n), np.float32)
-            plan = linear_plan(rows, k, n, 2)
-            yield Bench("linear", case, {"proj": proj, "B": B, "rows": rows, "K": k, "N": n, "S": plan.splits},
-                        plan.min_bytes, 2 * rows * k * n, (f"linear_mma_bf16_m{plan.notes['bm']}",),
+            plan = linear_plan(rows, k, n, wb)
+            yield Bench(family, case, {"proj": proj, "B": B, "rows": rows, "K": k, "N": n, "S": plan.splits},
+                        plan.min_bytes, 2 * rows * k * n, (f"{entry}_bf16_m{plan.notes['bm']}",),
                         lambda b, x=x, w=w, o=out: linear(b, x, w, out=o),
-                        pm.linear("bench", proj, rows, k, n, 2, pm.H200)[0])
+                        pm.linear("bench", proj, rows, k, n, wb, pm.H200)[0])
 
 
 # ---- linear_fp8: the same GEMMs on FP8 weights (e4m3 and a scale per 128 x 128 block) ---------------------
@@ -518,21 +525,13 @@ def linear_fp8_benches(be, s: Sizes) -> Iterator[Bench]:
     linear_benches: bytes from fp8_linear_plan's min_bytes (the weights once at 1 byte plus 4 per
     scale, x, out), 2 rows K N flops; predicted as perf_model.linear prices FP8 weights (wb 1)."""
     from dspark.ops.fp8 import Fp8Matrix, scale_grid
-    from dspark.ops.linear import fp8_linear_plan, linear_fp8
-    d, f = s.d_model, s.mlp_hidden
-    for proj, k, n in (("gate|up", d, 2 * f), ("down", f, d)):
+
+    def weights(k, n):
         q = _RNG.integers(0, 256, (k, n), dtype=np.uint8)
         q[(q & 0x7F) == 0x7F] = 0x38   # no NaN patterns (the loader refuses them)
-        w = Fp8Matrix(be.asarray(q), be.asarray(_RNG.uniform(0.5, 2.0, scale_grid(k, n)).astype(np.float32) / 256),
-                      np.dtype(BF16))
-        cases = [("decode", B, B) for B in s.plain_batches] + [("verify", B, B * s.vt) for B in s.batches]
-        for case, B, rows in cases + [("prompt", 1, s.prompt_rows)]:
-            x, out = randn(be, (rows, k)), be.xp.empty((rows, n), np.float32)
-            plan = fp8_linear_plan(rows, k, n)
-            yield Bench("linear_fp8", case, {"proj": proj, "B": B, "rows": rows, "K": k, "N": n, "S": plan.splits},
-                        plan.min_bytes, 2 * rows * k * n, (f"linear_fp8_bf16_m{plan.notes['bm']}",),
-                        lambda b, x=x, w=w, o=out: linear_fp8(b, x, w, out=o),
-                        pm.linear("bench", proj, rows, k, n, 1, pm.H200)[0])
+        return Fp8Matrix(be.asarray(q), be.asarray(_RNG.uniform(0.5, 2.0, scale_grid(k, n)).astype(np.float32) / 256),
+                         np.dtype(BF16))
+    return gemm_benches(be, s, "linear_fp8", "linear_fp8", 1, weights)
 
 
 # ---- moe: a mixture-of-experts layer's router, grouped product and combine ---------------------------------
@@ -542,7 +541,8 @@ def moe_benches(be, s: Sizes) -> Iterator[Bench]:
     grouped rows and the map written), the grouped gate|up product (bf16; bytes: each distinct expert's
     weights once, counted from the plan's CTA map for the routing drawn, the rows gathered, the
     outputs) and the combine (k outputs a row read, the row written). No prediction: the performance
-    model does not price MoE layers yet."""
+    model prices the grouped product for a routing model's expert count (perf_model.grouped_kernel),
+    not for the routing drawn here."""
     from dspark.ops.moe import combine, group_ref, grouped_linear, grouped_plan, route, route_ref
     E, k, d, I = s.experts, s.expert_top_k, s.moe_d_model, s.expert_hidden
     w = randn(be, (E, d, 2 * I), BF16, scale=float(1 / np.sqrt(d)))

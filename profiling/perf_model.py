@@ -115,6 +115,11 @@ class Shape:
     fp8: bool = False       # the trunk's decoder-layer linears block-scaled e4m3 (docs/models/fp8.md)
     routing: str = "uniform"  # MoE trunks: how many distinct experts a pass's rows route to (ROUTINGS)
 
+    @property
+    def weight_format(self) -> str:
+        """The cost prior's weight format of the trunk (dspark.cost_prior.weight_format)."""
+        return "fp8" if self.fp8 else ""
+
     def proj_bytes(self) -> int:
         """Bytes per element of the trunk's decoder-layer projections: 1 (FP8) or the storage's.
         The embedding, the LM head and Qwen3.5's gdn a|b stay 16-bit in the FP8 releases."""
@@ -391,7 +396,7 @@ def _uniform(rows: int, experts: int, k: int) -> float:
 
 def _published(rows: int, experts: int, k: int) -> float:
     alpha = math.log(PUBLISHED_DISTINCT_AT_8 / 8) / math.log(8)   # k n^alpha through (1, k) and (8, 39.4)
-    return min(experts, k * rows ** alpha)
+    return k * rows ** alpha   # distinct_experts caps it
 
 
 PUBLISHED_DISTINCT_AT_8 = 39.4   # a 256-expert top-8 model: 8 verify rows read about 39.4 experts (the MoE plan)
@@ -416,6 +421,13 @@ def synthetic_routing(rows: int, k: int, distinct: int) -> np.ndarray:
     return ((np.arange(rows)[:, None] * k + np.arange(k)[None, :]) % distinct).astype(np.int32)
 
 
+def grouped_iterations(plan, ctas: list[dict]) -> np.ndarray:
+    """K steps (the tile shape's BK) each working CTA of a grouped product walks: all of K, or its chunk."""
+    bk = linear_ops.MMA_CONFIGS[plan.tile_rows][1]
+    return np.array([-(-(plan.K if plan.grid_splits == 1 else min(plan.kchunk, plan.K - c["split"] * plan.kchunk))
+                       // bk) for c in ctas], np.float64)
+
+
 def grouped_kernel(ph, name, rows, K, N, shape: Shape, dev: Device, *, gather: bool) -> Kernel:
     """One grouped expert product (dspark.ops.moe.grouped_linear, moe_linear_mma_bf16_m<BM>) over
     the rows' P = rows k entries: the plan's CTA map for a routing of distinct_experts experts, each
@@ -431,9 +443,8 @@ def grouped_kernel(ph, name, rows, K, N, shape: Shape, dev: Device, *, gather: b
     part = 2 * 4 * plan.tile_rows if plan.grid_splits > 1 else 0
     dram = np.array([cta["w_bytes"] + cta["x_bytes"] + cta["rows"] * min(plan.cols, N) * 4
                      + part * min(plan.cols, N) for cta in ctas], np.float64)
-    iters = np.array([-(-(K if plan.grid_splits == 1 else min(plan.kchunk, K - cta["split"] * plan.kchunk)) // 32)
-                      for cta in ctas], np.float64)
-    mma_flops = 2.0 * plan.tile_rows * plan.cols * 32 * iters
+    iters = grouped_iterations(plan, ctas)
+    mma_flops = 2.0 * plan.tile_rows * plan.cols * linear_ops.MMA_CONFIGS[plan.tile_rows][1] * iters
     work = Work(plan.entry, plan.threads, plan.shared_mem, dram, mma=mma_flops / MMA_FLOPS, iterations=iters,
                 units={"cta": 1.0, "iteration": iters})
     P = rows * k
@@ -1060,7 +1071,7 @@ def prior_entry(shape: Shape, batches=None, widths=None, contexts=None, dev: Dev
             rs = [spec_round(shape, B, c, w, dev, mode="graph") for c in contexts]
             rounds[-1].append([rounded(r.time()) for r in rs])
             verify[-1].append([rounded(r.gpu(r.verify_pass()) + total - gpu) for r, (gpu, total) in zip(rs, steps)])
-    fmt = "fp8" if shape.fp8 else ""
+    fmt = shape.weight_format
     return {"shape": shape.label, "fingerprint": fingerprint(t, d, fmt), "fields": fingerprint_fields(t, d, fmt),
             "batches": batches, "widths": widths, "contexts": contexts, "plain": plain, "round": rounds, "verify": verify}
 

@@ -102,24 +102,21 @@ def child() -> list[dict]:
     for bm in linear_ops.MMA_CONFIGS:
         for kk, split in ((256, False), (1024, False), (1024, True)):
             rows, n = bm, 256
-            p = linear_ops.mma_plan(rows, kk, n, bm=bm, split=split)
             x = rng.standard_normal((rows, kk), np.float32)
             w = (rng.standard_normal((kk, n), np.float32) * 0.05).astype(pm.BF16)
-            with k.counting() as counts:
-                linear(be, x, w, bm=bm, split=split)
-            iters = -(-min(p.kchunk, kk) // p.bk) if p.grid_splits > 1 else -(-kk // p.bk)
-            units = {"cta": float(p.ctas), "iteration": float(p.ctas * iters)}
-            take(counts, lambda c: units if c.kernel.startswith("linear_mma") else None,
-                 f"linear m{bm} K={kk} {'split' if p.grid_splits > 1 else 'fold'}")
-            p = linear_ops.fp8_plan(rows, kk, n, bm=bm, split=split)   # FP8 weights: the stage written from registers
-            q = rng.integers(0, 0x70, (kk, n)).astype(np.uint8)
-            w8 = Fp8Matrix(q, np.ones(scale_grid(kk, n), np.float32), np.dtype(pm.BF16))
-            with k.counting() as counts:
-                linear_ops.linear_fp8(be, x, w8, bm=bm, split=split)
-            iters = -(-min(p.kchunk, kk) // p.bk) if p.grid_splits > 1 else -(-kk // p.bk)
-            units = {"cta": float(p.ctas), "iteration": float(p.ctas * iters)}
-            take(counts, lambda c: units if c.kernel.startswith("linear_fp8") else None,
-                 f"linear_fp8 m{bm} K={kk} {'split' if p.grid_splits > 1 else 'fold'}")
+            w8 = Fp8Matrix(rng.integers(0, 0x70, (kk, n)).astype(np.uint8), np.ones(scale_grid(kk, n), np.float32),
+                           np.dtype(pm.BF16))   # FP8 weights: the stage written from registers
+            for entry, label, plan_of, run in (
+                    ("linear_mma", "linear", linear_ops.mma_plan, lambda: linear(be, x, w, bm=bm, split=split)),
+                    ("linear_fp8", "linear_fp8", linear_ops.fp8_plan,
+                     lambda: linear_ops.linear_fp8(be, x, w8, bm=bm, split=split))):
+                p = plan_of(rows, kk, n, bm=bm, split=split)
+                with k.counting() as counts:
+                    run()
+                iters = -(-min(p.kchunk, kk) // p.bk) if p.grid_splits > 1 else -(-kk // p.bk)
+                units = {"cta": float(p.ctas), "iteration": float(p.ctas * iters)}
+                take(counts, lambda c, e=entry, u=units: u if c.kernel.startswith(e) else None,
+                     f"{label} m{bm} K={kk} {'split' if p.grid_splits > 1 else 'fold'}")
     from dspark.ops import moe as moe_ops
     for rows, kk in ((8, 64), (8, 256), (8, 1024), (130, 64), (130, 256)):   # the grouped expert product
         E, top, n = 16, 4, 256
@@ -132,9 +129,7 @@ def child() -> list[dict]:
         with k.counting() as counts:
             moe_ops.grouped_linear(be, x, w, routing, gather=True)
         ctas = plan.ctas(g)
-        iters = sum(-(-(kk if plan.grid_splits == 1 else min(plan.kchunk, kk - c["split"] * plan.kchunk)) // 32)
-                    for c in ctas)
-        units = {"cta": float(len(ctas)), "iteration": float(iters)}
+        units = {"cta": float(len(ctas)), "iteration": float(pm.grouped_iterations(plan, ctas).sum())}
         take(counts, lambda c, u=units: u if c.kernel.startswith("moe_linear_mma") else None,
              f"moe grouped rows={rows} K={kk}")
     import bench_kernels as bk

@@ -31,7 +31,7 @@ def shipped_at(entry: dict, batches, widths, contexts) -> dict:
 
 def test_every_shape_of_the_performance_model_has_its_own_entry():
     shapes = pm.shapes()
-    keys = {cost_prior.fingerprint(s.trunk, s.drafter, "fp8" if s.fp8 else ""): s for s in shapes.values()}
+    keys = {cost_prior.fingerprint(s.trunk, s.drafter, s.weight_format): s for s in shapes.values()}
     assert len(keys) == len(shapes), "two shapes share a fingerprint"
     assert set(SHIPPED) == set(keys)
     for key, s in keys.items():
@@ -44,7 +44,7 @@ def test_every_shape_of_the_performance_model_has_its_own_entry():
 
 def keys_of(name: str) -> str:
     s = pm.shapes()[name]
-    return cost_prior.fingerprint(s.trunk, s.drafter, "fp8" if s.fp8 else "")
+    return cost_prior.fingerprint(s.trunk, s.drafter, s.weight_format)
 
 
 @pytest.mark.parametrize("name,batches,widths,contexts", [
