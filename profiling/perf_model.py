@@ -432,8 +432,9 @@ def grouped_kernel(ph, name, rows, K, N, shape: Shape, dev: Device, *, gather: b
     """One grouped expert product (dspark.ops.moe.grouped_linear, moe_linear_mma_bf16_m<BM>) over
     the rows' P = rows k entries: the plan's CTA map for a routing of distinct_experts experts, each
     CTA's DRAM bytes its expert's weights of its K chunk and column tile (read once a launch for all
-    of that expert's rows in the tile) and its rows of x, its MMAs over whole tiles; K-split partials
-    written and read back. min_bytes: the distinct experts' weights once, x, out."""
+    of that expert's rows in the tile) and its rows of x, its MMAs over whole tiles (its flops, as the
+    dense GEMM's are counted); K-split partials written and read back. min_bytes: the distinct
+    experts' weights once, x, out."""
     from dspark.ops import moe as moe_ops
     c = shape.trunk
     k, E = c.expert_top_k, c.experts
@@ -449,7 +450,7 @@ def grouped_kernel(ph, name, rows, K, N, shape: Shape, dev: Device, *, gather: b
                 units={"cta": 1.0, "iteration": iters})
     P = rows * k
     w_once = sum(plan.expert_bytes(g).values())
-    return kernel_of(ph, f"{name} ({g.distinct} experts)", "weights", work, dev, flops=2 * P * K * N,
+    return kernel_of(ph, f"{name} ({g.distinct} experts)", "weights", work, dev, flops=float(mma_flops.sum()),
                      mma_flops=float(mma_flops.sum()), min_bytes=w_once + 4 * (rows if gather else P) * K + 4 * P * N)
 
 

@@ -238,7 +238,8 @@ def test_the_seeds_pair_is_priced_with_each_drafter():
     assert "candidate selector" in names and any(n.startswith("drafter lm head (own, draft vocabulary)") for n in names)
 
 # ---- the code as compiled: issue rate, registers, bounds --------------------------------------------------
-MODEL_ROUNDS = [(m, b, ctx) for m in ("embedded", "qwen3-8b", "qwen3.5-27b") for b in (1, 2) for ctx in (4096, 32768)]
+MODEL_ROUNDS = [(m, b, ctx) for m in ("embedded", "qwen3-8b", "qwen3.5-27b", "qwen3.5-27b-fp8", "qwen3.5-35b-a3b")
+                for b in (1, 2) for ctx in (4096, 32768)]
 
 
 @pytest.mark.parametrize("model, batch, context", MODEL_ROUNDS)
@@ -269,7 +270,7 @@ def test_every_prompt_kernel_is_at_or_above_its_limiters():
     """The prompt pass's kernels (the GEMMs in fold mode, prompt attention, the chunked gdn, the
     glue): expected at or above each limiter and the DRAM bytes."""
     dev = pm.H200
-    for name in ("qwen3.5-27b", "qwen3-8b"):
+    for name in ("qwen3.5-27b", "qwen3-8b", "qwen3.5-27b-fp8", "qwen3.5-35b-a3b"):
         for k in pm.prompt(pm.shapes()[name], 8192, dev).kernels:
             assert all(k.time >= t * (1 - 1e-9) for t in k.limits.values()), k.name
             assert k.time >= k.bytes / dev.bw * (1 - 1e-9) and k.floor == max(k.limits.values()), k.name
