@@ -116,14 +116,16 @@ def block(be, h, router, w_gate_up, w_down, k, shared):
 
 
 def batch_around(rng, row, n, lead=None):
-    """n rows holding `row`: the others near it (routed to its experts) and `row` at a random place;
+    """n rows holding `row`: the others `row` scaled by 1 to 1.05 (every logit scaled alike, so
+    routed to its experts whatever the gaps between its logits) and `row` at a random place;
     or, given `lead` (a row routed to the highest of row's experts), `lead` first, rows anywhere
     (mostly routed to others) and `row` last: the batch reaches row's experts in another order than
     row alone does (what a combine in arrival order would show)."""
     d = row.shape[0]
     if lead is None:
         at = int(rng.integers(0, n))
-        return np.insert((row + 0.01 * rng.standard_normal((n - 1, d))).astype(np.float32), at, row, axis=0), at
+        scale = 1.0 + 0.05 * rng.random((n - 1, 1))
+        return np.insert((row * scale).astype(np.float32), at, row, axis=0), at
     others = rng.standard_normal((n - 1, d)).astype(np.float32)
     others[0] = lead
     return np.concatenate([others, row[None]]).astype(np.float32), n - 1
