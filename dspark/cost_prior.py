@@ -32,7 +32,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .cost import CONTEXT_BUCKET, Prior, cost_model
+from .cost import CONTEXT_BUCKET, Prior, cost_model, uniform_distinct
 
 TABLE = Path(__file__).resolve().parent / "cost_prior_h200.json"
 BATCHES = (1, 2, 4, 8, 16, 32)
@@ -116,6 +116,11 @@ class TablePrior:
         self._round = np.array(entry["round"], np.float64)     # [batch, width, context] seconds
         self._verify = np.array(entry["verify"], np.float64)
         self.unit = float(self._plain[0, 0])  # a plain step of one row at the smallest context
+        # A MoE trunk's entry: its experts, and what one distinct expert per layer costs (seconds,
+        # in plain steps of one row here); the grid is priced at uniform routing (`distinct`).
+        moe = entry.get("experts") or {}
+        self.experts, self.top_k = int(moe.get("count", 0)), int(moe.get("top_k", 0))
+        self.expert_step = float(moe.get("seconds", 0.0)) / self.unit
 
     def __repr__(self) -> str:
         return f"TablePrior({self.shape!r})"
@@ -130,22 +135,51 @@ class TablePrior:
         seconds = values[ci] * (1.0 - ct) + values[cj] * ct
         return max(float(seconds), 1e-3 * self.unit) / self.unit
 
-    def plain(self, batch: int, context: int) -> float:
-        return self._grid(self._plain, batch, context)
+    def distinct(self, rows: float) -> float:
+        return uniform_distinct(self.experts, self.top_k, rows)
 
-    def round(self, batch: int, width: float, context: int) -> float:
-        return self._grid(self._round, batch, context, width)
+    def _experts(self, rows: float, D: float | None) -> float:
+        """The change from the table's uniform routing to D distinct experts per layer."""
+        return self.expert_step * (D - self.distinct(rows)) if D is not None and self.expert_step else 0.0
 
-    def verify(self, batch: int, width: float, context: int) -> float:
-        return self._grid(self._verify, batch, context, width)
+    def plain(self, batch: int, context: int, D: float | None = None) -> float:
+        return self._grid(self._plain, batch, context) + self._experts(batch, D)
+
+    def round(self, batch: int, width: float, context: int, D: float | None = None) -> float:
+        return self._grid(self._round, batch, context, width) + self._experts(batch * width, D)
+
+    def verify(self, batch: int, width: float, context: int, D: float | None = None) -> float:
+        return self._grid(self._verify, batch, context, width) + self._experts(batch * width, D)
+
+
+def moe_prior(trunk_config) -> Prior:
+    """Prior() with a MoE trunk's experts, for a MoE shape the table does not know: one distinct
+    expert per layer costs its share of the weights a one-row plain step reads (the trunk's tensors
+    but the embedding table, of which a step reads a row, and but the experts a row is not routed
+    to), as a bandwidth-bound decode step does."""
+    from .models.weights import trunk_spec
+    expert = dense = 0
+    for name, shape in trunk_spec(trunk_config).items():
+        n = int(np.prod(shape))
+        if ".moe.experts." in name:
+            expert += n
+        elif name != "embed" or trunk_config.tie_embeddings:  # a tied table is the LM head, read whole
+            dense += n
+    one = expert / trunk_config.experts  # one expert in every MoE layer
+    return Prior(experts=trunk_config.experts, top_k=trunk_config.expert_top_k,
+                 expert_step=one / (dense + trunk_config.expert_top_k * one))
 
 
 def prior_for(be, trunk_config, drafter_config, weights: str = ""):
-    """The prior for the pair on backend `be`: on `cuda` the table's entry for it, else Prior()."""
+    """The prior for the pair on backend `be`: on `cuda` the table's entry for it, else (a shape it
+    does not know) Prior(), with the trunk's experts for a MoE trunk (`moe_prior`); on the CPU
+    backends Prior(), whose passes measure what an expert costs (dspark.cost, "Experts")."""
     if be.name != "cuda":
         return Prior()
     entry = table()["entries"].get(fingerprint(trunk_config, drafter_config, weights))
-    return TablePrior(entry) if entry is not None else Prior()
+    if entry is not None:
+        return TablePrior(entry)
+    return moe_prior(trunk_config) if getattr(trunk_config, "experts", 0) else Prior()
 
 
 def adopt(be, trunk_config, drafter_config, weights: str = "") -> None:

@@ -100,10 +100,12 @@ def position_acceptance(recent, drafts: int, prior: float) -> np.ndarray:
     `recent`: (tokens emitted, verify width) per round (DsparkSpecSession.recent). A position the
     session has not reached lately keeps the prior's rate, so a narrow width can widen again."""
     reached, accepted = np.zeros(drafts), np.zeros(drafts)
-    for tokens, width in recent:
-        m, v = tokens - 1, width - 1            # drafts accepted, drafts verified
-        reached[: min(m + 1, v)] += 1
-        accepted[:m] += 1
+    if len(recent):  # counts by position: the rounds whose reach (accepted drafts) exceeds it
+        tw = np.asarray(recent, np.int64).reshape(-1, 2)
+        m, v = tw[:, 0] - 1, tw[:, 1] - 1       # drafts accepted, drafts verified
+        reach, acc = np.minimum(m + 1, v), m
+        reached = len(tw) - np.cumsum(np.bincount(np.clip(reach, 0, drafts), minlength=drafts + 1))[:drafts]
+        accepted = len(tw) - np.cumsum(np.bincount(np.clip(acc, 0, drafts), minlength=drafts + 1))[:drafts]
     r = geometric_rate(prior, drafts)
     return (accepted + PRIOR_ROUNDS * r) / (reached + PRIOR_ROUNDS)
 

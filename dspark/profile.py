@@ -245,11 +245,64 @@ def record(kind: str, name: str | None = None, site: str | None = None, amount: 
         c.add(kind, name, site, amount)
 
 
-def experts(layer: int, distinct) -> None:
+def experts(layer: int, distinct, routing: tuple[int, int] | None = None) -> None:
     """Report the distinct experts a MoE layer's pass routed to: an int (the host knows it), or the
-    one-int array the router wrote on the device (read when the counts are, never now: no sync)."""
+    one-int array the router wrote on the device, a slot of its own layer (read when the counts
+    are, never now: no sync). `routing`: (experts, top_k) of the layer."""
     for c in _active:
         c.experts.append((int(layer), distinct if isinstance(distinct, int) else distinct[:1]))
+    for sink in _expert_sinks:
+        sink.layers.append((int(layer), distinct if isinstance(distinct, int) else distinct[:1]))
+        sink.routing = routing or sink.routing
+
+
+def listening_experts() -> bool:
+    """Whether anything collects the MoE layers' reports (`experts`): a counter or an ExpertSink."""
+    return bool(_active or _expert_sinks)
+
+
+def timing_experts() -> bool:
+    """Whether an open ExpertSink wants the expert products' seconds (`expert_seconds`)."""
+    return bool(_expert_sinks)
+
+
+def expert_seconds(seconds: float) -> None:
+    """Report the wall time of one MoE layer's expert products (the CPU backends, which run each
+    launch to its end: dspark.models.moe times them while an ExpertSink is open)."""
+    for sink in _expert_sinks:
+        sink.seconds = (sink.seconds or 0.0) + float(seconds)
+
+
+@dataclass
+class ExpertSink:
+    """What the MoE layers of the passes inside `expert_sink()` reported: (layer, distinct experts)
+    per layer and pass, and the seconds their expert products took (None where none were timed:
+    on cuda, whose launches return before they run)."""
+    layers: list = field(default_factory=list)
+    seconds: float | None = None
+    routing: tuple[int, int] | None = None  # (experts, top_k) of the layers reported
+
+    def distinct(self) -> list[int]:
+        """The distinct experts per layer, in report order (a device count read now: call it once
+        the passes have run)."""
+        return [n if isinstance(n, int) else int(n.get().reshape(-1)[0]) if hasattr(n, "get")
+                else int(n.reshape(-1)[0]) for _, n in self.layers]
+
+
+_expert_sinks: list[ExpertSink] = []
+
+
+@contextlib.contextmanager
+def expert_sink():
+    """Collect the MoE layers' reports of the passes run inside the block (dspark.cost.CostModel.timed:
+    a pass's cost beside the experts it read). Always on, unlike `counting`: it costs a list append
+    per MoE layer."""
+    sink = ExpertSink()
+    _expert_sinks.append(sink)
+    try:
+        yield sink
+    finally:
+        _expert_sinks.remove(sink)
 
 
 def moved(kind: str, nbytes: int) -> None:

@@ -1073,8 +1073,22 @@ def prior_entry(shape: Shape, batches=None, widths=None, contexts=None, dev: Dev
             rounds[-1].append([rounded(r.time()) for r in rs])
             verify[-1].append([rounded(r.gpu(r.verify_pass()) + total - gpu) for r, (gpu, total) in zip(rs, steps)])
     fmt = shape.weight_format
-    return {"shape": shape.label, "fingerprint": fingerprint(t, d, fmt), "fields": fingerprint_fields(t, d, fmt),
-            "batches": batches, "widths": widths, "contexts": contexts, "plain": plain, "round": rounds, "verify": verify}
+    entry = {"shape": shape.label, "fingerprint": fingerprint(t, d, fmt), "fields": fingerprint_fields(t, d, fmt),
+             "batches": batches, "widths": widths, "contexts": contexts, "plain": plain, "round": rounds,
+             "verify": verify}
+    if t.experts:
+        entry["experts"] = {"count": t.experts, "top_k": t.expert_top_k,
+                            "seconds": rounded(expert_seconds(shape, widths[-1], contexts[0], dev))}
+    return entry
+
+
+def expert_seconds(shape: Shape, width: int, context: int, dev: Device = H200) -> float:
+    """What one more distinct expert per MoE layer adds to a round (the table prices its grid at
+    uniform routing; dspark.cost_prior.TablePrior moves from it by this per expert): the round at
+    `width` under uniform and under the published routing, over their distinct experts' difference."""
+    other = dataclasses.replace(shape, routing="published" if shape.routing == "uniform" else "uniform")
+    a, b = (spec_round(s, 1, context, width, dev, mode="graph").time() for s in (shape, other))
+    return (a - b) / (distinct_experts(shape, width) - distinct_experts(other, width))
 
 
 def prior_table(table_of: dict[str, Shape], dev: Device = H200) -> dict:

@@ -40,18 +40,34 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+SHARED_BACKENDS = []  # the session's backends, each with its process-wide cost model (dspark.cost)
+
+
 @pytest.fixture(scope="session")
 def simt():
     if "simt" not in dspark.backends():
         if os.environ.get("CI") == "true":
             pytest.fail("the simt backend must be built in CI")
         pytest.skip("dspark._simt is not built")
-    return dspark.get_backend("simt")
+    SHARED_BACKENDS.append(dspark.get_backend("simt"))
+    return SHARED_BACKENDS[-1]
 
 
 @pytest.fixture(scope="session")
 def numpy_backend():
-    return dspark.get_backend("numpy")
+    SHARED_BACKENDS.append(dspark.get_backend("numpy"))
+    return SHARED_BACKENDS[-1]
+
+
+@pytest.fixture(autouse=True)
+def experts_stay_with_their_test():
+    """A shared backend's cost model that timed a MoE trunk's passes learned its experts, and would
+    price the next test's dense pair with them (one cost model per backend, as in a process serving
+    one pair): it is dropped after the test."""
+    yield
+    for be in SHARED_BACKENDS:
+        if be.cost is not None and be.cost.routing[1]:
+            be.cost = None
 
 
 @pytest.fixture(scope="session")

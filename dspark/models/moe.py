@@ -23,8 +23,11 @@ the shared gate are one GEMM (`moe.w_route`, weights.FUSED), as are the shared e
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 
+from .. import profile
 from ..errors import DTypeError
 from ..ops.activation import swiglu
 from ..ops.linear import linear
@@ -103,9 +106,14 @@ def moe_ffn(trunk, h, p: str, layer: int, ws):
     w_gate_up, w_down = w[p + "moe.w_gate_up"], w[p + "moe.w_down"]
     plan = grouped_plan(rows, k, E, d, w_gate_up.shape[2], np.dtype(w_gate_up.dtype).itemsize)
     r = route(be, logits, E, k, c.expert_renorm, plan.tile_rows, layer=layer, ws=ws)
+    # The expert products' wall time, for the cost model (dspark.cost: what a distinct expert costs),
+    # where a launch has run when it returns: the CPU backends.
+    start = time.perf_counter() if be.name != "cuda" and profile.timing_experts() else None
     gate_up = grouped_linear(be, h, w_gate_up, r, gather=True, name="moe.gate_up", ws=ws)
     act = swiglu(be, gate_up, out=grouped_rows(be, ws, "moe.act", r.P, k, (c.expert_hidden,)))
     y = grouped_linear(be, act, w_down, r, gather=False, name="moe.down", ws=ws)
+    if start is not None:
+        profile.expert_seconds(time.perf_counter() - start)
     shared_y = gate = None
     if shared:
         sg = linear(be, h, w[p + "moe.shared.w_gate_up"], out=ws.take("moe.shared.gate_up", rows, (2 * shared,)), ws=ws)

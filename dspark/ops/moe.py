@@ -266,8 +266,8 @@ def route(be, logits, experts: int, top_k: int, renormalize: bool, tile_rows: in
     if be.kernels is None:
         ids, weights = route_ref(np.asarray(logits)[:, :experts], top_k, renormalize)
         g = group_ref(ids, experts, tile_rows)
-        if layer is not None:
-            profile.experts(layer, g.distinct)
+        if layer is not None and profile.listening_experts():
+            profile.experts(layer, g.distinct, (experts, top_k))
         return Routing(rows, top_k, experts, tile_rows, ids, weights, g.pos, g.src, g.counts, g.offsets, g.items,
                        np.array([len(g.items), g.distinct], np.int32), g)
     n_items = max(1, max_items(rows, top_k, experts, tile_rows))
@@ -279,7 +279,8 @@ def route(be, logits, experts: int, top_k: int, renormalize: bool, tile_rows: in
                 counts=_fixed(be, ws, "moe.counts", (experts,), np.int32),
                 offsets=_fixed(be, ws, "moe.offsets", (experts,), np.int32),
                 items=grouped_rows(be, ws, "moe.items", n_items, top_k, (2,), np.int32),
-                stats=_fixed(be, ws, "moe.stats", (2,), np.int32))
+                # Each layer's own (its distinct experts are read after the pass: profile.experts).
+                stats=_fixed(be, ws, "moe.stats" if layer is None else f"moe.stats.{layer}", (2,), np.int32))
     if rows:
         tickets, _ = rowsplit.scratch(be, 1, ws=ws)
         rowsplit.launch(be, "moe_route_f32", -(-rows // ROUTE_WARPS), ROUTE_THREADS,
@@ -289,8 +290,9 @@ def route(be, logits, experts: int, top_k: int, renormalize: bool, tile_rows: in
     else:
         r.stats[...] = 0
     r.ids, r.weights, r.pos = (a.reshape(rows, top_k) for a in (r.ids, r.weights, r.pos))
-    if layer is not None:  # a host count on the CPU backends; on a GPU the router's, read later
-        profile.experts(layer, int(r.stats[1]) if xp is np else r.stats[1:2])
+    if layer is not None and profile.listening_experts():
+        # A host count on the CPU backends; on a GPU the router's, in the layer's own stats, read later.
+        profile.experts(layer, int(r.stats[1]) if xp is np else r.stats[1:2], (experts, top_k))
     return r
 
 

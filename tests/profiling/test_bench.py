@@ -261,3 +261,14 @@ def test_bench_policy_prints_each_case_and_its_line():
     verdict = re.search(r"^ +greedy, numbers: gain (\d+\.\d\d)x, line >= 0\.95x: (met|MISSED)$", r.stdout, re.M)
     assert verdict and (r.returncode == 0) == (verdict[2] == "met"), r.stdout
     assert "STREAMS DIFFER" not in r.stdout
+
+
+def test_moe_width_prints_both_routings_and_checks_every_stream():
+    """profiling/moe_width.py at its smallest: a row per routing, rows routed together reading the
+    top-k experts a layer whatever the width, rows routed apart more; every stream was checked equal
+    to plain decode (the script asserts it)."""
+    out = ok(script("profiling/moe_width.py", "--tokens", "12", "--repeat", "1", timeout=300)[0])
+    rows = {m[1]: m for m in re.finditer(r"^(together|apart) +(\d+\.\d\d) +(\d+\.\d) ", out, re.M)}
+    assert set(rows) == {"together", "apart"}, out
+    assert float(rows["together"][3]) == 4.0 and float(rows["apart"][3]) > 4.0, out
+    assert re.search(r"gain / best fixed", out) and out.count("best fixed: w") == 2, out
