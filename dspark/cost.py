@@ -75,7 +75,9 @@ performance model's, dspark.cost_prior). A block's seconds less its expert produ
 prior's share of them) are what the dense windows keep, so no expert is paid twice. D at a width
 not run comes from the routing's overlap (`overlap_distinct`: each row draws its k experts from a
 pool of k / p), fitted to the verify passes' counts and, apart, the plain steps' (`distinct`):
-the session's own routing as it comes, uniform routing (p = k / E) before any count; E and k are
+the session's own routing as it comes (a round replayed from recordings reports the counts its
+router wrote on the device, read once the round has run), uniform routing (p = k / E) before any
+count; E and k are
 the prior's (`cuda`) or what the passes reported (the CPU backends keep Prior(): their first
 passes measure what an expert costs). So a round at width w pays the experts its w rows would add,
 and a plain row the experts it adds to the step (`plain_row_seconds`; PLAIN_PER_ROW is the dense
@@ -348,9 +350,11 @@ class CostModel:
         D = float(np.mean(experts)) if experts else None
         if D is not None:
             self.experts_log.append((kind, batch, width, seconds, tuple(int(n) for n in experts)))
-            p = overlap_of(*self.routing, rows, D) if kind != "round" else None
+            # A round's pass is its verify's: counted there where the verify was timed (op by op),
+            # here where it was not (a round replayed from recordings).
+            p = overlap_of(*self.routing, rows, D) if kind != "round" or self._paired is None else None
             if p is not None:
-                self._overlap[kind].add(p)
+                self._overlap["plain" if kind == "plain" else "verify"].add(p)
         # The dense part: the seconds less the expert products' (measured, else the prior's share
         # at the pass's experts), priced by the prior's dense shapes.
         price = self._prior_of(kind, batch, width, context, D)

@@ -93,10 +93,10 @@ class Recording:
     `moved`: the state and K/V bytes the pass moves (dspark.profile), reported again at each run, as
     are `experts`: the MoE layers' device counts of distinct experts, which each run rewrites."""
 
-    def __init__(self, launches: list, hold, moved=None, experts=()):
+    def __init__(self, launches: list, hold, moved=None, experts=(), routing=None):
         self.launches, self.hold, self.graph = launches, hold, None
         self.moved = dict(moved or {})
-        self.experts = list(experts)
+        self.experts, self.routing = list(experts), routing
 
     def __len__(self) -> int:
         return len(self.launches)
@@ -114,8 +114,9 @@ class Recording:
         if counting:
             for kind, n in self.moved.items():
                 profile.moved(kind, n)
+        if profile.listening_experts():  # a counter, or the cost model's sink (dspark.cost)
             for layer, count in self.experts:
-                profile.experts(layer, count)
+                profile.experts(layer, count, self.routing)
 
     def capture(self, stream) -> None:
         """The launches as a CUDA graph (stream capture of `issue`)."""
@@ -149,7 +150,7 @@ def record(be, work, workspaces=()):
     if c.d2h or c.syncs or ops:
         raise RecordingError(f"a recorded pass made {c.d2h} device->host copies, {c.syncs} syncs and {ops} array "
                              f"operations ({dict(c.sites)}): a replay would skip them")
-    return Recording(launches, result, c.bytes, c.experts), result
+    return Recording(launches, result, c.bytes, c.experts, c.routing), result
 
 
 class PassStore:

@@ -173,6 +173,7 @@ class Counts:
     sites: Counter = field(default_factory=Counter)
     bytes: Counter = field(default_factory=Counter)
     experts: list = field(default_factory=list)   # (layer, distinct experts: an int or a device count)
+    routing: tuple | None = None                  # (experts, top_k) of the MoE layers reported
 
     def distinct_experts(self) -> list[tuple[int, int]]:
         """(layer, distinct experts its grouped products read) for every MoE layer of every pass
@@ -251,6 +252,7 @@ def experts(layer: int, distinct, routing: tuple[int, int] | None = None) -> Non
     are, never now: no sync). `routing`: (experts, top_k) of the layer."""
     for c in _active:
         c.experts.append((int(layer), distinct if isinstance(distinct, int) else distinct[:1]))
+        c.routing = routing or c.routing
     for sink in _expert_sinks:
         sink.layers.append((int(layer), distinct if isinstance(distinct, int) else distinct[:1]))
         sink.routing = routing or sink.routing

@@ -8,6 +8,8 @@ step's weights read once whatever its rows), the expert products' seconds counte
 the dense part), and the counts of every layer read from one buffer the last layer wrote. Each
 test below fails under one."""
 
+import contextlib
+
 import numpy as np
 import pytest
 
@@ -175,3 +177,36 @@ def test_the_shipped_moe_entry_prices_a_verify_by_its_experts():
     shared = t.round(1, 8, 8192, 8.0)
     assert uniform - shared == pytest.approx(t.expert_step * (uniform_distinct(256, 8, 8) - 8), rel=1e-9)
     assert 0.2 < shared / uniform < 0.9  # the experts are a large share of a MoE verify's bytes
+
+
+def test_rounds_replayed_from_recordings_report_their_experts_to_the_cost_model():
+    """On the CuPy contract stand-in the rounds replay recorded passes (no Python runs a MoE layer
+    then): each replay reports the layers' device counts, which the router rewrote, so the cost
+    model keeps the same distinct experts per layer as a profile counts of the same rounds (run
+    again, with no profile open), and learns the overlap from them."""
+    from dspark.models.oracle import bigram_drafter, greedy_continuation
+    from dspark.session import DsparkSpecSession, SpecParams, spec_round
+    be = contract.backend()
+    trunk = moe_trunk(be)
+    prompt = np.arange(5, 60, 7, dtype=np.int32)
+    drafter = bigram_drafter(trunk, [np.concatenate([[prompt[-1]], greedy_continuation(trunk, prompt, 14)])], 0.8, 3)
+    params = SpecParams(max_new_tokens=12, verify="ladder", max_verify=4, launches="graph", capture=False)
+
+    def run(counting: bool):
+        model, counted, graphs = CostModel(), [], 0
+        with cost.using(be, model):
+            s = DsparkSpecSession.prime(trunk, drafter, prompt, params)
+            while not s.finished():
+                with profile.counting() if counting else contextlib.nullcontext() as c:
+                    spec_round([s])
+                if counting:
+                    counted.append([n for _, n in c.distinct_experts()])
+                    graphs += c.graphs
+            s.close()
+        return model, counted, graphs
+    _, counted, graphs = run(True)
+    model, _, _ = run(False)
+    rounds = [list(e) for kind, *_, e in model.experts_log if kind == "round"]
+    assert graphs > 0 and len(rounds) == len(counted) - 1 >= 2
+    assert rounds == counted[1:]  # the first round is cold, not kept
+    assert model._overlap["verify"].n == len(rounds) and model.routing == (MOE.experts, MOE.expert_top_k)
