@@ -311,6 +311,7 @@ class CostModel:
         with profile.expert_sink() as sink:
             yield note
         end = self.clock.mark()
+        sink.freeze()
         if (kind, rule) not in self._warm:  # the first pass of its kind is cold (module doc)
             self._warm.add((kind, rule))
             return

@@ -93,10 +93,10 @@ class Recording:
     `moved`: the state and K/V bytes the pass moves (dspark.profile), reported again at each run, as
     are `experts`: the MoE layers' device counts of distinct experts, which each run rewrites."""
 
-    def __init__(self, launches: list, hold, moved=None, experts=(), routing=None):
+    def __init__(self, launches: list, hold, moved=None, experts=(), routing=None, xp=None):
         self.launches, self.hold, self.graph = launches, hold, None
         self.moved = dict(moved or {})
-        self.experts, self.routing = list(experts), routing
+        self.experts, self.routing, self.xp = list(experts), routing, xp
 
     def __len__(self) -> int:
         return len(self.launches)
@@ -116,7 +116,7 @@ class Recording:
                 profile.moved(kind, n)
         if profile.listening_experts():  # a counter, or the cost model's sink (dspark.cost)
             for layer, count in self.experts:
-                profile.experts(layer, count, self.routing)
+                profile.experts(layer, count, self.routing, self.xp)
 
     def capture(self, stream) -> None:
         """The launches as a CUDA graph (stream capture of `issue`)."""
@@ -150,7 +150,7 @@ def record(be, work, workspaces=()):
     if c.d2h or c.syncs or ops:
         raise RecordingError(f"a recorded pass made {c.d2h} device->host copies, {c.syncs} syncs and {ops} array "
                              f"operations ({dict(c.sites)}): a replay would skip them")
-    return Recording(launches, result, c.bytes, c.experts, c.routing), result
+    return Recording(launches, result, c.bytes, c.experts, c.routing, c.xp), result
 
 
 class PassStore:

@@ -174,6 +174,7 @@ class Counts:
     bytes: Counter = field(default_factory=Counter)
     experts: list = field(default_factory=list)   # (layer, distinct experts: an int or a device count)
     routing: tuple | None = None                  # (experts, top_k) of the MoE layers reported
+    xp: object = None                             # the device array module of their device counts
 
     def distinct_experts(self) -> list[tuple[int, int]]:
         """(layer, distinct experts its grouped products read) for every MoE layer of every pass
@@ -246,16 +247,17 @@ def record(kind: str, name: str | None = None, site: str | None = None, amount: 
         c.add(kind, name, site, amount)
 
 
-def experts(layer: int, distinct, routing: tuple[int, int] | None = None) -> None:
+def experts(layer: int, distinct, routing: tuple[int, int] | None = None, xp=None) -> None:
     """Report the distinct experts a MoE layer's pass routed to: an int (the host knows it), or the
     one-int array the router wrote on the device, a slot of its own layer (read when the counts
-    are, never now: no sync). `routing`: (experts, top_k) of the layer."""
+    are, never now: no sync). `routing`: (experts, top_k) of the layer; `xp`: the device array
+    module of a device count."""
     for c in _active:
         c.experts.append((int(layer), distinct if isinstance(distinct, int) else distinct[:1]))
-        c.routing = routing or c.routing
+        c.routing, c.xp = routing or c.routing, xp if xp is not None else c.xp
     for sink in _expert_sinks:
         sink.layers.append((int(layer), distinct if isinstance(distinct, int) else distinct[:1]))
-        sink.routing = routing or sink.routing
+        sink.routing, sink.xp = routing or sink.routing, xp if xp is not None else sink.xp
 
 
 def listening_experts() -> bool:
@@ -275,7 +277,7 @@ def expert_seconds(seconds: float) -> None:
         sink.seconds = (sink.seconds or 0.0) + float(seconds)
 
 
-@dataclass
+@dataclass(eq=False)  # open sinks are told apart by identity (their counts are device arrays)
 class ExpertSink:
     """What the MoE layers of the passes inside `expert_sink()` reported: (layer, distinct experts)
     per layer and pass, and the seconds their expert products took (None where none were timed:
@@ -283,10 +285,21 @@ class ExpertSink:
     layers: list = field(default_factory=list)
     seconds: float | None = None
     routing: tuple[int, int] | None = None  # (experts, top_k) of the layers reported
+    xp: object = None                       # the device array module of device counts
+    _frozen: object = None
+
+    def freeze(self) -> None:
+        """Copy the device counts into one array of their own, now (stream-ordered after the passes,
+        no wait): every pass rewrites a layer's count, and the cost model may read them after later
+        passes ran. The host's counts need none."""
+        if self.xp is not None and any(not isinstance(n, int) for _, n in self.layers):
+            self._frozen = self.xp.concatenate([self.xp.asarray(n).reshape(-1)[:1] for _, n in self.layers])
 
     def distinct(self) -> list[int]:
-        """The distinct experts per layer, in report order (a device count read now: call it once
-        the passes have run)."""
+        """The distinct experts per layer, in report order: device counts read now, in one copy
+        (call it once the passes have run)."""
+        if self._frozen is not None:
+            return [int(v) for v in self._frozen.get()]
         return [n if isinstance(n, int) else int(n.get().reshape(-1)[0]) if hasattr(n, "get")
                 else int(n.reshape(-1)[0]) for _, n in self.layers]
 

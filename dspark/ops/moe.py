@@ -292,7 +292,10 @@ def route(be, logits, experts: int, top_k: int, renormalize: bool, tile_rows: in
     r.ids, r.weights, r.pos = (a.reshape(rows, top_k) for a in (r.ids, r.weights, r.pos))
     if layer is not None and profile.listening_experts():
         # A host count on the CPU backends; on a GPU the router's, in the layer's own stats, read later.
-        profile.experts(layer, int(r.stats[1]) if xp is np else r.stats[1:2], (experts, top_k))
+        if xp is np:
+            profile.experts(layer, int(r.stats[1]), (experts, top_k))
+        else:
+            profile.experts(layer, r.stats[1:2], (experts, top_k), xp)
     return r
 
 
