@@ -214,26 +214,21 @@ def test_rounds_replayed_from_recordings_report_their_experts_to_the_cost_model(
 
 def test_a_pass_read_after_later_passes_keeps_its_own_experts():
     """A pass's timing is read once its end event has completed, maybe after later passes rewrote
-    every layer's count on the device: the counts are copied at the end of the block (ExpertSink.
-    freeze), so the pass keeps its own (CuPy contract stand-in, a clock whose first interval waits)."""
+    the layers' counts on the device (a recorded pass's buffers are the same at every replay): the
+    counts are copied at the end of the timed block (ExpertSink.freeze), so the pass keeps its own
+    (CuPy contract stand-in arrays; a clock whose second interval waits)."""
     from tests.session.test_gain import ScriptedClock
-    be = contract.backend()
-    trunk = moe_trunk(be)
+    xp = contract.backend().xp
+    counts = [xp.asarray(np.array([5], np.int32)), xp.asarray(np.array([7], np.int32))]  # two layers' buffers
     clock = ScriptedClock([0.0, 1.0, 2.0, 3.0, 4.0, 5.0])
     model = CostModel(clock)
-    cache = trunk.new_cache()
-    trunk.prefill(cache, np.arange(3, 40, 3, dtype=np.int32))
-    cands = [np.array([7, 100, 3, 250, 9, 11], np.int32), np.array([1, 2, 1, 2, 1, 2], np.int32),
-             np.array([200, 31, 77, 5, 140, 66], np.int32)]
-    counted = []
-    with cost.using(be, model):
-        clock.pending.add(3.0)  # the second pass's end: not done until released
-        for cand in cands:      # the first is cold, not kept
-            with profile.counting() as c, model.timed("verify", 1, cache.pos, width=len(cand)):
-                trunk.verify([cache], [cand])
-            counted.append([n for _, n in c.distinct_experts()])
-        assert counted[1] != counted[2]  # the later pass rewrote some layer's count
-        assert [list(e) for *_, e in model.experts_log] == [counted[2]]
-        clock.pending.clear()
-        model._resolve()
-    assert [list(e) for *_, e in model.experts_log] == [counted[2], counted[1]]
+    clock.pending.add(3.0)  # the second pass's end: not done until released
+    for n in (4, 5, 6):     # the first pass is cold, not kept
+        with model.timed("verify", 1, 0, width=8):
+            for layer, c in enumerate(counts):
+                c[...] = n + layer  # the router's write
+                profile.experts(layer, c[0:1], (E, K), xp)
+    assert [list(e) for *_, e in model.experts_log] == [[6, 7]]
+    clock.pending.clear()
+    model._resolve()
+    assert [list(e) for *_, e in model.experts_log] == [[6, 7], [5, 6]]
