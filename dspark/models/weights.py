@@ -282,7 +282,7 @@ def _trunk_layout(be, c: TrunkConfig, shapes: dict, make, progress=None) -> dict
             return m.columns(at, width)
         return PanelledColumns(m, at, width) if isinstance(m, Panelled) else m[:, at : at + width]
 
-    def one_matrix(parts):  # an expert's slice: 16-bit or f32 (FP8 experts are refused at load)
+    def one_matrix(parts):  # an expert's slice: 16-bit, f32 or FP8 (whole blocks: hf.moe refuses the rest)
         (m,) = make(parts)
         return m
     try:
@@ -306,9 +306,7 @@ def _trunk_layout(be, c: TrunkConfig, shapes: dict, make, progress=None) -> dict
                 out[q] = view(runs[r], at - starts[r], width)
                 at += width
                 done(q)
-        stacks_out = stacked_layout(be, experts, shapes, one_matrix, done)
-        owned.extend(stacks_out[name] for name in experts)
-        out.update(stacks_out)
+        out.update(stacked_layout(be, experts, shapes, one_matrix, done, owned))
     except BaseException:
         for a in owned:
             be.alloc.free(a)

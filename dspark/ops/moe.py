@@ -146,9 +146,9 @@ def max_items(rows: int, top_k: int, experts: int, tile_rows: int) -> int:
 @dataclass(frozen=True)
 class GroupedPlan:
     """One launch of the grouped product over `rows` rows routed to `top_k` of `experts` experts,
-    x [*, K] by w [E, K, N] of `itemsize`-byte entries (1: FP8, with its block scales): the entry, the worst-case grid (column tiles x
-    K splits, items), the row tile (`tile_rows`: the tensor cores' BM, or every row of an expert on
-    f32) and the K split (from K and N alone)."""
+    x [*, K] by w [E, K, N] of `itemsize`-byte entries (1: FP8, with its block scales): the entry,
+    the worst-case grid (column tiles x K splits, items), the row tile (`tile_rows`: the tensor
+    cores' BM, or every row of an expert on f32) and the K split (from K and N alone)."""
     entry: str
     rows: int
     top_k: int
@@ -220,7 +220,8 @@ def grouped_plan(rows: int, top_k: int, experts: int, K: int, N: int, itemsize: 
     splits, kchunk = mma_split_plan(K, N, FP8_ALIGN) if fp8 else mma_split_plan(K, N)
     n_tiles, items = max(1, -(-N // bn)), max_items(rows, top_k, experts, bm)
     split = splits > 1 and items * n_tiles < MMA_TARGET_CTAS
-    return GroupedPlan(f"moe_linear_{'fp8' if fp8 else 'mma'}_bf16_m{bm}", rows, top_k, experts, K, N, itemsize, bm, n_tiles, bn,
+    entry = f"moe_linear_{'fp8' if fp8 else 'mma'}_bf16_m{bm}"
+    return GroupedPlan(entry, rows, top_k, experts, K, N, itemsize, bm, n_tiles, bn,
                        splits, kchunk, splits if split else 1, items, 32 * warps, mma_shared_mem(bm))
 
 
