@@ -122,25 +122,39 @@ def test_grouped_rows_are_the_product_by_their_expert(simt, rng, rows, E, K, N, 
 
 # FP8 experts: K and N off the 128 grid and over it, rows in one tile (BM 16) and past it (BM 128), K in
 # one chunk and in two (600: kchunk 384, split mode)
-@pytest.mark.parametrize("gather", [True, False], ids=["gathered", "grouped"])
-@pytest.mark.parametrize("rows,E,K,N", [(1, 16, 200, 136), (3, 17, 64, 40), (20, 19, 130, 264), (2, 16, 600, 24)])
-def test_fp8_grouped_rows_are_linear_fp8_by_their_expert(simt, numpy_backend, rng, rows, E, K, N, gather):
-    """simt: the kernel bitwise its twin (grouped_linear_ref), and every grouped row bitwise the dense
-    linear_fp8 (csrc/linear_fp8.cu) of its row by its expert's matrix; numpy: every grouped row bitwise
-    the numpy backend's linear_fp8 (the native product on the bytes)."""
+FP8_SHAPES = [(1, 16, 200, 136), (3, 17, 64, 40), (20, 19, 130, 264), (2, 16, 600, 24)]
+
+
+def fp8_grouped(be, rng, rows, E, K, N, gather, compute):
+    """(x, w, grouping, out) of one FP8 grouped product on `be` into a poisoned buffer."""
     k = 4
-    logits = rng.standard_normal((rows, E)).astype(np.float32)
     plan = moe.grouped_plan(rows, k, E, K, N, 1)
     assert plan.entry == f"moe_linear_fp8_bf16_m{16 if rows <= 16 else 128}" and plan.kchunk % 128 == 0
     x = rng.standard_normal((rows if gather else rows * k, K)).astype(np.float32)
+    w = experts(rng, E, K, N, FP8, compute)
+    r = routed(be, rng.standard_normal((rows, E)).astype(np.float32), k, tile_rows=plan.tile_rows)
+    out = poison(np, (rows * k, N), np.float32)
+    moe.grouped_linear(be, x, w, r, gather=gather, out=out)
+    return x, w, r.grouping or moe.group_ref(r.ids, E, plan.tile_rows), out
+
+
+@pytest.mark.parametrize("gather", [True, False], ids=["gathered", "grouped"])
+@pytest.mark.parametrize("rows,E,K,N", FP8_SHAPES)
+def test_fp8_grouped_product_equals_its_twin(simt, rng, rows, E, K, N, gather):
+    """The kernel bitwise its twin (grouped_linear_ref: linear_fp8_ref per expert, linear_fp8's K
+    chunk), every grouped row written."""
+    x, w, g, out = fp8_grouped(simt, rng, rows, E, K, N, gather, BF16)
+    assert np.array_equal(out, moe.grouped_linear_ref(x, w, g, gather=gather))
+
+
+@pytest.mark.parametrize("gather", [True, False], ids=["gathered", "grouped"])
+@pytest.mark.parametrize("rows,E,K,N", FP8_SHAPES)
+def test_fp8_grouped_rows_are_linear_fp8_by_their_expert(simt, numpy_backend, rng, rows, E, K, N, gather):
+    """Every grouped row bitwise the dense product of its row by its expert's matrix: simt's
+    linear_fp8 kernel (csrc/linear_fp8.cu), and on numpy the numpy backend's linear_fp8 (the native
+    product on the bytes)."""
     for be, compute in ((simt, BF16), (numpy_backend, np.float32)):
-        w = experts(rng, E, K, N, FP8, compute)
-        r = routed(be, logits, k, tile_rows=plan.tile_rows)
-        out = poison(np, (rows * k, N), np.float32)
-        moe.grouped_linear(be, x, w, r, gather=gather, out=out)
-        g = r.grouping or moe.group_ref(r.ids, E, plan.tile_rows)
-        if be is simt:
-            assert np.array_equal(out, moe.grouped_linear_ref(x, w, g, gather=gather))
+        x, w, g, out = fp8_grouped(be, rng, rows, E, K, N, gather, compute)
         for e in np.flatnonzero(g.counts):
             at = g.rows_of(e)
             dense = linear(be, x[g.src[at]] if gather else x[at], w[e])
