@@ -5,7 +5,8 @@ the shared expert's gate left as stored), saved as Hugging Face FP8 directories.
 the same directory (on a CPU its fine-grained FP8 integration dequantizes every expert): dspark's
 logits within 1e-4 in f32 on numpy, greedy identical over 40 tokens; bf16 on simt (the FP8 grouped
 product) within 2e-2 with the routing pinned (tests/models/test_moe_targets.py's module doc says
-why). The experts stay e4m3 and scales, stacked, with no 16-bit copy; the report counts them.
+why); speculative greedy exact on numpy and simt. The experts stay e4m3 and scales, stacked, with no
+16-bit copy; the report counts them.
 
 The fused layout (`mlp.experts.gate_up_proj` F8_E4M3 beside `gate_up_proj_scale_inv`, as
 transformers' FP8Experts holds it) has no CPU oracle in transformers 5.19: its dequantizing load
@@ -216,3 +217,13 @@ def test_fp8_gate_and_up_need_whole_scale_blocks(fp8_dir, numpy_backend, tmp_pat
         with pytest.raises(CheckpointError, match=f"tensor '{tensor}' is F8_E4M3 with moe_intermediate_size=64: FP8 "
                                                   "experts need it a multiple of 128"):
             load_target(fp8_dir(case), numpy_backend)
+
+
+@pytest.mark.parametrize("backend", ["numpy_backend", "simt"], ids=["numpy", "simt"])
+def test_speculative_greedy_is_exact_on_an_fp8_moe_target(fp8_dir, request, backend):
+    """Speculative greedy equals plain greedy on the FP8 Qwen3.5-MoE target (verify columns through
+    the FP8 grouped product equal decode steps, batched sessions solo ones, a demoted one its plain
+    stream): tests/models/test_moe_targets.py's check."""
+    from tests.models.test_moe_targets import check_speculation_exact
+    trunk = load_target(fp8_dir(QWEN35_MOE_FP8), request.getfixturevalue(backend))
+    check_speculation_exact(trunk, QWEN35_MOE_FP8.base, 8, 2, solo=backend == "numpy_backend")
