@@ -116,11 +116,19 @@ def test_bf16_on_simt_matches_transformers_with_the_routing_pinned(fp8_dir, peer
         assert err <= 2e-2 * scale, f"{case.name} pass {j}: max |diff| {err:.3g} > 2e-2 x max |logit| {scale:.3g}"
 
 
-def test_experts_stay_e4m3_and_the_report_counts_them(fp8_dir, numpy_backend, simt):
+def test_experts_stay_e4m3_and_the_report_counts_them(fp8_dir, numpy_backend, simt, capsys):
     """Per layer one stack of e4m3 bytes [E, d, 2I] and one of f32 scales, each expert's parts views
     of it (no copy: the allocator holds the stacks' bytes once); the router and the shared gate kept
-    as stored, the shared expert quantized; the summary says how many matrices are experts."""
+    as stored, the shared expert quantized; the summary and `dspark info --model` say how many
+    matrices are experts (counted, not listed)."""
+    from dspark.cli import main
     d = fp8_dir(QWEN35_MOE_FP8)
+    assert main(["info", "--model", str(d)]) == 0
+    lines = {line.split(":")[0].strip(): line for line in capsys.readouterr().out.splitlines()}
+    quantized = lines["quantized (FP8 e4m3, 128x128 blocks, dynamic activations)"]
+    assert "layers.0.moe.shared.w_gate" in quantized and ".moe.experts." not in quantized
+    assert quantized.endswith(" and 96 MoE expert matrices")  # 2 layers of 16 experts x 3
+    assert "layers.0.moe.router" in lines["left as stored"]
     for be in (numpy_backend, simt):
         trunk = load_target(d, be)
         src, c = trunk.source, trunk.config
