@@ -227,11 +227,14 @@ def test_fp8_gate_and_up_need_whole_scale_blocks(fp8_dir, numpy_backend, tmp_pat
             load_target(fp8_dir(case), numpy_backend)
 
 
-@pytest.mark.parametrize("backend", ["numpy_backend", "simt"], ids=["numpy", "simt"])
+@pytest.mark.parametrize("backend", ["numpy_backend", "simt", "contract"], ids=["numpy", "simt", "contract"])
 def test_speculative_greedy_is_exact_on_an_fp8_moe_target(fp8_dir, request, backend):
     """Speculative greedy equals plain greedy on the FP8 Qwen3.5-MoE target (verify columns through
     the FP8 grouped product equal decode steps, batched sessions solo ones, a demoted one its plain
-    stream): tests/models/test_moe_targets.py's check."""
+    stream): tests/models/test_moe_targets.py's check, on numpy, simt and the cuda code path (the
+    CuPy contract stand-in: recorded rounds and graphs)."""
+    from dspark.backends import contract
     from tests.models.test_moe_targets import check_speculation_exact
-    trunk = load_target(fp8_dir(QWEN35_MOE_FP8), request.getfixturevalue(backend))
+    be = contract.backend() if backend == "contract" else request.getfixturevalue(backend)
+    trunk = load_target(fp8_dir(QWEN35_MOE_FP8), be)
     check_speculation_exact(trunk, QWEN35_MOE_FP8.base, 8, 2, solo=backend == "numpy_backend")
