@@ -282,9 +282,12 @@ def _trunk_layout(be, c: TrunkConfig, shapes: dict, make, progress=None) -> dict
             return m.columns(at, width)
         return PanelledColumns(m, at, width) if isinstance(m, Panelled) else m[:, at : at + width]
 
-    def one_matrix(parts):  # an expert's slice: 16-bit, f32 or FP8 (whole blocks: hf.moe refuses the rest)
-        (m,) = make(parts)
-        return m
+    def one_matrix(parts):  # an expert's slice: 16-bit, f32 or FP8 in whole blocks (hf.moe refuses the rest)
+        runs = make(parts)
+        if len(runs) != 1:
+            raise ShapeError(f"tensors {parts[0]!r} and {parts[-1]!r}: FP8 expert parts must span whole "
+                             f"{FP8_BLOCK}-column blocks to stack as one matrix (or be all FP8 or all 16-bit)")
+        return runs[0]
     try:
         for name in shapes:
             if name not in grouped:

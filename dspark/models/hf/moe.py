@@ -149,10 +149,10 @@ def fused_scales(tensors: dict, fused: str, info: TensorInfo, shape: tuple, part
     of the part's 128-row blocks in `<fused>_scale_inv`, popped from `tensors`); None for a 16-bit
     one. CheckpointError naming the tensor for a scale missing, misshaped or mistyped, or parts
     that share a block."""
-    name = fused + "_scale_inv"
-    scale = tensors.get(name)
     if info.dtype != "F8_E4M3":
         return None  # a 16-bit tensor with a scale is refused later, as an unknown tensor
+    name = fused + "_scale_inv"
+    scale = tensors.get(name)
     if scale is None:
         raise CheckpointError(f"tensor {fused!r} is F8_E4M3 and its scale {name!r} is missing")
     E, n, k = shape
