@@ -42,6 +42,14 @@
 //   expert with any other rows, or in the product (linear) by that expert's weights.
 //   grid.x = column tiles x K splits, as in linear; tickets: one per (item, column tile), zero at rest.
 //
+// moe_linear_fp8_bf16_m<BM>(x, x_rows or null, q [E, K, N] e4m3 bytes, scale [E, ceil(K / 128),
+//                           ceil(N / 128)] f32, counts, offsets, items, stats, K, N, kchunk, grid_splits,
+//                           out, part, part_rows, tickets)                          FP8 (tensor cores)
+//   The same grouped product over FP8 experts (W8A16): item y's tile is linear_fp8's, its B tiles
+//   linear_fp8.cuh's MmaWeightsFp8 over expert e's bytes and scales (q + e K N, scale + e of its grid),
+//   so a row's expert output is bitwise linear_fp8 of that row by that expert's matrix, for the same
+//   kchunk (a multiple of 128 from (K, N) alone: dspark.ops.moe.grouped_plan).
+//
 // moe_combine_f32(y [P, N], pos, weights, shared [rows, N] or null, gate or null, gate_ld, rows, k, N,
 //                 out [rows, N])
 //   out[r, n] = ((0 + w_0 y[pos_0, n]) + w_1 y[pos_1, n]) + ... + w_{k-1} y[pos_{k-1}, n], its slots in
@@ -49,6 +57,7 @@
 //   shared expert and its gate, Qwen3.5-MoE). The order is the row's own experts', never the order its
 //   outputs were produced. One thread per output.
 #include "linear_f32.cuh"
+#include "linear_fp8.cuh"
 #include "linear_mma.cuh"
 
 constexpr int kMoeWarps = 8;  // router rows per CTA
@@ -271,11 +280,39 @@ DSPARK_DEVICE void moe_linear_mma(const float* __restrict__ x, const int* __rest
                        blockIdx.y, tile, col_tiles);
 }
 
+// The FP8 experts' product: moe_linear_mma's item and tile, linear_fp8's weights.
+template <typename T, typename Cfg>
+DSPARK_DEVICE void moe_linear_fp8(const float* __restrict__ x, const int* __restrict__ x_rows,
+                                  const uint8_t* __restrict__ q, const float* __restrict__ scale, const int* counts,
+                                  const int* offsets, const int* items, const int* stats, int K, int N, int kchunk,
+                                  int grid_splits, float* __restrict__ out, float* __restrict__ part, int part_rows,
+                                  unsigned* __restrict__ tickets) {
+  using C = Cfg;
+  DSPARK_DYNAMIC_SMEM(T, smem);
+  mma_check_launch<C>();
+  if ((int)blockIdx.y >= stats[0]) return;
+  const MoeItem it = moe_item(counts, offsets, items, C::BM);
+  const int tile = blockIdx.x / grid_splits, col_tiles = (N + C::BN - 1) / C::BN;
+  const int64_t grid = (int64_t)((K + kFp8Block - 1) / kFp8Block) * ((N + kFp8Block - 1) / kFp8Block);
+  const uint8_t* qe = q + (int64_t)it.e * K * N;
+  const MmaGemm<T, C, true> g{x, x_rows, it.rows, K, N, it.row0, 0, tile * C::BN,
+                              K % 4 == 0 && !(reinterpret_cast<unsigned long long>(x) & 15ull), smem,
+                              smem + C::STAGES * C::A_STAGE};
+  const MmaWeightsFp8<T, C> wt{qe, scale + it.e * grid, K, N,
+                               N % 8 == 0 && !(reinterpret_cast<unsigned long long>(qe) & 7ull)};
+  mma_tile<T, C, true>(g, wt, kchunk, grid_splits, blockIdx.x % grid_splits, out, part, part_rows, tickets,
+                       blockIdx.y, tile, col_tiles);
+}
+
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 800
 #define DSPARK_MOE_MMA_BODY(T, CFG) __trap();
+#define DSPARK_MOE_FP8_BODY(T, CFG) __trap();
 #else
 #define DSPARK_MOE_MMA_BODY(T, CFG) \
   moe_linear_mma<T, CFG>(x, x_rows, w, counts, offsets, items, stats, K, N, kchunk, grid_splits, out, part, part_rows, tickets);
+#define DSPARK_MOE_FP8_BODY(T, CFG) \
+  moe_linear_fp8<T, CFG>(x, x_rows, q, scale, counts, offsets, items, stats, K, N, kchunk, grid_splits, out, part, \
+                         part_rows, tickets);
 #endif
 
 // The tile shapes of the grouped product: 16 rows (decode, verify: an expert's rows of a few sessions)
@@ -292,6 +329,19 @@ DSPARK_DEVICE void moe_linear_mma(const float* __restrict__ x, const int* __rest
 
 DSPARK_MOE_MMA_ENTRY(bf16, bf16_t, 16, MmaGemmM16)
 DSPARK_MOE_MMA_ENTRY(bf16, bf16_t, 128, MmaGemmM128)
+
+// FP8 experts: the same two tiles, bf16 activations only (an FP8 MoE computes in bf16 on the kernels).
+#define DSPARK_MOE_FP8_ENTRY(SUF, T, BM, CFG)                                                                     \
+  extern "C" __global__ void __launch_bounds__(CFG::THREADS) moe_linear_fp8_##SUF##_m##BM(                        \
+      const float* __restrict__ x, const int* __restrict__ x_rows, const uint8_t* __restrict__ q,                 \
+      const float* __restrict__ scale, const int* __restrict__ counts, const int* __restrict__ offsets,           \
+      const int* __restrict__ items, const int* __restrict__ stats, int K, int N, int kchunk, int grid_splits,    \
+      float* __restrict__ out, float* __restrict__ part, int part_rows, unsigned* __restrict__ tickets) {         \
+    DSPARK_MOE_FP8_BODY(T, CFG)                                                                                   \
+  }
+
+DSPARK_MOE_FP8_ENTRY(bf16, bf16_t, 16, MmaGemmM16)
+DSPARK_MOE_FP8_ENTRY(bf16, bf16_t, 128, MmaGemmM128)
 
 // ---- the combine ------------------------------------------------------------------------------------
 extern "C" __global__ void __launch_bounds__(kMoeCombineThreads)

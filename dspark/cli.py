@@ -115,7 +115,10 @@ def print_model(path) -> None:
     report = inspect_target(path)
     print(f"model: {report.summary()}")
     if report.quantization:
-        print(f"  quantized ({report.quantization}): {', '.join(report.quantized) or 'none'}")
+        # a MoE checkpoint's experts are thousands of names: counted, not listed
+        dense = [n for n in report.quantized if ".moe.experts." not in n]
+        experts = f" and {report.quantized_experts} MoE expert matrices" if report.quantized_experts else ""
+        print(f"  quantized ({report.quantization}): {', '.join(dense) or 'none'}{experts}")
         print(f"  left as stored: {', '.join(report.kept) or 'none'}")
 
 

@@ -538,14 +538,20 @@ def linear_fp8_benches(be, s: Sizes) -> Iterator[Bench]:
 def moe_benches(be, s: Sizes) -> Iterator[Bench]:
     """One MoE layer (experts, top-k, d_model and expert width of the Sizes: Qwen3.5-35B-A3B's on the
     GPU) over a verify's rows (B * vt) and a prompt pass's: the router (logits read; ids, weights,
-    grouped rows and the map written), the grouped gate|up product (bf16; bytes: each distinct expert's
-    weights once, counted from the plan's CTA map for the routing drawn, the rows gathered, the
-    outputs) and the combine (k outputs a row read, the row written). No prediction: the performance
-    model prices the grouped product for a routing model's expert count (perf_model.grouped_kernel),
-    not for the routing drawn here."""
+    grouped rows and the map written), the grouped gate|up product (bf16, and FP8 experts: e4m3 bytes
+    and a scale per 128 x 128 block; bytes: each distinct expert's weights once, counted from the
+    plan's CTA map for the routing drawn, the rows gathered, the outputs) and the combine (k outputs
+    a row read, the row written). No prediction: the performance model prices the grouped product for
+    a routing model's expert count (perf_model.grouped_kernel), not for the routing drawn here."""
+    from dspark.ops.fp8 import Fp8Stack, scale_grid
     from dspark.ops.moe import combine, group_ref, grouped_linear, grouped_plan, route, route_ref
     E, k, d, I = s.experts, s.expert_top_k, s.moe_d_model, s.expert_hidden
     w = randn(be, (E, d, 2 * I), BF16, scale=float(1 / np.sqrt(d)))
+    rng8 = np.random.default_rng(8)   # its own stream: the other benches draw what they drew before
+    q = rng8.integers(0, 256, (E, d, 2 * I), dtype=np.uint8)
+    q[(q & 0x7F) == 0x7F] = 0x38   # no NaN patterns (the loader refuses them)
+    w8 = Fp8Stack(be.asarray(q), be.asarray(rng8.uniform(0.5, 2.0, (E, *scale_grid(d, 2 * I))).astype(np.float32) / 256),
+                  np.dtype(BF16))
     for case, B, rows in [("verify", B, B * s.vt) for B in s.batches] + [("prompt", 1, s.prompt_rows)]:
         P, logits = rows * k, randn(be, (rows, E))
         plan = grouped_plan(rows, k, E, d, 2 * I, 2)
@@ -558,6 +564,10 @@ def moe_benches(be, s: Sizes) -> Iterator[Bench]:
         yield Bench("moe", f"{case} grouped gate|up", {**shape, "distinct": g.distinct, "K": d, "N": 2 * I},
                     sum(plan.expert_bytes(g).values()) + F32 * (rows * d + P * 2 * I), 2 * P * d * 2 * I,
                     (plan.entry,), lambda b, x=x, r=r, o=out: grouped_linear(b, x, w, r, gather=True, out=o))
+        plan8 = grouped_plan(rows, k, E, d, 2 * I, 1)   # the same tiles and map: the routing serves both
+        yield Bench("moe", f"{case} grouped gate|up fp8", {**shape, "distinct": g.distinct, "K": d, "N": 2 * I},
+                    sum(plan8.expert_bytes(g).values()) + F32 * (rows * d + P * 2 * I), 2 * P * d * 2 * I,
+                    (plan8.entry,), lambda b, x=x, r=r, o=out: grouped_linear(b, x, w8, r, gather=True, out=o))
         y, o = randn(be, (P, d)), be.xp.empty((rows, d), np.float32)
         yield Bench("moe", f"{case} combine", {**shape, "d": d}, F32 * (P * d + 2 * P + rows * d), 2 * P * d,
                     ("moe_combine_f32",), lambda b, y=y, r=r, o=o: combine(b, y, r, out=o))

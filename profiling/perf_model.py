@@ -6,7 +6,7 @@ each kernel's limiters, floor and expected time, the round's composition and the
     python profiling/perf_model.py --accepted 5.9      # the speedup at another mean accepted length
     python profiling/perf_model.py --prompt [--kernels] # time to first token, plain batched decode, memory
     python profiling/perf_model.py --fp8                # the FP8 releases beside their bf16 twins, time per token
-    python profiling/perf_model.py --moe                # Qwen3.5-35B-A3B: verify widths by distinct experts
+    python profiling/perf_model.py --moe                # Qwen3.5-35B-A3B (bf16, FP8): verify widths by distinct experts
     python profiling/perf_model.py --prior-table        # write dspark/cost_prior_h200.json (the cost prior on cuda), print it
 
 Shapes (SHAPES): the embedded pair (dspark/models/default), Qwen3-8B and Qwen3.5-27B with their
@@ -192,6 +192,13 @@ def shapes(drafter_window: int = 4096) -> dict[str, Shape]:
            for (name, dc), (label, source) in zip(_qwen3_8_drafters(q35).items(), QWEN3_8_SOURCES)},
         "qwen3.5-35b-a3b": Shape("Qwen3.5-35B-A3B", q35_moe, moe_drafter, 2,
                                  "Qwen/Qwen3.5-35B-A3B config.json (text_config; drafter MLP assumed)"),
+        # Its FP8 release: the experts, the shared expert and the attention / gdn linears e4m3 + 128 x 128
+        # scales (moe_linear_fp8_bf16_m<BM>, linear_fp8_bf16_m<BM>); the router, the shared expert's gate,
+        # gdn a|b, the embedding and the LM head 16-bit (the FP8 releases' modules_to_not_convert: assumed
+        # for this one, whose config is not in this repository).
+        "qwen3.5-35b-a3b-fp8": Shape("Qwen3.5-35B-A3B-FP8", q35_moe, moe_drafter, 2,
+                                     "Qwen/Qwen3.5-35B-A3B-FP8 (the text_config above, quantization_config fp8 e4m3 "
+                                     "128x128; drafter MLP assumed)", fp8=True),
     }
 
 
@@ -429,16 +436,18 @@ def grouped_iterations(plan, ctas: list[dict]) -> np.ndarray:
 
 
 def grouped_kernel(ph, name, rows, K, N, shape: Shape, dev: Device, *, gather: bool) -> Kernel:
-    """One grouped expert product (dspark.ops.moe.grouped_linear, moe_linear_mma_bf16_m<BM>) over
-    the rows' P = rows k entries: the plan's CTA map for a routing of distinct_experts experts, each
-    CTA's DRAM bytes its expert's weights of its K chunk and column tile (read once a launch for all
-    of that expert's rows in the tile) and its rows of x, its MMAs over whole tiles (its flops, as the
-    dense GEMM's are counted); K-split partials written and read back. min_bytes: the distinct
-    experts' weights once, x, out."""
+    """One grouped expert product (dspark.ops.moe.grouped_linear, moe_linear_mma_bf16_m<BM>; FP8
+    experts moe_linear_fp8_bf16_m<BM>, linear_fp8's K chunk) over the rows' P = rows k entries: the
+    plan's CTA map for a routing of distinct_experts experts, each CTA's DRAM bytes its expert's
+    weights of its K chunk and column tile (read once a launch for all of that expert's rows in the
+    tile; FP8: a byte each and the f32 scales of its blocks) and its rows of x, its MMAs over whole
+    tiles (its flops, as the dense GEMM's are counted), priced as compiled (FP8: the in-register
+    decode in its SASS loop, as linear_fp8's); K-split partials written and read back. min_bytes:
+    the distinct experts' weights once, x, out."""
     from dspark.ops import moe as moe_ops
     c = shape.trunk
     k, E = c.expert_top_k, c.experts
-    plan = moe_ops.grouped_plan(rows, k, E, K, N, shape.weight_bytes)
+    plan = moe_ops.grouped_plan(rows, k, E, K, N, shape.proj_bytes())
     g = moe_ops.group_ref(synthetic_routing(rows, k, distinct_experts(shape, rows)), E, plan.tile_rows)
     ctas = plan.ctas(g)
     part = 2 * 4 * plan.tile_rows if plan.grid_splits > 1 else 0
@@ -458,9 +467,10 @@ def moe_kernels(shape: Shape, ph, rows, dev: Device) -> list[Kernel]:
     """A sparse MoE FFN as dspark.models.moe.moe_ffn issues it: the router (and the shared expert's
     gate) as one GEMM, moe_route_f32 (a warp per row: the logits read, ids, weights and the grouping
     written), the grouped gate|up product over the rows' experts, SwiGLU over the grouped rows, the
-    grouped down product, the shared expert (gate|up, SwiGLU, down), and moe_combine_f32."""
+    grouped down product, the shared expert (gate|up, SwiGLU, down), and moe_combine_f32. In an FP8
+    trunk the experts and the shared expert are e4m3 (proj_bytes), the router and its gate 16-bit."""
     from dspark.ops import moe as moe_ops
-    c, wb = shape.trunk, shape.weight_bytes
+    c, wb, pb = shape.trunk, shape.weight_bytes, shape.proj_bytes()
     d, E, k, I, Is = c.d_model, c.experts, c.expert_top_k, c.expert_hidden, c.shared_expert_hidden
     P = rows * k
     out = linear(ph, "moe router" + (" | shared gate" if Is else ""), rows, d, E + (1 if Is else 0), wb, dev)
@@ -470,9 +480,9 @@ def moe_kernels(shape: Shape, ph, rows, dev: Device) -> list[Kernel]:
     out.append(swiglu_kernel(ph, P, I, dev))
     out.append(grouped_kernel(ph, "moe experts down", rows, I, d, shape, dev, gather=False))
     if Is:
-        out += linear(ph, "moe shared gate|up", rows, d, 2 * Is, wb, dev)
+        out += linear(ph, "moe shared gate|up", rows, d, 2 * Is, pb, dev)
         out.append(swiglu_kernel(ph, rows, Is, dev))
-        out += linear(ph, "moe shared down", rows, Is, d, wb, dev)
+        out += linear(ph, "moe shared down", rows, Is, d, pb, dev)
     out.append(elementwise(ph, "moe combine", "moe_combine_f32", rows * d,
                            F32 * (P * d + 2 * P + rows * d * (3 if Is else 1)), 2 * P * d, dev,
                            threads=moe_ops.COMBINE_THREADS))
@@ -1312,8 +1322,8 @@ TPOT_HEADERS = ["shape", "B", "context", "accepted", "vt", "source", "plain ms/t
                 "spec floor ms/token", "speedup"]
 
 
-MOE_HEADERS = ["routing", "B", "context", "vt", "experts/layer", "expert MB", "verify floor us", "verify us",
-               "verify/plain", "plain us"]
+MOE_HEADERS = ["weights", "routing", "B", "context", "vt", "experts/layer", "expert MB", "verify floor us",
+               "verify us", "verify/plain", "plain floor us", "plain us"]
 # Named acceptance curves for the width table: a geometric per-position rate through each mean
 # accepted length (tokens a round commits, at its drafts), each with its source; none is this pair's.
 ACCEPTANCE_CURVES = (
@@ -1321,8 +1331,9 @@ ACCEPTANCE_CURVES = (
     ("DSpark v2 k=5, 3.7 (as quoted in the FP8 plan)", 3.7, 5),
     ("embedded pair, 4.97 (ours, greedy)", 4.97, 7),
 )
-WIDTH_HEADERS = ["curve", "routing", "B", "context", "gain width", "tokens/round", "ms/token", "width 8 ms/token",
-                 "plain ms/token"]
+WIDTH_HEADERS = ["curve", "weights", "routing", "B", "context", "gain width", "tokens/round", "ms/token",
+                 "width 8 ms/token", "plain ms/token"]
+MOE_SHAPES = ("qwen3.5-35b-a3b", "qwen3.5-35b-a3b-fp8")   # --moe: the bf16 release and its FP8 one
 
 
 def curve_tokens(mean: float, drafts: int, width: int) -> float:
@@ -1332,46 +1343,61 @@ def curve_tokens(mean: float, drafts: int, width: int) -> float:
     return 1.0 + sum(r ** k for k in range(1, width))
 
 
+def expert_bytes(shape: Shape) -> int:
+    """One expert's weight bytes (gate|up and down) as the grouped products read them: 2 bytes a
+    weight (bf16), or 1 and the f32 scales of its 128 x 128 blocks (FP8)."""
+    from dspark.ops.fp8 import scale_grid
+    c = shape.trunk
+    d, I, b = c.d_model, c.expert_hidden, shape.proj_bytes()
+    scales = sum(int(np.prod(scale_grid(K, N))) for K, N in ((d, 2 * I), (I, d))) if shape.fp8 else 0
+    return 3 * d * I * b + 4 * scales
+
+
 def moe_report(table_of: dict[str, Shape], dev: Device, batches=(1, 2), contexts=(8192, 32768)) -> str:
-    """Qwen3.5-35B-A3B under each routing model (ROUTINGS): the plain step and the verify at each
-    width 2..8, with the distinct experts per layer its rows read and those experts' bytes over the
-    verify; then, per named acceptance curve and routing model, the width of most tokens per unit
-    of round time (as verify="gain" chooses it), its time per token, and width 8's beside it."""
-    base = table_of["qwen3.5-35b-a3b"]
+    """Qwen3.5-35B-A3B, bf16 and FP8 (MOE_SHAPES), under each routing model (ROUTINGS): the plain
+    step and the verify at each width 2..8, with the distinct experts per layer its rows read and
+    those experts' bytes over the verify; then, per named acceptance curve and routing model, the
+    width of most tokens per unit of round time (as verify="gain" chooses it), its time per token,
+    and width 8's beside it."""
+    base = table_of[MOE_SHAPES[0]]
     c = base.trunk
     moe_layers = c.ffn_kinds.count("moe")
-    expert_bytes = 3 * c.d_model * c.expert_hidden * base.weight_bytes
     rows, widths = [], []
-    for routing in ROUTINGS:
-        shape = dataclasses.replace(base, routing=routing)
-        for B in batches:
-            for ctx in contexts:
-                rounds = {w: spec_round(shape, B, ctx, w, dev) for w in range(2, 9)}
-                plain = rounds[8].plain_time()
-                for w, r in rounds.items():
-                    D = distinct_experts(shape, B * w)
-                    verify = r.verify_pass()
-                    rows.append([routing, str(B), str(r.context), str(w), str(D), f"{moe_layers * D * expert_bytes / 1e6:,.1f}",
-                                 us(r.gpu_floor(verify)), us(r.gpu(verify)), f"{r.gpu(verify) / r.gpu(r.plain):.2f}",
-                                 us(plain)])
-        for label, mean, drafts in ACCEPTANCE_CURVES:
+    for name in MOE_SHAPES:
+        weights = "fp8" if table_of[name].fp8 else "bf16"
+        for routing in ROUTINGS:
+            shape = dataclasses.replace(table_of[name], routing=routing)
             for B in batches:
-                ctx = contexts[0]
-                rounds = {w: spec_round(shape, B, ctx, w, dev) for w in range(2, 9)}
-                per_token = {w: r.time() / curve_tokens(mean, drafts, w) for w, r in rounds.items()}
-                best = min(per_token, key=per_token.get)
-                widths.append([label, routing, str(B), str(rounds[best].context), str(best),
-                               f"{curve_tokens(mean, drafts, best):.2f}", f"{per_token[best] * 1e3:.2f}",
-                               f"{per_token[8] * 1e3:.2f}", f"{rounds[8].plain_time() * 1e3:.2f}"])
+                for ctx in contexts:
+                    rounds = {w: spec_round(shape, B, ctx, w, dev) for w in range(2, 9)}
+                    plain = rounds[8].plain_time()
+                    for w, r in rounds.items():
+                        D = distinct_experts(shape, B * w)
+                        verify = r.verify_pass()
+                        rows.append([weights, routing, str(B), str(r.context), str(w), str(D),
+                                     f"{moe_layers * D * expert_bytes(shape) / 1e6:,.1f}", us(r.gpu_floor(verify)),
+                                     us(r.gpu(verify)), f"{r.gpu(verify) / r.gpu(r.plain):.2f}",
+                                     us(r.gpu_floor(r.plain)), us(plain)])
+            for label, mean, drafts in ACCEPTANCE_CURVES:
+                for B in batches:
+                    ctx = contexts[0]
+                    rounds = {w: spec_round(shape, B, ctx, w, dev) for w in range(2, 9)}
+                    per_token = {w: r.time() / curve_tokens(mean, drafts, w) for w, r in rounds.items()}
+                    best = min(per_token, key=per_token.get)
+                    widths.append([label, weights, routing, str(B), str(rounds[best].context), str(best),
+                                   f"{curve_tokens(mean, drafts, best):.2f}", f"{per_token[best] * 1e3:.2f}",
+                                   f"{per_token[8] * 1e3:.2f}", f"{rounds[8].plain_time() * 1e3:.2f}"])
     routings = "; ".join(f"{name}: {src}" for name, (_, src) in ROUTINGS.items())
     return "\n".join([
         f"{base.label} on {dev.name} ({base.source}): {moe_layers} MoE layers of {c.experts} experts, top-{c.expert_top_k}, "
-        f"{c.expert_hidden} wide, and a shared expert; bf16; rounds greedy, passes replayed from CUDA graphs",
+        f"{c.expert_hidden} wide, and a shared expert; bf16, and its FP8 release ({table_of[MOE_SHAPES[1]].source}: "
+        f"experts moe_linear_fp8_bf16_m<BM>, priced as compiled); rounds greedy, passes replayed from CUDA graphs",
         f"routing models: {routings}",
         table(MOE_HEADERS, rows),
         "experts/layer: distinct experts the verify's rows read in each MoE layer; expert MB: their weights over the "
-        "verify (read once each, dspark.ops.moe.grouped_plan's CTA map); verify/plain: the verify pass over a plain "
-        "step (expected GPU time)",
+        "verify (read once each, dspark.ops.moe.grouped_plan's CTA map; FP8: a byte a weight and the f32 block "
+        "scales); verify/plain: the verify pass over a plain step (expected GPU time); plain floor us and plain us: "
+        "a plain decode step's GPU floor and its expected time with the host's",
         "",
         table(WIDTH_HEADERS, widths),
         "gain width: the width of least time per token under the curve (what verify=\"gain\" chooses from the "
@@ -1404,7 +1430,7 @@ def fp8_report(table_of: dict[str, Shape], dev: Device, batches=(1, 2), contexts
         for B in batches:
             for ctx in contexts:
                 r, b = spec_round(s, B, ctx, 8, dev), spec_round(t, B, ctx, 8, dev)
-                gemms = [k for k in r.kernels if k.entry.startswith("linear_fp8")]
+                gemms = [k for k in r.kernels if k.entry.startswith(("linear_fp8", "moe_linear_fp8"))]
                 floors = {lim: sum(k.limits[lim] for k in gemms) for lim in LIMITERS}
                 bound = max(floors, key=floors.get)
                 rows.append([s.label, str(B), str(r.context), us(r.gpu_floor(r.plain)), us(r.plain_time()),
@@ -1422,8 +1448,8 @@ def fp8_report(table_of: dict[str, Shape], dev: Device, batches=(1, 2), contexts
         f"priced as compiled); embedding, LM head, gdn a|b and the drafter 16-bit; passes replayed from CUDA graphs",
         table(FP8_HEADERS, rows),
         "fp8/bf16 round: the FP8 round's expected time over the bf16 twin's (same configs, same drafter); (floors): "
-        "their floors' ratio; fp8 GEMMs: the FP8 GEMMs' expected time in the round and their floor (the largest "
-        "limiter, summed)",
+        "their floors' ratio; fp8 GEMMs: the FP8 GEMMs' (and FP8 experts' grouped products') expected time in the "
+        "round and their floor (the largest limiter, summed)",
         "the main loop as compiled, per warp and K step (profiling/sass.py): " + ", ".join(
             f"{e} {sass_path(e)}" for e in ("linear_mma_bf16_m16", "linear_fp8_bf16_m16", "linear_fp8_bf16_m128"))
         + " instructions on its path: the in-register e4m3 decode, scale and bf16 rounding is what the FP8 "
@@ -1459,8 +1485,8 @@ def main(argv=None) -> int:
                     help="instead: the FP8 releases beside their bf16 twins at B 1, 2 and 8k, 32k, and time per token "
                          "at published accepted lengths")
     ap.add_argument("--moe", action="store_true",
-                    help="instead: Qwen3.5-35B-A3B's plain step and verify at widths 2..8 under each routing model, "
-                         "and the width each acceptance curve chooses")
+                    help="instead: Qwen3.5-35B-A3B's (bf16 and FP8) plain step and verify at widths 2..8 under each "
+                         "routing model, and the width each acceptance curve chooses")
     ap.add_argument("--prior-table", action="store_true",
                     help="instead: write the cost model's prior on cuda (dspark/cost_prior_h200.json, every shape) "
                          "and print its round and verify in plain steps")

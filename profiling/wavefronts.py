@@ -7,7 +7,7 @@ wavefronts per unit of its launch that profiling/perf_model.py scales them by:
   attention (prompt, split and serial kernels)  per CTA, per key tile walked, per split ended, per key
                                                 tile and m-tile of 16 items
   linear_mma_<dt>_m<BM>, linear_fp8_<dt>_m<BM>  per CTA, per K iteration (BK = 32)
-  moe_linear_mma_<dt>_m<BM>                     per working CTA, per K iteration
+  moe_linear_mma_<dt>_m<BM>, moe_linear_fp8_..  per working CTA, per K iteration
   gdn_chunk_state                               per CTA, per chunk walked
   every other kernel                            per byte its call moves (the benchmark's count), from
                                                 profiling/bench_kernels.py's ops at PROBE sizes
@@ -132,6 +132,23 @@ def child() -> list[dict]:
         units = {"cta": float(len(ctas)), "iteration": float(pm.grouped_iterations(plan, ctas).sum())}
         take(counts, lambda c, u=units: u if c.kernel.startswith("moe_linear_mma") else None,
              f"moe grouped rows={rows} K={kk}")
+    from dspark.ops.fp8 import Fp8Stack
+    rng8 = np.random.default_rng(2)   # its own stream: the probes above see the same inputs as before
+    for rows, kk in ((8, 128), (8, 256), (8, 1024), (130, 128), (130, 256)):   # the grouped product, FP8 experts
+        E, top, n = 16, 4, 256
+        plan = moe_ops.grouped_plan(rows, top, E, kk, n, 1)
+        logits = rng8.standard_normal((rows, E)).astype(np.float32)
+        routing = moe_ops.route(be, logits, E, top, True, plan.tile_rows)
+        g = moe_ops.group_ref(moe_ops.route_ref(logits, top, True)[0], E, plan.tile_rows)
+        x = rng8.standard_normal((rows, kk)).astype(np.float32)
+        w8 = Fp8Stack(rng8.integers(0, 0x70, (E, kk, n)).astype(np.uint8),
+                      np.ones((E, *scale_grid(kk, n)), np.float32), np.dtype(pm.BF16))
+        with k.counting() as counts:
+            moe_ops.grouped_linear(be, x, w8, routing, gather=True)
+        ctas = plan.ctas(g)
+        units = {"cta": float(len(ctas)), "iteration": float(pm.grouped_iterations(plan, ctas).sum())}
+        take(counts, lambda c, u=units: u if c.kernel.startswith("moe_linear_fp8") else None,
+             f"moe grouped fp8 rows={rows} K={kk}")
     import bench_kernels as bk
     for sizes in (PROBE_256, PROBE_128):
         for fam, benches in bk.FAMILIES.items():
@@ -164,7 +181,7 @@ def child() -> list[dict]:
 
 # entries with probes of their own (their units are not bytes)
 PROBED = ("attention_prompt", "attention_bf16", "attention_f16", "attention_f32", "linear_mma", "linear_fp8",
-          "moe_linear_mma")
+          "moe_linear_mma", "moe_linear_fp8")
 
 
 def fit(rows: list[dict]) -> dict:

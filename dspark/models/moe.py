@@ -19,6 +19,12 @@ Weights (our names, inside layer i): `moe.router` [d, E]; per expert e `moe.expe
 (`stacks`): `moe.w_gate_up` [E, d, 2I] (each expert's [gate | up], as dspark.models.weights fuses
 a dense MLP's) and `moe.w_down` [E, I, d], every per-expert name a view of its slice; the router and
 the shared gate are one GEMM (`moe.w_route`, weights.FUSED), as are the shared expert's gate and up.
+
+FP8 experts (an FP8 checkpoint's quantized experts: dspark.ops.fp8) stack the same way, as e4m3
+bytes and block scales (`Fp8Stack`: q [E, K, N], scale [E, ceil(K / 128), ceil(N / 128)]), every
+per-expert name an Fp8Matrix view of its expert's bytes and scales; no dequantized copy is made. A
+[gate | up] stack of FP8 parts is one scale grid only when the gate's width is whole 128-column
+blocks (dspark.models.hf.moe refuses the others at load).
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ import numpy as np
 from .. import profile
 from ..errors import DTypeError
 from ..ops.activation import swiglu
+from ..ops.fp8 import Fp8Matrix, Fp8Stack
 from ..ops.linear import linear
 from ..ops.moe import KERNEL_DTYPES, combine, grouped_linear, grouped_plan, grouped_rows, route
 from .config import TrunkConfig
@@ -67,20 +74,34 @@ def stacks(names) -> dict[str, list[tuple[str, ...]]]:
     return out
 
 
-def stacked_layout(be, groups: dict, shapes: dict, make, done) -> dict:
-    """name -> backend array for the stacked experts: one [E, K, sum of widths] array per stack
-    (`make(parts)` gives one expert's slice on the backend, one at a time: a checkpoint is never
-    held whole), owned by 'weights', and every per-expert tensor a view of its columns."""
+def stacked_layout(be, groups: dict, shapes: dict, make, done, owned: list) -> dict:
+    """name -> backend array for the stacked experts: one [E, K, sum of widths] array per stack, or
+    an Fp8Stack where the experts are FP8 (`make(parts)` gives one expert's slice on the backend,
+    an array or an Fp8Matrix, one at a time: a checkpoint is never held whole), owned by 'weights'
+    (each allocation appended to `owned` as it is made), and every per-expert tensor a view of its
+    columns. A stack's experts are all FP8 or all not (dspark.models.hf.moe checks it at load)."""
     out = {}
     for name, per_expert in groups.items():
         first = make(per_expert[0])
-        dev = be.alloc.adopt(be.xp.empty((len(per_expert), *first.shape), first.dtype), "weights")
+        fp8 = isinstance(first, Fp8Matrix)
+        E = len(per_expert)
+
+        def alloc(like):
+            owned.append(be.alloc.adopt(be.xp.empty((E, *like.shape), like.dtype), "weights"))
+            return owned[-1]
+        dev = Fp8Stack(alloc(first.q), alloc(first.scale), first.compute) if fp8 else alloc(first)
         for e, parts in enumerate(per_expert):
-            dev[e] = first if e == 0 else make(parts)
+            m = first if e == 0 else make(parts)
+            if isinstance(m, Fp8Matrix) != fp8:
+                raise DTypeError(f"tensor {parts[0]!r}: a stack's experts are all FP8 or all 16-bit")
+            if fp8:
+                dev.q[e], dev.scale[e] = m.q, m.scale
+            else:
+                dev[e] = m
             at = 0
             for q in parts:
                 width = shapes[q][1]
-                out[q] = dev[e, :, at : at + width]
+                out[q] = dev[e].columns(at, width) if fp8 else dev[e, :, at : at + width]
                 at += width
                 done(q)
         out[name] = dev

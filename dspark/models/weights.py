@@ -282,9 +282,12 @@ def _trunk_layout(be, c: TrunkConfig, shapes: dict, make, progress=None) -> dict
             return m.columns(at, width)
         return PanelledColumns(m, at, width) if isinstance(m, Panelled) else m[:, at : at + width]
 
-    def one_matrix(parts):  # an expert's slice: 16-bit or f32 (FP8 experts are refused at load)
-        (m,) = make(parts)
-        return m
+    def one_matrix(parts):  # an expert's slice: 16-bit, f32 or FP8 in whole blocks (hf.moe refuses the rest)
+        runs = make(parts)
+        if len(runs) != 1:
+            raise ShapeError(f"tensors {parts[0]!r} and {parts[-1]!r}: FP8 expert parts must span whole "
+                             f"{FP8_BLOCK}-column blocks to stack as one matrix (or be all FP8 or all 16-bit)")
+        return runs[0]
     try:
         for name in shapes:
             if name not in grouped:
@@ -306,9 +309,7 @@ def _trunk_layout(be, c: TrunkConfig, shapes: dict, make, progress=None) -> dict
                 out[q] = view(runs[r], at - starts[r], width)
                 at += width
                 done(q)
-        stacks_out = stacked_layout(be, experts, shapes, one_matrix, done)
-        owned.extend(stacks_out[name] for name in experts)
-        out.update(stacks_out)
+        out.update(stacked_layout(be, experts, shapes, one_matrix, done, owned))
     except BaseException:
         for a in owned:
             be.alloc.free(a)

@@ -120,3 +120,31 @@ def nan_bytes(q) -> int:
     b = np.asarray(q).view(np.uint8)
     rows = max(1, (1 << 24) // max(1, b.shape[-1]))
     return int(sum(np.count_nonzero((b[i : i + rows] & 0x7F) == 0x7F) for i in range(0, b.shape[0], rows)))
+
+
+@dataclass
+class Fp8Stack:
+    """A MoE layer's quantized experts stacked on a backend, as the 16-bit ones are stacked
+    (dspark.models.moe): q uint8 [E, K, N] and scale f32 [E, ceil(K / 128), ceil(N / 128)], expert
+    e's matrix the Fp8Matrix (q[e], scale[e]) (module doc); `compute` as Fp8Matrix's. The grouped
+    expert product (dspark.ops.moe) reads the bytes; no dequantized copy exists."""
+    q: object
+    scale: object
+    compute: np.dtype
+
+    ndim = 3
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        return tuple(self.q.shape)
+
+    @property
+    def dtype(self) -> np.dtype:
+        return E4M3
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.q.nbytes) + int(self.scale.nbytes)
+
+    def __getitem__(self, e: int) -> Fp8Matrix:
+        return Fp8Matrix(self.q[e], self.scale[e], self.compute)

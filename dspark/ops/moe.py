@@ -7,12 +7,16 @@ product and the combine, with their NumPy twins and the grouped product's launch
   CTA-to-expert map of the grouped products (`Routing`). No capacity limit, no dropped rows.
   `route_ref` and `group_ref` are its twins: the ids and the grouping exactly, the weights up to the
   last bit of exp (the host's libm against the device's expf).
-* `grouped_linear` (moe_linear_f32, moe_linear_mma_bf16_m<BM>): grouped row g of expert e is
-  x[src[g]] @ w[e] (`gather`) or x[g] @ w[e]. Each CTA takes one item of the map (an expert's tile of
-  rows) and runs dspark's GEMM tile on it (csrc/linear_f32.cuh, csrc/linear_mma.cuh), K ordered by
-  (K, N) alone: a row's expert output is bitwise the product (dspark.ops.linear) of that row by that
-  expert's weights, alone or sharing the expert. Each distinct expert's weights are read once per
-  tile of its rows: a verify of w rows reads the union of their experts once.
+* `grouped_linear` (moe_linear_f32, moe_linear_mma_bf16_m<BM>, moe_linear_fp8_bf16_m<BM>): grouped
+  row g of expert e is x[src[g]] @ w[e] (`gather`) or x[g] @ w[e]. Each CTA takes one item of the
+  map (an expert's tile of rows) and runs dspark's GEMM tile on it (csrc/linear_f32.cuh,
+  csrc/linear_mma.cuh, csrc/linear_fp8.cuh), K ordered by (K, N) alone: a row's expert output is
+  bitwise the product (dspark.ops.linear) of that row by that expert's weights, alone or sharing
+  the expert. Each distinct expert's weights are read once per tile of its rows: a verify of w rows
+  reads the union of their experts once. FP8 experts (dspark.ops.fp8.Fp8Stack: e4m3 bytes and
+  128 x 128 block scales per expert) dequantize in registers exactly as linear_fp8 does, with its K
+  chunk (a multiple of the scale block): a row's expert output is bitwise linear_fp8 of the row by
+  that expert's matrix; `grouped_linear_ref` is the twin.
 * `combine` (moe_combine_f32): a row's k outputs weighted and added in increasing expert id from 0
   (fixed by the row alone), then the shared expert times the sigmoid of its gate where the model has
   one. `combine_ref` is its twin, bit for bit without the shared gate's exp.
@@ -24,8 +28,8 @@ distinct experts each pass read to dspark.profile (`profile.experts`), the count
 verify follows.
 
 On numpy (the CPU product) the router is the twin and the grouped product is one call of the
-native product (dspark.ops.product) per expert over that expert's rows: the same row invariance,
-the same combine order.
+native product (dspark.ops.product; product_fp8 on the e4m3 bytes for FP8 experts) per expert over
+that expert's rows: the same row invariance, the same combine order.
 """
 
 from __future__ import annotations
@@ -40,8 +44,9 @@ from ..dtypes import BF16, suffix
 from ..errors import DTypeError, ShapeError
 from . import dense, product, rowsplit
 from .checks import require_dtype, require_ndim, require_shape
-from .linear import MMA_CONFIGS, MMA_TARGET_CTAS, ROW_TILE, THREADS as LINEAR_THREADS, _require_tensor_cores, \
-    mma_shared_mem, mma_split_plan, split_plan, tiles
+from .fp8 import BLOCK as FP8_BLOCK, Fp8Stack, scale_grid
+from .linear import FP8_ALIGN, MMA_CONFIGS, MMA_TARGET_CTAS, ROW_TILE, THREADS as LINEAR_THREADS, \
+    _require_tensor_cores, linear_fp8_ref, mma_shared_mem, mma_split_plan, split_plan, tiles
 
 F32 = np.float32
 ROUTE_WARPS = 8                  # kMoeWarps: router rows per CTA, a warp each
@@ -141,9 +146,9 @@ def max_items(rows: int, top_k: int, experts: int, tile_rows: int) -> int:
 @dataclass(frozen=True)
 class GroupedPlan:
     """One launch of the grouped product over `rows` rows routed to `top_k` of `experts` experts,
-    x [*, K] by w [E, K, N] of `itemsize`-byte entries: the entry, the worst-case grid (column tiles x
-    K splits, items), the row tile (`tile_rows`: the tensor cores' BM, or every row of an expert on
-    f32) and the K split (from K and N alone)."""
+    x [*, K] by w [E, K, N] of `itemsize`-byte entries (1: FP8, with its block scales): the entry,
+    the worst-case grid (column tiles x K splits, items), the row tile (`tile_rows`: the tensor
+    cores' BM, or every row of an expert on f32) and the K split (from K and N alone)."""
     entry: str
     rows: int
     top_k: int
@@ -172,7 +177,8 @@ class GroupedPlan:
     def ctas(self, grouping: Grouping) -> list[dict]:
         """The CTAs that do work for this routing (the map's items x column tiles x splits), each with
         its expert, tile, column tile, split, and the bytes it reads: the weights of its chunk (once
-        per ROW_TILE rows on f32, once on the tensor cores) and its rows of x."""
+        per ROW_TILE rows on f32, once on the tensor cores; FP8: the bytes and the f32 scales of the
+        blocks they lie in) and its rows of x."""
         out = []
         for i, (e, t) in enumerate(grouping.items):
             n_rows = min(self.tile_rows, int(grouping.counts[e]) - int(t) * self.tile_rows)
@@ -181,8 +187,11 @@ class GroupedPlan:
                 width = min(self.cols, self.N - c * self.cols)
                 for s in range(self.grid_splits):
                     k_rows = self.K if self.grid_splits == 1 else min(self.kchunk, self.K - s * self.kchunk)
+                    w_bytes = passes * k_rows * width * self.itemsize
+                    if self.itemsize == 1:  # the scales of its blocks (kchunk and BN are whole blocks)
+                        w_bytes += 4 * -(-k_rows // FP8_BLOCK) * -(-width // FP8_BLOCK)
                     out.append({"item": i, "expert": int(e), "tile": int(t), "col_tile": c, "split": s,
-                                "rows": n_rows, "w_bytes": passes * k_rows * width * self.itemsize,
+                                "rows": n_rows, "w_bytes": w_bytes,
                                 "x_bytes": n_rows * k_rows * 4})
         return out
 
@@ -197,8 +206,9 @@ class GroupedPlan:
 def grouped_plan(rows: int, top_k: int, experts: int, K: int, N: int, itemsize: int) -> GroupedPlan:
     """The grouped product's launch (pure): 16-bit weights take the tensor-core tile (BM 16 while an
     expert can have at most 16 rows, else 128) and its K split (mma_split_plan), in one CTA per chunk
-    while the worst-case CTAs leave an H200 short; f32 the f32 kernel's split (split_plan), an item
-    holding all of an expert's rows."""
+    while the worst-case CTAs leave an H200 short; FP8 (itemsize 1) the same tiles and modes with
+    linear_fp8's K split (a multiple of the 128-row scale block: fp8_plan's); f32 the f32 kernel's
+    split (split_plan), an item holding all of an expert's rows."""
     if itemsize == 4:
         s, kchunk = split_plan(K, N)
         bm = max(1, rows)
@@ -206,10 +216,12 @@ def grouped_plan(rows: int, top_k: int, experts: int, K: int, N: int, itemsize: 
                            max_items(rows, top_k, experts, bm), LINEAR_THREADS, 0)
     bm = MMA_TILES[0] if rows <= MMA_TILES[0] else MMA_TILES[-1]
     bn, _, warps, _ = MMA_CONFIGS[bm]
-    splits, kchunk = mma_split_plan(K, N)
+    fp8 = itemsize == 1
+    splits, kchunk = mma_split_plan(K, N, FP8_ALIGN) if fp8 else mma_split_plan(K, N)
     n_tiles, items = max(1, -(-N // bn)), max_items(rows, top_k, experts, bm)
     split = splits > 1 and items * n_tiles < MMA_TARGET_CTAS
-    return GroupedPlan(f"moe_linear_mma_bf16_m{bm}", rows, top_k, experts, K, N, itemsize, bm, n_tiles, bn,
+    entry = f"moe_linear_{'fp8' if fp8 else 'mma'}_bf16_m{bm}"
+    return GroupedPlan(entry, rows, top_k, experts, K, N, itemsize, bm, n_tiles, bn,
                        splits, kchunk, splits if split else 1, items, 32 * warps, mma_shared_mem(bm))
 
 
@@ -305,13 +317,22 @@ def _fixed(be, ws, name, shape, dtype):
 
 def grouped_linear(be, x, w, routing: Routing, *, gather: bool, out=None, ws=None, name: str = "moe.grouped"):
     """Grouped row g of expert e: x[src[g]] @ w[e] (`gather`: x [rows, K], a pass's rows) or x[g] @
-    w[e] (x [P, K], already grouped) -> out f32 [P, N], for w [E, K, N] f32 / f16 / bf16."""
-    x, w, out = adopt(be, x=x, w=w, out=out, writes=("out",))
+    w[e] (x [P, K], already grouped) -> out f32 [P, N], for w [E, K, N] f32 / f16 / bf16, or an
+    Fp8Stack (bf16 compute on the kernels)."""
+    fp8 = isinstance(w, Fp8Stack)
+    if fp8:
+        x, q, scale, out = adopt(be, x=x, q=w.q, scale=w.scale, out=out, writes=("out",))
+        require_ndim(q, 3, "w.q", "[experts, K, N]")
+        require_dtype(q, np.uint8, "w.q")
+        require_dtype(scale, F32, "w.scale")
+        require_shape(scale, (q.shape[0], *scale_grid(*q.shape[1:])), "w.scale")
+    else:
+        x, w, out = adopt(be, x=x, w=w, out=out, writes=("out",))
+        require_ndim(w, 3, "w", "[experts, K, N]")
+        suffix(w.dtype, "w")  # f32, f16 or bf16 (numpy multiplies any; the kernels below take f32 or bf16)
     require_ndim(x, 2, "x", "[rows, K]")
     require_dtype(x, F32, "x")
-    require_ndim(w, 3, "w", "[experts, K, N]")
-    suffix(w.dtype, "w")  # f32, f16 or bf16 (numpy multiplies any; the kernels below take f32 or bf16)
-    E, K, N = w.shape
+    E, K, N = q.shape if fp8 else w.shape
     P = routing.P
     if E != routing.experts:
         raise ShapeError(f"w has {E} experts: the routing has {routing.experts}")
@@ -326,32 +347,54 @@ def grouped_linear(be, x, w, routing: Routing, *, gather: bool, out=None, ws=Non
         g = routing.grouping
         for e in np.flatnonzero(g.counts):  # one native product per expert, over its rows
             at = g.rows_of(int(e))
-            out[at] = product.host_linear(x[g.src[at]] if gather else x[at], w[int(e)])
+            rows_x = x[g.src[at]] if gather else x[at]
+            out[at] = product.host_linear_fp8(rows_x, q[int(e)], scale[int(e)]) if fp8 else \
+                product.host_linear(rows_x, w[int(e)])
         return out
     if not P or not N:
         return out
-    plan = grouped_plan(routing.rows, routing.top_k, E, K, N, w.dtype.itemsize)
+    plan = grouped_plan(routing.rows, routing.top_k, E, K, N, 1 if fp8 else w.dtype.itemsize)
     if plan.tile_rows != routing.tile_rows:
         raise ShapeError(f"routing made its map for tiles of {routing.tile_rows} rows: this product's plan takes "
                          f"{plan.tile_rows} (route with grouped_plan(...).tile_rows)")
-    if w.dtype not in KERNEL_DTYPES:
+    if fp8 and np.dtype(w.compute) != BF16:
+        raise DTypeError(f"w.compute is {np.dtype(w.compute)}: the FP8 experts' kernels multiply with bfloat16 "
+                         f"activations")
+    if not fp8 and w.dtype not in KERNEL_DTYPES:
         raise DTypeError(f"w has dtype {w.dtype}: the grouped product's kernels take float32 or bfloat16")
-    if w.dtype.itemsize == 2:
+    if fp8 or w.dtype.itemsize == 2:
         _require_tensor_cores(be)
     xp = be.xp
-    x, w = xp.ascontiguousarray(x), xp.ascontiguousarray(w)
+    x = xp.ascontiguousarray(x)
+    weights = (xp.ascontiguousarray(q), xp.ascontiguousarray(scale)) if fp8 else (xp.ascontiguousarray(w),)
     partial = plan.grid_splits > 1
     part = grouped_rows(be, ws, f"{name}.part.{plan.splits}", plan.splits * P, routing.top_k * plan.splits, (N,)) \
         if partial else _fixed(be, ws, "linear.part", (1,), F32)
     tickets, _ = rowsplit.scratch(be, plan.items * plan.col_tiles, ws=ws)
-    common = (x, routing.src if gather else None, w, routing.counts, routing.offsets, routing.items, routing.stats)
-    if w.dtype.itemsize == 4:
+    common = (x, routing.src if gather else None, *weights, routing.counts, routing.offsets, routing.items,
+              routing.stats)
+    if plan.itemsize == 4:
         args = (*common, np.int32(plan.tile_rows), np.int32(K), np.int32(N), np.int32(plan.kchunk),
                 np.int32(plan.splits), out, part, np.int32(P), tickets)
     else:
         args = (*common, np.int32(K), np.int32(N), np.int32(plan.kchunk), np.int32(plan.grid_splits), out, part,
                 np.int32(P), tickets)
     rowsplit.launch(be, plan.entry, plan.grid, plan.threads, args, shared_mem=plan.shared_mem)
+    return out
+
+
+def grouped_linear_ref(x, w: Fp8Stack, grouping: Grouping, *, gather: bool) -> np.ndarray:
+    """The FP8 grouped product's arithmetic on host arrays, bitwise (moe_linear_fp8_bf16_m<BM>):
+    grouped row g of expert e is linear_fp8_ref of its row by expert e's bytes and scales in
+    w.compute, with the plan's K chunk (linear_fp8's, from K and N)."""
+    q, scale = np.asarray(w.q), np.asarray(w.scale)
+    E, K, N = q.shape
+    kchunk = mma_split_plan(K, N, FP8_ALIGN)[1]
+    x = np.asarray(x, F32)
+    out = np.zeros((int(grouping.counts.sum()), N), F32)
+    for e in np.flatnonzero(grouping.counts):
+        at = grouping.rows_of(int(e))
+        out[at] = linear_fp8_ref(x[grouping.src[at]] if gather else x[at], q[e], scale[e], w.compute, kchunk)
     return out
 
 

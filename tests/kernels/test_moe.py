@@ -2,9 +2,11 @@
 NumPy twins (dspark.ops.moe): the routing's ids and grouping exactly, its weights up to exp's last
 bit; ties to the lower expert in the kernel and in the twin; each grouped row bitwise the product
 (dspark.ops.linear) of its row by its expert; a row's block output the same bits alone and in
-batches of 2, 7 and 16 (numpy and simt); a verify of w rows reading each distinct expert once,
-counted from the plan's CTA-to-expert map against the twin's routing; bad input refused before
-anything is written."""
+batches of 2, 7 and 16 (numpy and simt); FP8 experts (e4m3 bytes and block scales, quantized by the
+tests' FP8 recipe): the kernel bitwise its twin, each grouped row bitwise the dense linear_fp8 of its
+row by its expert's matrix (simt and numpy), the same row invariance; a verify of w rows reading
+each distinct expert once, counted from the plan's CTA-to-expert map against the twin's routing;
+bad input refused before anything is written."""
 
 import numpy as np
 import pytest
@@ -13,9 +15,11 @@ from dspark.dtypes import BF16
 from dspark.errors import DTypeError, ShapeError
 from dspark.ops import moe
 from dspark.ops.activation import swiglu_ref
-from dspark.ops.linear import linear_mma_ref, linear_ref, mma_split_plan, split_plan
+from dspark.ops.fp8 import Fp8Stack, scale_grid
+from dspark.ops.linear import FP8_ALIGN, linear, linear_mma_ref, linear_ref, mma_split_plan, split_plan
 from dspark.ops.product import product_ref
 from tests.conftest import poison
+from tests.models.fp8_models import quantize
 
 # (rows, experts, top_k): one row, ragged lanes (37 experts), a prompt's rows, the kernels' widest
 ROUTES = [(1, 16, 4), (7, 37, 5), (33, 128, 8), (300, 16, 4), (9, 512, 32)]
@@ -70,8 +74,22 @@ def test_router_ties_pick_the_lower_index(simt):
     assert np.array_equal(r.ids, ids)
 
 
-def experts(rng, E, K, N, dtype):
-    return (rng.standard_normal((E, K, N)) / np.sqrt(K)).astype(dtype)
+FP8 = "fp8"  # experts(dtype=FP8): an Fp8Stack
+
+
+def experts(rng, E, K, N, dtype, compute=BF16):
+    """E random experts [K, N]: of `dtype`, or FP8 (an Fp8Stack computing in `compute`), each
+    quantized by the FP8 recipe from its [N, K] checkpoint layout (f32 scales, as our layout holds)."""
+    w = (rng.standard_normal((E, K, N)) / np.sqrt(K)).astype(np.float32)
+    if dtype != FP8:
+        return w.astype(dtype)
+    per = [quantize(np.ascontiguousarray(m.T)) for m in w]
+    return Fp8Stack(np.stack([q.view(np.uint8).T for q, _ in per]), np.stack([s.T for _, s in per]),
+                    np.dtype(compute))
+
+
+def itemsize_of(w) -> int:
+    return 1 if isinstance(w, Fp8Stack) else w.dtype.itemsize
 
 
 def product_of(x, w):
@@ -102,13 +120,54 @@ def test_grouped_rows_are_the_product_by_their_expert(simt, rng, rows, E, K, N, 
         assert np.array_equal(out[at], product_of(x[g.src[at]] if gather else x[at], w[e])), f"expert {e}"
 
 
+# FP8 experts: K and N off the 128 grid and over it, rows in one tile (BM 16) and past it (BM 128), K in
+# one chunk and in two (600: kchunk 384, split mode)
+FP8_SHAPES = [(1, 16, 200, 136), (3, 17, 64, 40), (20, 19, 130, 264), (2, 16, 600, 24)]
+
+
+def fp8_grouped(be, rng, rows, E, K, N, gather, compute):
+    """(x, w, grouping, out) of one FP8 grouped product on `be` into a poisoned buffer."""
+    k = 4
+    plan = moe.grouped_plan(rows, k, E, K, N, 1)
+    assert plan.entry == f"moe_linear_fp8_bf16_m{16 if rows <= 16 else 128}" and plan.kchunk % 128 == 0
+    x = rng.standard_normal((rows if gather else rows * k, K)).astype(np.float32)
+    w = experts(rng, E, K, N, FP8, compute)
+    r = routed(be, rng.standard_normal((rows, E)).astype(np.float32), k, tile_rows=plan.tile_rows)
+    out = poison(np, (rows * k, N), np.float32)
+    moe.grouped_linear(be, x, w, r, gather=gather, out=out)
+    return x, w, r.grouping or moe.group_ref(r.ids, E, plan.tile_rows), out
+
+
+@pytest.mark.parametrize("gather", [True, False], ids=["gathered", "grouped"])
+@pytest.mark.parametrize("rows,E,K,N", FP8_SHAPES)
+def test_fp8_grouped_product_equals_its_twin(simt, rng, rows, E, K, N, gather):
+    """The kernel bitwise its twin (grouped_linear_ref: linear_fp8_ref per expert, linear_fp8's K
+    chunk), every grouped row written."""
+    x, w, g, out = fp8_grouped(simt, rng, rows, E, K, N, gather, BF16)
+    assert np.array_equal(out, moe.grouped_linear_ref(x, w, g, gather=gather))
+
+
+@pytest.mark.parametrize("gather", [True, False], ids=["gathered", "grouped"])
+@pytest.mark.parametrize("rows,E,K,N", FP8_SHAPES)
+def test_fp8_grouped_rows_are_linear_fp8_by_their_expert(simt, numpy_backend, rng, rows, E, K, N, gather):
+    """Every grouped row bitwise the dense product of its row by its expert's matrix: simt's
+    linear_fp8 kernel (csrc/linear_fp8.cu), and on numpy the numpy backend's linear_fp8 (the native
+    product on the bytes)."""
+    for be, compute in ((simt, BF16), (numpy_backend, np.float32)):
+        x, w, g, out = fp8_grouped(be, rng, rows, E, K, N, gather, compute)
+        for e in np.flatnonzero(g.counts):
+            at = g.rows_of(e)
+            dense = linear(be, x[g.src[at]] if gather else x[at], w[e])
+            assert np.array_equal(out[at], dense), f"{be.name} expert {e}"
+
+
 def block(be, h, router, w_gate_up, w_down, k, shared):
     """One MoE block through the ops, for a backend whose arrays are host arrays (numpy, simt): the
     router's logits (and the shared expert's gate beside them) and the SwiGLU by their row-invariant
     NumPy twins, so that only moe.cu's kernels run; `shared` the shared expert's output."""
     E = w_gate_up.shape[0]
     src = product_ref(h, router)  # [rows, E + 1]: the router's logits, then the shared expert's gate
-    plan = moe.grouped_plan(h.shape[0], k, E, h.shape[1], w_gate_up.shape[2], w_gate_up.dtype.itemsize)
+    plan = moe.grouped_plan(h.shape[0], k, E, h.shape[1], w_gate_up.shape[2], itemsize_of(w_gate_up))
     r = moe.route(be, src, E, k, True, plan.tile_rows)
     act = swiglu_ref(moe.grouped_linear(be, h, w_gate_up, r, gather=True))
     y = moe.grouped_linear(be, np.ascontiguousarray(act), w_down, r, gather=False)
@@ -131,15 +190,17 @@ def batch_around(rng, row, n, lead=None):
     return np.concatenate([others, row[None]]).astype(np.float32), n - 1
 
 
-@pytest.mark.parametrize("backend,dtype", [("numpy_backend", np.float32), ("simt", np.float32), ("simt", BF16)],
-                         ids=["numpy", "simt-f32", "simt-bf16"])
+@pytest.mark.parametrize("backend,dtype", [("numpy_backend", np.float32), ("simt", np.float32), ("simt", BF16),
+                                           ("numpy_backend", FP8), ("simt", FP8)],
+                         ids=["numpy", "simt-f32", "simt-bf16", "numpy-fp8", "simt-fp8"])
 def test_a_rows_output_is_the_same_bits_alone_and_in_any_batch(request, rng, backend, dtype):
     """A row's MoE output alone equals the same row in batches of 2, 7 and 16 whose other rows are
     routed to its own experts and to others (the shared expert's gate and output included)."""
     be = request.getfixturevalue(backend)
     d, E, I, k = 48, 16, 24, 4
     router = rng.standard_normal((d, E + 1)).astype(np.float32)
-    wgu, wd = experts(rng, E, d, 2 * I, dtype), experts(rng, E, I, d, dtype)
+    compute = np.float32 if be.kernels is None else BF16
+    wgu, wd = experts(rng, E, d, 2 * I, dtype, compute), experts(rng, E, I, d, dtype, compute)
     row = rng.standard_normal((1, d)).astype(np.float32)
     alone = block(be, row, router, wgu, wd, k, np.tanh(row))  # tanh: any per-row shared output
     mine = moe.route_ref(product_ref(row, router)[:, :E], k, True)[0][0]
@@ -175,21 +236,22 @@ def test_combine_matches_its_twin(request, rng, backend):
         np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-7)
 
 
-@pytest.mark.parametrize("itemsize", [4, 2], ids=["f32", "bf16"])
+@pytest.mark.parametrize("itemsize", [4, 2, 1], ids=["f32", "bf16", "fp8"])
 @pytest.mark.parametrize("w", [1, 4, 8, 16])
 def test_a_verify_reads_each_distinct_expert_once(simt, rng, w, itemsize):
     """Counted from the plan's CTA-to-expert map for the twin's routing of w verify rows: every
-    distinct expert's weights are read once in all (the union of the rows' experts), and the
-    router kernel's map is that map."""
+    distinct expert's weights are read once in all (the union of the rows' experts; FP8: its bytes
+    and its f32 block scales), and the router kernel's map is that map."""
     E, k, K, N = 64, 8, 256, 192
     logits = rng.standard_normal((w, E)).astype(np.float32)
     plan = moe.grouped_plan(w, k, E, K, N, itemsize)
     ids, _ = moe.route_ref(logits, k, True)
     g = moe.group_ref(ids, E, plan.tile_rows)
     per_expert = plan.expert_bytes(g)
+    one = K * N * itemsize + (4 * np.prod(scale_grid(K, N)) if itemsize == 1 else 0)
     assert set(per_expert) == set(np.unique(ids).tolist())
-    assert all(b == K * N * itemsize for b in per_expert.values()), per_expert
-    assert sum(c["w_bytes"] for c in plan.ctas(g)) == g.distinct * K * N * itemsize
+    assert all(b == one for b in per_expert.values()), per_expert
+    assert sum(c["w_bytes"] for c in plan.ctas(g)) == g.distinct * one
     assert len(g.items) <= plan.items
     r = routed(simt, logits, k, tile_rows=plan.tile_rows)
     assert np.array_equal(r.items[: int(r.stats[0])], g.items) and int(r.stats[1]) == g.distinct
@@ -212,13 +274,20 @@ def test_bad_input_is_refused_before_anything_is_written(simt, rng):
         moe.grouped_linear(simt, x, w, r, gather=False, out=out)
     with pytest.raises(DTypeError, match="the grouped product's kernels take float32 or bfloat16"):
         moe.grouped_linear(simt, x, w.astype(np.float16), r, gather=True, out=out)
+    fp8 = experts(rng, E, 32, 24, FP8, np.float16)
+    with pytest.raises(DTypeError, match="w.compute is float16: the FP8 experts' kernels multiply with bfloat16"):
+        moe.grouped_linear(simt, x, fp8, r, gather=True, out=out)
+    with pytest.raises(ShapeError, match=r"w.scale has shape \(16, 1, 2\)"):
+        moe.grouped_linear(simt, x, Fp8Stack(fp8.q, np.ones((E, 1, 2), np.float32), BF16), r, gather=True, out=out)
     assert np.array_equal(out, before, equal_nan=True)
 
 
 def test_the_plan_splits_k_by_k_and_n_alone():
     """The grouped product's K split is the product's (from K and N), whatever the rows; a K of two
     chunks runs one CTA per chunk while the worst-case CTAs are few."""
-    for itemsize in (4, 2):
+    for itemsize in (4, 2, 1):
         plans = [moe.grouped_plan(rows, 8, 64, 600, 24, itemsize) for rows in (1, 5, 16, 17, 300)]
         assert len({(p.splits, p.kchunk) for p in plans}) == 1 and plans[0].splits == 2
         assert plans[0].grid_splits == 2
+    fp8 = moe.grouped_plan(3, 8, 64, 600, 24, 1)  # FP8: linear_fp8's chunk, whole scale blocks
+    assert fp8.kchunk == mma_split_plan(600, 24, FP8_ALIGN)[1] and fp8.kchunk % 128 == 0

@@ -20,7 +20,7 @@ import ml_dtypes
 import numpy as np
 
 from dspark.models.hf.checkpoint import Checkpoint
-from tests.models.hf_models import GDN_ATTN, Case, build
+from tests.models.hf_models import GDN_ATTN, MOE_SHAPE, Case, build
 
 E4M3 = np.dtype(ml_dtypes.float8_e4m3fn)
 FP8_MAX = np.float32(448.0)
@@ -72,9 +72,16 @@ LINEAR_SUFFIXES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj
                    "in_proj_z", "in_proj_a", "in_proj_b", "out_proj")
 
 
+FUSED_EXPERTS = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")  # [E, N, K], as FP8Experts holds them
+
+
 def is_layer_linear(name: str) -> bool:
     return ".layers." in name and not name.startswith("model.visual.") and name.endswith(".weight") \
         and name[: -len(".weight")].rsplit(".", 1)[-1] in LINEAR_SUFFIXES
+
+
+def is_fused_experts(name: str) -> bool:
+    return ".layers." in name and name.endswith(FUSED_EXPERTS)
 
 
 def listed(module: str, not_convert) -> bool:
@@ -122,12 +129,18 @@ def build_fp8(case: Fp8Case, d: Path) -> None:
 
 
 def quantize_dir(d: Path, case: Fp8Case) -> None:
+    """Every layer linear not listed, by the recipe; fused 3-D experts [E, N, K] expert by expert,
+    their scales `<name>_scale_inv` [E, ceil(N / 128), ceil(K / 128)] (transformers' FP8Experts)."""
     tensors = tensors_of(d)
+    scale_dtype = ml_dtypes.bfloat16 if case.scale_dtype == "bfloat16" else np.float32
     for name in [n for n in tensors if is_layer_linear(n) and not listed(n[: -len(".weight")], case.not_convert)]:
-        q, inv = quantize(tensors[name].astype(np.float32),
-                          ml_dtypes.bfloat16 if case.scale_dtype == "bfloat16" else np.float32)
+        q, inv = quantize(tensors[name].astype(np.float32), scale_dtype)
         tensors[name] = q
         tensors[name[: -len("weight")] + "weight_scale_inv"] = inv
+    for name in [n for n in tensors if is_fused_experts(n) and not listed(n, case.not_convert)]:
+        per = [quantize(w.astype(np.float32), scale_dtype) for w in tensors[name]]
+        tensors[name] = np.stack([q for q, _ in per])
+        tensors[name + "_scale_inv"] = np.stack([inv for _, inv in per])
     save_tensors(d, tensors)
     edit_config(d, lambda cfg: cfg.update(quantization_config=quantization_config(case)))
 
@@ -138,9 +151,11 @@ def dequantized_copy(src: Path, d: Path, dtype=np.float32) -> None:
     import shutil
     shutil.copytree(src, d)
     tensors = tensors_of(src)
-    for name in [n for n in tensors if n.endswith(".weight_scale_inv")]:
-        w = name[: -len("weight_scale_inv")] + "weight"
-        tensors[w] = dequantize(tensors[w], tensors.pop(name)).astype(dtype)
+    for name in [n for n in tensors if n.endswith("_scale_inv")]:
+        w = name[: -len("_scale_inv")]
+        q, inv = tensors[w], tensors.pop(name)
+        tensors[w] = (np.stack([dequantize(a, b) for a, b in zip(q, inv)]) if q.ndim == 3
+                      else dequantize(q, inv)).astype(dtype)
     save_tensors(d, tensors)
     edit_config(d, lambda cfg: cfg.pop("quantization_config"))
 
@@ -166,6 +181,23 @@ EDGE_FP8 = Fp8Case("qwen3_5-fp8-edge", Case("qwen3_5-fp8-edge-base", "qwen3_5", 
     not_convert=("lm_head", "model.language_model.layers.0.linear_attn.in_proj_a",
                  "model.language_model.layers.0.linear_attn.in_proj_b", "model.visual"), scale_dtype="bfloat16")
 FP8_CASES = [QWEN3_FP8, QWEN35_FP8]
+# Mixture-of-experts FP8 checkpoints (16 experts, top-4; moe_intermediate_size 128: an expert's gate
+# and up in whole scale blocks, as the released FP8 MoE checkpoints' 512 and 768), the router and the
+# shared expert's gate left as stored, as those releases list them.
+MOE_FP8_SHAPE = dict(MOE_SHAPE, moe_intermediate_size=128)
+MOE_NOT_CONVERT = ("lm_head", "mlp.gate", "shared_expert_gate")
+# qwen3_moe: a dense FP8 MLP between two sparse layers, renormalized top-k, per-expert tensors, f32 scales
+QWEN3_MOE_FP8 = Fp8Case("qwen3_moe-fp8", Case("qwen3_moe-fp8-base", "qwen3_moe", dict(
+    MOE_FP8_SHAPE, num_hidden_layers=3, intermediate_size=96, norm_topk_prob=True, mlp_only_layers=[1]),
+    dtype="bfloat16", seed=24), not_convert=MOE_NOT_CONVERT)
+# qwen3_5_moe (the multimodal layout): gdn and attention, a gated FP8 shared expert, bf16 scales, gdn's
+# a and b left 16-bit
+QWEN35_MOE_FP8 = Fp8Case("qwen3_5_moe-fp8", Case("qwen3_5_moe-fp8-base", "qwen3_5_moe", dict(
+    MOE_FP8_SHAPE, num_hidden_layers=2, shared_expert_intermediate_size=48, linear_num_key_heads=1,
+    linear_num_value_heads=2, linear_key_head_dim=32, linear_value_head_dim=32,
+    layer_types=["linear_attention", "full_attention"]), dtype="bfloat16", seed=25),
+    not_convert=MOE_NOT_CONVERT + ("in_proj_a", "in_proj_b", "model.visual"), scale_dtype="bfloat16")
+MOE_FP8_CASES = [QWEN3_MOE_FP8, QWEN35_MOE_FP8]
 
 
 def unprefixed(case: Fp8Case) -> Fp8Case:

@@ -238,8 +238,8 @@ def test_the_seeds_pair_is_priced_with_each_drafter():
     assert "candidate selector" in names and any(n.startswith("drafter lm head (own, draft vocabulary)") for n in names)
 
 # ---- the code as compiled: issue rate, registers, bounds --------------------------------------------------
-MODEL_ROUNDS = [(m, b, ctx) for m in ("embedded", "qwen3-8b", "qwen3.5-27b", "qwen3.5-27b-fp8", "qwen3.5-35b-a3b")
-                for b in (1, 2) for ctx in (4096, 32768)]
+MODEL_ROUNDS = [(m, b, ctx) for m in ("embedded", "qwen3-8b", "qwen3.5-27b", "qwen3.5-27b-fp8", "qwen3.5-35b-a3b",
+                                      "qwen3.5-35b-a3b-fp8") for b in (1, 2) for ctx in (4096, 32768)]
 
 
 @pytest.mark.parametrize("model, batch, context", MODEL_ROUNDS)
@@ -270,7 +270,7 @@ def test_every_prompt_kernel_is_at_or_above_its_limiters():
     """The prompt pass's kernels (the GEMMs in fold mode, prompt attention, the chunked gdn, the
     glue): expected at or above each limiter and the DRAM bytes."""
     dev = pm.H200
-    for name in ("qwen3.5-27b", "qwen3-8b", "qwen3.5-27b-fp8", "qwen3.5-35b-a3b"):
+    for name in ("qwen3.5-27b", "qwen3-8b", "qwen3.5-27b-fp8", "qwen3.5-35b-a3b", "qwen3.5-35b-a3b-fp8"):
         for k in pm.prompt(pm.shapes()[name], 8192, dev).kernels:
             assert all(k.time >= t * (1 - 1e-9) for t in k.limits.values()), k.name
             assert k.time >= k.bytes / dev.bw * (1 - 1e-9) and k.floor == max(k.limits.values()), k.name
@@ -458,30 +458,61 @@ def test_routing_models_and_their_distinct_experts():
         assert counts == sorted(counts) and counts[-1] <= 256
 
 
+@pytest.mark.parametrize("name", ["qwen3.5-35b-a3b", "qwen3.5-35b-a3b-fp8"], ids=["bf16", "fp8"])
 @pytest.mark.parametrize("routing", ["uniform", "published"])
 @pytest.mark.parametrize("width", [2, 5, 8])
-def test_a_moe_verify_reads_each_distinct_expert_once(routing, width):
+def test_a_moe_verify_reads_each_distinct_expert_once(routing, width, name):
     """The grouped products of a verify of `width` rows: the plan's CTA-to-expert map (for a routing
     the twin groups: dspark.ops.moe.group_ref) touches exactly the routing model's distinct experts,
-    and the kernel's least bytes are those experts' weights once, its rows of x and its outputs."""
+    and the kernel's least bytes are those experts' weights once (FP8: a byte a weight and 4 per
+    128 x 128 scale block, on the FP8 entry), its rows of x and its outputs."""
     from dspark.ops import moe as moe_ops
-    s = dataclasses.replace(pm.shapes()["qwen3.5-35b-a3b"], routing=routing)
+    s = dataclasses.replace(pm.shapes()[name], routing=routing)
     c = s.trunk
     d, E, k, I = c.d_model, c.experts, c.expert_top_k, c.expert_hidden
+    wb = 1 if s.fp8 else 2
     D = pm.distinct_experts(s, width)
     ids = pm.synthetic_routing(width, k, D)
     assert all(len(set(row)) == k for row in ids.tolist())
     for K, N, gather in ((d, 2 * I, True), (I, d, False)):
-        plan = moe_ops.grouped_plan(width, k, E, K, N, 2)
+        plan = moe_ops.grouped_plan(width, k, E, K, N, wb)
         g = moe_ops.group_ref(ids, E, plan.tile_rows)
         assert len({cta["expert"] for cta in plan.ctas(g)}) == g.distinct == D
         kern = pm.grouped_kernel("verify", "x", width, K, N, s, pm.H200, gather=gather)
+        assert kern.entry == plan.entry == f"moe_linear_{'fp8' if s.fp8 else 'mma'}_bf16_m16"
         P = width * k
-        assert kern.min_bytes == D * K * N * 2 + 4 * (width if gather else P) * K + 4 * P * N
+        one = K * N * wb + (4 * -(-K // 128) * -(-N // 128) if s.fp8 else 0)
+        assert kern.min_bytes == D * one + 4 * (width if gather else P) * K + 4 * P * N
         assert kern.bytes >= kern.min_bytes and kern.floor <= kern.time
+    assert pm.expert_bytes(s) == 3 * d * I * wb + (4 * (16 * 8 + 4 * 16) if s.fp8 else 0)
     ks = pm.trunk_pass(s, 1, 8192, width, pm.H200, verify=True)
-    grouped = [kk for kk in ks if kk.entry.startswith("moe_linear_mma")]
-    assert grouped and all(f"({D} experts)" in kk.name for kk in grouped)
+    grouped = [kk for kk in ks if kk.entry.startswith("moe_linear_")]
+    assert grouped and all(f"({D} experts)" in kk.name and kk.entry.startswith(plan.entry[:15]) for kk in grouped)
+
+
+def test_fp8_moe_experts_and_shared_expert_are_priced_at_one_byte_the_router_at_two():
+    """Qwen3.5-35B-A3B-FP8's plain step beside the bf16 release's: the grouped products on the FP8
+    entry, their weights' least bytes half the bf16 ones' plus the scales; the shared expert on
+    linear_fp8; the router and its gate (16-bit in the FP8 releases) the bf16 step's own kernel."""
+    table = pm.shapes()
+    fp8, bf16 = table["qwen3.5-35b-a3b-fp8"], table["qwen3.5-35b-a3b"]
+    assert fp8.trunk == bf16.trunk and fp8.drafter == bf16.drafter and fp8.fp8
+    mine = {k.name: k for k in pm.trunk_pass(fp8, 1, 8192, 1, pm.H200, verify=False)}
+    theirs = {k.name: k for k in pm.trunk_pass(bf16, 1, 8192, 1, pm.H200, verify=False)}
+    c = fp8.trunk
+    shapes_of = {"gate|up": (c.d_model, 2 * c.expert_hidden), "down": (c.expert_hidden, c.d_model)}
+    for name, k in mine.items():
+        if name.startswith("moe experts"):
+            assert k.entry == "moe_linear_fp8_bf16_m16" and theirs[name].entry == "moe_linear_mma_bf16_m16"
+            part, D, layers = re.match(r"moe experts (\S+) \((\d+) experts\) \(x(\d+) ", name).groups()
+            K, N = shapes_of[part]
+            saved = int(layers) * int(D) * (K * N - 4 * -(-K // 128) * -(-N // 128))   # 2 bytes a weight -> 1 + scales
+            assert theirs[name].min_bytes - k.min_bytes == saved, name
+        elif name.startswith("moe shared"):
+            assert k.entry == "linear_fp8_bf16_m16", name
+        elif name.startswith("moe router"):
+            assert k.entry == theirs[name].entry == "linear_mma_bf16_m16" and k.min_bytes == theirs[name].min_bytes
+    assert any(n.startswith("moe experts gate|up") for n in mine) and any(n.startswith("moe shared") for n in mine)
 
 
 def test_the_moe_report_prices_widths_by_their_experts():
@@ -489,20 +520,28 @@ def test_the_moe_report_prices_widths_by_their_experts():
     bytes are the MoE layers' distinct experts' weights; a verify under the routing that reads
     fewer experts is cheaper; the gain width is the width of least time per token, recomputed."""
     out = ok(script("profiling/perf_model.py", "--moe")[0])
-    rows = [x for x in rows_of(out, "routing", "experts/layer") if len(x) == len(pm.MOE_HEADERS)]
-    assert {(x[0], x[1], x[2], x[3]) for x in rows} == {(r, str(b), str(c), str(w)) for r in pm.ROUTINGS
-                                                      for b in (1, 2) for c in (8192, 32768) for w in range(2, 9)}
-    s = pm.shapes()["qwen3.5-35b-a3b"]
-    c = s.trunk
+    rows = [x for x in rows_of(out, "weights", "experts/layer") if len(x) == len(pm.MOE_HEADERS)]
+    assert {tuple(x[:5]) for x in rows} == {(f, r, str(b), str(c), str(w)) for f in ("bf16", "fp8") for r in pm.ROUTINGS
+                                           for b in (1, 2) for c in (8192, 32768) for w in range(2, 9)}
+    table = pm.shapes()
+    shape_of = {"bf16": table["qwen3.5-35b-a3b"], "fp8": table["qwen3.5-35b-a3b-fp8"]}
+    c = shape_of["bf16"].trunk
     for x in rows:
-        assert num(x[5]) == pytest.approx(40 * int(x[4]) * 3 * c.d_model * c.expert_hidden * 2 / 1e6, abs=0.06)
-        assert num(x[6]) <= num(x[7])
-    verify = {(x[0], x[1], x[2], x[3]): num(x[7]) for x in rows}
-    assert verify[("published", "1", "8192", "8")] < verify[("uniform", "1", "8192", "8")]
+        assert num(x[6]) == pytest.approx(40 * int(x[5]) * pm.expert_bytes(shape_of[x[0]]) / 1e6, abs=0.06)
+        assert num(x[7]) <= num(x[8]) and num(x[10]) <= num(x[11])
+    assert pm.expert_bytes(shape_of["bf16"]) == 3 * c.d_model * c.expert_hidden * 2
+    verify = {tuple(x[:5]): num(x[8]) for x in rows}
+    for f in ("bf16", "fp8"):
+        assert verify[(f, "published", "1", "8192", "8")] < verify[(f, "uniform", "1", "8192", "8")]
+    r = pm.spec_round(dataclasses.replace(shape_of["fp8"], routing="published"), 2, 32768, 5)
+    x = next(x for x in rows if x[:5] == ["fp8", "published", "2", "32768", "5"])
+    assert num(x[8]) == pytest.approx(r.gpu(r.verify_pass()) * 1e6, rel=1e-3)
+    assert num(x[11]) == pytest.approx(r.plain_time() * 1e6, rel=1e-3)
     widths = [x for x in rows_of(out, "curve", "gain width") if len(x) == len(pm.WIDTH_HEADERS)]
-    assert len(widths) == len(pm.ACCEPTANCE_CURVES) * len(pm.ROUTINGS) * 2
+    assert len(widths) == len(pm.ACCEPTANCE_CURVES) * len(pm.ROUTINGS) * 2 * len(pm.MOE_SHAPES)
     label, mean, drafts = pm.ACCEPTANCE_CURVES[0]
-    x = next(x for x in widths if x[0] == label and x[1] == "uniform" and x[2] == "1")
-    per_token = {w: pm.spec_round(s, 1, 8192, w).time() / pm.curve_tokens(mean, drafts, w) for w in range(2, 9)}
-    assert int(x[4]) == min(per_token, key=per_token.get)
-    assert num(x[6]) == pytest.approx(per_token[int(x[4])] * 1e3, abs=0.006)
+    for f, s in shape_of.items():
+        x = next(x for x in widths if x[0] == label and x[1] == f and x[2] == "uniform" and x[3] == "1")
+        per_token = {w: pm.spec_round(s, 1, 8192, w).time() / pm.curve_tokens(mean, drafts, w) for w in range(2, 9)}
+        assert int(x[5]) == min(per_token, key=per_token.get)
+        assert num(x[7]) == pytest.approx(per_token[int(x[5])] * 1e3, abs=0.006)

@@ -19,15 +19,30 @@ Expert tensors come in the two layouts save_pretrained writes, for both model ty
   then its up rows) and `mlp.experts.down_proj` [E, d, I]. `unfuse` presents each expert's part as a
   tensor of the first layout's name: a byte range of the file, memory-mapped, no copy.
 
+FP8 checkpoints (dspark.models.hf.quantization): quantized experts are served in both layouts, kept
+e4m3 with their 128 x 128 block scales and stacked per layer (dspark.models.moe):
+* per expert: `mlp.experts.{e}.gate_proj.weight` F8_E4M3 beside `...gate_proj.weight_scale_inv`, as
+  for a dense linear;
+* fused, as transformers' fine-grained FP8 integration holds them (FP8Experts): `mlp.experts.
+  gate_up_proj` F8_E4M3 [E, 2I, d] with `mlp.experts.gate_up_proj_scale_inv` [E, ceil(2I / 128),
+  ceil(d / 128)], and `down_proj` with `down_proj_scale_inv` [E, ceil(d / 128), ceil(I / 128)];
+  `unfuse` presents each expert's part of the scales as its `weight_scale_inv` (a byte range).
+The router (`mlp.gate`) and the shared expert's gate stay as stored (modules_to_not_convert).
+An expert's [gate | up] is one matrix of one scale grid, so FP8 gate and up need
+moe_intermediate_size a multiple of 128 (the released FP8 MoE checkpoints' 512 and 768); and a
+layer's experts are all FP8 or all 16-bit, per stack (`check_fp8_experts`).
+
 Bad input is a CheckpointError naming the key or tensor: an expert count or top-k the config
 contradicts or the kernels cannot run (dspark.ops.moe.MAX_EXPERTS, MAX_TOP_K), mlp_only_layers
-outside the layers, a fused tensor of another shape than the config's.
+outside the layers, a fused tensor of another shape than the config's, a fused FP8 tensor without
+its scale or with a scale of another shape or dtype, FP8 experts the stacks cannot hold (above).
 """
 
 from __future__ import annotations
 
 import numpy as np
 
+from ...ops.fp8 import BLOCK as FP8_BLOCK
 from ...ops.moe import MAX_EXPERTS, MAX_TOP_K
 from ..config import TrunkConfig
 from .checkpoint import DTYPES, CheckpointError, TensorInfo
@@ -110,17 +125,79 @@ def unfuse(tensors: dict, c: TrunkConfig, prefix: str) -> int:
             dtype = DTYPES.get(info.dtype)
             if dtype is None or info.end - info.start != int(np.prod(shape)) * dtype.itemsize:
                 raise CheckpointError(f"tensor {fused!r}: dtype {info.dtype}, {info.end - info.start} bytes for "
-                                      f"shape {shape}: expected F32, F16 or BF16 of that shape")
+                                      f"shape {shape}: expected F32, F16, BF16 or F8_E4M3 of that shape")
+            scales = fused_scales(tensors, fused, info, shape, parts)
             del tensors[fused]
             split += 1
             row_bytes = shape[2] * dtype.itemsize
             for e in range(E):
                 at = info.start + e * shape[1] * row_bytes
-                for name, n_rows in parts:
+                for j, (name, n_rows) in enumerate(parts):
                     per = f"{p}{e}.{name}.weight"
                     if per in tensors:
                         raise CheckpointError(f"tensors {fused!r} and {per!r}: both expert layouts in one "
                                               f"checkpoint")
                     tensors[per] = TensorInfo(info.file, info.dtype, (n_rows, shape[2]), at, at + n_rows * row_bytes)
                     at += n_rows * row_bytes
+                    if scales is not None:
+                        tensors[per + "_scale_inv"] = scales[e][j]
     return split
+
+
+def fused_scales(tensors: dict, fused: str, info: TensorInfo, shape: tuple, parts) -> list | None:
+    """For a fused F8_E4M3 expert tensor: per expert, per part, its scales' TensorInfo (the rows
+    of the part's 128-row blocks in `<fused>_scale_inv`, popped from `tensors`); None for a 16-bit
+    one. CheckpointError naming the tensor for a scale missing, misshaped or mistyped, or parts
+    that share a block."""
+    if info.dtype != "F8_E4M3":
+        return None  # a 16-bit tensor with a scale is refused later, as an unknown tensor
+    name = fused + "_scale_inv"
+    scale = tensors.get(name)
+    if scale is None:
+        raise CheckpointError(f"tensor {fused!r} is F8_E4M3 and its scale {name!r} is missing")
+    E, n, k = shape
+    want = (E, -(-n // FP8_BLOCK), -(-k // FP8_BLOCK))
+    if scale.shape != want:
+        raise CheckpointError(f"tensor {name!r} has shape {scale.shape}: expected {want}, one scale per "
+                              f"{FP8_BLOCK}x{FP8_BLOCK} block of each expert of {fused!r} {shape}")
+    itemsize = {"F32": 4, "BF16": 2}.get(scale.dtype)
+    if itemsize is None or scale.end - scale.start != int(np.prod(want)) * itemsize:
+        raise CheckpointError(f"tensor {name!r} has dtype {scale.dtype}: expected F32 or BF16")
+    if len(parts) > 1 and parts[0][1] % FP8_BLOCK:
+        raise CheckpointError(f"tensor {fused!r} is F8_E4M3 with moe_intermediate_size={parts[0][1]}: FP8 experts "
+                              f"need it a multiple of {FP8_BLOCK} (gate and up in whole scale blocks)")
+    del tensors[name]
+    row_bytes = want[2] * itemsize
+    out = []
+    for e in range(E):
+        at, per = scale.start + e * want[1] * row_bytes, []
+        for _, n_rows in parts:
+            blocks = -(-n_rows // FP8_BLOCK)
+            per.append(TensorInfo(scale.file, scale.dtype, (blocks, want[2]), at, at + blocks * row_bytes))
+            at += blocks * row_bytes
+        out.append(per)
+    return out
+
+
+def check_fp8_experts(where: dict, c: TrunkConfig) -> int:
+    """The FP8 experts of the planned tensors (our name -> (checkpoint name, layout, scale or None)):
+    every stack all FP8 or all not, FP8 gate and up only at moe_intermediate_size a multiple of 128
+    (module doc); returns how many expert matrices are FP8. CheckpointError naming the tensor."""
+    count = 0
+    for i, kind in enumerate(c.ffn_kinds):
+        if kind != "moe":
+            continue
+        for stack in (("w_gate", "w_up"), ("w_down",)):
+            names = [f"layers.{i}.moe.experts.{e}.{part}" for e in range(c.experts) for part in stack]
+            fp8 = [where[n][2] is not None for n in names]
+            if any(fp8) and not all(fp8):
+                odd = names[fp8.index(not fp8[0])]
+                raise CheckpointError(f"tensor {where[odd][0]!r} is {'F8_E4M3' if not fp8[0] else 'not F8_E4M3'} "
+                                      f"unlike {where[names[0]][0]!r}: a layer's experts are all FP8 or all 16-bit "
+                                      f"(one stack)")
+            if fp8[0] and len(stack) == 2 and c.expert_hidden % FP8_BLOCK:
+                raise CheckpointError(f"tensor {where[names[0]][0]!r} is F8_E4M3 with moe_intermediate_size="
+                                      f"{c.expert_hidden}: FP8 experts need it a multiple of {FP8_BLOCK} (gate and "
+                                      f"up in whole scale blocks)")
+            count += sum(fp8)
+    return count

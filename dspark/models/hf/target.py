@@ -30,7 +30,9 @@ LM head is the embedding. Every other name must be in the table.
 
 FP8 checkpoints (block-scaled e4m3, dspark.models.hf.quantization): each decoder-layer linear
 stored as F8_E4M3 keeps its bytes and `weight_scale_inv` block scales on the backend
-(dspark.ops.fp8.Fp8Matrix); the rest loads as above. The report lists what is quantized.
+(dspark.ops.fp8.Fp8Matrix), MoE experts included, stacked per layer (dspark.ops.fp8.Fp8Stack; both
+expert layouts: hf.moe); the rest loads as above. The report lists what is quantized, and how many
+of those matrices are experts.
 
 Refusals (one CheckpointError naming the config key or tensor, raised before anything is
 allocated on the backend, or, for an FP8 weight's NaN bytes, when that weight is read, with what
@@ -59,7 +61,7 @@ from ...ops.linear import tensor_cores
 from ..config import TrunkConfig
 from ..weights import STORAGE, trunk_spec
 from .checkpoint import Checkpoint, CheckpointError
-from .moe import layer_table as moe_layer_table, moe_fields, unfuse
+from .moe import check_fp8_experts, layer_table as moe_layer_table, moe_fields, unfuse
 from .quantization import F8, Fp8Format, check_linear, quantization_of
 
 SERVED = ("qwen3", "qwen3_5", "qwen3_5_text", "qwen3_moe", "qwen3_5_moe", "qwen3_5_moe_text")
@@ -121,6 +123,7 @@ class LoadReport:
     backend: str = ""
     quantization: str = ""                             # the checkpoint's scheme (Fp8Format.describe), if quantized
     quantized: list[str] = field(default_factory=list)  # our names of the linears kept e4m3 + scales
+    quantized_experts: int = 0                         # of them, MoE expert matrices (stacked e4m3 + scales)
     kept: list[str] = field(default_factory=list)       # our names of the linears left in their stored dtype
     scale_dtypes: dict[str, int] = field(default_factory=dict)  # scale dtype -> FP8 linears
 
@@ -130,8 +133,9 @@ class LoadReport:
                  + (f" stored as {self.stored}, {size_text(self.device_bytes)} on {self.backend}" if self.backend else "")]
         if self.quantization:
             scales = ", ".join(f"{d} {n}" for d, n in self.scale_dtypes.items())
-            parts.append(f"{self.quantization}: {len(self.quantized)} linears kept e4m3 with {scales} block scales, "
-                         f"{len(self.kept)} left unquantized")
+            experts = f" ({self.quantized_experts} of them MoE experts)" if self.quantized_experts else ""
+            parts.append(f"{self.quantization}: {len(self.quantized)} linears kept e4m3{experts} with {scales} block "
+                         f"scales, {len(self.kept)} left unquantized")
         parts += [f"skipped {n} {rule}* tensors" for rule, n in self.skipped.items()]
         return "; ".join(parts + self.notes)
 
@@ -363,9 +367,6 @@ def plan(ckpt: Checkpoint, config: TrunkConfig, model_type: str, fmt: Fp8Format 
                                   + (" (or F8_E4M3 with block scales)" if linear else "")
                                   + " (other quantized formats are not served)")
         scale = check_linear(ckpt, name, info, fmt, linear)
-        if scale is not None and ".moe." in ours:
-            raise CheckpointError(f"tensor {name!r} is an FP8 expert weight: dspark serves FP8 dense layers and "
-                                  "16-bit mixture-of-experts layers, not FP8 experts yet")
         if scale is not None:
             report.quantized.append(ours)
             sd = ckpt.tensors[scale].dtype
@@ -376,6 +377,7 @@ def plan(ckpt: Checkpoint, config: TrunkConfig, model_type: str, fmt: Fp8Format 
         where[ours] = (name, how, scale)
     if fmt is not None:
         report.quantization = fmt.describe()
+    report.quantized_experts = check_fp8_experts(where, config) if "moe" in config.ffn_kinds else 0
     if "lm_head." in report.skipped:
         report.notes.append("tied embeddings: lm_head.weight ignored, the LM head is the embedding")
     if fused:
