@@ -16,16 +16,33 @@ DSPARK_DEVICE float e4m3_exact(uint32_t b) {
 }
 
 // Round to nearest even of a finite or infinite f32 pair (never NaN here: finite e4m3 times a finite
-// scale): T's rounding without from_float's NaN test.
+// scale): T's rounding without from_float's NaN test. On the device one cvt.rn.<T>x2.f32 for the
+// pair (no .ftz: subnormals kept; the same rounding for every finite and infinite f32), where the
+// integer rounding takes about nine; under simt, or where DSPARK_FP8_PACK_IN_INTEGERS is defined
+// (moe.cu), that integer rounding: the same bits.
 template <typename T>
 DSPARK_DEVICE uint32_t pack2_finite(float lo, float hi) {
   return mma_pack2<T>(lo, hi);
 }
 template <>
 __device__ __forceinline__ uint32_t pack2_finite<bf16_t>(float lo, float hi) {
+#if defined(DSPARK_SIMT) || defined(DSPARK_FP8_PACK_IN_INTEGERS)
   const uint32_t a = __float_as_uint(lo), b = __float_as_uint(hi);
   return ((a + 0x7fffu + ((a >> 16) & 1u)) >> 16) | ((b + 0x7fffu + ((b >> 16) & 1u)) & 0xffff0000u);
+#else
+  uint32_t out;  // the first source is the upper half
+  asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(out) : "f"(hi), "f"(lo));
+  return out;
+#endif
 }
+#if !defined(DSPARK_SIMT) && !defined(DSPARK_FP8_PACK_IN_INTEGERS)
+template <>
+__device__ __forceinline__ uint32_t pack2_finite<f16_t>(float lo, float hi) {
+  uint32_t out;
+  asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(out) : "f"(hi), "f"(lo));
+  return out;
+}
+#endif
 
 // Two e4m3 bytes of `word` (at bit `shift` and shift + 8) dequantized, fl32(e4m3 * s), and rounded
 // into one T pair.

@@ -57,6 +57,9 @@
 //   shared expert and its gate, Qwen3.5-MoE). The order is the row's own experts', never the order its
 //   outputs were produced. One thread per output.
 #include "linear_f32.cuh"
+// The grouped 16-row FP8 tile sits at sm_90's 128-register cap, where nvcc spills 4 bytes around
+// linear_fp8.cuh's cvt pair rounding: the integer rounding here, the same bits.
+#define DSPARK_FP8_PACK_IN_INTEGERS 1
 #include "linear_fp8.cuh"
 #include "linear_mma.cuh"
 

@@ -69,4 +69,5 @@ def test_the_shipped_table_is_what_the_performance_model_predicts(name, batches,
 
 
 def test_the_table_is_small():
-    assert cost_prior.TABLE.stat().st_size < 64_000
+    # About 8 kB a shape (ten now): package data every install carries.
+    assert cost_prior.TABLE.stat().st_size < 96_000
