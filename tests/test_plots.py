@@ -105,7 +105,8 @@ def test_performance_pictures_draw_what_the_model_prints(capsys):
         for ctx, x in speedups[label]:
             assert printed_speedups[label, ctx] == f"{x:.2f}x"
     assert set(speedups) == {"Qwen3-8B", "Qwen3.5-27B", "Qwen3.8-27B + DFlash2", "Qwen3.8-27B + DSpark",
-                             "Qwen3.5-27B-FP8", "Qwen3.8-27B-FP8 + DFlash2", "Qwen3.8-27B-FP8 + DSpark", "Qwen3.5-35B-A3B"}
+                             "Qwen3.5-27B-FP8", "Qwen3.8-27B-FP8 + DFlash2", "Qwen3.8-27B-FP8 + DSpark", "Qwen3.5-35B-A3B",
+                             "Qwen3.5-35B-A3B-FP8"}
     assert [c for c, _ in speedups["Qwen3-8B"]] == [8192, 32768]
 
 
