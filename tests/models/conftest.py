@@ -18,3 +18,18 @@ def one_torch_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def fp8_dir(tmp_path_factory):
+    """case (tests.models.fp8_models) -> its FP8 directory, built (transformers) and quantized (the
+    recipe) once a module."""
+    from tests.models.fp8_models import build_fp8
+    made = {}
+
+    def get(case):
+        if case.name not in made:
+            made[case.name] = tmp_path_factory.mktemp(case.name)
+            build_fp8(case, made[case.name])
+        return made[case.name]
+    return get

@@ -21,7 +21,7 @@ from dspark.models.presets import random_drafter, tiny_pair
 from dspark.ops.fp8 import Fp8Matrix
 from dspark.ops.linear import ColumnRuns
 from dspark.session import DsparkSpecSession, SamplingParams, SpecParams, spec_burst
-from tests.models.fp8_models import (EDGE_FP8, FP8_CASES, QWEN3_FP8, QWEN35_FP8, build_fp8, dequantize,
+from tests.models.fp8_models import (EDGE_FP8, FP8_CASES, QWEN3_FP8, QWEN35_FP8, dequantize,
                                      dequantized_copy, edit_config, quantize, save_tensors, tensors_of, unprefixed)
 from tests.models.hf_models import assert_logits_close, hf_greedy, hf_logits, model_class, require_transformers, \
     save_tokenizer
@@ -33,19 +33,6 @@ BACKENDS = ["numpy", "simt", "contract"]
 # bf16 path's over the dequantized weights (test_bf16_on_simt_...), whose sessions the rest of the
 # suite runs on simt; a simt run of each would add half a minute of emulated tensor cores.
 SESSION_BACKENDS = ["numpy", "contract"]
-
-
-@pytest.fixture(scope="module")
-def fp8_dir(tmp_path_factory):
-    """case -> its FP8 directory, built (transformers) and quantized (the recipe) once."""
-    made = {}
-
-    def get(case):
-        if case.name not in made:
-            made[case.name] = tmp_path_factory.mktemp(case.name)
-            build_fp8(case, made[case.name])
-        return made[case.name]
-    return get
 
 
 @pytest.fixture(scope="module")

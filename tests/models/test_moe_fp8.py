@@ -25,29 +25,15 @@ import pytest
 
 from dspark.decode import plain_generate
 from dspark.dtypes import BF16
-from dspark.models import moe as moe_model
 from dspark.models.hf import CheckpointError, load_target
 from dspark.ops.fp8 import Fp8Matrix, Fp8Stack
-from tests.models.fp8_models import (MOE_FP8_CASES, QWEN35_MOE_FP8, QWEN3_MOE_FP8, build_fp8, dequantized_copy,
+from tests.models.fp8_models import (MOE_FP8_CASES, QWEN35_MOE_FP8, QWEN3_MOE_FP8, dequantized_copy,
                                      save_tensors, tensors_of)
 from tests.models.hf_models import assert_logits_close, hf_greedy, hf_logits, model_class, require_transformers
-from tests.models.test_moe_targets import PinnedRouting
+from tests.models.test_moe_targets import PinnedRouting, logged_routes
 
 GREEDY = 40
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
-
-
-@pytest.fixture(scope="module")
-def fp8_dir(tmp_path_factory):
-    """case -> its FP8 directory, built (transformers) and quantized (the recipe) once."""
-    made = {}
-
-    def get(case):
-        if case.name not in made:
-            made[case.name] = tmp_path_factory.mktemp(case.name)
-            build_fp8(case, made[case.name])
-        return made[case.name]
-    return get
 
 
 @pytest.fixture(scope="module")
@@ -99,13 +85,7 @@ def test_bf16_on_simt_matches_transformers_with_the_routing_pinned(fp8_dir, peer
     stack = trunk.w[f"layers.{moe_layers(trunk)[0]}.moe.w_gate_up"]
     assert isinstance(stack, Fp8Stack) and stack.compute == BF16
     p, steps = prompt_of(case), prompt_of(case, 2, seed=1)
-    routes, route = [], moe_model.route
-
-    def logged(*a, **kw):
-        r = route(*a, **kw)
-        routes.append(np.asarray(r.ids).copy())
-        return r
-    monkeypatch.setattr(moe_model, "route", logged)
+    routes = logged_routes(monkeypatch)
     cache = trunk.new_cache()
     got = [trunk.prefill(cache, p).logits] + [trunk.decode([cache], [t]).logits[0] for t in steps]
     with PinnedRouting(routes) as pinned:

@@ -67,6 +67,19 @@ def test_logits_match_transformers_f32_on_numpy(saved, numpy_backend, case):
         assert_logits_close(got, w, f"{case.name} pass {j}")
 
 
+def logged_routes(monkeypatch) -> list:
+    """The experts dspark's MoE layers route to from now on (each layer's ids, in call order), the
+    routes PinnedRouting gives transformers."""
+    routes, route = [], moe_model.route
+
+    def logged(*a, **kw):
+        r = route(*a, **kw)
+        routes.append(np.asarray(r.ids).copy())
+        return r
+    monkeypatch.setattr(moe_model, "route", logged)
+    return routes
+
+
 class PinnedRouting:
     """transformers' MoE routers, each call taking the experts of the next entry of `routes` (a
     row's experts, as dspark chose them) instead of its own top-k; its logits, softmax and weights
@@ -106,13 +119,7 @@ def test_logits_match_transformers_bf16_on_simt(saved, simt, monkeypatch, case):
     trunk = load_target(d, simt, dtype="bfloat16")
     assert trunk.w[f"layers.{trunk.config.ffn_kinds.index('moe')}.moe.w_gate_up"].dtype.name == "bfloat16"
     p, steps = prompt_of(case), steps_of(case)[:3]
-    routes, route = [], moe_model.route
-
-    def logged(*a, **kw):
-        r = route(*a, **kw)
-        routes.append(np.asarray(r.ids).copy())
-        return r
-    monkeypatch.setattr(moe_model, "route", logged)
+    routes = logged_routes(monkeypatch)
     got = our_logits(trunk, p, steps)
     with PinnedRouting(routes) as pinned:
         want = hf_logits(model, p, steps)
