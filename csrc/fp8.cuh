@@ -19,3 +19,9 @@ DSPARK_DEVICE float e4m3_to_float(uint32_t b) {
   if (e == 15u && m == 7u) return __uint_as_float(sign | 0x7fc00000u);
   return __uint_as_float(sign | ((e + 120u) << 23) | (m << 20));
 }
+
+// The scale of weight (k, n) of an FP8 matrix of N columns: scale[k / 128][n / 128] of its
+// ceil(K / 128) x ceil(N / 128) grid (blocks cut by K or N included).
+DSPARK_DEVICE float fp8_block_scale(const float* __restrict__ scale, int k, int n, int N) {
+  return scale[(int64_t)(k / kFp8Block) * ((N + kFp8Block - 1) / kFp8Block) + n / kFp8Block];
+}

@@ -54,7 +54,7 @@
 template <int BM_, int BN_, int BK_, int WARPS_M_, int WARPS_N_, int STAGES_>
 struct MmaGemmConfig {
   static constexpr int BM = BM_, BN = BN_, BK = BK_, WARPS_M = WARPS_M_, WARPS_N = WARPS_N_, STAGES = STAGES_;
-  static constexpr int WARPS = WARPS_M * WARPS_N, THREADS = 32 * WARPS;
+  static constexpr int WARPS = WARPS_M * WARPS_N, THREADS = 32 * WARPS, MIN_CTAS = 0;  // __launch_bounds__: none
   static constexpr int WM = BM / WARPS_M, WN = BN / WARPS_N, MT = WM / 16, NT = WN / 8;
   static constexpr int A_ROW = BK + 8, B_ROW = BN + 8;  // shared-memory row strides, in elements
   static constexpr int A_STAGE = BM * A_ROW, B_STAGE = BK * B_ROW;
@@ -74,9 +74,46 @@ constexpr int kMmaGroupRows = 8;
 DSPARK_DEVICE float mma_prologue(int /*row*/, int /*k*/, float v) { return v; }
 DSPARK_DEVICE float mma_epilogue(int /*row*/, int /*n*/, float v) { return v; }
 
+// Round to nearest even of a finite or infinite f32 pair: T's rounding without from_float's NaN test.
+// On the device one cvt.rn.<T>x2.f32 for the pair (no .ftz: subnormals kept; the same rounding for
+// every finite and infinite f32), where the integer rounding takes about nine; under simt, or where
+// DSPARK_MMA_PACK_IN_INTEGERS is defined (moe.cu: its 16-row tile at its register cap), that integer
+// rounding: the same bits.
+template <typename T>
+DSPARK_DEVICE uint32_t pack2_finite(float lo, float hi) {
+  return (uint32_t)from_float<T>(lo).bits | (uint32_t)from_float<T>(hi).bits << 16;
+}
+template <>
+__device__ __forceinline__ uint32_t pack2_finite<bf16_t>(float lo, float hi) {
+#if defined(DSPARK_SIMT) || defined(DSPARK_MMA_PACK_IN_INTEGERS)
+  const uint32_t a = __float_as_uint(lo), b = __float_as_uint(hi);
+  return ((a + 0x7fffu + ((a >> 16) & 1u)) >> 16) | ((b + 0x7fffu + ((b >> 16) & 1u)) & 0xffff0000u);
+#else
+  uint32_t out;  // the first source is the upper half
+  asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(out) : "f"(hi), "f"(lo));
+  return out;
+#endif
+}
+#if !defined(DSPARK_SIMT) && !defined(DSPARK_MMA_PACK_IN_INTEGERS)
+template <>
+__device__ __forceinline__ uint32_t pack2_finite<f16_t>(float lo, float hi) {
+  uint32_t out;
+  asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(out) : "f"(hi), "f"(lo));
+  return out;
+}
+#endif
+
+// A pair of activations rounded to T as from_float rounds them (a NaN keeps its sign and top payload
+// bits, quieted): pack2_finite, and from_float itself where either is a NaN.
 template <typename T>
 DSPARK_DEVICE uint32_t mma_pack2(float lo, float hi) {
+#if defined(DSPARK_SIMT) || defined(DSPARK_MMA_PACK_IN_INTEGERS)
   return (uint32_t)from_float<T>(lo).bits | (uint32_t)from_float<T>(hi).bits << 16;
+#else
+  if (dspark_isnan(lo) || dspark_isnan(hi))
+    return (uint32_t)from_float<T>(lo).bits | (uint32_t)from_float<T>(hi).bits << 16;
+  return pack2_finite<T>(lo, hi);
+#endif
 }
 
 // A tile's rows are rows [r0, r0 + BM) of a block of `rows` output rows starting at output row
@@ -201,6 +238,23 @@ DSPARK_DEVICE void mma_tile_steps(float (&acc)[Cfg::MT][Cfg::NT][4], const T* sa
   }
 }
 
+// Split mode's end: once every CTA of the tile wrote its chunk's partial (part[c][r][n], part_rows
+// rows per chunk), the last to arrive at `ticket` adds them in index order from -0 into out for the
+// tile's output rows [r_first, r_first + nr) and columns [n0, n0 + BN): the header's order.
+template <int BN>
+DSPARK_DEVICE void mma_fold_partials(const float* __restrict__ part, float* __restrict__ out, unsigned* ticket,
+                                     int splits, int part_rows, int N, int r_first, int nr, int n0) {
+  if (!split_arrive(ticket, (unsigned)splits, /*all_wrote=*/true)) return;
+  const int nc = min(BN, N - n0);
+  for (int i = threadIdx.x; i < nr * nc; i += blockDim.x) {
+    const int r = r_first + i / nc, n = n0 + i % nc;
+    const volatile float* p = part + (int64_t)r * N + n;  // other CTAs' partials: from L2
+    float v = -0.f;
+    for (int c = 0; c < splits; ++c) v = v + p[(int64_t)c * part_rows * N];
+    out[(int64_t)r * N + n] = mma_epilogue(r, n, v);
+  }
+}
+
 // One tile of the product over weight source Wt (MmaWeights16 here, MmaWeightsFp8 in linear_fp8.cu: the
 // K order of the header whatever the source, since every source puts the same kind of tile in the
 // stages), its K chunks folded in registers (grid_splits 1) or chunk `split` alone
@@ -283,15 +337,8 @@ DSPARK_DEVICE void mma_tile(const MmaGemm<T, Cfg, Gather>& g, const Wt& wt, int 
           dst[(int64_t)(g.row0 + r) * N + n] = partial ? total[mt][nt][c] : mma_epilogue(g.row0 + r, n, total[mt][nt][c]);
       }
   if (!partial) return;
-  if (!split_arrive(tickets + row_tile * col_tiles + tile, (unsigned)splits, /*all_wrote=*/true)) return;
-  const int nr = min(C::BM, rows - g.r0), nc = min(C::BN, N - g.n0);
-  for (int i = threadIdx.x; i < nr * nc; i += blockDim.x) {
-    const int r = g.row0 + g.r0 + i / nc, n = g.n0 + i % nc;
-    const volatile float* p = part + (int64_t)r * N + n;  // other CTAs' partials: from L2
-    float v = -0.f;
-    for (int c = 0; c < splits; ++c) v = v + p[(int64_t)c * part_rows * N];
-    out[(int64_t)r * N + n] = mma_epilogue(r, n, v);
-  }
+  mma_fold_partials<C::BN>(part, out, tickets + row_tile * col_tiles + tile, splits, part_rows, N,
+                                  g.row0 + g.r0, min(C::BM, rows - g.r0), g.n0);
 }
 
 template <typename Cfg>

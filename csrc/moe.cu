@@ -58,8 +58,8 @@
 //   outputs were produced. One thread per output.
 #include "linear_f32.cuh"
 // The grouped 16-row FP8 tile sits at sm_90's 128-register cap, where nvcc spills 4 bytes around
-// linear_fp8.cuh's cvt pair rounding: the integer rounding here, the same bits.
-#define DSPARK_FP8_PACK_IN_INTEGERS 1
+// linear_mma.cuh's cvt pair rounding (pack2_finite): the integer rounding here, the same bits.
+#define DSPARK_MMA_PACK_IN_INTEGERS 1
 #include "linear_fp8.cuh"
 #include "linear_mma.cuh"
 

@@ -1406,7 +1406,7 @@ def moe_report(table_of: dict[str, Shape], dev: Device, batches=(1, 2), contexts
 
 
 def sass_path(entry: str) -> str:
-    """Instructions a warp issues per K step on its main loop's path, or "-" without cuobjdump."""
+    """Instructions a warp issues per iteration on its main loop's path, or "-" without cuobjdump."""
     import sass
     try:
         return str(sass.issue(entry).path)
@@ -1450,8 +1450,11 @@ def fp8_report(table_of: dict[str, Shape], dev: Device, batches=(1, 2), contexts
         "fp8/bf16 round: the FP8 round's expected time over the bf16 twin's (same configs, same drafter); (floors): "
         "their floors' ratio; fp8 GEMMs: the FP8 GEMMs' (and FP8 experts' grouped products') expected time in the "
         "round and their floor (the largest limiter, summed)",
-        "the main loop as compiled, per warp and K step (profiling/sass.py): " + ", ".join(
-            f"{e} {sass_path(e)}" for e in ("linear_mma_bf16_m16", "linear_fp8_bf16_m16", "linear_fp8_bf16_m128"))
+        "the main loop as compiled, per warp and iteration (profiling/sass.py; an iteration's rows of K in "
+        "brackets): " + ", ".join(f"{e} {sass_path(e)} [{plan(16 if e.endswith('m16') else 128, 5120, 5120, bm=bm).bk}]"
+                                  for e, plan, bm in (("linear_mma_bf16_m16", linear_ops.mma_plan, 16),
+                                                      ("linear_fp8_bf16_m16", linear_ops.fp8_plan, 16),
+                                                      ("linear_fp8_bf16_m128", linear_ops.fp8_plan, 128)))
         + " instructions on its path: the in-register e4m3 decode, scale and bf16 rounding is what the FP8 "
         "GEMMs' expected time is made of where it exceeds their DRAM floor",
         "",

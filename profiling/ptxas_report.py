@@ -47,7 +47,7 @@ def tile_shapes() -> list[tuple[str, int, int, str]]:
         for dt in ("bf16", "f16"):
             serves = f"16-bit weights, <= {bm} rows" if bm < max(linear_ops.MMA_CONFIGS) else "16-bit weights, prompts"
             out.append((f"linear_mma_{dt}_m{bm}", 32 * warps, linear_ops.mma_shared_mem(bm), serves))
-            out.append((f"linear_fp8_{dt}_m{bm}", 32 * warps, linear_ops.mma_shared_mem(bm),
+            out.append((f"linear_fp8_{dt}_m{bm}", 32 * linear_ops.FP8_CONFIGS[bm][2], linear_ops.fp8_shared_mem(bm),
                         serves.replace("16-bit", f"FP8 ({dt} activations)")))
     out.append(("moe_route_f32", moe_ops.ROUTE_THREADS, 0, "MoE router and grouping"))
     out.append(("moe_linear_f32", linear_ops.THREADS, 0, "grouped experts, f32"))

@@ -6,7 +6,7 @@ wavefronts per unit of its launch that profiling/perf_model.py scales them by:
 
   attention (prompt, split and serial kernels)  per CTA, per key tile walked, per split ended, per key
                                                 tile and m-tile of 16 items
-  linear_mma_<dt>_m<BM>, linear_fp8_<dt>_m<BM>  per CTA, per K iteration (BK = 32)
+  linear_mma_<dt>_m<BM>, linear_fp8_<dt>_m<BM>  per CTA, per K iteration (the plan's BK)
   moe_linear_mma_<dt>_m<BM>, moe_linear_fp8_..  per working CTA, per K iteration
   gdn_chunk_state                               per CTA, per chunk walked
   every other kernel                            per byte its call moves (the benchmark's count), from
@@ -110,6 +110,8 @@ def child() -> list[dict]:
                     ("linear_mma", "linear", linear_ops.mma_plan, lambda: linear(be, x, w, bm=bm, split=split)),
                     ("linear_fp8", "linear_fp8", linear_ops.fp8_plan,
                      lambda: linear_ops.linear_fp8(be, x, w8, bm=bm, split=split))):
+                if entry == "linear_fp8" and bm in linear_ops.FP8_STREAM and not split:
+                    continue   # the FP8 decode shapes run split mode only
                 p = plan_of(rows, kk, n, bm=bm, split=split)
                 with k.counting() as counts:
                     run()
@@ -117,6 +119,18 @@ def child() -> list[dict]:
                 units = {"cta": float(p.ctas), "iteration": float(p.ctas * iters)}
                 take(counts, lambda c, e=entry, u=units: u if c.kernel.startswith(e) else None,
                      f"{label} m{bm} K={kk} {'split' if p.grid_splits > 1 else 'fold'}")
+    rng_stream = np.random.default_rng(3)   # its own stream: the probes above see the same inputs as before
+    for bm in linear_ops.FP8_STREAM:   # the FP8 decode shapes at two iterations per CTA (the loop above: four)
+        rows, kk, n = bm, 128, 256
+        x = rng_stream.standard_normal((rows, kk), np.float32)
+        w8 = Fp8Matrix(rng_stream.integers(0, 0x70, (kk, n)).astype(np.uint8), np.ones(scale_grid(kk, n), np.float32),
+                       np.dtype(pm.BF16))
+        p = linear_ops.fp8_plan(rows, kk, n, bm=bm)
+        with k.counting() as counts:
+            linear_ops.linear_fp8(be, x, w8, bm=bm)
+        units = {"cta": float(p.ctas), "iteration": float(p.ctas * -(-min(p.kchunk, kk) // p.bk))}
+        take(counts, lambda c, u=units: u if c.kernel.startswith("linear_fp8") else None,
+             f"linear_fp8 m{bm} K={kk} split")
     from dspark.ops import moe as moe_ops
     for rows, kk in ((8, 64), (8, 256), (8, 1024), (130, 64), (130, 256)):   # the grouped expert product
         E, top, n = 16, 4, 256

@@ -71,6 +71,12 @@ MIN_CHUNK = 256        # rows of w a split takes at least (64 per warp: the weig
 TOLERANCE = 1e-5       # linear_numpy vs the kernel: relative to |x| @ |w|
 # The tensor-core GEMM (csrc/linear_mma.cuh): BM -> (BN, BK, warps, stages), MmaGemmM<BM> there.
 MMA_CONFIGS = {16: (256, 32, 4, 4), 32: (256, 32, 4, 4), 64: (128, 32, 8, 4), 128: (128, 32, 8, 4)}
+# The FP8 GEMM (csrc/linear_fp8.cu): the decode shapes (BM 16 and 32, Fp8StreamM16 / M32 there: the bytes
+# straight into the MMA's B fragments, split mode only; BK here is a main-loop trip, two iterations of an A
+# stage of FP8_STREAM_STAGE_K columns, two buffers), then linear_mma's.
+FP8_STREAM = {16: (256, 128, 4, 2), 32: (256, 128, 8, 2)}
+FP8_STREAM_STAGE_K = 64
+FP8_CONFIGS = {**MMA_CONFIGS, **FP8_STREAM}
 MMA_STEP = 16          # k per mma.sync m16n8k16: the order's k-step
 MMA_ALIGN = 32         # kchunk is a multiple of it, so every tile shape's BK divides a chunk
 FP8_ALIGN = FP8_BLOCK  # FP8 weights: kchunk a multiple of the 128-row scale block
@@ -112,8 +118,9 @@ def chunking(k: int, splits: int) -> tuple[int, int]:
 @dataclass(frozen=True)
 class MmaPlan:
     """One launch of the tensor-core GEMM: BM-row tiles (`bm`, the entry linear_mma_<dt>_m<bm>),
-    BN-column tiles, the K split (`splits` chunks of `kchunk`) and how many CTAs share a tile's
-    chunks (`grid_splits`: 1 folds them in one CTA, `splits` gives each chunk its CTA)."""
+    BN-column tiles, the K its main loop takes per iteration (`bk`), the K split (`splits` chunks of
+    `kchunk`) and how many CTAs share a tile's chunks (`grid_splits`: 1 folds them in one CTA,
+    `splits` gives each chunk its CTA)."""
     bm: int
     bn: int
     bk: int
@@ -141,6 +148,15 @@ def mma_shared_mem(bm: int) -> int:
     return 2 * stages * (bm * (bk + 8) + bk * (bn + 8))
 
 
+def fp8_shared_mem(bm: int) -> int:
+    """Dynamic shared memory of linear_fp8's BM-row shape: the decode shapes' A stages alone
+    (Fp8StreamConfig::SMEM_BYTES: no weight touches shared memory), else linear_mma's."""
+    if bm not in FP8_STREAM:
+        return mma_shared_mem(bm)
+    stages = FP8_STREAM[bm][3]
+    return 2 * stages * bm * (FP8_STREAM_STAGE_K + 8)
+
+
 def mma_split_plan(k: int, n: int, align: int = MMA_ALIGN) -> tuple[int, int]:
     """(splits, kchunk) of the tensor-core GEMM over w [K, N]. The column tiles of few rows
     (MMA_SPLIT_TILE) times the chunks stay within MMA_TARGET_CTAS (one row tile streams the
@@ -159,28 +175,36 @@ def mma_split_plan(k: int, n: int, align: int = MMA_ALIGN) -> tuple[int, int]:
 
 
 def mma_plan(rows: int, k: int, n: int, *, bm: int | None = None, split: bool | None = None,
-             align: int = MMA_ALIGN) -> MmaPlan:
+             align: int = MMA_ALIGN, configs: dict = MMA_CONFIGS, shared_mem=mma_shared_mem) -> MmaPlan:
     """The tensor-core GEMM's launch for x [rows, K] @ w [K, N]: the smallest row tile that holds
     the rows (at most 128); a tile's chunks in one CTA each while the tiles alone would leave an
     H200 short of TARGET_CTAS, else folded in one CTA. `bm` and `split` force a shape or mode
-    (tests); the bits never depend on them. `align`: the K chunk's (mma_split_plan)."""
+    (tests); the bits never depend on them. `align`: the K chunk's (mma_split_plan); `configs` and
+    `shared_mem`: the kernel's tile shapes (linear_mma's, or linear_fp8's: fp8_plan)."""
     splits, kchunk = mma_split_plan(k, n, align)
     if bm is None:
-        bm = next((b for b in MMA_CONFIGS if rows <= b), max(MMA_CONFIGS))
-    if bm not in MMA_CONFIGS:
-        raise ValueError(f"bm={bm!r}: expected one of {tuple(MMA_CONFIGS)}")
-    bn, bk, warps, _ = MMA_CONFIGS[bm]
+        bm = next((b for b in sorted(configs) if rows <= b), max(configs))
+    if bm not in configs:
+        raise ValueError(f"bm={bm!r}: expected one of {tuple(configs)}")
+    bn, bk, warps, _ = configs[bm]
     m_tiles, n_tiles = max(1, -(-rows // bm)), max(1, -(-n // bn))
     if split is None:
         split = splits > 1 and m_tiles * n_tiles < MMA_TARGET_CTAS
-    return MmaPlan(bm, bn, bk, 32 * warps, mma_shared_mem(bm), m_tiles, n_tiles, splits, kchunk,
+    return MmaPlan(bm, bn, bk, 32 * warps, shared_mem(bm), m_tiles, n_tiles, splits, kchunk,
                    splits if split else 1)
 
 
 def fp8_plan(rows: int, k: int, n: int, *, bm: int | None = None, split: bool | None = None) -> MmaPlan:
-    """The FP8 GEMM's launch (linear_fp8_<dt>_m<bm>): mma_plan's tiles and modes, the K chunk a
-    multiple of the 128-row scale block, from (K, N) alone."""
-    return mma_plan(rows, k, n, bm=bm, split=split, align=FP8_ALIGN)
+    """The FP8 GEMM's launch (linear_fp8_<dt>_m<bm>): mma_plan's modes, the K chunk a multiple of the
+    128-row scale block, from (K, N) alone. The decode shapes (FP8_STREAM) run split mode only: a
+    chunk per CTA (a fold of a few rows' partials costs little), so `split=False` is refused there."""
+    if bm is None:
+        bm = next((b for b in sorted(FP8_CONFIGS) if rows <= b), max(FP8_CONFIGS))
+    if bm in FP8_STREAM:
+        if split is False:
+            raise ValueError(f"split=False with bm={bm}: linear_fp8's decode shapes run split mode only")
+        split = True
+    return mma_plan(rows, k, n, bm=bm, split=split, align=FP8_ALIGN, configs=FP8_CONFIGS, shared_mem=fp8_shared_mem)
 
 
 # ---- NumPy ------------------------------------------------------------------------------------------

@@ -14,7 +14,7 @@ from dspark.errors import DTypeError, ShapeError
 from dspark.ops import fp8
 from dspark.ops import product as prod
 from dspark.ops.fp8 import Fp8Matrix
-from dspark.ops.linear import (FP8_ALIGN, MMA_CONFIGS, fp8_linear_plan, fp8_plan, linear, linear_fp8_ref,
+from dspark.ops.linear import (FP8_ALIGN, FP8_CONFIGS, FP8_STREAM, fp8_linear_plan, fp8_plan, linear, linear_fp8_ref,
                                linear_plan, mma_linear_plan)
 from dspark.ops.rowsplit import launch
 from tests.conftest import poison
@@ -26,8 +26,12 @@ REFERENCE = ALL_BYTES.view(ml_dtypes.float8_e4m3fn).astype(np.float32)
 SIZES = [(1, 1, 1), (3, 130, 77), (9, 300, 200), (17, 640, 136), (2, 128, 256)]
 
 
-@pytest.fixture(scope="module", params=["simt", "contract"])
+@pytest.fixture(scope="module", params=["simt", "contract", "cuda"])
 def fp8_backend(request, simt):
+    """simt, the CuPy contract stand-in, and a GPU where one works (the decode shapes' sm_89+
+    e4m3 conversion instruction runs there alone)."""
+    if request.param == "cuda":
+        return request.getfixturevalue("cuda")
     return simt if request.param == "simt" else contract.backend()
 
 
@@ -47,6 +51,62 @@ def test_all_256_e4m3_bytes_decode_as_ml_dtypes(simt):
     assert_same_values(fp8.e4m3_decode(ALL_BYTES), "twin")
     native = prod.product_fp8(np.ones((1, 1), np.float32), ALL_BYTES[None], np.ones((1, 2), np.float32))
     assert_same_values(native[0], "native product", REFERENCE + np.float32(0))  # a sum from +0: -0 becomes +0
+
+
+@pytest.mark.parametrize("compute", [BF16, np.float16], ids=["bf16", "f16"])
+@pytest.mark.parametrize("rows", [16, 32], ids=["m16", "m32"])
+def test_every_byte_through_the_decode_shapes(fp8_backend, compute, rows):
+    """The decode shapes' own decode (the bytes straight into the MMA's fragments: the e4m3 conversion
+    instruction on sm_89+, its definition on simt) at all 254 finite byte patterns: one-hot rows of x
+    pick single weights, so out[r] is row r of round_T(e4m3(q) * 1) exactly, as ml_dtypes has it."""
+    k, n = rows, 256
+    q = (ALL_BYTES[None, :] + 17 * np.arange(k, dtype=np.uint8)[:, None]).astype(np.uint8)
+    q[(q & 0x7F) == 0x7F] = 0x38
+    assert set(np.unique(q)) == set(ALL_BYTES) - {0x7F, 0xFF}
+    x = np.eye(rows, k, dtype=np.float32)
+    assert fp8_plan(rows, k, n).bm == rows
+    got = run(fp8_backend, x, q, np.ones(fp8.scale_grid(k, n), np.float32), compute)
+    want = q.view(ml_dtypes.float8_e4m3fn).astype(np.float32).astype(compute).astype(np.float32) + np.float32(0)
+    np.testing.assert_array_equal(bits(got), bits(want))
+
+
+# The decode shapes' paths (csrc/linear_fp8.cuh, Fp8Stream): (rows, K, N, q offset, x offset). The trip loop
+# (8- or 4-byte loads, float4 activations, several scale blocks); a chunk's short last iteration (K off 64);
+# byte loads (N off the lane's bytes; q off its alignment); scalar activations (K off 4; x off 16 bytes);
+# columns past N in the last tile; several K chunks (split mode) of one and of many iterations.
+STREAM_CASES = [(1, 1000, 256, 0, 0), (16, 770, 520, 0, 0), (5, 640, 100, 0, 0), (9, 384, 264, 1, 0),
+                (3, 390, 256, 0, 1), (7, 130, 77, 0, 0), (30, 900, 132, 0, 0), (32, 512, 90, 0, 0),
+                (17, 3000, 256, 0, 0), (2, 2304, 512, 4, 2)]
+
+
+def shifted(a, offset):
+    """A contiguous copy of `a` starting `offset` elements into a fresh buffer (off its alignment)."""
+    buf = np.empty(a.size + offset, a.dtype)
+    out = buf[offset:].reshape(a.shape)
+    out[...] = a
+    return out
+
+
+@pytest.mark.parametrize("case", STREAM_CASES, ids=[f"{r}x{k}x{n}+{o}+{xo}" for r, k, n, o, xo in STREAM_CASES])
+def test_decode_shapes_equal_their_twin_on_every_path(simt, rng, case):
+    rows, k, n, q_offset, x_offset = case
+    q, s = random_fp8(rng, k, n)
+    x = rng.standard_normal((rows, k)).astype(np.float32)
+    p = fp8_plan(rows, k, n)
+    assert p.bm in FP8_STREAM and (p.grid_splits == p.splits)
+    want = linear_fp8_ref(x, q, s, BF16, p.kchunk)
+    got = run(simt, shifted(x, x_offset), shifted(q, q_offset), s)
+    np.testing.assert_array_equal(bits(got), bits(want))
+
+
+def test_the_decode_shapes_cover_their_paths():
+    """STREAM_CASES reach each path: whole trips, several chunks, byte loads, scalar activations."""
+    plans = [(fp8_plan(r, k, n), r, k, n, o, xo) for r, k, n, o, xo in STREAM_CASES]
+    assert any(p.splits > 1 for p, *_ in plans) and any(p.bm == 32 for p, *_ in plans)
+    assert any(min(p.kchunk, k) >= 4 * 64 for p, r, k, *_ in plans)                     # trips in the loop
+    assert any(n % 8 for p, r, k, n, o, xo in plans if p.bm == 16) and any(o for *_, o, xo in plans)  # bytes
+    assert any(k % 4 for p, r, k, *_ in plans) and any(xo for *_, xo in plans)          # scalar x
+    assert any(k % 64 for p, r, k, *_ in plans)                                         # a short last iteration
 
 
 def random_fp8(rng, k, n):
@@ -97,12 +157,13 @@ def test_every_tile_shape_and_mode_gives_the_same_bits(simt, rng):
     splits, kchunk = fp8_plan(70, 600, 136).splits, fp8_plan(70, 600, 136).kchunk
     assert splits >= 2 and kchunk % FP8_ALIGN == 0
     want = bits(linear_fp8_ref(x, q, s, BF16, kchunk))
-    for bm in MMA_CONFIGS:
-        for split in (False, True):
+    for bm in FP8_CONFIGS:
+        for split in (True,) if bm in FP8_STREAM else (False, True):
             np.testing.assert_array_equal(bits(run(simt, x, q, s, bm=bm, split=split)), want, err_msg=f"{bm} {split}")
 
 
 ROWS = (1, 2, 7, 16, 17, 64, 300)
+FP8_STREAM_ROWS = range(1, max(FP8_STREAM) + 1)   # the decode shapes' rows: split mode only
 
 
 def test_a_row_alone_equals_the_row_in_launches_of_any_rows(simt, numpy_backend, rng):
@@ -124,11 +185,12 @@ def test_a_row_alone_equals_the_row_in_launches_of_any_rows(simt, numpy_backend,
         for rows in ROWS:
             start = int(rng.integers(0, 300 - rows + 1)) if rows < 300 else 0
             shapes.add(fp8_plan(rows, k, n).bm)
-            for split in (None, True, False) if be is simt and rows in (17, 300) else (None,):
+            for split in (None, True) + (() if rows in FP8_STREAM_ROWS else (False,)) \
+                    if be is simt and rows in (17, 300) else (None,):
                 got = run(be, x[start : start + rows], q, s, split=split)
                 np.testing.assert_array_equal(bits(got), bits(twin[start : start + rows]),
                                               err_msg=f"{be.name} {rows} rows from {start}, split={split}")
-        assert shapes == set(MMA_CONFIGS)
+        assert shapes == set(FP8_CONFIGS)
 
 
 def test_native_product_equals_its_twin_at_every_isa_and_thread_count(rng):
