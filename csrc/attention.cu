@@ -439,13 +439,17 @@ DSPARK_ATTENTION_COMBINE(bf16, bf16_t)
 // which leaves any accumulator but -0 as it is).
 // Shared memory (prompt_shared_mem_bytes in dspark/ops/attention.py): K and V [64][D + pad] of
 // the current tile (one buffer each: V's copy lands while q.k runs, the next K's while p.v runs),
-// q [64][D + pad], acc [64][D] f32. CTAs go longest first (the last row chunk first).
+// q [64][D + pad], acc [64][D + 8] f32 (the 8 floats of pad put the rows of a quad's 8 row groups
+// on distinct banks, pairs of them a row: a merge's float2 accesses take the two wavefronts of
+// their 256 bytes, not eight). CTAs go longest first (the last row chunk first).
 template <typename T, int D>
 struct AttnPromptLayout {
   static constexpr int kItems = 64;
   static constexpr int kRow = D + 16 / (int)sizeof(T);
+  static constexpr int kAccRow = D + 8;
   static constexpr int kKV = kAttnTile * kRow;
-  static constexpr size_t kBytes = sizeof(T) * ((size_t)2 * kKV + (size_t)kItems * kRow) + sizeof(float) * (size_t)kItems * D;
+  static constexpr size_t kBytes =
+      sizeof(T) * ((size_t)2 * kKV + (size_t)kItems * kRow) + sizeof(float) * (size_t)kItems * kAccRow;
 };
 
 template <typename T, int D>
@@ -471,7 +475,7 @@ DSPARK_DEVICE void attention_prompt_cta(const AttnArgs<T>& a) {
   T* ks = reinterpret_cast<T*>(smem);
   T* vs = ks + L::kKV;
   T* qs = vs + L::kKV;
-  float* accs = reinterpret_cast<float*>(qs + L::kItems * L::kRow) + warp * 16 * D;  // this warp's items
+  float* accs = reinterpret_cast<float*>(qs + L::kItems * L::kRow) + warp * 16 * L::kAccRow;  // this warp's items
 
   auto item_hi = [&](int j) { return j >= items ? lo : pos + r0 + j / G + 1; };
   const int hi_g[2] = {item_hi(16 * warp + g), item_hi(16 * warp + g + 8)};
@@ -497,7 +501,7 @@ DSPARK_DEVICE void attention_prompt_cta(const AttnArgs<T>& a) {
       cp_async16(qs + j * L::kRow + col, valid ? q : a.q, valid);
     }
   }
-  for (int i = lane; i < 16 * D; i += 32) accs[i] = 0.f;
+  for (int i = lane; i < 16 * L::kAccRow; i += 32) accs[i] = 0.f;
 
   // Issue K or V of key positions [t0, t0 + 64) into its buffer, zero outside [lo, hi).
   auto issue = [&](int t0, bool values) {
@@ -628,11 +632,14 @@ DSPARK_DEVICE void attention_prompt_cta(const AttnArgs<T>& a) {
       for (int half = 0; half < 2; ++half) {
         if (split_lo < min(hi_g[half], split_hi)) {
           const AttnMergeFactors f = attn_merge_factors(mm[half], m[half]);
-          float* row = accs + (g + 8 * half) * D + 2 * t4;
+          float* row = accs + (g + 8 * half) * L::kAccRow + 2 * t4;
 #pragma unroll
-          for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-            for (int e = 0; e < 2; ++e) row[8 * nt + e] = attn_merge(row[8 * nt + e], o[nt][2 * half + e], f);
+          for (int nt = 0; nt < NT; ++nt) {
+            float2 v = *reinterpret_cast<const float2*>(row + 8 * nt);
+            v.x = attn_merge(v.x, o[nt][2 * half], f);
+            v.y = attn_merge(v.y, o[nt][2 * half + 1], f);
+            *reinterpret_cast<float2*>(row + 8 * nt) = v;
+          }
           ll[half] = attn_merge(ll[half], l[half], f);
           mm[half] = f.m;
         }
@@ -655,11 +662,12 @@ DSPARK_DEVICE void attention_prompt_cta(const AttnArgs<T>& a) {
     const int item_j = 16 * warp + g + 8 * half;
     if (item_j < items) {
       const int64_t item = (int64_t)(row0 + r0 + item_j / G) * a.hq + h * G + item_j % G;
-      const float* row = accs + (g + 8 * half) * D + 2 * t4;
+      const float* row = accs + (g + 8 * half) * L::kAccRow + 2 * t4;
 #pragma unroll
-      for (int nt = 0; nt < NT; ++nt)
-        attn_store2(a.out + item * D + 8 * nt + 2 * t4, __fdiv_rn(row[8 * nt], ll[half]),
-                    __fdiv_rn(row[8 * nt + 1], ll[half]));
+      for (int nt = 0; nt < NT; ++nt) {
+        const float2 v = *reinterpret_cast<const float2*>(row + 8 * nt);
+        attn_store2(a.out + item * D + 8 * nt + 2 * t4, __fdiv_rn(v.x, ll[half]), __fdiv_rn(v.y, ll[half]));
+      }
     }
   }
 }

@@ -70,11 +70,52 @@ DSPARK_LINEAR_ENTRY(f32, float)
     DSPARK_LINEAR_MMA_BODY(T, CFG)                                                                           \
   }
 
+// linear_mma_<dt>_a16_<shape>(xh, w, ...): the prompt shapes over activations already rounded to the
+// weights' type (round_activations_<dt> below); the same bits as linear_mma_<dt>_<shape> over their f32.
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 800
+#define DSPARK_LINEAR_MMA_A16_BODY(T, CFG) __trap();
+#else
+#define DSPARK_LINEAR_MMA_A16_BODY(T, CFG) linear_mma_a16<T, CFG>(xh, w, rows, K, N, kchunk, grid_splits, out, part, tickets);
+#endif
+#define DSPARK_LINEAR_MMA_A16_ENTRY(SUF, T, BM, CFG)                                                           \
+  extern "C" __global__ void __launch_bounds__(CFG::THREADS) linear_mma_##SUF##_a16_m##BM(                  \
+      const T* __restrict__ xh, const T* __restrict__ w, int rows, int K, int N, int kchunk, int grid_splits, \
+      float* __restrict__ out, float* __restrict__ part, unsigned* __restrict__ tickets) {                   \
+    DSPARK_LINEAR_MMA_A16_BODY(T, CFG)                                                                       \
+  }
+
+DSPARK_LINEAR_MMA_A16_ENTRY(bf16, bf16_t, 64, MmaGemmM64)
+DSPARK_LINEAR_MMA_A16_ENTRY(bf16, bf16_t, 128, MmaGemmM128)
+DSPARK_LINEAR_MMA_A16_ENTRY(bf16, bf16_t, 128n256, MmaGemmM128N256)
+DSPARK_LINEAR_MMA_A16_ENTRY(f16, f16_t, 64, MmaGemmM64)
+DSPARK_LINEAR_MMA_A16_ENTRY(f16, f16_t, 128, MmaGemmM128)
+DSPARK_LINEAR_MMA_A16_ENTRY(f16, f16_t, 128n256, MmaGemmM128N256)
+
+// round_activations_<dt>(x f32 [n], n, out T [n]): out = round_T(x) as the GEMM's A stage rounds it
+// (mma_pack2: from_float's bits), four a thread (n % 4 == 0, out 8-byte aligned; x read by float4
+// where it is 16-byte aligned); what the a16 entries read.
+template <typename T>
+DSPARK_DEVICE void round_activations(const float* __restrict__ x, long long n, T* __restrict__ out) {
+  const long long i = 4 * ((long long)blockIdx.x * blockDim.x + threadIdx.x);
+  if (i >= n) return;
+  const float4 v = (reinterpret_cast<unsigned long long>(x) & 15ull) == 0
+                       ? *reinterpret_cast<const float4*>(x + i) : make_float4(x[i], x[i + 1], x[i + 2], x[i + 3]);
+  *reinterpret_cast<uint2*>(out + i) = make_uint2(mma_pack2<T>(v.x, v.y), mma_pack2<T>(v.z, v.w));
+}
+extern "C" __global__ void round_activations_bf16(const float* __restrict__ x, long long n, bf16_t* __restrict__ out) {
+  round_activations<bf16_t>(x, n, out);
+}
+extern "C" __global__ void round_activations_f16(const float* __restrict__ x, long long n, f16_t* __restrict__ out) {
+  round_activations<f16_t>(x, n, out);
+}
+
 DSPARK_LINEAR_MMA_ENTRY(bf16, bf16_t, 16, MmaGemmM16)
 DSPARK_LINEAR_MMA_ENTRY(bf16, bf16_t, 32, MmaGemmM32)
 DSPARK_LINEAR_MMA_ENTRY(bf16, bf16_t, 64, MmaGemmM64)
 DSPARK_LINEAR_MMA_ENTRY(bf16, bf16_t, 128, MmaGemmM128)
+DSPARK_LINEAR_MMA_ENTRY(bf16, bf16_t, 128n256, MmaGemmM128N256)
 DSPARK_LINEAR_MMA_ENTRY(f16, f16_t, 16, MmaGemmM16)
 DSPARK_LINEAR_MMA_ENTRY(f16, f16_t, 32, MmaGemmM32)
 DSPARK_LINEAR_MMA_ENTRY(f16, f16_t, 64, MmaGemmM64)
 DSPARK_LINEAR_MMA_ENTRY(f16, f16_t, 128, MmaGemmM128)
+DSPARK_LINEAR_MMA_ENTRY(f16, f16_t, 128n256, MmaGemmM128N256)

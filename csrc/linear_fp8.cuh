@@ -292,7 +292,7 @@ struct Fp8Stream {
         if (xs[i]) av[i] = *reinterpret_cast<const float4*>(xs[i] + k_next);
       }
     } else {
-      g.load_a(k_next, av);
+      g.load_a(k_next, av);  // a chunk's last iterations: every bound checked
     }
     const float s_it = s;
     s = src.block_scale(k_next);

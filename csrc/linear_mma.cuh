@@ -26,9 +26,11 @@
 //   the mode (by CTAs). Row tiles may be sized by the row count; the K order may not.
 //
 // Tile shapes (MmaGemmConfig, BK 32, 4 stages): BM 16 / 32 (BN 256, 4 warps 1 x 4: decode, verify,
-// batched decode) and 64 / 128 (BN 128, 8 warps 2 x 4: wide batches and prompts). Warp (wm, wn) owns
-// rows [wm WM, +WM) and columns [wn WN, +WN) of the tile: MT = WM / 16 m-tiles by NT = WN / 8 n-tiles.
-// Each weight is read once per row tile, at its stored width.
+// batched decode) and 64 / 128 (BN 128, 8 warps 2 x 4: wide batches and prompts), and a prompt's wide
+// tile 128 x 256 (8 warps of 64 x 64, 3 stages, the chunks' running total in shared memory: the
+// accumulators alone fill the registers). Warp (wm, wn) owns rows [wm WM, +WM) and columns
+// [wn WN, +WN) of the tile: MT = WM / 16 m-tiles by NT = WN / 8 n-tiles. Each weight is read once
+// per row tile, at its stored width.
 //
 // Pipeline (STAGES buffers of A [BM][BK + 8] and B [BK][BN + 8] in dynamic shared memory; the 16-byte
 // pad keeps ldmatrix rows off one bank):
@@ -36,7 +38,7 @@
 //     loads where N % 8 or w's alignment forbid 16-byte chunks (same values, same order).
 //   A (activations): float4 loads one tile ahead into registers, issued before the tile's MMAs and
 //     rounded and stored to shared memory after them (scalar loads where K % 4 or x's alignment
-//     forbid float4).
+//     forbid float4); or (A16: a prompt's tiles) activations rounded once beforehand, by cp.async as B.
 //   Per tile: wait_group STAGES - 2, __syncthreads, issue the next tiles, then per k-step ldmatrix
 //   A (x4) and B (x4.trans, two n-tiles) and the warp's MT x NT MMAs.
 //
@@ -51,16 +53,21 @@
 #include "rowsplit.cuh"
 #include "tensor_core.cuh"
 
-template <int BM_, int BN_, int BK_, int WARPS_M_, int WARPS_N_, int STAGES_>
+// SHARED_TOTAL: the running total of the K chunks kept in shared memory, each thread's own elements
+// (a fold reads and writes only what the thread wrote), not in registers beside the accumulators:
+// that lets a warp hold twice the outputs (the prompt's 128 x 256 tile, 64 x 64 a warp).
+template <int BM_, int BN_, int BK_, int WARPS_M_, int WARPS_N_, int STAGES_, bool SHARED_TOTAL_ = false>
 struct MmaGemmConfig {
   static constexpr int BM = BM_, BN = BN_, BK = BK_, WARPS_M = WARPS_M_, WARPS_N = WARPS_N_, STAGES = STAGES_;
+  static constexpr bool SHARED_TOTAL = SHARED_TOTAL_;
   static constexpr int WARPS = WARPS_M * WARPS_N, THREADS = 32 * WARPS, MIN_CTAS = 0;  // __launch_bounds__: none
   static constexpr int WM = BM / WARPS_M, WN = BN / WARPS_N, MT = WM / 16, NT = WN / 8;
   static constexpr int A_ROW = BK + 8, B_ROW = BN + 8;  // shared-memory row strides, in elements
   static constexpr int A_STAGE = BM * A_ROW, B_STAGE = BK * B_ROW;
   static constexpr int A_VECS = BM * BK / 4 / THREADS;  // float4s of x per thread per tile
   static constexpr int B_VECS = BK * BN / 8 / THREADS;  // 16-byte chunks of w per thread per tile
-  static constexpr int SMEM_BYTES = 2 * STAGES * (A_STAGE + B_STAGE);
+  static constexpr int STAGE_BYTES = 2 * STAGES * (A_STAGE + B_STAGE);
+  static constexpr int SMEM_BYTES = STAGE_BYTES + (SHARED_TOTAL ? 4 * BM * BN : 0);
   static_assert(WM % 16 == 0 && WN % 16 == 0 && BK % 16 == 0 && 32 % BK == 0, "tile shape");
   static_assert(A_VECS * THREADS * 4 == BM * BK && B_VECS * THREADS * 8 == BK * BN, "loads per thread");
 };
@@ -121,9 +128,14 @@ DSPARK_DEVICE uint32_t mma_pack2(float lo, float hi) {
 // grouped row). Output row row0 + r reads x row row0 + r, or x_rows[row0 + r] where the product
 // gathers its rows (Gather with a map: the grouped product's first projection reads each token's
 // row; Gather without one reads row0 + r, so one instantiation serves both grouped products).
-template <typename T, typename Cfg, bool Gather = false>
+// A16: the activations come as T already (xh, rounded by round_activations_<t> from the same f32, so the
+// stage holds the same values), copied into the stage by cp.async like the weights: half the bytes of
+// the f32 x through L2, and no register staging.
+template <typename T, typename Cfg, bool Gather = false, bool A16_ = false>
 struct MmaGemm {
   using C = Cfg;
+  static constexpr bool A16 = A16_;
+  static constexpr int A_CHUNKS = C::BM * C::BK / 8 / C::THREADS;  // A16: 16-byte chunks per thread per tile
   const float* __restrict__ x;
   const int* __restrict__ x_rows;  // Gather: the x row of each output row
   int rows, K, N;
@@ -132,6 +144,7 @@ struct MmaGemm {
   bool x_vec;         // float4 loads of x (uniform over the launch)
   T* sa;              // A stages
   T* sb;              // B stages
+  const T* __restrict__ xh = nullptr;  // A16: the activations [rows, K] as T (K % 8 == 0)
 
   __device__ __forceinline__ int64_t x_row(int r) const {
     return Gather && x_rows ? (int64_t)x_rows[row0 + r] : (int64_t)(row0 + r);
@@ -161,6 +174,31 @@ struct MmaGemm {
       for (int j = 0; j < 4; ++j) e[j] = r < rows && col + j < K ? mma_prologue(r, col + j, e[j]) : 0.f;
       v[i] = make_float4(e[0], e[1], e[2], e[3]);
     }
+  }
+
+  // A16: tile kt (columns [k, k + BK)) of xh straight into `stage`, 16 bytes a copy, zero past rows and K.
+  __device__ __forceinline__ void copy_a(int stage, int k) const {
+    static_assert(!A16 || A_CHUNKS * C::THREADS * 8 == C::BM * C::BK, "A16 copies per thread");
+    T* dst = sa + stage * C::A_STAGE;
+#pragma unroll
+    for (int i = 0; i < A_CHUNKS; ++i) {
+      const int c = threadIdx.x + i * C::THREADS, row = c / (C::BK / 8), col = 8 * (c % (C::BK / 8));
+      const int r = r0 + row;
+      const bool valid = r < rows && k + col < K;  // K % 8 == 0: a chunk is wholly in or out
+      cp_async16(dst + row * C::A_ROW + col, valid ? xh + x_row(r) * K + k + col : xh, valid);
+    }
+  }
+
+  // Tile kt of A into `stage`: copied (A16), or loaded into v now and stored by store_a later.
+  __device__ __forceinline__ void start_a(int stage, int k, float4 (&v)[C::A_VECS]) const {
+    if constexpr (A16)
+      copy_a(stage, k);
+    else
+      load_a(k, v);
+  }
+
+  __device__ __forceinline__ void finish_a(int stage, const float4 (&v)[C::A_VECS]) const {
+    if constexpr (!A16) store_a(stage, v);
   }
 
   __device__ __forceinline__ void store_a(int stage, const float4 (&v)[C::A_VECS]) const {
@@ -262,8 +300,8 @@ DSPARK_DEVICE void mma_fold_partials(const float* __restrict__ part, float* __re
 // tile's CTAs to arrive at tickets[row_tile * col_tiles + tile]. The order of every output is the
 // header's, whatever the tile. (The ticket's address is formed after the K loop: formed before it,
 // ptxas gives the 16-row shape 74 more registers.)
-template <typename T, typename Cfg, bool Gather, typename Wt>
-DSPARK_DEVICE void mma_tile(const MmaGemm<T, Cfg, Gather>& g, const Wt& wt, int kchunk, int grid_splits, int split,
+template <typename T, typename Cfg, bool Gather, typename Wt, bool A16>
+DSPARK_DEVICE void mma_tile(const MmaGemm<T, Cfg, Gather, A16>& g, const Wt& wt, int kchunk, int grid_splits, int split,
                             float* __restrict__ out, float* __restrict__ part, int part_rows,
                             unsigned* __restrict__ tickets, int row_tile, int tile, int col_tiles) {
   using C = Cfg;
@@ -273,13 +311,22 @@ DSPARK_DEVICE void mma_tile(const MmaGemm<T, Cfg, Gather>& g, const Wt& wt, int 
   const int k_hi = grid_splits == 1 ? K : min(K, k_lo + kchunk);
   const int iters = (k_hi - k_lo + C::BK - 1) / C::BK;
 
-  float acc[C::MT][C::NT][4], total[C::MT][C::NT][4];
+  // The running total: registers, or (SHARED_TOTAL) shared memory past the stages, element e of the
+  // thread at shared_total[e THREADS + thread] (e = (mt NT + nt) 4 + c).
+  float acc[C::MT][C::NT][4], total[C::SHARED_TOTAL ? 1 : C::MT][C::SHARED_TOTAL ? 1 : C::NT][4];
+  float* shared_total = reinterpret_cast<float*>(g.sa) + C::STAGE_BYTES / 4;
 #pragma unroll
   for (int mt = 0; mt < C::MT; ++mt)
 #pragma unroll
     for (int nt = 0; nt < C::NT; ++nt)
 #pragma unroll
-      for (int c = 0; c < 4; ++c) acc[mt][nt][c] = 0.f, total[mt][nt][c] = -0.f;
+      for (int c = 0; c < 4; ++c) {
+        acc[mt][nt][c] = 0.f;
+        if constexpr (C::SHARED_TOTAL)
+          shared_total[((mt * C::NT + nt) * 4 + c) * C::THREADS + threadIdx.x] = -0.f;
+        else
+          total[mt][nt][c] = -0.f;
+      }
 
   float4 av[C::A_VECS];
   typename Wt::Held held;
@@ -287,37 +334,50 @@ DSPARK_DEVICE void mma_tile(const MmaGemm<T, Cfg, Gather>& g, const Wt& wt, int 
   for (int s = 0; s < C::STAGES - 1; ++s) {
     if (s < iters) {
       wt.fetch(g.sb + s * C::B_STAGE, k_lo + s * C::BK, g.n0, held);
-      g.load_a(k_lo + s * C::BK, av);
-      g.store_a(s, av);
+      g.start_a(s, k_lo + s * C::BK, av);
+      g.finish_a(s, av);
       wt.place(g.sb + s * C::B_STAGE, held);
     }
     cp_async_commit();
   }
-  for (int it = 0; it < iters; ++it) {
-    cp_async_wait<C::STAGES - 2>();
-    __syncthreads();  // tile it is in shared memory; tile it - 1 is consumed everywhere
-    const int next = it + C::STAGES - 1, k = k_lo + it * C::BK;
-    if (next < iters) {
-      wt.fetch(g.sb + (next % C::STAGES) * C::B_STAGE, k_lo + next * C::BK, g.n0, held);
-      g.load_a(k_lo + next * C::BK, av);
+  // The CTA's chunks one by one (fold mode: every chunk of K; split mode: chunk `split`), each chunk's
+  // tiles in the inner loop, the pipeline running on across the chunks, the fold after each chunk:
+  // the inner loop is the main loop (profiling/sass.py: the innermost loop with the most MMAs).
+  int it = 0;
+  for (int chunk = k_lo / kchunk; it < iters; ++chunk) {
+    const int chunk_end = min(k_hi, (chunk + 1) * kchunk);
+    const int chunk_tiles = (chunk_end - k_lo + C::BK - 1) / C::BK;  // BK divides kchunk: one chunk per tile
+    for (; it < chunk_tiles; ++it) {
+      cp_async_wait<C::STAGES - 2>();
+      __syncthreads();  // tile it is in shared memory; tile it - 1 is consumed everywhere
+      const int next = it + C::STAGES - 1, k = k_lo + it * C::BK;
+      if (next < iters) {
+        wt.fetch(g.sb + (next % C::STAGES) * C::B_STAGE, k_lo + next * C::BK, g.n0, held);
+        g.start_a(next % C::STAGES, k_lo + next * C::BK, av);
+      }
+      cp_async_commit();
+      const int steps = min(C::BK, chunk_end - k + 15) / 16;
+      mma_tile_steps<T, C>(acc, g.sa + (it % C::STAGES) * C::A_STAGE, g.sb + (it % C::STAGES) * C::B_STAGE,
+                           steps);
+      if (next < iters) {
+        g.finish_a(next % C::STAGES, av);
+        wt.place(g.sb + (next % C::STAGES) * C::B_STAGE, held);
+      }
     }
-    cp_async_commit();
-    const int chunk_end = min(k_hi, (k / kchunk + 1) * kchunk);  // BK divides kchunk: one chunk per tile
-    const int steps = min(C::BK, chunk_end - k + 15) / 16;
-    mma_tile_steps<T, C>(acc, g.sa + (it % C::STAGES) * C::A_STAGE, g.sb + (it % C::STAGES) * C::B_STAGE,
-                         steps);
-    if (next < iters) {
-      g.store_a(next % C::STAGES, av);
-      wt.place(g.sb + (next % C::STAGES) * C::B_STAGE, held);
-    }
-    if (k + C::BK >= chunk_end) {  // the chunk's last tile: fold its partial, start the next from +0
 #pragma unroll
-      for (int mt = 0; mt < C::MT; ++mt)
+    for (int mt = 0; mt < C::MT; ++mt)  // the chunk's partial folded; the next starts from +0
 #pragma unroll
-        for (int nt = 0; nt < C::NT; ++nt)
+      for (int nt = 0; nt < C::NT; ++nt)
 #pragma unroll
-          for (int c = 0; c < 4; ++c) total[mt][nt][c] = total[mt][nt][c] + acc[mt][nt][c], acc[mt][nt][c] = 0.f;
-    }
+        for (int c = 0; c < 4; ++c) {
+          if constexpr (C::SHARED_TOTAL) {
+            float& t = shared_total[((mt * C::NT + nt) * 4 + c) * C::THREADS + threadIdx.x];
+            t = t + acc[mt][nt][c];
+          } else {
+            total[mt][nt][c] = total[mt][nt][c] + acc[mt][nt][c];
+          }
+          acc[mt][nt][c] = 0.f;
+        }
   }
   cp_async_wait<0>();  // nothing is in flight when the CTA leaves (the empty tail groups)
 
@@ -333,8 +393,12 @@ DSPARK_DEVICE void mma_tile(const MmaGemm<T, Cfg, Gather>& g, const Wt& wt, int 
 #pragma unroll
       for (int c = 0; c < 4; ++c) {
         const int r = row0 + 16 * mt + 8 * (c >> 1), n = col0 + 8 * nt + (c & 1);
-        if (r < rows && n < N)
-          dst[(int64_t)(g.row0 + r) * N + n] = partial ? total[mt][nt][c] : mma_epilogue(g.row0 + r, n, total[mt][nt][c]);
+        float v;
+        if constexpr (C::SHARED_TOTAL)
+          v = shared_total[((mt * C::NT + nt) * 4 + c) * C::THREADS + threadIdx.x];
+        else
+          v = total[mt][nt][c];
+        if (r < rows && n < N) dst[(int64_t)(g.row0 + r) * N + n] = partial ? v : mma_epilogue(g.row0 + r, n, v);
       }
   if (!partial) return;
   mma_fold_partials<C::BN>(part, out, tickets + row_tile * col_tiles + tile, splits, part_rows, N,
@@ -352,10 +416,10 @@ DSPARK_DEVICE void mma_check_launch() {
 }
 
 // The whole product over weight source Wt: the CTA's tile and K chunk from its block index.
-template <typename T, typename Cfg, typename Wt>
+template <typename T, typename Cfg, typename Wt, bool A16 = false>
 DSPARK_DEVICE void mma_gemm(const float* __restrict__ x, const Wt& wt, int rows, int K, int N, int kchunk,
                             int grid_splits, float* __restrict__ out, float* __restrict__ part,
-                            unsigned* __restrict__ tickets) {
+                            unsigned* __restrict__ tickets, const T* __restrict__ xh = nullptr) {
   using C = Cfg;
   DSPARK_DYNAMIC_SMEM(T, smem);
   mma_check_launch<C>();
@@ -368,9 +432,9 @@ DSPARK_DEVICE void mma_gemm(const float* __restrict__ x, const Wt& wt, int rows,
     row_tile = first + id % per_group % in_group;
     tile = id % per_group / in_group;
   }
-  const MmaGemm<T, C> g{x, nullptr, rows, K, N, 0, row_tile * C::BM, tile * C::BN,
-                        K % 4 == 0 && !(reinterpret_cast<unsigned long long>(x) & 15ull), smem,
-                        smem + C::STAGES * C::A_STAGE};
+  const MmaGemm<T, C, false, A16> g{x, nullptr, rows, K, N, 0, row_tile * C::BM, tile * C::BN,
+                                    K % 4 == 0 && !(reinterpret_cast<unsigned long long>(x) & 15ull), smem,
+                                    smem + C::STAGES * C::A_STAGE, xh};
   mma_tile<T, C, false>(g, wt, kchunk, grid_splits, split, out, part, rows, tickets, row_tile, tile, col_tiles);
 }
 
@@ -382,8 +446,23 @@ DSPARK_DEVICE void linear_mma(const float* __restrict__ x, const T* __restrict__
   mma_gemm<T, Cfg>(x, wt, rows, K, N, kchunk, grid_splits, out, part, tickets);
 }
 
+// The same product over activations already rounded to T (linear_mma.cuh's A16: the prompt shapes; the
+// K order, and so every bit, of linear_mma over their f32 source).
+template <typename T, typename Cfg>
+DSPARK_DEVICE void linear_mma_a16(const T* __restrict__ xh, const T* __restrict__ w, int rows, int K, int N,
+                                  int kchunk, int grid_splits, float* __restrict__ out, float* __restrict__ part,
+                                  unsigned* __restrict__ tickets) {
+#if defined(DSPARK_SIMT)
+  if (K % 8 || (reinterpret_cast<unsigned long long>(xh) & 15ull))
+    simt::fault("linear_mma a16: K % 8 != 0 or the activations off 16 bytes (the plan takes the f32 entry there)");
+#endif
+  const MmaWeights16<T, Cfg> wt{w, K, N, N % 8 == 0 && !(reinterpret_cast<unsigned long long>(w) & 15ull)};
+  mma_gemm<T, Cfg, MmaWeights16<T, Cfg>, true>(nullptr, wt, rows, K, N, kchunk, grid_splits, out, part, tickets, xh);
+}
+
 // The instantiated tile shapes: dspark/ops/linear.py (MMA_CONFIGS) holds the same table.
 using MmaGemmM16 = MmaGemmConfig<16, 256, 32, 1, 4, 4>;
 using MmaGemmM32 = MmaGemmConfig<32, 256, 32, 1, 4, 4>;
 using MmaGemmM64 = MmaGemmConfig<64, 128, 32, 2, 4, 4>;
 using MmaGemmM128 = MmaGemmConfig<128, 128, 32, 2, 4, 4>;
+using MmaGemmM128N256 = MmaGemmConfig<128, 256, 32, 2, 4, 3, true>;  // prompts: 64 x 64 a warp, the total shared

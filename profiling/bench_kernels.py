@@ -495,7 +495,7 @@ def heads_benches(be, s: Sizes) -> Iterator[Bench]:
 
 # ---- linear: the MLP's GEMMs, bf16 weights as stored ---------------------------------------------------
 def linear_benches(be, s: Sizes) -> Iterator[Bench]:
-    """The tensor-core GEMM (linear_mma_bf16_m<BM>, the tile shape its plan picks) for the MLP's two
+    """The tensor-core GEMM (linear_mma_bf16_<shape>, the tile shape its plan picks) for the MLP's two
     projections (gate|up fused, down) over plain batched decode's rows (B), a verify's (B * vt) and
     a prompt pass's: bytes from the plan's min_bytes (the weights once, x, out), 2 rows K N flops;
     predicted time and occupancy as perf_model.linear prices them."""
@@ -513,10 +513,10 @@ def gemm_benches(be, s: Sizes, family: str, entry: str, wb: int, weights) -> Ite
         for case, B, rows in cases + [("prompt", 1, s.prompt_rows)]:
             x, out = randn(be, (rows, k)), be.xp.empty((rows, n), np.float32)
             plan = linear_plan(rows, k, n, wb)
+            model = pm.linear("bench", proj, rows, k, n, wb, pm.H200)   # a 16-bit prompt: the rounding and the GEMM
             yield Bench(family, case, {"proj": proj, "B": B, "rows": rows, "K": k, "N": n, "S": plan.splits},
-                        plan.min_bytes, 2 * rows * k * n, (f"{entry}_bf16_m{plan.notes['bm']}",),
-                        lambda b, x=x, w=w, o=out: linear(b, x, w, out=o),
-                        pm.linear("bench", proj, rows, k, n, wb, pm.H200)[0])
+                        plan.min_bytes, 2 * rows * k * n, tuple(sorted(m.entry for m in model)),
+                        lambda b, x=x, w=w, o=out: linear(b, x, w, out=o), model)
 
 
 # ---- linear_fp8: the same GEMMs on FP8 weights (e4m3 and a scale per 128 x 128 block) ---------------------

@@ -305,11 +305,17 @@ def linear(phase, name, rows, k, n, wb, dev, kind="weights") -> list[Kernel]:
     if wb in (1, 2):   # 1: FP8 (e4m3 and a scale per 128 x 128 block), bf16 activations: linear_fp8_bf16_m<BM>
         if wb == 1:
             p, plan = linear_ops.fp8_plan(rows, k, n), linear_ops.fp8_linear_plan(rows, k, n)
-            entry = f"linear_fp8_bf16_m{p.bm}"
+            entry = f"linear_fp8_bf16_{p.shape}"
         else:
             p, plan = linear_ops.mma_plan(rows, k, n), linear_ops.mma_linear_plan(rows, k, n)
-            entry = f"linear_mma_bf16_m{p.bm}"
+            entry = f"linear_mma_bf16_{p.shape}"
         if p.grid_splits == 1 and p.m_tiles > 1:
+            if wb == 2 and linear_ops.a16(p, k):   # the activations rounded once, the tiles copy them as bf16
+                rounding = elementwise(phase, f"{name} x to bf16", "round_activations_bf16", -(-rows * k // 4),
+                                       6 * rows * k, rows * k, dev, linear_ops.ROUND_THREADS)
+                return [dataclasses.replace(rounding, kind=kind),
+                        prompt_gemm(phase, name, kind, p, plan, rows, k, n, f"linear_mma_bf16_a16_{p.shape}", dev, wb,
+                                    x_bytes=2)]
             return [prompt_gemm(phase, name, kind, p, plan, rows, k, n, entry, dev, wb)]
         # x ([rows, K] f32, at most 128 x 17408 x 4 = 8.9 MB) stays in L2 across the column tiles: DRAM
         # sees it once, not once per column tile as the plan's bytes (what the CTAs load, through L2) count it
@@ -327,23 +333,23 @@ def linear(phase, name, rows, k, n, wb, dev, kind="weights") -> list[Kernel]:
                     f"linear_{STORAGE_SUFFIX[wb]}", min_bytes=p.min_bytes)]
 
 
-def prompt_gemm(phase, name, kind, p, plan, rows, k, n, entry, dev: Device, wb: int = 2) -> Kernel:
+def prompt_gemm(phase, name, kind, p, plan, rows, k, n, entry, dev: Device, wb: int = 2, x_bytes: int = 4) -> Kernel:
     """A tensor-core GEMM in fold mode (many rows): every CTA walks all of K (ceil(K / BK) iterations)
-    and loads its row tile of x (f32) and its column tile of the weights (wb bytes each; FP8: with
-    the scales of its blocks) through L2; DRAM: each wave reads its group of kMmaGroupRows row tiles
-    of x and the weight columns of its CTAs once (L2 keeps them while it runs), and the output is
-    written."""
+    and loads its row tile of x (f32, or bf16 rounded beforehand: x_bytes) and its column tile of the
+    weights (wb bytes each; FP8: with the scales of its blocks) through L2; DRAM: each wave reads its
+    group of kMmaGroupRows row tiles of x and the weight columns of its CTAs once (L2 keeps them while
+    it runs), and the output is written."""
     code = compiled(entry, dev)
     per_sm = resident(p.threads, p.shared_mem + code.static_smem, code.registers, dev)
     slots = dev.sms * per_sm
     waves = -(-p.ctas // slots)
     group = min(linear_ops.MMA_GROUP_ROWS, p.m_tiles)
     col_bytes = p.bn * k * wb + (4 * -(-k // linear_ops.FP8_BLOCK) * -(-p.bn // linear_ops.FP8_BLOCK) if wb == 1 else 0)
-    dram = waves * (group * p.bm * k * 4 + min(p.n_tiles, -(-slots // group)) * col_bytes) + rows * n * 4
+    dram = waves * (group * p.bm * k * x_bytes + min(p.n_tiles, -(-slots // group)) * col_bytes) + rows * n * 4
     flops = plan.notes["mma_flops"]
     iters = -(-k // p.bk)
     work = Work(entry, p.threads, p.shared_mem, even(dram, p.ctas),
-                l2=np.full(p.ctas, float(p.bm * k * 4 + col_bytes + p.bm * p.bn * 4)), mma=flops / MMA_FLOPS / p.ctas,
+                l2=np.full(p.ctas, float(p.bm * k * x_bytes + col_bytes + p.bm * p.bn * 4)), mma=flops / MMA_FLOPS / p.ctas,
                 iterations=iters, units={"cta": 1.0, "iteration": float(iters)})
     return kernel_of(phase, name, kind, work, dev, flops=flops, mma_flops=flops, min_bytes=plan.min_bytes)
 
@@ -1128,7 +1134,8 @@ def prior_report(tab: dict) -> str:
 def memory_row(shape: Shape, context: int, chunk: int = PROMPT_CHUNK) -> dict:
     """Bytes one session holds at `context` (dspark.models.cache.cache_bytes, bf16 K/V as the
     shape stores it, the chunk tails of the kernel backends; the drafter's ring), the prompt
-    pass's largest arrays at `chunk` tokens (activations of the widest layer, the gdn scratch),
+    pass's largest arrays at `chunk` tokens (activations of the widest layer, the gdn scratch, the
+    16-bit copies of the products' activations),
     and whether the context is within the model's max_position_embeddings (the shapes' max_ctx)."""
     c, dc = shape.trunk, shape.drafter
     cache = cache_bytes(c, context, chunk_tails="gdn" in c.layers)
@@ -1139,8 +1146,13 @@ def memory_row(shape: Shape, context: int, chunk: int = PROMPT_CHUNK) -> dict:
     taps = len(c.tap_layers) * c.d_model
     scratch = chunk_ops.scratch_bytes(-(-chunk // chunk_ops.CHUNK), c.gdn_heads, c.gdn_dk, c.gdn_dv, 2) \
         if "gdn" in c.layers else 0
+    # the 16-bit products' activations rounded once (dspark.ops.linear.a16): one copy per distinct K, bf16
+    # (an FP8 trunk's decoder linears take their f32 activations: its gdn a|b alone, over d_model)
+    ks = {c.d_model} if shape.fp8 else {c.d_model, c.attn_heads * c.head_dim if "attn" in c.layers else 0,
+                                        c.gdn_heads * c.gdn_dv if "gdn" in c.layers else 0, c.mlp_hidden}
+    x16 = 2 * chunk * sum(k for k in ks if k and k % 8 == 0) if shape.weight_bytes == 2 else 0
     return {"kv": cache["kv"], "state": cache["state"] + cache["chunk"], "draft_kv": ring,
-            "pass": F32 * chunk * (3 * c.d_model + 2 * widest + taps) + scratch,
+            "pass": F32 * chunk * (3 * c.d_model + 2 * widest + taps) + scratch + x16,
             "fits": context <= c.max_ctx}
 
 

@@ -49,6 +49,15 @@ def tile_shapes() -> list[tuple[str, int, int, str]]:
             out.append((f"linear_mma_{dt}_m{bm}", 32 * warps, linear_ops.mma_shared_mem(bm), serves))
             out.append((f"linear_fp8_{dt}_m{bm}", 32 * linear_ops.FP8_CONFIGS[bm][2], linear_ops.fp8_shared_mem(bm),
                         serves.replace("16-bit", f"FP8 ({dt} activations)")))
+    for bm, (bn, _, warps, _) in linear_ops.MMA_WIDE.items():
+        for dt in ("bf16", "f16"):
+            out.append((f"linear_mma_{dt}_m{bm}n{bn}", 32 * warps, linear_ops.mma_shared_mem(bm, linear_ops.MMA_WIDE),
+                        "16-bit weights, prompts (the wide tile)"))
+    for bm, tiles, shape in ((64, linear_ops.MMA_CONFIGS, "m64"), (128, linear_ops.MMA_CONFIGS, "m128"),
+                             (128, linear_ops.MMA_WIDE, "m128n256")):
+        for dt in ("bf16", "f16"):
+            out.append((f"linear_mma_{dt}_a16_{shape}", 32 * tiles[bm][2], linear_ops.mma_shared_mem(bm, tiles),
+                        "16-bit weights, prompts over their activations rounded once"))
     out.append(("moe_route_f32", moe_ops.ROUTE_THREADS, 0, "MoE router and grouping"))
     out.append(("moe_linear_f32", linear_ops.THREADS, 0, "grouped experts, f32"))
     for bm in moe_ops.MMA_TILES:

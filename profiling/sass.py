@@ -225,7 +225,8 @@ def entry_sass(entry: str, arch: str = "sm_90") -> list[Instr]:
 @dataclasses.dataclass(frozen=True)
 class Issue:
     """What one iteration of an entry point's main loop issues, per warp. The main loop: the one
-    that holds the most of its anchor class (mma where the kernel has HMMA, else fp32). `path`:
+    that holds the most of its anchor class (mma where the kernel has HMMA, else fp32), the inner
+    one where a loop wraps another holding all its anchors. `path`:
     the shortest path through an iteration that issues every anchor instruction of it (inner
     loops once); `path_copies` the cp.async (LDGSTS) on it; `per_copy` the instructions per LDGSTS
     of the loop's inner loops that issue them (their trips are not in the SASS: the model runs
@@ -260,6 +261,10 @@ def issue(entry: str, arch: str = "sm_90") -> Issue:
         n = len(body)
         return Issue(entry, anchor, n, n, 0, 0.0, 0, 0, 0, sum(i.opcode == "BAR" for i in body), n)
     main = max(ls, key=lambda lp: (lp.issued[anchor], lp.instructions if lp.depth == 0 else 0, -lp.depth))
+    # a loop that only wraps an inner one holding all its anchors (a GEMM's chunks around their tiles): the inner
+    while inner_main := next((lp for lp in ls if main.start <= lp.start and lp.end <= main.end and lp != main
+                              and lp.depth == main.depth + 1 and lp.issued[anchor] == main.issued[anchor] > 0), None):
+        main = inner_main
     inner = [(lp.start, lp.end) for lp in ls if main.start <= lp.start and lp.end <= main.end and lp != main]
     outer_inner = [(s, e) for s, e in inner if not any(s2 <= s and e <= e2 and (s2, e2) != (s, e) for s2, e2 in inner)]
     in_inner = lambda a: any(s <= a <= e for s, e in outer_inner)  # noqa: E731

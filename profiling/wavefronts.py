@@ -99,7 +99,7 @@ def child() -> list[dict]:
         units = unit_totals(pm.attention_units(plan), plan.ctas)
         take(counts, lambda c: units if c.kernel == plan.kernel else None, f"{label} {lens}@{pos} d{d}")
     rng = np.random.default_rng(1)
-    for bm in linear_ops.MMA_CONFIGS:
+    for bm in linear_ops.MMA_CONFIGS:   # one row tile: the 16-bit tiles over the f32 x (a prompt's copy x rounded once: below)
         for kk, split in ((256, False), (1024, False), (1024, True)):
             rows, n = bm, 256
             x = rng.standard_normal((rows, kk), np.float32)
@@ -119,6 +119,18 @@ def child() -> list[dict]:
                 units = {"cta": float(p.ctas), "iteration": float(p.ctas * iters)}
                 take(counts, lambda c, e=entry, u=units: u if c.kernel.startswith(e) else None,
                      f"{label} m{bm} K={kk} {'split' if p.grid_splits > 1 else 'fold'}")
+    rng_wide = np.random.default_rng(4)   # prompts (two row tiles, one chunk): the 128-row tile and the wide one,
+    for bm, wide in ((64, False), (128, False), (128, True)):   # over x rounded once (K on 8) and over the f32 x
+        for kk in (256, 448, 252, 444):
+            rows, n = 2 * bm, 512
+            x = rng_wide.standard_normal((rows, kk), np.float32)
+            w = (rng_wide.standard_normal((kk, n), np.float32) * 0.05).astype(pm.BF16)
+            p = linear_ops.mma_plan(rows, kk, n, bm=bm, split=False, wide=wide)
+            with k.counting() as counts:
+                linear(be, x, w, bm=bm, split=False, wide=wide)
+            units = {"cta": float(p.ctas), "iteration": float(p.ctas * -(-kk // p.bk))}
+            take(counts, lambda c, u=units: u if c.kernel.startswith("linear_mma") else None,
+                 f"linear {p.shape} K={kk} fold")
     rng_stream = np.random.default_rng(3)   # its own stream: the probes above see the same inputs as before
     for bm in linear_ops.FP8_STREAM:   # the FP8 decode shapes at two iterations per CTA (the loop above: four)
         rows, kk, n = bm, 128, 256

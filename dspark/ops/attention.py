@@ -350,9 +350,10 @@ def shared_mem_bytes(itemsize: int, head_dim: int) -> int:
 
 def prompt_shared_mem_bytes(itemsize: int, head_dim: int) -> int:
     """Dynamic shared memory of the prompt kernel (AttnPromptLayout, csrc/attention.cu): one K and
-    one V tile and the CTA's 64 items' q in the storage dtype, their merged output in f32."""
+    one V tile and the CTA's 64 items' q in the storage dtype, their merged output in f32 (rows of
+    head_dim + 8)."""
     row = head_dim + 16 // itemsize
-    return itemsize * (2 * TILE * row + 64 * row) + 4 * 64 * head_dim
+    return itemsize * (2 * TILE * row + 64 * row) + 4 * 64 * (head_dim + 8)
 
 
 def max_gqa(itemsize: int, head_dim: int) -> int:

@@ -71,6 +71,9 @@ MIN_CHUNK = 256        # rows of w a split takes at least (64 per warp: the weig
 TOLERANCE = 1e-5       # linear_numpy vs the kernel: relative to |x| @ |w|
 # The tensor-core GEMM (csrc/linear_mma.cuh): BM -> (BN, BK, warps, stages), MmaGemmM<BM> there.
 MMA_CONFIGS = {16: (256, 32, 4, 4), 32: (256, 32, 4, 4), 64: (128, 32, 8, 4), 128: (128, 32, 8, 4)}
+# The wide prompt tile (MmaGemmM128N256: the K chunks' running total in shared memory, not beside the
+# accumulators, so a warp holds 64 x 64 outputs): BM -> (BN, BK, warps, stages), the entry ..._m128n256.
+MMA_WIDE = {128: (256, 32, 8, 3)}
 # The FP8 GEMM (csrc/linear_fp8.cu): the decode shapes (BM 16 and 32, Fp8StreamM16 / M32 there: the bytes
 # straight into the MMA's B fragments, split mode only; BK here is a main-loop trip, two iterations of an A
 # stage of FP8_STREAM_STAGE_K columns, two buffers), then linear_mma's.
@@ -133,6 +136,11 @@ class MmaPlan:
     grid_splits: int
 
     @property
+    def shape(self) -> str:
+        """The entry's tile suffix: m<bm>, or m<bm>n<bn> for the one-chunk prompt tile (MMA_WIDE)."""
+        return f"m{self.bm}n{self.bn}" if self.bm in MMA_WIDE and self.bn == MMA_WIDE[self.bm][0] else f"m{self.bm}"
+
+    @property
     def grid(self) -> tuple[int, int]:
         return self.n_tiles * self.grid_splits, self.m_tiles
 
@@ -141,11 +149,12 @@ class MmaPlan:
         return self.m_tiles * self.n_tiles * self.grid_splits
 
 
-def mma_shared_mem(bm: int) -> int:
+def mma_shared_mem(bm: int, configs: dict = MMA_CONFIGS) -> int:
     """Dynamic shared memory of linear_mma's BM-row shape: STAGES buffers of A [BM][BK + 8] and
-    B [BK][BN + 8], 16-bit (MmaGemmConfig::SMEM_BYTES)."""
-    bn, bk, _, stages = MMA_CONFIGS[bm]
-    return 2 * stages * (bm * (bk + 8) + bk * (bn + 8))
+    B [BK][BN + 8], 16-bit, and for the wide tile the running total, f32 [BM][BN]
+    (MmaGemmConfig::SMEM_BYTES)."""
+    bn, bk, _, stages = configs[bm]
+    return 2 * stages * (bm * (bk + 8) + bk * (bn + 8)) + (4 * bm * bn if configs is MMA_WIDE else 0)
 
 
 def fp8_shared_mem(bm: int) -> int:
@@ -174,24 +183,47 @@ def mma_split_plan(k: int, n: int, align: int = MMA_ALIGN) -> tuple[int, int]:
     return best[1], best[2]
 
 
+# Dynamic shared memory one CTA may take, by compute capability (CUDA programming guide: 227 KB on sm_90,
+# 163 KB on sm_80, 99 KB on sm_86 / sm_89); the model's H200 and simt take sm_90's.
+SHARED_LIMIT = {90: 232448, 80: 166912, 86: 101376, 87: 166912, 89: 101376}
+
+
+def shared_limit(be) -> int:
+    """The dynamic shared memory a CTA may take on the backend's device (SHARED_LIMIT; 48 KB for an
+    architecture not listed); simt's is sm_90's, so its plans are an H200's."""
+    arch = getattr(be.kernels, "arch", None)
+    return SHARED_LIMIT[90] if arch is None else SHARED_LIMIT.get(int(arch.split("_")[1]), 49152)
+
+
 def mma_plan(rows: int, k: int, n: int, *, bm: int | None = None, split: bool | None = None,
-             align: int = MMA_ALIGN, configs: dict = MMA_CONFIGS, shared_mem=mma_shared_mem) -> MmaPlan:
+             wide: bool | None = None, align: int = MMA_ALIGN, configs: dict = MMA_CONFIGS,
+             shared_mem=mma_shared_mem, wide_configs: dict = MMA_WIDE, limit: int = SHARED_LIMIT[90]) -> MmaPlan:
     """The tensor-core GEMM's launch for x [rows, K] @ w [K, N]: the smallest row tile that holds
     the rows (at most 128); a tile's chunks in one CTA each while the tiles alone would leave an
-    H200 short of TARGET_CTAS, else folded in one CTA. `bm` and `split` force a shape or mode
-    (tests); the bits never depend on them. `align`: the K chunk's (mma_split_plan); `configs` and
-    `shared_mem`: the kernel's tile shapes (linear_mma's, or linear_fp8's: fp8_plan)."""
+    H200 short of TARGET_CTAS, else folded in one CTA; a prompt's tile twice as wide (`wide_configs`:
+    half the activations' re-reads through L2 per flop) where the device's shared memory per CTA
+    (`limit`, shared_limit) holds it. `bm`, `split` and
+    `wide` force a shape or mode (tests); the bits never depend on them. `align`: the K chunk's
+    (mma_split_plan); `configs` and `shared_mem`: the kernel's tile shapes (linear_mma's, or
+    linear_fp8's: fp8_plan, which has no wide tile)."""
     splits, kchunk = mma_split_plan(k, n, align)
     if bm is None:
         bm = next((b for b in sorted(configs) if rows <= b), max(configs))
     if bm not in configs:
         raise ValueError(f"bm={bm!r}: expected one of {tuple(configs)}")
-    bn, bk, warps, _ = configs[bm]
-    m_tiles, n_tiles = max(1, -(-rows // bm)), max(1, -(-n // bn))
+    m_tiles = max(1, -(-rows // bm))
     if split is None:
-        split = splits > 1 and m_tiles * n_tiles < MMA_TARGET_CTAS
-    return MmaPlan(bm, bn, bk, 32 * warps, shared_mem(bm), m_tiles, n_tiles, splits, kchunk,
-                   splits if split else 1)
+        split = splits > 1 and m_tiles * max(1, -(-n // configs[bm][0])) < MMA_TARGET_CTAS
+    if wide is None:
+        wide = (bm in wide_configs and not (split and splits > 1) and m_tiles > 1
+                and mma_shared_mem(bm, wide_configs) <= limit)
+    if wide and (bm not in wide_configs or split and splits > 1):
+        raise ValueError(f"wide=True with bm={bm}, split={split}: the wide tile is a prompt's (fold mode), "
+                         f"BM in {tuple(wide_configs)}")
+    tiles = wide_configs if wide else configs
+    bn, bk, warps, _ = tiles[bm]
+    return MmaPlan(bm, bn, bk, 32 * warps, mma_shared_mem(bm, tiles) if wide else shared_mem(bm), m_tiles,
+                   max(1, -(-n // bn)), splits, kchunk, splits if split else 1)
 
 
 def fp8_plan(rows: int, k: int, n: int, *, bm: int | None = None, split: bool | None = None) -> MmaPlan:
@@ -204,7 +236,8 @@ def fp8_plan(rows: int, k: int, n: int, *, bm: int | None = None, split: bool | 
         if split is False:
             raise ValueError(f"split=False with bm={bm}: linear_fp8's decode shapes run split mode only")
         split = True
-    return mma_plan(rows, k, n, bm=bm, split=split, align=FP8_ALIGN, configs=FP8_CONFIGS, shared_mem=fp8_shared_mem)
+    return mma_plan(rows, k, n, bm=bm, split=split, align=FP8_ALIGN, configs=FP8_CONFIGS, shared_mem=fp8_shared_mem,
+                    wide_configs={})
 
 
 # ---- NumPy ------------------------------------------------------------------------------------------
@@ -278,11 +311,11 @@ def linear_numpy(x, w):
 
 # ---- the op -----------------------------------------------------------------------------------------
 def linear(be, x, w, out=None, *, splits: int | None = None, bm: int | None = None, split: bool | None = None,
-           ws=None):
+           wide: bool | None = None, ws=None):
     """x [rows, K] f32 @ w [K, N] (f32, f16 or bf16) -> f32 [rows, N]. `splits` overrides the f32
     kernel's K split (tests reach every split count with it; results stay row-invariant for any);
-    `bm` and `split` force the tensor-core GEMM's tile shape and mode (mma_plan; the bits never
-    depend on them). `ws`: the workspace the split partials and tickets come from
+    `bm`, `split` and `wide` force the tensor-core GEMM's tile shape and mode (mma_plan; the bits
+    never depend on them). `ws`: the workspace the split partials and tickets come from
     (dspark.ops.workspace)."""
     if isinstance(w, ColumnRuns):
         return w.linear(be, x, out, ws)
@@ -309,7 +342,13 @@ def linear(be, x, w, out=None, *, splits: int | None = None, bm: int | None = No
     if w.dtype != F32:
         _require_tensor_cores(be)
         if rows and n:
-            launch_mma(be, f"linear_mma_{suf}", mma_plan(rows, k, n, bm=bm, split=split), x, (w,), out, ws)
+            p = mma_plan(rows, k, n, bm=bm, split=split, wide=wide, limit=shared_limit(be))
+            if a16(p, k):   # a prompt: the activations rounded once into T, copied into the tiles as T
+                xh = buffer(be, ws, f"linear.x16.{suf}.{k}", rows, (k,), w.dtype)
+                round_activations(be, x, xh)
+                launch_mma(be, f"linear_mma_{suf}_a16", p, xh, (w,), out, ws)
+            else:
+                launch_mma(be, f"linear_mma_{suf}", p, x, (w,), out, ws)
         return out
     if rows and n:
         s, kchunk = split_plan(k, n) if splits is None else chunking(k, splits)
@@ -353,6 +392,25 @@ def linear_fp8(be, x, w: Fp8Matrix, out=None, *, bm: int | None = None, split: b
     return out
 
 
+ROUND_THREADS = 256   # round_activations: four activations a thread
+
+
+def a16(p: MmaPlan, k: int) -> bool:
+    """Whether a 16-bit product runs over activations rounded to the weights' type first
+    (`round_activations`, then linear_mma_<dt>_a16_<shape>): a prompt's fold-mode tiles (64 or 128
+    rows), which read each row of x once per column tile, so that half the bytes pass through L2;
+    K % 8 == 0 (16-byte copies). The bits are the f32 path's: the tiles hold the same values."""
+    return p.grid_splits == 1 and p.m_tiles > 1 and p.bm >= 64 and k % 8 == 0
+
+
+def round_activations(be, x, out) -> None:
+    """out (the weights' 16-bit type) = x f32 rounded as the GEMM's A stage rounds it, one launch
+    (round_activations_<dt>); x and out contiguous, their size a multiple of 4."""
+    n = int(x.size)
+    rowsplit.launch(be, f"round_activations_{suffix(out.dtype, 'out')}", -(-n // (4 * ROUND_THREADS)), ROUND_THREADS,
+                    (x, np.int64(n), out))
+
+
 def launch_mma(be, entry: str, p: MmaPlan, x, weights: tuple, out, ws) -> None:
     """One launch of a tensor-core GEMM entry (`entry`_m<bm>: linear_mma's or linear_fp8's, which
     differ in their weight arguments alone) over x [rows, K] into out [rows, N] by plan p."""
@@ -360,7 +418,7 @@ def launch_mma(be, entry: str, p: MmaPlan, x, weights: tuple, out, ws) -> None:
     part = buffer(be, ws, f"linear.part.{p.splits * n}", rows, (p.splits * n,)) if p.grid_splits > 1 \
         else fixed(be, ws, "linear.part", (1,))
     tickets, _ = rowsplit.scratch(be, p.m_tiles * p.n_tiles, ws=ws)
-    rowsplit.launch(be, f"{entry}_m{p.bm}", p.grid, p.threads,
+    rowsplit.launch(be, f"{entry}_{p.shape}", p.grid, p.threads,
                     (x, *weights, np.int32(rows), np.int32(k), np.int32(n), np.int32(p.kchunk),
                      np.int32(p.grid_splits), out, part, tickets), shared_mem=p.shared_mem)
 
@@ -444,11 +502,11 @@ def mma_linear_plan(rows: int, k: int, n: int) -> Plan:
     steps = sum(-(-(min(k, lo + p.kchunk) - lo) // MMA_STEP) for lo in range(0, k, p.kchunk))
     mma_flops = 2 * p.m_tiles * p.bm * (MMA_STEP * steps) * p.n_tiles * p.bn
     return Plan("linear_mma", rows, n, p.splits,
-                (Launch(f"linear_mma_m{p.bm}", p.ctas, p.threads, p.shared_mem, passes=p.m_tiles),),
+                (Launch(f"linear_mma_{p.shape}", p.ctas, p.threads, p.shared_mem, passes=p.m_tiles),),
                 bytes_read=p.m_tiles * w_bytes + p.n_tiles * x_bytes + part, bytes_written=out_bytes + part,
                 min_bytes=w_bytes + x_bytes + out_bytes,
                 notes={"flops": 2 * rows * k * n, "mma_flops": mma_flops, "tiles": p.n_tiles, "kchunk": p.kchunk,
-                       "bm": p.bm, "grid_splits": p.grid_splits, "m_tiles": p.m_tiles})
+                       "bm": p.bm, "shape": p.shape, "grid_splits": p.grid_splits, "m_tiles": p.m_tiles})
 
 
 def fp8_linear_plan(rows: int, k: int, n: int) -> Plan:
@@ -468,9 +526,9 @@ def fp8_linear_plan(rows: int, k: int, n: int) -> Plan:
     cols = min(p.bn, n)
     per_cta = k_cta * cols + 4 * -(-k_cta // FP8_BLOCK) * -(-cols // FP8_BLOCK) + 4 * min(p.bm, rows) * k_cta
     return Plan("linear_fp8", rows, n, p.splits,
-                (Launch(f"linear_fp8_m{p.bm}", p.ctas, p.threads, p.shared_mem, passes=p.m_tiles),),
+                (Launch(f"linear_fp8_{p.shape}", p.ctas, p.threads, p.shared_mem, passes=p.m_tiles),),
                 bytes_read=p.m_tiles * w_bytes + p.n_tiles * x_bytes + part, bytes_written=out_bytes + part,
                 min_bytes=w_bytes + x_bytes + out_bytes,
                 notes={"flops": 2 * rows * k * n, "mma_flops": mma_flops, "tiles": p.n_tiles, "kchunk": p.kchunk,
-                       "bm": p.bm, "grid_splits": p.grid_splits, "m_tiles": p.m_tiles, "w_bytes": w_bytes,
+                       "bm": p.bm, "shape": p.shape, "grid_splits": p.grid_splits, "m_tiles": p.m_tiles, "w_bytes": w_bytes,
                        "bytes_per_cta": per_cta})

@@ -4,14 +4,17 @@ at every tile shape and mode; within TOLERANCE (f32) and MMA_TOLERANCE (16-bit, 
 rounding) of the numpy backend's BLAS chunks; row-invariant bitwise, a row alone equal to the same
 row in launches of 1 to 300 rows; refusing bad input before it writes anything."""
 
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 
 from dspark.backends import contract
 from dspark.dtypes import BF16
 from dspark.errors import DTypeError, ShapeError
-from dspark.ops.linear import (MMA_CONFIGS, MMA_TOLERANCE, TOLERANCE, chunking, linear, linear_mma_ref, linear_numpy,
-                               linear_ref, mma_plan, mma_split_plan, split_plan, tiles)
+from dspark.ops.linear import (MMA_CONFIGS, MMA_TOLERANCE, MMA_WIDE, SHARED_LIMIT, TOLERANCE, a16, chunking, linear,
+                               linear_mma_ref, linear_numpy, linear_ref, mma_plan, mma_shared_mem, mma_split_plan,
+                               shared_limit, split_plan, tiles)
 from tests.conftest import poison
 
 DTYPES = [np.float32, np.float16, BF16]
@@ -77,13 +80,45 @@ def test_every_mma_tile_shape_and_mode_gives_the_same_bits(simt, rng, dtype):
     one each (split, partials merged by the last) change the launch, never the order: chunks of
     a K that is no multiple of the k-step, N neither a multiple of 8 (scalar weight loads) nor of
     the column tiles, rows crossing the 16-row m-tiles."""
-    x, w = inputs(rng, 150, 700, 77, dtype)  # 10 row tiles of 16: fold mode's CTA groups of 8, and a ragged one
-    splits, kchunk = mma_split_plan(*w.shape)
-    assert splits >= 2 and kchunk % 16 == 0 and 700 % kchunk % 16
-    want = linear_mma_ref(x, w, kchunk)
-    for bm in MMA_CONFIGS:
-        for split in (False, True):
-            assert_bits(run_mma(simt, x, w, bm=bm, split=split), want, f"bm={bm} split={split}")
+    for k in (700, 712):  # K off 8: the tiles round the f32 x; K on 8: a prompt's tiles copy x rounded once (a16)
+        x, w = inputs(rng, 150, k, 77, dtype)  # 10 row tiles of 16: fold mode's CTA groups of 8, and a ragged one
+        splits, kchunk = mma_split_plan(*w.shape)
+        assert splits >= 2 and kchunk % 16 == 0 and k % kchunk % 16
+        want = linear_mma_ref(x, w, kchunk)
+        for bm in MMA_CONFIGS:
+            for split in (False, True):
+                assert_bits(run_mma(simt, x, w, bm=bm, split=split), want, f"K={k} bm={bm} split={split}")
+        assert a16(mma_plan(150, k, 77, bm=128, split=False), k) == (k % 8 == 0)
+
+
+@pytest.mark.parametrize("dtype", HALF, ids=["f16", "bf16"])
+def test_the_wide_prompt_tile_gives_the_same_bits(simt, rng, dtype):
+    """The prompt's wide tile (128 x 256, the K chunks' running total in shared memory: MMA_WIDE) is
+    the plan's for a prompt, and gives the bits of every other shape: rows crossing its row tiles (a
+    ragged last one), N crossing its 256 columns and off 8 (scalar weight loads), K off the k-step,
+    one K chunk or several; a row alone gives the same bits. A split-mode launch of it is refused."""
+    for k, n in ((430, 300), (1000, 300), (440, 301), (1344, 520)):
+        x, w = inputs(rng, 150, k, n, dtype)
+        p = mma_plan(150, k, n, split=False)  # a prompt's fold mode (these few tiles alone would take split mode)
+        assert p.shape == "m128n256" and p.grid_splits == 1
+        want = linear_mma_ref(x, w, p.kchunk)
+        assert_bits(run_mma(simt, x, w, split=False), want, f"wide K={k} N={n}")
+        assert_bits(run_mma(simt, x, w, split=False, wide=False), want, f"m128 K={k} N={n}")
+        assert_bits(run_mma(simt, x[37:38], w), want[37:38], "row alone")
+    assert {mma_split_plan(k, n)[0] > 1 for k, n in ((430, 300), (1344, 520))} == {False, True}
+    with pytest.raises(ValueError, match="the wide tile is a prompt's"):
+        mma_plan(150, 700, 77, split=True, wide=True)
+
+
+def test_the_wide_tile_is_planned_where_the_device_holds_it(simt):
+    """The wide tile's 207.5 KB of shared memory fit an H200's 227 KB a CTA, not an A100's 163 or an
+    sm_89's 99: the plan for those devices keeps the 128-column tile (the same bits)."""
+    assert mma_shared_mem(128, MMA_WIDE) > SHARED_LIMIT[80]
+    for limit, shape in ((SHARED_LIMIT[90], "m128n256"), (SHARED_LIMIT[80], "m128"), (SHARED_LIMIT[89], "m128")):
+        assert mma_plan(8192, 5120, 34816, limit=limit).shape == shape
+    device = lambda arch: SimpleNamespace(kernels=SimpleNamespace(arch=arch))  # noqa: E731
+    assert shared_limit(simt) == shared_limit(device("sm_90")) == SHARED_LIMIT[90]
+    assert shared_limit(device("sm_80")) == SHARED_LIMIT[80] and shared_limit(device("sm_75")) == 49152
 
 
 def run_mma(be, x, w, **plan):
