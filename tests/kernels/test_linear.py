@@ -80,10 +80,12 @@ def test_every_mma_tile_shape_and_mode_gives_the_same_bits(simt, rng, dtype):
     one each (split, partials merged by the last) change the launch, never the order: chunks of
     a K that is no multiple of the k-step, N neither a multiple of 8 (scalar weight loads) nor of
     the column tiles, rows crossing the 16-row m-tiles."""
-    for k in (700, 712):  # K off 8: the tiles round the f32 x; K on 8: a prompt's tiles copy x rounded once (a16)
+    # K off 8: the tiles round the f32 x; K on 8: a prompt's tiles copy x rounded once (a16); K 1000: three chunks
+    # (whose partials' order shows: two are added alike either way)
+    for k in (700, 712, 1000):
         x, w = inputs(rng, 150, k, 77, dtype)  # 10 row tiles of 16: fold mode's CTA groups of 8, and a ragged one
         splits, kchunk = mma_split_plan(*w.shape)
-        assert splits >= 2 and kchunk % 16 == 0 and k % kchunk % 16
+        assert splits >= (3 if k == 1000 else 2) and kchunk % 16 == 0 and k % kchunk % 16
         want = linear_mma_ref(x, w, kchunk)
         for bm in MMA_CONFIGS:
             for split in (False, True):
