@@ -16,7 +16,8 @@
 
 constexpr int kGdnTaps = 4;                // causal depthwise conv width
 constexpr int kGdnWindow = kGdnTaps - 1;   // previous inputs kept per channel, oldest first
-constexpr int kGdnMaxThreads = 512;        // gives ptxas up to 128 registers per thread
+constexpr int kGdnMaxThreads = 512;        // the most state rows x lanes one head may have (dspark.ops.gdn)
+constexpr int kGdnSliceThreads = 128;      // the most a scan block takes: a slice of a head's rows
 constexpr float kGdnNormEps = 1e-6f;
 constexpr float kGdnSoftplusThreshold = 20.f;  // as torch.nn.functional.softplus
 

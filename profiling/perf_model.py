@@ -655,14 +655,17 @@ def scan_kernels(phase, c: TrunkConfig, B: int, rows: int, dev: Device, *, check
 
 def gdn_kernels(phase, H: int, dk: int, dv: int, k_heads, B: int, rows: int, dev: Device, *, checkpoints: bool,
                 commit: bool, name="gdn scan", gated: bool = True) -> list[Kernel]:
-    """gdn_scan_dk<dk>_f32 from scan_plan and scan_bytes: one CTA per (value head, session), the
-    conv of its channels, the scan and (gated) the output norm inside it."""
+    """gdn_scan_dk<dk>_f32 from scan_plan and scan_bytes: one CTA per (value head, slice of its state
+    rows, session), the conv of its channels and the scan of its rows; (gated) the output norm by
+    the last slice of each head, over o read back (its bytes counted once more)."""
     C = gdn_ops.channels(H, dk, dv, k_heads)
     by = gdn_ops.scan_bytes(B, rows, H, dk, dv, k_heads, checkpoints=checkpoints, commit=commit, gated=gated)
-    entry, threads, smem = gdn_ops.scan_plan(H, dk, dv, k_heads)
+    entry, threads, smem, slice_rows = gdn_ops.scan_plan(H, dk, dv, k_heads)
+    ctas = H * -(-dv // slice_rows) * B
+    norm = 2 * 4 * rows * H * dv if gated else 0   # o written, read back and rewritten by the norm
     flops = rows * (H * 7 * dv * dk + 8 * C + (6 * H * dv if gated else 0))
-    return [planned(phase, name, "state", even(by["columns"] + by["state"] + by["checkpoints"], H * B), flops, threads,
-                    smem, dev, entry)]
+    return [planned(phase, name, "state", even(by["columns"] + by["state"] + by["checkpoints"] + norm, ctas), flops,
+                    threads, smem, dev, entry)]
 
 
 def rowsplit_kernel(phase, plan, dev: Device) -> Kernel:
@@ -1242,21 +1245,42 @@ def prompt_parts(pr: "Prompt") -> dict[str, list[Kernel]]:
 
 
 LIMIT_HEADERS = ["phase", "kernel", "MB", "GFLOP", "CTAs", "CTAs/SM", "launches", *(f"{lim} us" for lim in LIMITERS),
-                 "floor us", "expected us", "bound", "smem conflicts"]
+                 "floor us", "expected us", "bound", "smem conflicts", "of copy"]
 
 
 def limit_rows(kernels: list[Kernel], dev: Device) -> list[list[str]]:
     """Every kernel's limiters (seconds each alone), floor, expected time, the limiter that sets the
-    floor, and its shared-memory wavefronts over those it would take without bank conflicts ("-":
-    not counted by simt)."""
+    floor, its shared-memory wavefronts over those it would take without bank conflicts ("-": not
+    counted by simt), and its bytes over its expected time as a share of the copy bandwidth."""
     rows = []
     for k in kernels:
         conflicts = (f"{k.wavefronts / k.ideal_wavefronts:.2f}x" if k.ideal_wavefronts else "none") \
             if k.smem_counted else "-"
         rows.append([k.phase, k.name, f"{k.bytes / 1e6:,.2f}", f"{k.flops / 1e9:,.2f}", str(k.ctas) if k.ctas else "-",
                      str(k.per_sm) if k.ctas else "-", str(k.launches),
-                     *(us(k.limits.get(lim, 0.0)) for lim in LIMITERS), us(k.floor), us(k.time), k.bound, conflicts])
+                     *(us(k.limits.get(lim, 0.0)) for lim in LIMITERS), us(k.floor), us(k.time), k.bound, conflicts,
+                     f"{copy_share([k], dev):.0%}"])
     return rows
+
+
+def copy_share(kernels: list[Kernel], dev: Device) -> float:
+    """The kernels' bytes over their expected time, as a share of the copy bandwidth."""
+    t = sum(k.time for k in kernels)
+    return sum(k.bytes for k in kernels) / dev.bw / t if t else 0.0
+
+
+GLUE = ("norm", "swiglu", "gate", "rope", "markov_chain", "confidence", "combine", "kv_commit", "greedy_accept")
+
+
+def share_summary(r: Round) -> str:
+    """The round's kernels at the copy bandwidth: all of them, the products over weights, and the glue
+    (norms, gates, RoPE, the Markov chain, the small reductions and copies) apart."""
+    glue = [k for k in r.kernels if k.kind != "weights" and any(g in k.name for g in GLUE)]
+    return (f"at the copy bandwidth (bytes over expected time): the round's kernels {copy_share(r.kernels, r.dev):.1%} "
+            f"({sum(k.bytes for k in r.kernels) / 1e9:.2f} GB in {r.gpu() * 1e3:.2f} ms, the bytes' floor "
+            f"{sum(k.bytes for k in r.kernels) / r.dev.bw * 1e3:.2f} ms); weight products "
+            f"{copy_share([k for k in r.kernels if k.kind == 'weights'], r.dev):.1%}; glue {copy_share(glue, r.dev):.1%} "
+            f"({len(glue)} kernels, {sum(k.launches for k in glue)} launches)")
 
 
 # ---- printing ---------------------------------------------------------------------------------------------
@@ -1570,6 +1594,7 @@ def main(argv=None) -> int:
             print(f"\n{r.shape.label} B={r.B} context={r.context} vt={r.vt}: round floor {us(r.floor())} us, "
                   f"expected {us(r.time())} us, plain step {us(r.plain_time())} us")
             print(table(KERNEL_HEADERS, kernel_rows(r)))
+            print(share_summary(r))
     return 0
 
 

@@ -73,8 +73,19 @@ def channels(heads: int, dk: int, dv: int, k_heads: int | None = None) -> int:
     return (heads if k_heads is None else k_heads) * 2 * dk + heads * dv
 
 
-def scan_plan(heads: int, dk: int, dv: int, k_heads: int | None = None) -> tuple[str, int, int]:
-    """(kernel name, threads per block, dynamic shared bytes) for one value head of [dv, dk]."""
+SLICE_THREADS = 128   # gdn_scan: the most threads a block takes (kGdnSliceThreads), lanes x its slice's rows
+
+
+def slice_rows(dk: int, dv: int) -> int:
+    """The state rows of one block of the scan: SLICE_THREADS / lanes(dk), at most dv (dk 128: 32 rows,
+    so a head's 128 rows take four blocks, four SMs' loads and stores in flight)."""
+    return min(dv, SLICE_THREADS // tile(dk)[0])
+
+
+def scan_plan(heads: int, dk: int, dv: int, k_heads: int | None = None,
+              rows: int | None = None) -> tuple[str, int, int, int]:
+    """(kernel name, threads per block, dynamic shared bytes, state rows per block) for value heads
+    of [dv, dk], each in blocks of `rows` state rows (default slice_rows)."""
     if not isinstance(dk, (int, np.integer)) or dk not in SUPPORTED_DK:
         raise ShapeError(f"dk={dk}: expected one of {', '.join(map(str, SUPPORTED_DK))}")
     if not (isinstance(heads, (int, np.integer)) and heads >= 1):
@@ -83,11 +94,13 @@ def scan_plan(heads: int, dk: int, dv: int, k_heads: int | None = None) -> tuple
         raise ShapeError(f"k_heads={k_heads!r}: expected an int >= 1 that divides heads={heads}")
     if not (isinstance(dv, (int, np.integer)) and dv >= 1):
         raise ShapeError(f"dv={dv!r}: expected an int >= 1")
-    threads = block_threads(dk, dv)
-    if threads > MAX_THREADS:
-        raise CapacityError(f"dv={dv} with dk={dk} needs {threads} threads per head: expected "
+    if block_threads(dk, dv) > MAX_THREADS:
+        raise CapacityError(f"dv={dv} with dk={dk} needs {block_threads(dk, dv)} threads per head: expected "
                             f"dv <= {MAX_THREADS // tile(dk)[0]}")
-    return f"gdn_scan_dk{int(dk)}_f32", threads, scan_smem(dk, dv)
+    rows = slice_rows(dk, dv) if rows is None else int(rows)
+    if not 1 <= rows <= slice_rows(dk, dv):
+        raise ShapeError(f"rows={rows}: expected 1 .. {slice_rows(dk, dv)} state rows a block")
+    return f"gdn_scan_dk{int(dk)}_f32", block_threads(dk, rows), scan_smem(dk, rows), rows
 
 
 # ---- NumPy reference ------------------------------------------------------------------------
@@ -319,7 +332,7 @@ def gdn_scan(be, mixed, a, b, conv_weight, A_log, dt_bias, states, conv_windows,
 
 def gdn_layer(be, proj, conv_weight, A_log, dt_bias, states, conv_windows, col_indptr, *, heads, dk, dv, k_heads=None,
               layout: ProjLayout | None = None, o_norm=None, eps: float = 1e-6, col_count=None, out=None,
-              want_out: bool = True, state_ckpt=None, conv_ckpt=None, commit=True, ws=None):
+              want_out: bool = True, state_ckpt=None, conv_ckpt=None, commit=True, ws=None, block_rows=None):
     """Run each session's columns of one gdn layer through conv, recurrence and output norm, in one
     launch -> out [cols, H, dv] f32 (the gated norm of o with o_norm, o itself without).
 
@@ -336,7 +349,8 @@ def gdn_layer(be, proj, conv_weight, A_log, dt_bias, states, conv_windows, col_i
     state_ckpt [cols, H, dv, dk] and conv_ckpt [cols, C, 3], when given, receive the state and the
     window after every column (for checkpoint_select). want_out=False writes no output (replay).
     dk in {16, 32, 64, 128}; dv <= 512 / lanes(dk) (128 for dk = 128). `ws`: the workspace the
-    commit tickets come from (dspark.ops.workspace; default the row-split pool).
+    tickets come from (dspark.ops.workspace; default the row-split pool). `block_rows`: the state rows
+    of each block (scan_plan; a test knob: the bits never depend on it).
     """
     proj, conv_weight, A_log, dt_bias, o_norm, out, state_ckpt, conv_ckpt = adopt(
         be, proj=proj, conv_weight=conv_weight, A_log=A_log, dt_bias=dt_bias, o_norm=o_norm, out=out,
@@ -345,7 +359,7 @@ def gdn_layer(be, proj, conv_weight, A_log, dt_bias, states, conv_windows, col_i
         states = adopt(be, states=states, writes=("states",) if commit else ())
     if not isinstance(conv_windows, PointerTable):
         conv_windows = adopt(be, conv_windows=conv_windows, writes=("conv_windows",) if commit else ())
-    name, threads, smem = scan_plan(heads, dk, dv, k_heads)
+    name, threads, smem, rows = scan_plan(heads, dk, dv, k_heads, block_rows)
     k_heads = heads if k_heads is None else int(k_heads)
     C = channels(heads, dk, dv, k_heads)
     layout = layout or ProjLayout.packed(heads, dk, dv, k_heads)
@@ -394,17 +408,19 @@ def gdn_layer(be, proj, conv_weight, A_log, dt_bias, states, conv_windows, col_i
                       host_indptr, heads, dk, dv, out if want_out else None, state_ckpt, conv_ckpt, k_heads, commit,
                       host_count, o_norm, eps)
     elif run.any():
-        group = heads // k_heads
-        tickets = None
-        if commit and group > 1:
-            tickets = fixed(be, ws, f"gdn.tickets.{B * k_heads}", (B * k_heads,), np.uint32, zero=True) \
-                if ws is not None else rowsplit.scratch(be, B * k_heads)[0]
+        group, slices = heads // k_heads, -(-dv // rows)
+        tickets = None  # [B k_heads: the key heads' windows | B heads: the gated norms], zero at rest
+        if commit and group * slices > 1 or o_norm is not None and want_out and slices > 1:
+            n = B * (k_heads + heads)
+            tickets = fixed(be, ws, f"gdn.tickets.{n}", (n,), np.uint32, zero=True) if ws is not None \
+                else rowsplit.scratch(be, n)[0]
         be.kernels.get_function(name)(
-            (heads, B), (threads,),
+            (heads * slices, B), (threads,),
             (be.xp.ascontiguousarray(proj), np.int64(width), np.int32(layout.mixed), np.int32(layout.a),
              np.int32(layout.b), np.int32(layout.z), conv_weight, A_log, dt_bias, o_norm, np.float32(eps),
              states.device, conv_windows.device, dev_indptr, dev_count, np.int32(heads), np.int32(k_heads),
-             np.int32(dv), out if want_out else None, state_ckpt, conv_ckpt, tickets, np.int32(commit)),
+             np.int32(dv), np.int32(rows), out if want_out else None, state_ckpt, conv_ckpt, tickets,
+             np.int32(commit)),
             shared_mem=smem)
     if run.any():
         moved = scan_bytes(int(np.count_nonzero(run)), int(run.sum()), heads, dk, dv, k_heads,
@@ -414,11 +430,11 @@ def gdn_layer(be, proj, conv_weight, A_log, dt_bias, states, conv_windows, col_i
     return out
 
 
-def scan_smem(dk: int, dv: int) -> int:
-    """The fused scan's dynamic shared memory: a column's q, k, v, each channel's window and conv
-    weights, and the column's o."""
-    nch = 2 * dk + dv
-    return 4 * (nch * (1 + WINDOW + TAPS) + dv)
+def scan_smem(dk: int, rows: int) -> int:
+    """The fused scan's dynamic shared memory for a block of `rows` state rows: a column's q, k and
+    the rows' v, each of those channels' window and conv weights."""
+    nch = 2 * dk + rows
+    return 4 * nch * (1 + WINDOW + TAPS)
 
 
 def scan_bytes(sessions: int, cols: int, heads: int, dk: int, dv: int, k_heads: int | None = None, *,

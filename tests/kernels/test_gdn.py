@@ -503,3 +503,101 @@ def test_fused_replay_of_kept_columns_equals_checkpoint_select_and_its_schedule(
             with simt.kernels.schedule(seed):
                 fused_call(simt, layer, proj, replayed[0], replayed[1], indptr, col_count=keep, want_out=False)
         assert_states_equal(replayed, selected, f"replay (schedule {seed})")
+
+
+# ---- the scan in the kernel's own order: bitwise, at every slice of a head's rows --------------------------------
+def butterfly(p, lanes):
+    """Each lane's sum after the xor butterfly over the last axis (`lanes` wide): what gdn_row_sum and
+    warp_sum give every lane."""
+    lane, o = np.arange(lanes), lanes // 2
+    while o:
+        p = (p + p[..., lane ^ o]).astype(F32)
+        o //= 2
+    return p[..., 0]
+
+
+def lane_dot(S, x, dk):
+    """sum_c S[..., c] x[c] as GdnTile<dk> adds it: thread part p of a row adds its columns 4 (p + lanes g)
+    + e in order g, e (from 0), then the lanes' butterfly."""
+    lanes = dk // min(dk, 32)
+    cols = lane_columns(dk)   # [lanes, its columns in the order it adds them]
+    acc = np.zeros(S.shape[:-1] + (lanes,), F32)
+    for m in range(cols.shape[1]):
+        acc = (acc + S[..., cols[:, m]] * x[cols[:, m]]).astype(F32)
+    return butterfly(acc, lanes)
+
+
+def warp_ordered_sum_sq(x):
+    """sum x^2 as one warp adds it: lane l adds x[l], x[l + 32], ... in order, then warp_sum."""
+    n = -(-x.size // 32) * 32
+    padded = np.zeros(n, F32)
+    padded[: x.size] = x
+    ss = np.zeros(32, F32)
+    for r in range(n // 32):
+        ss = (ss + padded[32 * r : 32 * r + 32] * padded[32 * r : 32 * r + 32]).astype(F32)
+    return butterfly(ss, 32)
+
+
+def exact_regime_scan(heads, k_heads, dk, dv, cols, rng):
+    """Inputs under which the scan's transcendental steps are exact in any libm (A_log -inf: alpha 1;
+    b 200: beta 1; conv outputs and z above 110: SiLU(y) = y, exp(-y) being 0), so a NumPy twin can
+    follow every sum and rounding of the kernel bit for bit."""
+    C = channels(heads, dk, dv, k_heads)
+    window = rng.uniform(60, 90, (C, 3)).astype(F32)
+    weight = rng.uniform(0.5, 1.0, (C, 4)).astype(F32)
+    mixed = rng.uniform(60, 90, (cols, C)).astype(F32)
+    z = rng.uniform(110, 140, (cols, heads * dv)).astype(F32)
+    a, b = rng.standard_normal((cols, heads)).astype(F32), np.full((cols, heads), 200, F32)
+    state = (0.01 * rng.standard_normal((heads, dv, dk))).astype(F32)
+    return window, weight, mixed, z, a, b, state
+
+
+def scan_twin(heads, k_heads, dk, dv, window, weight, mixed, z, state, o_norm, eps):
+    """gdn_scan's arithmetic in its order for one session in exact_regime_scan: conv ((w0 x0 + w1 x1) +
+    w2 x2) + w3 x, the warp's L2 norms, S k and S q in the lane order (alpha = beta = 1: u = S k;
+    S += (v - u) k^T; o = S q), the gated norm's warp-ordered sum. -> (out [cols, H, dv], state, window)."""
+    group, S, win = heads // k_heads, state.copy(), window.copy()
+    out = np.zeros((mixed.shape[0], heads, dv), F32)
+    q_scale = F32(1) / np.sqrt(F32(dk))
+    for t in range(mixed.shape[0]):
+        y = (weight[:, 0] * win[:, 0] + weight[:, 1] * win[:, 1] + weight[:, 2] * win[:, 2] + weight[:, 3] * mixed[t]
+             ).astype(F32)
+        win = np.concatenate([win[:, 1:], mixed[t][:, None]], axis=1)
+        for h in range(heads):
+            kh = h // group
+            q, k = y[kh * dk : kh * dk + dk], y[(k_heads + kh) * dk : (k_heads + kh) * dk + dk]
+            v = y[2 * k_heads * dk + h * dv : 2 * k_heads * dk + (h + 1) * dv]
+            q = (q * (F32(1) / np.sqrt(warp_ordered_sum_sq(q) + F32(1e-6))) * q_scale).astype(F32)
+            k = (k * (F32(1) / np.sqrt(warp_ordered_sum_sq(k) + F32(1e-6))) * F32(1)).astype(F32)
+            u = lane_dot(S[h], k, dk)
+            S[h] = (S[h] + (v - u)[:, None] * k[None, :]).astype(F32)
+            o = lane_dot(S[h], q, dk)
+            r = np.sqrt(warp_ordered_sum_sq(o) / F32(dv) + F32(eps))
+            out[t, h] = ((o / r) * o_norm) * z[t, h * dv : (h + 1) * dv]
+    return out, S, win
+
+
+@pytest.mark.parametrize("heads,k_heads,dk,dv,cols", [(4, 2, 128, 128, 3), (3, 1, 64, 130, 2), (6, 3, 32, 72, 2),
+                                                      (2, 2, 16, 40, 3)])
+def test_the_scan_is_its_kernel_order_twin_at_every_slice(simt, rng, heads, k_heads, dk, dv, cols):
+    """The fused scan, bitwise, against a NumPy twin that follows its every sum and rounding (the lane
+    order of S k and S q and their butterfly, the warps' L2 and output norms, the conv's order), for
+    each block size of a head's state rows: one block a head (the scan before it was sliced), the plan's
+    slices, and ragged ones. A sum taken in another order, or a slice that reads another slice's rows,
+    shows in the bits."""
+    from dspark.ops.gdn import ProjLayout, gdn_layer, gdn_proj, slice_rows
+    window, weight, mixed, z, a, b, state = exact_regime_scan(heads, k_heads, dk, dv, cols, rng)
+    o_norm, eps = rng.standard_normal(dv).astype(F32), 1e-6
+    want, want_state, want_win = scan_twin(heads, k_heads, dk, dv, window, weight, mixed, z, state, o_norm, eps)
+    proj = gdn_proj(mixed, a, b, z)
+    top = slice_rows(dk, dv)
+    for rows in sorted({top, max(1, top // 2), max(1, top // 3)} | ({dv} if dv <= top else set())):
+        s, w = [simt.asarray(state.copy())], [simt.asarray(window.copy())]
+        out = poison(simt.xp, (cols, heads, dv), F32)
+        gdn_layer(simt, proj, weight, np.full(heads, -np.inf, F32), np.zeros(heads, F32), s, w,
+                  np.array([0, cols], np.int32), heads=heads, dk=dk, dv=dv, k_heads=k_heads,
+                  layout=ProjLayout.packed(heads, dk, dv, k_heads), o_norm=o_norm, eps=eps, out=out, block_rows=rows)
+        np.testing.assert_array_equal(simt.to_host(out).view(np.uint32), want.view(np.uint32), err_msg=f"out, {rows} rows")
+        np.testing.assert_array_equal(simt.to_host(s[0]).view(np.uint32), want_state.view(np.uint32),
+                                      err_msg=f"state, {rows} rows")
+        np.testing.assert_array_equal(simt.to_host(w[0]), want_win, err_msg=f"window, {rows} rows")

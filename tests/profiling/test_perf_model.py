@@ -36,7 +36,7 @@ def rows_of(text: str, first: str, has: str = "") -> list[list[str]]:
     start = next(i for i, line in enumerate(lines) if line.startswith(first) and has in line)
     out = []
     for line in lines[start + 1:]:
-        if not line.strip() or line.startswith(("attn of copy", "recurrent", "floor:")):
+        if not line.strip() or line.startswith(("attn of copy", "recurrent", "floor:", "at the copy")):
             break
         out.append(re.split(r"\s{2,}", line.strip()))
     return out
@@ -73,7 +73,10 @@ def test_cli_table_is_consistent():
         floors, expected = [num(k[13]) for k in kernels], [num(k[14]) for k in kernels]
         for k, lim, f, e in zip(kernels, limits, floors, expected):
             assert max(lim) <= f * 1.0005 + 0.06 and f <= e * 1.0005 + 0.06 and k[15] in pm.LIMITERS, k
+            assert 0 <= num(k[17]) <= 100.5, k   # bytes over expected time never beat the copy bandwidth
         assert sum(expected) < total, head
+        shares = re.search(r"round's kernels ([\d.]+)%.*weight products ([\d.]+)%; glue ([\d.]+)%", block)
+        assert shares and all(0 < float(x) <= 100 for x in shares.groups()), head
     moves = rows_of(out, "shape ", "state MB")
     assert len(moves) == len({tuple(r[:2]) for r in summary})  # one row per shape and batch
     for m in moves:
