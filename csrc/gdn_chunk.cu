@@ -141,25 +141,36 @@ DSPARK_DEVICE void chunk_solve(const float* A, float* T, float* m, int ld) {
 // ---- gdn_chunk_prep ---------------------------------------------------------------------------------
 // Shared memory (dspark.ops.gdn_chunk.prep_shared_mem computes the same):
 //   gates  [4][64] f32          G (cumulative log decay), beta, gam, del
-//   X      16-bit E: q, k f32 [64][DK + 4] (raw, then normalised), later A, T f32 [64][65] and T in E
-//          [64][64 + pad]; f32: A and T only (q and k are normalised in their operand buffers)
-//   Y      q, k in E [64][DK + pad], later beta v in E [64][dvp + pad]
+//   X      16-bit E: q, k f32 [64][DK + 4] (raw, then normalised); then A, T f32 [64][65] and the
+//          solve's scratch (768 f32); then T in E [64][64 + pad] and beta v in E [64][dvp + pad].
+//          f32: A, T [64][65] and T [64][64 + 4] (the solve's scratch until then)
+//   Y      q, k in E [64][DK + pad] (f32: also their raw copies); then v f32 [64][dvp + 4] as copied
+//          (f32: beta v, in place)
 //   BK     (beta gam) k in E [64][DK + pad]
+// The inputs arrive by asynchronous copies, 16 bytes each where a row is 16-byte aligned (a tail's
+// rows are not when H is odd): q and k while the gates and their running sum are computed, v while
+// T is solved.
 template <typename E, int DK>
 struct ChunkPrepLayout {
   static constexpr bool kAlias = sizeof(E) == 4;
   static constexpr int PE = ChunkPad<E>::kE;
   static constexpr int LDE = DK + PE, LDF = kAlias ? LDE : DK + 4, LDA = kChunk + 1, LDT = kChunk + PE;
   static constexpr size_t kGates = 4 * kChunk * sizeof(float);
-  static constexpr size_t kAT = 2 * kChunk * LDA * sizeof(float) + kChunk * LDT * sizeof(E);
+  static constexpr size_t kAT = 2 * kChunk * LDA * sizeof(float);
+  static constexpr size_t kSolveScratch = 768 * sizeof(float);
+  static constexpr size_t kTE = kChunk * LDT * sizeof(E);
   static constexpr size_t kQKf = kAlias ? 0 : 2 * kChunk * LDF * sizeof(float);
-  static constexpr size_t kX = kQKf > kAT ? kQKf : kAT;
   static constexpr size_t kQKE = 2 * kChunk * LDE * sizeof(E);
-  __device__ __forceinline__ static size_t y_bytes(int dvp) {
-    const size_t v = (size_t)kChunk * (dvp + PE) * sizeof(E);
-    return v > kQKE ? v : kQKE;
+  __device__ __forceinline__ static size_t larger(size_t a, size_t b) { return a > b ? a : b; }
+  __device__ __forceinline__ static size_t v_bytes(int dvp) { return (size_t)kChunk * (dvp + PE) * sizeof(E); }
+  __device__ __forceinline__ static size_t stage_bytes(int dvp) { return (size_t)kChunk * (dvp + 4) * sizeof(float); }
+  __device__ __forceinline__ static size_t x_bytes(int dvp) {
+    return kAlias ? kAT + kTE : larger(larger(kQKf, kAT + kSolveScratch), kTE + v_bytes(dvp));
   }
-  __device__ __forceinline__ static size_t bytes(int dvp) { return kGates + kX + y_bytes(dvp) + kChunk * LDE * sizeof(E); }
+  __device__ __forceinline__ static size_t y_bytes(int dvp) { return larger(kQKE, stage_bytes(dvp)); }
+  __device__ __forceinline__ static size_t bytes(int dvp) {
+    return kGates + x_bytes(dvp) + y_bytes(dvp) + kChunk * LDE * sizeof(E);
+  }
 };
 
 template <typename E, int DK>
@@ -189,13 +200,16 @@ DSPARK_DEVICE void gdn_chunk_prep(const float* __restrict__ x, const float* __re
   float* gam = beta + kChunk;
   float* del = gam + kChunk;
   unsigned char* X = smem + L::kGates;
-  unsigned char* Y = X + L::kX;
+  unsigned char* Y = X + L::x_bytes(dvp);
   float* Af = reinterpret_cast<float*>(X);
   float* Tf = Af + kChunk * LDA;
-  E* TE = reinterpret_cast<E*>(Tf + kChunk * LDA);
+  float* solve_scratch = Tf + kChunk * LDA;
+  E* TE = L::kAlias ? reinterpret_cast<E*>(solve_scratch) : reinterpret_cast<E*>(X);  // 16-bit: over A, once solved
   E* qE = reinterpret_cast<E*>(Y);
   E* kE = qE + kChunk * LDE;
-  E* vE = qE;
+  float* v_copy = reinterpret_cast<float*>(Y);
+  const int LDS = dvp + 4;
+  E* vE = L::kAlias ? reinterpret_cast<E*>(Y) : reinterpret_cast<E*>(X + L::kTE);  // f32: v_copy itself
   E* bkE = reinterpret_cast<E*>(Y + L::y_bytes(dvp));
   float* qf = L::kAlias ? reinterpret_cast<float*>(qE) : reinterpret_cast<float*>(X);
   float* kf = qf + kChunk * LDF;
@@ -217,29 +231,32 @@ DSPARK_DEVICE void gdn_chunk_prep(const float* __restrict__ x, const float* __re
     return (is_b ? b_in : a_in)[(int64_t)(cr.col0 + r - cr.tail_len) * heads + h];
   };
 
-  // 1. raw q, k of the key head; gates.
-  for (int e = tid; e < kChunk * DK; e += blockDim.x) {
-    const int i = e / DK, d = e % DK;
+  // 1. raw q, k of the key head (zeros past the session's rows), copied while the gates and the
+  // cumulative log decay (in order) are computed.
+  for (int e = tid; e < kChunk * DK / 4; e += blockDim.x) {
+    const int i = e / (DK / 4), d = 4 * (e % (DK / 4));
     const float* xr = row_x(i);
-    qf[i * LDF + d] = xr ? xr[kh * DK + d] : 0.f;
-    kf[i * LDF + d] = xr ? xr[(k_heads + kh) * DK + d] : 0.f;
+    cp_async_f32x4(qf + i * LDF + d, xr ? xr + kh * DK + d : x, xr != nullptr);
+    cp_async_f32x4(kf + i * LDF + d, xr ? xr + (k_heads + kh) * DK + d : x, xr != nullptr);
   }
+  cp_async_commit();
   if (tid < kChunk) {
     const bool valid = r0 + tid < cr.rows;
     G[tid] = valid ? gdn_log_decay(row_gate(tid, false), expf(A_log[h]), dt_bias[h]) : 0.f;
     beta[tid] = valid ? gdn_beta(row_gate(tid, true)) : 0.f;
   }
   __syncthreads();
+  if (tid == 0)
+    for (int i = 1; i < kChunk; ++i) G[i] = G[i - 1] + G[i];
+  cp_async_wait<0>();
+  __syncthreads();
 
-  // 2. L2 norms (a warp per row, as the scan), the cumulative log decay (in order).
+  // 2. L2 norms (a warp per row, as the scan); the decays.
   const float q_scale = 1.0f / sqrtf((float)DK);
   for (int i = warp; i < kChunk; i += kChunkThreads / 32) {
     gdn_l2norm_warp(qf + i * LDF, DK, q_scale);
     gdn_l2norm_warp(kf + i * LDF, DK, 1.0f);
   }
-  if (tid == 0)
-    for (int i = 1; i < kChunk; ++i) G[i] = G[i - 1] + G[i];
-  __syncthreads();
   if (tid < kChunk) {
     gam[tid] = expf(G[tid]);
     del[tid] = expf(G[kChunk - 1] - G[tid]);
@@ -280,15 +297,24 @@ DSPARK_DEVICE void gdn_chunk_prep(const float* __restrict__ x, const float* __re
   }
   __syncthreads();
 
-  // 5. T = (I + A)^-1 in f32, by 16-row blocks (chunk_solve); T in E for the products.
-  chunk_solve(Af, Tf, reinterpret_cast<float*>(TE), LDA);  // TE's space holds its scratch until then
+  // 5. v of the head (zeros past the rows and dv), copied while T = (I + A)^-1 is solved in f32 by
+  // 16-row blocks (chunk_solve); T in E for the products.
+  for (int e = tid; e < kChunk * dvp / 4; e += blockDim.x) {
+    const int i = e / (dvp / 4), v = 4 * (e % (dvp / 4));
+    const float* xr = row_x(i);
+    const bool valid = xr != nullptr && v < dv;
+    cp_async_f32x4(v_copy + i * LDS + v, valid ? xr + 2 * k_heads * DK + h * dv + v : x, valid);
+  }
+  cp_async_commit();
+  chunk_solve(Af, Tf, solve_scratch, LDA);
   for (int e = tid; e < kChunk * kChunk; e += blockDim.x)
     TE[(e / kChunk) * LDT + e % kChunk] = from_float<E>(Tf[(e / kChunk) * LDA + e % kChunk]);
-  // 6. beta v in E (Y: q, k in E are dead).
+  cp_async_wait<0>();
+  __syncthreads();  // T in E and v are in place; A and T in f32 are dead
+  // 6. beta v in E (f32: in place, each element by the thread that reads it).
   for (int e = tid; e < kChunk * dvp; e += blockDim.x) {
     const int i = e / dvp, v = e % dvp;
-    const float* xr = row_x(i);
-    vE[i * LDV + v] = from_float<E>(xr && v < dv ? beta[i] * xr[2 * k_heads * DK + h * dv + v] : 0.f);
+    vE[i * LDV + v] = from_float<E>(r0 + i < cr.rows && v < dv ? beta[i] * v_copy[i * LDS + v] : 0.f);
   }
   __syncthreads();
 

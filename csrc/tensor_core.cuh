@@ -2,6 +2,9 @@
 //
 //   cp_async16(dst, src, valid)  cp.async.cg.shared.global, 16 bytes; zero-filled (src unread)
 //                                when !valid
+//   cp_async4(dst, src)          cp.async.ca.shared.global, 4 bytes
+//   cp_async_f32x4(dst, src, valid)  4 floats: one 16-byte copy where src is 16-byte aligned, four
+//                                of 4 bytes where it is not; zeros when !valid (src unread)
 //   cp_async_commit()            cp.async.commit_group
 //   cp_async_wait<N>()           cp.async.wait_group N: all but the newest N groups have landed
 //                                (this thread's copies only: a __syncthreads must follow before
@@ -36,6 +39,25 @@ DSPARK_DEVICE void cp_async16(void* dst, const void* src, bool valid) {
 #else
   *reinterpret_cast<uint4*>(dst) = valid ? *reinterpret_cast<const uint4*>(src) : make_uint4(0u, 0u, 0u, 0u);
 #endif
+}
+
+DSPARK_DEVICE void cp_async4(void* dst, const void* src) {
+#if defined(DSPARK_SIMT)
+  simt::cp_async(dst, src, 4, 4);
+#elif DSPARK_TENSOR_CORES
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(smem_address(dst)), "l"(src) : "memory");
+#else
+  *reinterpret_cast<uint32_t*>(dst) = *reinterpret_cast<const uint32_t*>(src);
+#endif
+}
+
+DSPARK_DEVICE void cp_async_f32x4(float* dst, const float* src, bool valid) {
+  if (!valid || (reinterpret_cast<unsigned long long>(src) & 15ull) == 0) {
+    cp_async16(dst, src, valid);
+  } else {
+#pragma unroll
+    for (int u = 0; u < 4; ++u) cp_async4(dst + u, src + u);
+  }
 }
 
 DSPARK_DEVICE void cp_async_commit() {

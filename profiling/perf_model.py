@@ -251,8 +251,18 @@ class Kernel:
         return max(self.f32_instr / dev.f32_issue, self.mma_flops / dev.mma_sync)
 
 
-def kernel_of(phase, name, kind, work: Work, dev: Device, *, flops, mma_flops=0.0, launches=1, min_bytes=0) -> Kernel:
-    """A dspark kernel priced from its launch's Work (pricing.price): its time is the expected one."""
+def kernel_of(phase, name, kind, work: Work, dev: Device, *, flops, mma_flops=0.0, launches=1, min_bytes=0,
+              executed: float | None = None) -> Kernel:
+    """A dspark kernel priced from its launch's Work (pricing.price): its time is the expected one.
+    `mma_flops`: the launch's tensor-core flops; `executed`: those its MMAs run, padding included
+    (attention's m-tiles of 16 items; default mma_flops). The Work's per-CTA MMAs must add up to
+    `executed`, which the tensor limiter prices: a per-CTA count off by the grid's other dimension
+    (a head count, say) fails here, not in a figure."""
+    executed = mma_flops if executed is None else executed
+    counted = float(np.sum(np.broadcast_to(np.asarray(work.mma, np.float64), (np.size(work.dram),)))) * MMA_FLOPS
+    if not (math.isclose(counted, executed, rel_tol=1e-6, abs_tol=1.0) and executed >= mma_flops * (1 - 1e-9)):
+        raise ValueError(f"{name}: the CTAs' MMAs add up to {counted:.4g} flops; the launch executes {executed:.4g}, "
+                         f"of which {mma_flops:.4g} its own")
     p = price(work, dev)
     return Kernel(phase, name, kind, int(np.sum(work.dram)), int(flops), int(np.size(work.dram)), p.waves, p.expected,
                   launches, min_bytes, work.entry, p.f32_instr, float(mma_flops), p.per_sm, p.limits, p.wavefronts,
@@ -627,7 +637,7 @@ def attention_kernels(phase, plan, dev: Device) -> list[Kernel]:
         mma = per_cta * (16 * -(-items // 16) / items) / MMA_FLOPS
         work = Work(plan.kernel, plan.block[0], plan.shared_mem, cta, mma=mma, iterations=units["tile"], units=units)
         main = kernel_of(phase, plan.kernel, "kv", work, dev, flops=plan.flops, mma_flops=plan.flops,
-                         min_bytes=min_bytes)
+                         min_bytes=min_bytes, executed=mma * MMA_FLOPS * plan.ctas)
     else:
         work = Work(plan.kernel, plan.block[0], plan.shared_mem, cta, f32_flops=per_cta, iterations=units["tile"],
                     units=units)
@@ -959,7 +969,7 @@ def prompt_gdn(phase, H: int, dk: int, dv: int, k_heads, rows: int, dev: Device)
     prep_ctas = chunks * H
     prep_bytes = 4 * rows * (C + 2 * H) + scratch
     work = Work(entry, chunk_ops.THREADS, chunk_ops.prep_shared_mem(dk, dv, 2), even(prep_bytes, prep_ctas),
-                mma=fl["prep"] / MMA_FLOPS, chain=SOLVE_CHAIN * FMA_LATENCY / dev.clock,
+                mma=fl["prep"] / H / MMA_FLOPS, chain=SOLVE_CHAIN * FMA_LATENCY / dev.clock,
                 units={"cta": 1.0, "byte": even(prep_bytes, prep_ctas)})
     prep = kernel_of(phase, entry, "state", work, dev, flops=chunks * fl["prep"], mma_flops=float(chunks * fl["prep"]),
                      min_bytes=prep_bytes)

@@ -43,6 +43,7 @@ CHUNK = 64               # tokens per chunk; chunks sit at absolute positions [6
 SLICE = 32               # kChunkSlice: state rows per CTA of the state walk
 THREADS = 128            # kChunkThreads
 CONV_COLS = 64           # kConvCols: columns per thread of gdn_conv_rows_f32
+SOLVE_SCRATCH = 768 * 4       # chunk_solve's scratch, bytes
 MAX_SHARED_MEM = 163 * 1024  # sm_80's per-CTA limit: the chunk kernels run on A100 and H100/H200 alike
 DTYPES = (np.dtype(np.float32), np.dtype(np.float16), BF16)
 # The pass against the sequential scan and transformers' chunked form, relative to the largest
@@ -61,12 +62,14 @@ def _pad(itemsize: int) -> int:
 
 
 def prep_shared_mem(dk: int, dv: int, itemsize: int) -> int:
-    """Dynamic shared memory of gdn_chunk_prep (ChunkPrepLayout in csrc/gdn_chunk.cu)."""
-    e, dvp = itemsize, -(-dv // 16) * 16
-    at = 2 * CHUNK * (CHUNK + 1) * 4 + CHUNK * (CHUNK + _pad(e)) * e
-    x = at if e == 4 else max(2 * CHUNK * (dk + 4) * 4, at)
-    y = max(2 * CHUNK * (dk + _pad(e)) * e, CHUNK * (dvp + _pad(e)) * e)
-    return 4 * CHUNK * 4 + x + y + CHUNK * (dk + _pad(e)) * e
+    """Dynamic shared memory of gdn_chunk_prep (ChunkPrepLayout in csrc/gdn_chunk.cu): the gates; X
+    (16-bit: q, k f32, then A, T f32 and the solve's scratch, then T and beta v in E; f32: A, T and
+    T again); Y (q, k in E, then v f32 as copied); (beta gam) k in E."""
+    e, dvp, pad = itemsize, -(-dv // 16) * 16, _pad(itemsize)
+    at, te = 2 * CHUNK * (CHUNK + 1) * 4, CHUNK * (CHUNK + pad) * e
+    x = at + te if e == 4 else max(2 * CHUNK * (dk + 4) * 4, at + SOLVE_SCRATCH, te + CHUNK * (dvp + pad) * e)
+    y = max(2 * CHUNK * (dk + pad) * e, CHUNK * (dvp + 4) * 4)
+    return 4 * CHUNK * 4 + x + y + CHUNK * (dk + pad) * e
 
 
 def state_shared_mem(dk: int, itemsize: int) -> int:

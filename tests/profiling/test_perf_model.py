@@ -279,6 +279,30 @@ def test_every_prompt_kernel_is_at_or_above_its_limiters():
             assert k.time >= k.bytes / dev.bw * (1 - 1e-9) and k.floor == max(k.limits.values()), k.name
 
 
+def test_a_kernels_mmas_add_up_to_its_flops():
+    """The tensor limiter prices the MMAs a Work gives each CTA; a kernel's flops are counted apart.
+    They must agree: the chunked gdn's preparation (a CTA per chunk and value head) once gave each
+    CTA a whole chunk's MMAs over all 48 heads, a tensor floor 48x its flops that made it the
+    prompt's largest gdn part. kernel_of refuses such a Work; the preparation's tensor limiter is
+    its flops at the mma.sync rate over its waves (uniform CTAs, one per SM)."""
+    dev, rows = pm.H200, 8192
+    c = pm.shapes()["qwen3.5-27b"].trunk
+    conv, prep, walk = pm.prompt_gdn("prompt", c.gdn_heads, c.gdn_dk, c.gdn_dv, c.gdn_k_heads, rows, dev)
+    waves = -(-prep.ctas // (dev.sms * prep.per_sm))
+    assert prep.per_sm == 1 and prep.limits["tensor"] == pytest.approx(
+        prep.mma_flops / prep.ctas / (dev.mma_sync / dev.sms) * waves, rel=1e-9)
+    flops = 2.0 * 16 * 8 * 16 * 1000
+    work = pm.Work("linear_mma_bf16_m16", 128, 0, np.full(10, 1e6), mma=flops / pm.MMA_FLOPS / 10 * 48)
+    with pytest.raises(ValueError, match="MMAs add up to"):
+        pm.kernel_of("verify", "off by the heads", "other", work, dev, flops=flops, mma_flops=flops)
+    padded = pm.kernel_of("verify", "padded", "other", dataclasses.replace(work, mma=flops / pm.MMA_FLOPS / 10 * 2),
+                          dev, flops=flops, mma_flops=flops, executed=2 * flops)
+    assert padded.limits["tensor"] > 0
+    with pytest.raises(ValueError, match="of which"):   # executing fewer flops than its own
+        pm.kernel_of("verify", "short", "other", dataclasses.replace(work, mma=flops / pm.MMA_FLOPS / 10 / 2),
+                     dev, flops=flops, mma_flops=flops, executed=flops / 2)
+
+
 def test_the_skinny_gemm_is_priced_at_two_instructions_per_multiply_add():
     """linear_f32 (f32 weights, CUDA cores) writes acc + x * w: under -fmad=false a mul and an add.
     At 16 rows (two sessions' verify) an f32 copy of Qwen3.5-27B's MLP up-projection issues
