@@ -1,6 +1,6 @@
 // argmax: row argmax over the vocabulary, the fused greedy accept of a verify block, and the
-// drafter's Markov chain. Every row is split across S = ceil(V / kSliceElems) CTAs and merged
-// exactly by the last CTA to arrive (csrc/rowsplit.cuh), so a row's result never depends on the
+// drafter's Markov chain. Every row is split across S = ceil(V / kSliceElems) CTAs (the chain's
+// across ceil(V / kMarkovSlice)) and merged exactly by the last CTA to arrive (csrc/rowsplit.cuh), so a row's result never depends on the
 // batch. Lowest index on ties; NaN entries are skipped and flagged, never chosen.
 //
 // argmax_rows_<dt>(logits [rows, V], rows, V, out [rows], nan_flag [rows], part, tickets)
@@ -20,7 +20,9 @@
 // markov_chain_<dt>(logits [B*nd, V], w1 [V, r], w2 [r, V], anchors [B], nd, V, r,
 //                   drafts [B, nd], nan_flag [B], part, tickets, slot)
 //   The drafter's Markov head, serial over the nd slots of a session:
-//   x_k = argmax(logits_k + w2^T w1[x_{k-1}]), x_{-1} = anchor. slot = k >= 0: one launch per
+//   x_k = argmax(logits_k + w2^T w1[x_{k-1}]), x_{-1} = anchor. S = ceil(V / kMarkovSlice) (an
+//   entry reads r rows of w2: an eighth of argmax's slice keeps a launch's CTAs on every SM at one
+//   session). slot = k >= 0: one launch per
 //   slot, grid.x = B * S; slot k reads x_{k-1} from drafts (the last launch wrote it) and its
 //   last CTA writes x_k. slot = -1 (only when S = 1): grid.x = B, each CTA runs every slot. The
 //   bias of column j is summed over r in increasing order with explicit round-to-nearest
@@ -30,6 +32,7 @@
 #include "rowsplit.cuh"
 
 constexpr int kAcceptChunk = 64;  // verify columns greedy_accept's last CTA merges at once
+constexpr int kMarkovSlice = 1024;  // markov_chain's entries per CTA (MARKOV_SLICE), a multiple of 8
 
 struct ArgmaxSmem {
   SplitPartial scratch[kSplitThreads + 1];
@@ -197,7 +200,7 @@ DSPARK_DEVICE void markov_chain(const T* __restrict__ logits, const float* __res
                                 unsigned long long* __restrict__ part, unsigned* __restrict__ tickets, int slot) {
   __shared__ ArgmaxSmem sm;
   DSPARK_DYNAMIC_SMEM(float, emb);  // w1[x_{k-1}], rank floats
-  const int S = (vocab + kSliceElems - 1) / kSliceElems;
+  const int S = (vocab + kMarkovSlice - 1) / kMarkovSlice;
   if (slot < 0) {  // S = 1: every slot in this CTA
     const int b = blockIdx.x;
     int prev = anchors[b];
@@ -215,8 +218,9 @@ DSPARK_DEVICE void markov_chain(const T* __restrict__ logits, const float* __res
   }
   const int b = blockIdx.x / S, s = blockIdx.x % S;
   const int before = slot ? drafts[b * nd + slot - 1] : anchors[b];
+  const int lo = s * kMarkovSlice;
   SplitPartial p = markov_slot(logits + ((int64_t)b * nd + slot) * vocab, w1, w2, before < 0 ? 0 : before, vocab,
-                               rank, slice_lo(s), slice_hi(s, vocab), emb, sm.scratch);
+                               rank, lo, lo + min(kMarkovSlice, vocab - lo), emb, sm.scratch);
   unsigned long long* mine = part + kPartWords * ((int64_t)b * S);
   if (S > 1) store_split_partial(mine + kPartWords * s, p);
   if (!split_arrive(tickets + b, (unsigned)S)) return;

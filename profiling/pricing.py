@@ -378,9 +378,10 @@ def price(w: Work, dev: Device) -> Priced:
         sm = np.maximum(np.maximum(t["tensor"], t["smem"]) + serial, issue_t)
     else:
         sm = np.maximum.reduce([t["tensor"], t["smem"], issue_t])
-    # the memory side, the device's: the launch's bytes at the whole rate, or its largest CTA's at what one
-    # SM can pull, whichever is longer (a few CTAs on idle SMs are not held to their fair share)
-    mem = max(limits["dram"], limits["l2"], float(dram.max()) / dev.sm_bw)
+    # the memory side, the device's: the launch's bytes at the whole rate, or the bytes of the SM that
+    # holds the most (its CTAs longest first onto the SMs) at what one SM can pull, whichever is longer
+    # (a few CTAs on idle SMs are not held to their fair share; two on one SM share its rate)
+    mem = max(limits["dram"], limits["l2"], makespan(dram / dev.sm_bw, dev.sms))
     sm_side = makespan(sm, slots)
     expected = (max(sm_side, mem) if (not alone or asynchronous) else sm_side + mem) + makespan(lat, slots) + once
     expected = max(expected, max(limits.values()))

@@ -8,8 +8,9 @@ functions here are the reference the kernels are tested against, and the numpy b
 implementation.
 
 The kernels split each row across ceil(V / 8192) CTAs and merge exactly (dspark.ops.rowsplit);
-`argmax_plan`, `greedy_accept_plan` and `markov_chain_plan` give their launches and bytes for
-given shapes without running anything.
+markov_chain, whose entries each read r rows of w2, across ceil(V / 1024) (MARKOV_SLICE). An argmax
+is exact in any split, so the slices change no result. `argmax_plan`, `greedy_accept_plan` and
+`markov_chain_plan` give their launches and bytes for given shapes without running anything.
 """
 
 from __future__ import annotations
@@ -23,6 +24,18 @@ from . import rowsplit
 from .checks import Staged, host_and_device, require_dtype, require_indptr, require_ndim, require_shape
 from .rowsplit import PART_WORDS, Launch, Plan, splits, threads
 from .workspace import fixed
+
+MARKOV_SLICE = 1024   # kMarkovSlice: markov_chain's entries per CTA (each reads r rows of w2)
+
+
+def markov_splits(vocab: int) -> int:
+    """markov_chain's CTAs per row: ceil(V / MARKOV_SLICE), at least 1."""
+    return max(1, -(-int(vocab) // MARKOV_SLICE))
+
+
+def markov_threads(vocab: int) -> int:
+    """markov_chain's threads per CTA: a warp per 128 entries of its slice, 1 to 8 warps."""
+    return 32 * min(rowsplit.MAX_THREADS // 32, max(1, -(-min(int(vocab), MARKOV_SLICE) // 128)))
 
 
 # ---- NumPy reference ------------------------------------------------------------------------
@@ -86,11 +99,11 @@ def greedy_accept_plan(sessions: int, cols: int, vocab: int, itemsize: int = 4) 
 
 
 def markov_chain_plan(sessions: int, nd: int, vocab: int, rank: int, itemsize: int = 4) -> Plan:
-    """markov_chain over nd slots of `sessions` sessions: nd launches of sessions * S CTAs (the
-    slots are serial), or one launch of `sessions` CTAs looping over the slots when S = 1. Every
-    slot reads all of w2 [r, V] (from L2 after the first)."""
-    S = splits(vocab)
-    t, smem = threads(vocab), 4 * rank
+    """markov_chain over nd slots of `sessions` sessions: nd launches of sessions * S CTAs (S =
+    markov_splits(V); the slots are serial), or one launch of `sessions` CTAs looping over the slots
+    when S = 1. Every slot reads all of w2 [r, V] (from L2 after the first)."""
+    S = markov_splits(vocab)
+    t, smem = markov_threads(vocab), 4 * rank
     if S == 1:
         launches = (Launch("markov_chain", sessions, t, smem, passes=nd),)
     else:

@@ -47,8 +47,10 @@ SOLVE_SCRATCH = 768 * 4       # chunk_solve's scratch, bytes
 MAX_SHARED_MEM = 163 * 1024  # sm_80's per-CTA limit: the chunk kernels run on A100 and H100/H200 alike
 DTYPES = (np.dtype(np.float32), np.dtype(np.float16), BF16)
 # The pass against the sequential scan and transformers' chunked form, relative to the largest
-# |output| (|state| for the state): f32 operands sum in another order; 16-bit ones are rounded.
-CHUNK_TOLERANCE = {np.dtype(np.float32): 2e-4, np.dtype(np.float16): 5e-3, BF16: 2e-2}
+# |output| (|state| for the state): f32 operands sum in another order; 16-bit ones are rounded. At
+# decays to e^-300 a row, the chunk's cumulative gate sum (f32, as the peers keep it) reaches 2e4, whose
+# ulp of 2e-3 moves exp(G_i - G_j) by that much: up to 2.5e-4 from an f64 recurrence over 200 seeds.
+CHUNK_TOLERANCE = {np.dtype(np.float32): 5e-4, np.dtype(np.float16): 5e-3, BF16: 2e-2}
 REF_TOLERANCE = {np.dtype(np.float32): 2e-5, np.dtype(np.float16): 2e-3, BF16: 2e-2}  # the kernels vs their twin
 
 

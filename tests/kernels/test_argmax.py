@@ -10,8 +10,9 @@ import pytest
 
 from dspark.errors import NonFiniteError, ShapeError
 from dspark.ops import rowsplit
-from dspark.ops.argmax import (argmax_plan, argmax_rows, argmax_rows_ref, greedy_accept, greedy_accept_plan,
-                               greedy_accept_ref, markov_chain, markov_chain_plan, markov_chain_ref)
+from dspark.ops.argmax import (MARKOV_SLICE, argmax_plan, argmax_rows, argmax_rows_ref, greedy_accept,
+                               greedy_accept_plan, greedy_accept_ref, markov_chain, markov_chain_plan,
+                               markov_chain_ref, markov_splits)
 from dspark.ops.rowsplit import SLICE, splits
 from tests.conftest import poison
 from tests.kernels.asan import assert_clean, run_asan
@@ -198,13 +199,16 @@ def misaligned(x, shift: int):
 
 def test_split_count_depends_on_the_vocabulary_alone():
     assert [splits(v) for v in (1, SLICE, SLICE + 1, 151936, FULL_V)] == [1, 1, 2, 19, 31]
-    for V in (33, SLICE + 1, 151937, FULL_V):
+    assert [markov_splits(v) for v in (1, MARKOV_SLICE, MARKOV_SLICE + 1, FULL_V)] == [1, 1, 2, 243]
+    for V in (33, MARKOV_SLICE + 1, SLICE + 1, 151937, FULL_V):
         for B in (1, 2, 32):
-            for plan in (argmax_plan(B, V), greedy_accept_plan(B, 8 * B, V), markov_chain_plan(B, 7, V, 32)):
+            for plan in (argmax_plan(B, V), greedy_accept_plan(B, 8 * B, V)):
                 assert plan.splits == splits(V), (plan.op, B, V)
             assert argmax_plan(B, V).launches[0].ctas == B * splits(V)
             assert greedy_accept_plan(B, 8 * B, V).launches[0].ctas == 8 * B * splits(V)
-            assert len(markov_chain_plan(B, 7, V, 32).launches) == (1 if splits(V) == 1 else 7)
+            chain = markov_chain_plan(B, 7, V, 32)
+            assert chain.splits == markov_splits(V)
+            assert [r.ctas for r in chain.launches] == ([B] if markov_splits(V) == 1 else [B * markov_splits(V)] * 7)
 
 
 def test_plans_count_bytes():

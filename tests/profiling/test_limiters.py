@@ -34,6 +34,22 @@ def test_a_copy_of_many_bytes_is_bound_by_dram():
     assert p.expected >= p.floor
 
 
+def test_two_ctas_on_one_sm_share_what_it_can_pull():
+    """A DRAM-bound launch of a few more CTAs than SMs (Qwen3.5-27B's mlp gate|up at B = 1: 136)
+    runs as one resident wave: its memory side is its bytes at the copy bandwidth, or those of the
+    SM holding two CTAs at what one SM can pull, whichever is longer. At the assumed 100 GB/s the
+    whole rate binds; where one SM pulled 40 GB/s, the SMs holding two would."""
+    import dataclasses
+    b = 2.6e6
+    for sm_bw, n in ((DEV.sm_bw, 136), (40e9, 136), (40e9, DEV.sms)):
+        dev = dataclasses.replace(DEV, sm_bw=sm_bw)
+        p = pricing.price(pricing.Work("snapshot_copy_f32", 256, 0, np.full(n, b)), dev)
+        per_sm = -(-n // dev.sms) * b / sm_bw
+        assert p.expected >= max(n * b / dev.bw, per_sm) * (1 - 1e-9), (sm_bw, n)
+        assert p.expected <= max(n * b / dev.bw, per_sm) + 2 * dev.dram_latency, (sm_bw, n)
+    assert 2 * b / 40e9 > 136 * b / DEV.bw > 2 * b / DEV.sm_bw   # the case above that the SMs bind
+
+
 def test_bytes_reread_from_l2_bind_at_the_l2_rate():
     ctas = 4096
     p = priced("snapshot_copy_f32", threads=256, dram=np.full(ctas, 1e4), l2=np.full(ctas, 1e6))
