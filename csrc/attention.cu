@@ -67,7 +67,7 @@ struct AttnArgs {
   float scale;
   AttnSplits splits;
   int slots;        // S: the partial buffer's split dimension (split-parallel); 0: serial
-  float* part_acc;  // [rows, Hq, S, D]
+  float* part_acc;  // [rows, Hq, S, D]; the prompt kernel's merged output, [rows, Hq, D]
   float* part_ml;   // [rows, Hq, S, 2]
   T* out;
 };
@@ -432,24 +432,25 @@ DSPARK_ATTENTION_COMBINE(bf16, bf16_t)
 //   max     exact; row sums: per 8-key group the lane's 2 keys, then the quad butterfly (xor 1, 2),
 //           then the 8 groups added in key order (the serial kernel's warps 0..7)
 //   p.v     o scaled by alpha, then MMAs over the tile's keys in steps of 16 (attn_pv's chain)
-//   merge   at a split's end, into (mm, ll, acc) with attn_merge (acc lives in shared memory here)
+//   merge   at a split's end, into (mm, ll, acc) with attn_merge (acc: the item's f32 row of part_acc)
 // so a prompt row equals the verify row and the decode step at its position (tests compare them
 // bitwise on simt; on a GPU an MMA's result is a function of its own operands alone). Tiles past
 // the last key of all the warp's items are skipped (the serial kernel adds p = 0 to such rows,
 // which leaves any accumulator but -0 as it is).
 // Shared memory (prompt_shared_mem_bytes in dspark/ops/attention.py): K and V [64][D + pad] of
-// the current tile (one buffer each: V's copy lands while q.k runs, the next K's while p.v runs),
-// q [64][D + pad], acc [64][D + 8] f32 (the 8 floats of pad put the rows of a quad's 8 row groups
-// on distinct banks, pairs of them a row: a merge's float2 accesses take the two wavefronts of
-// their 256 bytes, not eight). CTAs go longest first (the last row chunk first).
+// the current tile (one buffer each: V's copy lands while q.k runs, the next K's while p.v runs) and
+// q [64][D + pad]. The merged output over the splits so far (acc, f32) lives in global memory,
+// part_acc [rows][Hq][D] (each item's row where its output goes): each thread reads and writes only
+// its own float2s there, at a split's end, so it needs no barrier, and L2 holds a running CTA's 64 KB
+// (D 256). Out of shared memory, it leaves 101 KB at D = 256: two CTAs of 4 warps per SM on sm_90
+// (two warps per scheduler, one issuing while the other waits), where it held one. CTAs go longest
+// first (the last row chunk first).
 template <typename T, int D>
 struct AttnPromptLayout {
   static constexpr int kItems = 64;
   static constexpr int kRow = D + 16 / (int)sizeof(T);
-  static constexpr int kAccRow = D + 8;
   static constexpr int kKV = kAttnTile * kRow;
-  static constexpr size_t kBytes =
-      sizeof(T) * ((size_t)2 * kKV + (size_t)kItems * kRow) + sizeof(float) * (size_t)kItems * kAccRow;
+  static constexpr size_t kBytes = sizeof(T) * ((size_t)2 * kKV + (size_t)kItems * kRow);
 };
 
 template <typename T, int D>
@@ -475,7 +476,13 @@ DSPARK_DEVICE void attention_prompt_cta(const AttnArgs<T>& a) {
   T* ks = reinterpret_cast<T*>(smem);
   T* vs = ks + L::kKV;
   T* qs = vs + L::kKV;
-  float* accs = reinterpret_cast<float*>(qs + L::kItems * L::kRow) + warp * 16 * L::kAccRow;  // this warp's items
+  // The thread's acc elements of its item in rows g + 8 half of the warp's 16, in part_acc (computed
+  // where used: two live pointers through the key loop would spill at D = 256). Items past the
+  // CTA's are never merged nor stored.
+  auto acc_row = [&](int half) -> float* {
+    const int j = 16 * warp + g + 8 * half;
+    return a.part_acc + ((int64_t)(row0 + r0 + j / G) * a.hq + h * G + j % G) * D + 2 * t4;
+  };
 
   auto item_hi = [&](int j) { return j >= items ? lo : pos + r0 + j / G + 1; };
   const int hi_g[2] = {item_hi(16 * warp + g), item_hi(16 * warp + g + 8)};
@@ -501,7 +508,11 @@ DSPARK_DEVICE void attention_prompt_cta(const AttnArgs<T>& a) {
       cp_async16(qs + j * L::kRow + col, valid ? q : a.q, valid);
     }
   }
-  for (int i = lane; i < 16 * L::kAccRow; i += 32) accs[i] = 0.f;
+#pragma unroll
+  for (int half = 0; half < 2; ++half)  // the elements this thread merges and stores, and no others
+    if (16 * warp + g + 8 * half < items)
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt) *reinterpret_cast<float2*>(acc_row(half) + 8 * nt) = make_float2(0.f, 0.f);
 
   // Issue K or V of key positions [t0, t0 + 64) into its buffer, zero outside [lo, hi).
   auto issue = [&](int t0, bool values) {
@@ -632,7 +643,7 @@ DSPARK_DEVICE void attention_prompt_cta(const AttnArgs<T>& a) {
       for (int half = 0; half < 2; ++half) {
         if (split_lo < min(hi_g[half], split_hi)) {
           const AttnMergeFactors f = attn_merge_factors(mm[half], m[half]);
-          float* row = accs + (g + 8 * half) * L::kAccRow + 2 * t4;
+          float* row = acc_row(half);
 #pragma unroll
           for (int nt = 0; nt < NT; ++nt) {
             float2 v = *reinterpret_cast<const float2*>(row + 8 * nt);
@@ -662,7 +673,7 @@ DSPARK_DEVICE void attention_prompt_cta(const AttnArgs<T>& a) {
     const int item_j = 16 * warp + g + 8 * half;
     if (item_j < items) {
       const int64_t item = (int64_t)(row0 + r0 + item_j / G) * a.hq + h * G + item_j % G;
-      const float* row = accs + (g + 8 * half) * L::kAccRow + 2 * t4;
+      const float* row = acc_row(half);
 #pragma unroll
       for (int nt = 0; nt < NT; ++nt) {
         const float2 v = *reinterpret_cast<const float2*>(row + 8 * nt);
@@ -681,10 +692,10 @@ DSPARK_DEVICE void attention_prompt_cta(const AttnArgs<T>& a) {
 
 DSPARK_ATTENTION_PROMPT_ENTRY(f16, f16_t, 64, 2)
 DSPARK_ATTENTION_PROMPT_ENTRY(f16, f16_t, 128, 2)
-DSPARK_ATTENTION_PROMPT_ENTRY(f16, f16_t, 256, 1)
+DSPARK_ATTENTION_PROMPT_ENTRY(f16, f16_t, 256, 2)
 DSPARK_ATTENTION_PROMPT_ENTRY(bf16, bf16_t, 64, 2)
 DSPARK_ATTENTION_PROMPT_ENTRY(bf16, bf16_t, 128, 2)
-DSPARK_ATTENTION_PROMPT_ENTRY(bf16, bf16_t, 256, 1)
+DSPARK_ATTENTION_PROMPT_ENTRY(bf16, bf16_t, 256, 2)
 
 // ---- probes: the building blocks against their documented semantics --------------------------
 // tests/kernels/test_attention.py runs them on every executor: on simt they pin the emulation to

@@ -89,7 +89,7 @@ from dspark.ops import linear as linear_ops
 from dspark.ops import norm as norm_ops
 from dspark.ops import snapshot as snapshot_ops
 from dspark.models.cache import cache_bytes
-from dspark.ops.attention import TILE, launch_plan
+from dspark.ops.attention import TILE, launch_plan, prompt_acc_bytes
 from dspark.ops.kv_commit import THREADS as COMMIT_THREADS
 from dspark.ops.kv_commit import commit_bytes
 from dspark.params import PROMPT_CHUNK
@@ -939,16 +939,21 @@ def prompt_attention(phase, hq: int, hkv: int, head_dim: int, start: int, rows: 
     """attention_prompt (bf16 K/V) over a pass of `rows` query rows after `start` committed ones:
     each CTA walks the key tiles up to its last row's (its main loop's iterations), every tile's
     MMAs over 64 items x 64 keys x D (the whole tile as the MMAs run it); DRAM: the K/V of the
-    visible keys once, q and out (the CTAs' re-reads of K/V come from L2: the plan's bytes)."""
+    visible keys once, q and out (the CTAs' re-reads of K/V come from L2: the plan's bytes). The
+    merged outputs (f32, prompt_acc_bytes) go through L2: each CTA zeroes its 64 items' rows, reads
+    and writes them at each split's end and reads them at the store; DRAM takes them once, written
+    back."""
     plan = launch_plan([rows], [start], hq=hq, hkv=hkv, head_dim=head_dim, dtype=BF16)
     units = attention_units(plan)
     cta_flops = units["tile"] * TILE * 64 * 4 * head_dim
-    dram = 2 * ((start + rows) * 2 * hkv + rows * hq) * head_dim + plan.bytes["out"]
-    l2 = plan.cta_keys * 2 * head_dim * 2 + (plan.bytes["q"] + plan.bytes["out"]) / max(plan.ctas, 1)
+    acc = prompt_acc_bytes(rows, hq, head_dim)
+    dram = 2 * ((start + rows) * 2 * hkv + rows * hq) * head_dim + plan.bytes["out"] + acc
+    l2 = (plan.cta_keys * 2 * head_dim * 2 + (plan.bytes["q"] + plan.bytes["out"]) / max(plan.ctas, 1)
+          + acc / max(plan.ctas, 1) * (2 + 2 * units["merge"]))
     work = Work(plan.kernel, plan.block[0], plan.shared_mem, even(dram, plan.ctas), l2=l2, mma=cta_flops / MMA_FLOPS,
                 iterations=units["tile"], units=units)
     return kernel_of(phase, plan.kernel, "kv", work, dev, flops=int(cta_flops.sum()), mma_flops=float(cta_flops.sum()),
-                     min_bytes=int(dram))
+                     min_bytes=int(dram - acc))
 
 
 def prompt_gdn(phase, H: int, dk: int, dv: int, k_heads, rows: int, dev: Device) -> list[Kernel]:
@@ -1148,7 +1153,7 @@ def memory_row(shape: Shape, context: int, chunk: int = PROMPT_CHUNK) -> dict:
     """Bytes one session holds at `context` (dspark.models.cache.cache_bytes, bf16 K/V as the
     shape stores it, the chunk tails of the kernel backends; the drafter's ring), the prompt
     pass's largest arrays at `chunk` tokens (activations of the widest layer, the gdn scratch, the
-    16-bit copies of the products' activations),
+    16-bit copies of the products' activations, the prompt attention's merged outputs in f32),
     and whether the context is within the model's max_position_embeddings (the shapes' max_ctx)."""
     c, dc = shape.trunk, shape.drafter
     cache = cache_bytes(c, context, chunk_tails="gdn" in c.layers)
@@ -1164,8 +1169,9 @@ def memory_row(shape: Shape, context: int, chunk: int = PROMPT_CHUNK) -> dict:
     ks = {c.d_model} if shape.fp8 else {c.d_model, c.attn_heads * c.head_dim if "attn" in c.layers else 0,
                                         c.gdn_heads * c.gdn_dv if "gdn" in c.layers else 0, c.mlp_hidden}
     x16 = 2 * chunk * sum(k for k in ks if k and k % 8 == 0) if shape.weight_bytes == 2 else 0
+    acc = prompt_acc_bytes(chunk, c.attn_heads, c.head_dim) if "attn" in c.layers else 0
     return {"kv": cache["kv"], "state": cache["state"] + cache["chunk"], "draft_kv": ring,
-            "pass": F32 * chunk * (3 * c.d_model + 2 * widest + taps) + scratch + x16,
+            "pass": F32 * chunk * (3 * c.d_model + 2 * widest + taps) + scratch + x16 + acc,
             "fits": context <= c.max_ctx}
 
 

@@ -350,10 +350,17 @@ def shared_mem_bytes(itemsize: int, head_dim: int) -> int:
 
 def prompt_shared_mem_bytes(itemsize: int, head_dim: int) -> int:
     """Dynamic shared memory of the prompt kernel (AttnPromptLayout, csrc/attention.cu): one K and
-    one V tile and the CTA's 64 items' q in the storage dtype, their merged output in f32 (rows of
-    head_dim + 8)."""
+    one V tile and the CTA's 64 items' q in the storage dtype (their merged output lives in global
+    memory, `prompt_acc_bytes`)."""
     row = head_dim + 16 // itemsize
-    return itemsize * (2 * TILE * row + 64 * row) + 4 * 64 * (head_dim + 8)
+    return itemsize * (2 * TILE * row + 64 * row)
+
+
+def prompt_acc_bytes(rows: int, hq: int, head_dim: int) -> int:
+    """The prompt kernel's merged outputs over the splits so far, f32 [rows, Hq, D] in the pass's
+    workspace (part_acc): each CTA's 64 items' rows, zeroed, read and written at each split's end,
+    read by the final store."""
+    return 4 * rows * hq * head_dim
 
 
 def max_gqa(itemsize: int, head_dim: int) -> int:
@@ -638,6 +645,8 @@ def attention(be, q, k_blk, v_blk, k_caches, v_caches, pos, row_indptr, *, mode=
     parallel = launch.combine_kernel is not None
     part_acc = buffer(be, ws, f"attention.part_acc.{call.hq}.{launch.slots}.{d}", call.rows,
                       (call.hq, launch.slots, d)) if parallel else None
+    if launch.strategy == "prompt":   # the merged outputs: every element written before it is read
+        part_acc = buffer(be, ws, f"attention.prompt_acc.{call.hq}.{d}", call.rows, (call.hq, d))
     part_ml = buffer(be, ws, f"attention.part_ml.{call.hq}.{launch.slots}", call.rows,
                      (call.hq, launch.slots, 2)) if parallel else None
     kind = np.int32(block_mode(mode, window_mode))

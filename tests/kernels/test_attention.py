@@ -17,8 +17,9 @@ import pytest
 
 from dspark.errors import CapacityError, DTypeError, KernelArgumentError, ShapeError
 from dspark.ops.attention import (DEFAULT_SPLIT, SplitRule, attention, attention_ref, launch_plan, plan,
-                                  prompt_shared_mem_bytes, shared_mem_bytes, validate)
+                                  prompt_acc_bytes, prompt_shared_mem_bytes, shared_mem_bytes, validate)
 from dspark.ops.kv_commit import kv_commit
+from dspark.ops.linear import SHARED_LIMIT
 from tests.conftest import poison
 from tests.kernels.asan import assert_clean, run_asan
 
@@ -471,7 +472,9 @@ def test_prompt_rows_equal_verify_rows_and_decode_steps(kernel_backend, rng, dty
 def test_prompt_plan(numpy_backend, rng):
     """auto takes the prompt kernel for a causal pass of 16-bit K/V with a session of at least 64
     rows, never for decode and verify blocks, f32 K/V or the drafter's block mode; forcing it
-    there is refused. Its CTAs are the serial kernel's (64 items each, K/V of their keys once)."""
+    there is refused. Its CTAs are the serial kernel's (64 items each, K/V of their keys once); its
+    merged outputs live in the pass's workspace, so at D = 256 two CTAs fit an H200's SM (228 KB, 1 KB
+    reserved per CTA) where one did, and one fits an A100's (163 KB a CTA), where none did."""
     for lens, want in (([64], "prompt"), ([63], "parallel"), ([8] * 32, "serial"), ([1], "parallel")):
         p = launch_plan(lens, [4096] * len(lens), **QWEN35)
         assert p.strategy == want, (lens, p.strategy)
@@ -479,7 +482,10 @@ def test_prompt_plan(numpy_backend, rng):
     serial = launch_plan([8192], [0], **QWEN35, strategy="serial")
     assert (p.kernel, p.block, p.grid, p.launches) == ("attention_prompt_bf16_d256", (128,), serial.grid, 1)
     assert p.bytes == serial.bytes and p.flops == serial.flops and p.rows_per_cta == 10
-    assert p.shared_mem == prompt_shared_mem_bytes(2, 256) <= 227 * 1024
+    assert p.shared_mem == prompt_shared_mem_bytes(2, 256)
+    assert 2 * (p.shared_mem + 1024) <= 228 * 1024 < 3 * (p.shared_mem + 1024)
+    assert p.shared_mem <= SHARED_LIMIT[80]  # an A100's most per CTA: 169 KB did not launch there
+    assert prompt_acc_bytes(8192, 24, 256) == 8192 * 24 * 256 * 4
     assert launch_plan([200], [0], hq=8, hkv=2, head_dim=128, dtype=F32).strategy == "serial"
     for dtype, mode in ((F32, "causal"), (BF16, "block")):
         with pytest.raises(ValueError, match="strategy='prompt' runs causal attention over 16-bit K/V"):
@@ -626,6 +632,8 @@ def test_kernel_refuses_a_plan_with_too_little_shared_memory(simt, rng):
             np.int32(256), np.int32(8), np.int32(1024), np.int32(0), None, None, np.zeros_like(case.q))
     for strategy in ("serial", "prompt"):
         p = launch_plan([1], [10], hq=4, hkv=4, head_dim=64, dtype=BF16, strategy=strategy)
+        if strategy == "prompt":  # its merged outputs, f32 [rows, Hq, D]
+            args = args[:-3] + (np.zeros(case.q.shape, np.float32), None, args[-1])
         fn = simt.kernels.get_function(p.kernel)
         fn(p.grid, p.block, args, shared_mem=p.shared_mem)
         with pytest.raises(simt.kernels.fault_type, match="launch plan does not match"):

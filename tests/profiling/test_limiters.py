@@ -58,15 +58,15 @@ def test_bytes_reread_from_l2_bind_at_the_l2_rate():
 
 
 def test_mmas_bind_at_the_mma_sync_ceiling():
-    """One CTA per SM (the prompt attention at D = 256), 10,000 mma.sync each: 132 CTAs take one
-    CTA's MMAs at one SM's share of the ceiling."""
+    """Two CTAs per SM (the prompt attention at D = 256: 99 KiB of shared memory, 254 registers),
+    10,000 mma.sync each: 264 CTAs take two CTAs' MMAs at one SM's share of the ceiling."""
     entry = "attention_prompt_bf16_d256"
     code = pricing.compiled(entry, DEV)
     from dspark.ops.attention import prompt_shared_mem_bytes
     smem = prompt_shared_mem_bytes(2, 256)
-    assert pricing.resident(128, smem + code.static_smem, code.registers, DEV) == 1
-    p = priced(entry, smem=smem, dram=np.full(132, 1e3), mma=1e4)
-    assert p.bound == "tensor" and p.floor == pytest.approx(1e4 * 4096 * 132 / DEV.mma_sync)
+    assert pricing.resident(128, smem + code.static_smem, code.registers, DEV) == 2
+    p = priced(entry, smem=smem, dram=np.full(264, 1e3), mma=1e4)
+    assert p.bound == "tensor" and p.floor == pytest.approx(1e4 * 4096 * 264 / DEV.mma_sync)
     assert p.expected >= p.floor
 
 
