@@ -422,8 +422,10 @@ DSPARK_ATTENTION_COMBINE(bf16, bf16_t)
 // ---- prompt attention: many query rows of one causal pass on tensor cores -------------------------
 // attention_prompt_<dt>_d<D> (f16 / bf16 K/V): the serial kernel's result for every row, bit for bit,
 // with the work laid out for long prompts. Same arguments as attention_<dt>_d<D> (causal mode,
-// slots 0), same CTA -> items map (items (row r0 + j / G, head h G + j % G), 64 per CTA) and same
-// splits, walked in order and merged as the serial kernel merges them. What differs is who
+// slots 0), the same kind of CTA -> items map (items (row r0 + j / G, head h G + j % G)) with 128
+// items per CTA (8 warps: each K/V tile serves twice the serial kernel's rows, half the re-reads
+// through L2), and the same splits, walked in order and merged as the serial kernel merges them;
+// which CTA holds an item changes none of its bits. What differs is who
 // computes what: warp w owns items [16 w, 16 w + 16) (one m-tile) for all 64 keys of a tile and all
 // D dims (flash-attention 2's split), so a tile's row maxima and sums stay in the warp's registers
 // and p goes from the q.k accumulators straight into the p.v MMA's A fragments, with no shared
@@ -439,15 +441,16 @@ DSPARK_ATTENTION_COMBINE(bf16, bf16_t)
 // which leaves any accumulator but -0 as it is).
 // Shared memory (prompt_shared_mem_bytes in dspark/ops/attention.py): K and V [64][D + pad] of
 // the current tile (one buffer each: V's copy lands while q.k runs, the next K's while p.v runs) and
-// q [64][D + pad]. The merged output over the splits so far (acc, f32) lives in global memory,
+// q [128][D + pad]. The merged output over the splits so far (acc, f32) lives in global memory,
 // part_acc [rows][Hq][D] (each item's row where its output goes): each thread reads and writes only
-// its own float2s there, at a split's end, so it needs no barrier, and L2 holds a running CTA's 64 KB
-// (D 256). Out of shared memory, it leaves 101 KB at D = 256: two CTAs of 4 warps per SM on sm_90
-// (two warps per scheduler, one issuing while the other waits), where it held one. CTAs go longest
-// first (the last row chunk first).
+// its own float2s there, at a split's end, so it needs no barrier, and L2 holds a running CTA's 128 KB
+// (D 256). Out of shared memory, it leaves 135 KB at D = 256: a CTA of 8 warps per SM on sm_90 and
+// sm_80 (two warps per scheduler, one issuing while the other waits). CTAs go longest first (the
+// last row chunk first).
+constexpr int kAttnPromptWarps = 8, kAttnPromptThreads = 32 * kAttnPromptWarps;
 template <typename T, int D>
 struct AttnPromptLayout {
-  static constexpr int kItems = 64;
+  static constexpr int kItems = 16 * kAttnPromptWarps;
   static constexpr int kRow = D + 16 / (int)sizeof(T);
   static constexpr int kKV = kAttnTile * kRow;
   static constexpr size_t kBytes = sizeof(T) * ((size_t)2 * kKV + (size_t)kItems * kRow);
@@ -468,10 +471,12 @@ DSPARK_DEVICE void attention_prompt_cta(const AttnArgs<T>& a) {
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, t4 = lane & 3;
   DSPARK_DYNAMIC_SMEM(unsigned char, smem);
 #if defined(DSPARK_SIMT)
-  if (L::kBytes > simt::dynamic_smem_size() || items > L::kItems || (int)blockDim.x != 128 || a.block_mode)
+  if (L::kBytes > simt::dynamic_smem_size() || items > L::kItems || (int)blockDim.x != kAttnPromptThreads ||
+      a.block_mode)
     simt::fault("attention_prompt: launch plan does not match the kernel (shared_mem " +
                 std::to_string(simt::dynamic_smem_size()) + " < " + std::to_string(L::kBytes) + ", items " +
-                std::to_string(items) + " > 64, block != 128, or block mode)");
+                std::to_string(items) + " > " + std::to_string(L::kItems) + ", block != " +
+                std::to_string(kAttnPromptThreads) + ", or block mode)");
 #endif
   T* ks = reinterpret_cast<T*>(smem);
   T* vs = ks + L::kKV;
@@ -683,19 +688,19 @@ DSPARK_DEVICE void attention_prompt_cta(const AttnArgs<T>& a) {
   }
 }
 
-#define DSPARK_ATTENTION_PROMPT_ENTRY(SUF, T, D, MINB)                                                           \
-  extern "C" __global__ void __launch_bounds__(128, MINB) attention_prompt_##SUF##_d##D(                        \
+#define DSPARK_ATTENTION_PROMPT_ENTRY(SUF, T, D)                                                                 \
+  extern "C" __global__ void __launch_bounds__(kAttnPromptThreads, 1) attention_prompt_##SUF##_d##D(            \
       DSPARK_ATTENTION_PARAMS(T)) {                                                                               \
     using T_ = T;                                                                                                 \
     attention_prompt_cta<T, D>(DSPARK_ATTENTION_ARGS);                                                            \
   }
 
-DSPARK_ATTENTION_PROMPT_ENTRY(f16, f16_t, 64, 2)
-DSPARK_ATTENTION_PROMPT_ENTRY(f16, f16_t, 128, 2)
-DSPARK_ATTENTION_PROMPT_ENTRY(f16, f16_t, 256, 2)
-DSPARK_ATTENTION_PROMPT_ENTRY(bf16, bf16_t, 64, 2)
-DSPARK_ATTENTION_PROMPT_ENTRY(bf16, bf16_t, 128, 2)
-DSPARK_ATTENTION_PROMPT_ENTRY(bf16, bf16_t, 256, 2)
+DSPARK_ATTENTION_PROMPT_ENTRY(f16, f16_t, 64)
+DSPARK_ATTENTION_PROMPT_ENTRY(f16, f16_t, 128)
+DSPARK_ATTENTION_PROMPT_ENTRY(f16, f16_t, 256)
+DSPARK_ATTENTION_PROMPT_ENTRY(bf16, bf16_t, 64)
+DSPARK_ATTENTION_PROMPT_ENTRY(bf16, bf16_t, 128)
+DSPARK_ATTENTION_PROMPT_ENTRY(bf16, bf16_t, 256)
 
 // ---- probes: the building blocks against their documented semantics --------------------------
 // tests/kernels/test_attention.py runs them on every executor: on simt they pin the emulation to

@@ -89,7 +89,7 @@ from dspark.ops import linear as linear_ops
 from dspark.ops import norm as norm_ops
 from dspark.ops import snapshot as snapshot_ops
 from dspark.models.cache import cache_bytes
-from dspark.ops.attention import TILE, launch_plan, prompt_acc_bytes
+from dspark.ops.attention import PROMPT_ITEMS, TILE, launch_plan, prompt_acc_bytes
 from dspark.ops.kv_commit import THREADS as COMMIT_THREADS
 from dspark.ops.kv_commit import commit_bytes
 from dspark.params import PROMPT_CHUNK
@@ -938,14 +938,14 @@ SOLVE_CHAIN = 120 + 32 + 48 + 64  # dependent fmaf of gdn_chunk_prep's solve: th
 def prompt_attention(phase, hq: int, hkv: int, head_dim: int, start: int, rows: int, dev: Device) -> Kernel:
     """attention_prompt (bf16 K/V) over a pass of `rows` query rows after `start` committed ones:
     each CTA walks the key tiles up to its last row's (its main loop's iterations), every tile's
-    MMAs over 64 items x 64 keys x D (the whole tile as the MMAs run it); DRAM: the K/V of the
+    MMAs over PROMPT_ITEMS (128) items x 64 keys x D (the whole tile as the MMAs run it); DRAM: the K/V of the
     visible keys once, q and out (the CTAs' re-reads of K/V come from L2: the plan's bytes). The
-    merged outputs (f32, prompt_acc_bytes) go through L2: each CTA zeroes its 64 items' rows, reads
+    merged outputs (f32, prompt_acc_bytes) go through L2: each CTA zeroes its items' rows, reads
     and writes them at each split's end and reads them at the store; DRAM takes them once, written
     back."""
     plan = launch_plan([rows], [start], hq=hq, hkv=hkv, head_dim=head_dim, dtype=BF16)
     units = attention_units(plan)
-    cta_flops = units["tile"] * TILE * 64 * 4 * head_dim
+    cta_flops = units["tile"] * TILE * PROMPT_ITEMS * 4 * head_dim
     acc = prompt_acc_bytes(rows, hq, head_dim)
     dram = 2 * ((start + rows) * 2 * hkv + rows * hq) * head_dim + plan.bytes["out"] + acc
     l2 = (plan.cta_keys * 2 * head_dim * 2 + (plan.bytes["q"] + plan.bytes["out"]) / max(plan.ctas, 1)

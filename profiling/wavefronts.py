@@ -35,6 +35,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from dspark.ops.attention import PROMPT_ITEMS  # noqa: E402
+
 OUT = Path(__file__).with_name("wavefronts.json")
 KINDS = ("load", "store", "ldmatrix", "cp_async")
 
@@ -43,8 +45,9 @@ def attention_probes():
     """(label, lens, pos, hq, hkv, D, dtype, strategy): per entry, shapes that vary the units apart."""
     for d in (256, 128):
         for dt in ("bfloat16", "float32"):
-            if dt == "bfloat16":  # the prompt kernel: tiles and merges per CTA apart
-                for lens, pos in (([64], [0]), ([200], [0]), ([20], [700])):
+            if dt == "bfloat16":  # the prompt kernel: tiles and merges per CTA apart, every CTA full (GQA 6)
+                full = PROMPT_ITEMS // 6
+                for lens, pos in (([3 * full], [0]), ([10 * full], [0]), ([full], [700])):
                     yield "prompt", lens, pos, 6, 1, d, dt, "prompt"
             for strategy in ("parallel", "serial"):
                 for lens, pos in (([8], [100]), ([8], [600]), ([1, 1], [300, 40]), ([3], [900])):

@@ -28,7 +28,8 @@ compute the same bits. The plan takes "parallel" when "serial" would leave an H2
 small; large batches walk serially. Prompt passes (causal, 16-bit K/V, a session of at least
 PROMPT_MIN_ROWS rows) take "prompt": attention_prompt_<dt>_d<D>, the serial kernel's bits with
 each warp owning 16 items for whole key tiles (flash-attention 2's split of the work), so q.k, the
-softmax and p.v stay in registers.
+softmax and p.v stay in registers; its CTAs hold PROMPT_ITEMS items (twice the serial kernel's rows
+a K/V tile serves), which changes no bit: an item's sums do not depend on the CTA that holds it.
 
 `attention_ref` is the NumPy twin: the same splits, tiles, rounding and merge, with shape-
 independent reductions (elementwise products and pairwise halving sums, never matmul), so the numpy
@@ -64,7 +65,8 @@ WINDOW_MODES = ("anchor", "row")   # block mode: the window from the anchor (all
 # csrc/attention.cu. f32 (CUDA cores) keeps 2 m-tiles; at D = 256 one stage (two do not fit).
 CONFIGS = {(4, 64): (2, 2), (4, 128): (2, 2), (4, 256): (2, 1),
            (2, 64): (4, 2), (2, 128): (4, 2), (2, 256): (4, 2)}
-PROMPT_THREADS = 128      # attention_prompt: 4 warps of 16 items each
+PROMPT_THREADS = 256      # attention_prompt (kAttnPromptThreads): 8 warps of 16 items each
+PROMPT_ITEMS = 128        # (row, head) items a prompt CTA holds: each K/V tile serves all of them
 PROMPT_MIN_ROWS = 64      # rows of one session from which "auto" takes the prompt kernel
 MAX_SHARED_MEM = 227 * 1024
 SMS = 132                 # an H200: the plan fills it before it splits
@@ -350,15 +352,15 @@ def shared_mem_bytes(itemsize: int, head_dim: int) -> int:
 
 def prompt_shared_mem_bytes(itemsize: int, head_dim: int) -> int:
     """Dynamic shared memory of the prompt kernel (AttnPromptLayout, csrc/attention.cu): one K and
-    one V tile and the CTA's 64 items' q in the storage dtype (their merged output lives in global
-    memory, `prompt_acc_bytes`)."""
+    one V tile and the CTA's PROMPT_ITEMS items' q in the storage dtype (their merged output lives in
+    global memory, `prompt_acc_bytes`)."""
     row = head_dim + 16 // itemsize
-    return itemsize * (2 * TILE * row + 64 * row)
+    return itemsize * (2 * TILE * row + PROMPT_ITEMS * row)
 
 
 def prompt_acc_bytes(rows: int, hq: int, head_dim: int) -> int:
     """The prompt kernel's merged outputs over the splits so far, f32 [rows, Hq, D] in the pass's
-    workspace (part_acc): each CTA's 64 items' rows, zeroed, read and written at each split's end,
+    workspace (part_acc): each CTA's items' rows, zeroed, read and written at each split's end,
     read by the final store."""
     return 4 * rows * hq * head_dim
 
@@ -408,7 +410,9 @@ def launch_plan(lens, pos, *, hq: int, hkv: int, head_dim: int, dtype="bfloat16"
     lens, pos = np.asarray(lens, np.int64).reshape(-1), np.asarray(pos, np.int64).reshape(-1)
     isz, g = dtype.itemsize, hq // hkv
     mt, stages = CONFIGS[(isz, head_dim)]
-    rows_per_cta = max(1, 16 * mt // g)
+    prompt = strategy == "prompt" or (strategy == "auto" and isz == 2 and mode == "causal"
+                                      and int(lens.max(initial=0)) >= PROMPT_MIN_ROWS)
+    rows_per_cta = max(1, (PROMPT_ITEMS if prompt else 16 * mt) // g)
     rows = int(lens.sum())
 
     def bounds(s, i):  # key_bounds of rows i of sessions s
@@ -429,8 +433,6 @@ def launch_plan(lens, pos, *, hq: int, hkv: int, head_dim: int, dtype="bfloat16"
                                                   split=split))
     chunks = int(chunk_n.max(initial=0))
     partials = rows * hq * max_splits * (head_dim + 2) * 4
-    prompt = strategy == "prompt" or (strategy == "auto" and isz == 2 and mode == "causal"
-                                      and int(lens.max(initial=0)) >= PROMPT_MIN_ROWS)
     if strategy == "auto":
         parallel = not prompt and max_splits > 1 and partials <= PARTIAL_BUDGET and sess.size * hkv < 2 * sms
     else:

@@ -472,19 +472,19 @@ def test_prompt_rows_equal_verify_rows_and_decode_steps(kernel_backend, rng, dty
 def test_prompt_plan(numpy_backend, rng):
     """auto takes the prompt kernel for a causal pass of 16-bit K/V with a session of at least 64
     rows, never for decode and verify blocks, f32 K/V or the drafter's block mode; forcing it
-    there is refused. Its CTAs are the serial kernel's (64 items each, K/V of their keys once); its
-    merged outputs live in the pass's workspace, so at D = 256 two CTAs fit an H200's SM (228 KB, 1 KB
-    reserved per CTA) where one did, and one fits an A100's (163 KB a CTA), where none did."""
+    there is refused. Its CTAs hold 128 items (8 warps), twice the serial kernel's rows, so they read
+    about half its K/V; its merged outputs live in the pass's workspace, so at D = 256 its shared
+    memory fits an A100's 163 KB a CTA (169 KB did not launch there)."""
     for lens, want in (([64], "prompt"), ([63], "parallel"), ([8] * 32, "serial"), ([1], "parallel")):
         p = launch_plan(lens, [4096] * len(lens), **QWEN35)
         assert p.strategy == want, (lens, p.strategy)
     p = launch_plan([8192], [0], **QWEN35)
     serial = launch_plan([8192], [0], **QWEN35, strategy="serial")
-    assert (p.kernel, p.block, p.grid, p.launches) == ("attention_prompt_bf16_d256", (128,), serial.grid, 1)
-    assert p.bytes == serial.bytes and p.flops == serial.flops and p.rows_per_cta == 10
-    assert p.shared_mem == prompt_shared_mem_bytes(2, 256)
-    assert 2 * (p.shared_mem + 1024) <= 228 * 1024 < 3 * (p.shared_mem + 1024)
-    assert p.shared_mem <= SHARED_LIMIT[80]  # an A100's most per CTA: 169 KB did not launch there
+    assert (p.kernel, p.block, p.launches) == ("attention_prompt_bf16_d256", (256,), 1)
+    assert (p.rows_per_cta, serial.rows_per_cta) == (21, 10) and p.ctas == 4 * -(-8192 // 21)
+    assert p.flops == serial.flops and all(p.bytes[k] == serial.bytes[k] for k in ("q", "out"))
+    assert 0.45 * serial.bytes["kv"] < p.bytes["kv"] < 0.55 * serial.bytes["kv"]
+    assert p.shared_mem == prompt_shared_mem_bytes(2, 256) <= SHARED_LIMIT[80]
     assert prompt_acc_bytes(8192, 24, 256) == 8192 * 24 * 256 * 4
     assert launch_plan([200], [0], hq=8, hkv=2, head_dim=128, dtype=F32).strategy == "serial"
     for dtype, mode in ((F32, "causal"), (BF16, "block")):

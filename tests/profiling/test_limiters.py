@@ -58,15 +58,15 @@ def test_bytes_reread_from_l2_bind_at_the_l2_rate():
 
 
 def test_mmas_bind_at_the_mma_sync_ceiling():
-    """Two CTAs per SM (the prompt attention at D = 256: 99 KiB of shared memory, 254 registers),
-    10,000 mma.sync each: 264 CTAs take two CTAs' MMAs at one SM's share of the ceiling."""
+    """One CTA of 8 warps per SM (the prompt attention at D = 256: 254 registers a thread),
+    10,000 mma.sync each: 132 CTAs take one CTA's MMAs at one SM's share of the ceiling."""
     entry = "attention_prompt_bf16_d256"
     code = pricing.compiled(entry, DEV)
-    from dspark.ops.attention import prompt_shared_mem_bytes
+    from dspark.ops.attention import PROMPT_THREADS, prompt_shared_mem_bytes
     smem = prompt_shared_mem_bytes(2, 256)
-    assert pricing.resident(128, smem + code.static_smem, code.registers, DEV) == 2
-    p = priced(entry, smem=smem, dram=np.full(264, 1e3), mma=1e4)
-    assert p.bound == "tensor" and p.floor == pytest.approx(1e4 * 4096 * 264 / DEV.mma_sync)
+    assert pricing.resident(PROMPT_THREADS, smem + code.static_smem, code.registers, DEV) == 1
+    p = priced(entry, threads=PROMPT_THREADS, smem=smem, dram=np.full(132, 1e3), mma=1e4)
+    assert p.bound == "tensor" and p.floor == pytest.approx(1e4 * 4096 * 132 / DEV.mma_sync)
     assert p.expected >= p.floor
 
 
@@ -77,8 +77,8 @@ def test_shared_memory_wavefronts_bind_at_one_per_sm_clock():
     e = pricing.counted_entry(entry)
     per_tile = e["wavefronts"][e["units"].index("tile")]
     per_cta = e["wavefronts"][e["units"].index("cta")]
-    from dspark.ops.attention import prompt_shared_mem_bytes
-    p = priced(entry, smem=prompt_shared_mem_bytes(2, 256), dram=np.full(132, 1e3),
+    from dspark.ops.attention import PROMPT_THREADS, prompt_shared_mem_bytes
+    p = priced(entry, threads=PROMPT_THREADS, smem=prompt_shared_mem_bytes(2, 256), dram=np.full(132, 1e3),
                units={"cta": 1.0, "tile": 1000.0, "merge": 0.0})
     want = (per_cta + 1000 * per_tile) / DEV.clock   # one CTA per SM
     assert p.bound == "smem" and p.floor == pytest.approx(want, rel=1e-9)
@@ -131,21 +131,21 @@ def test_the_sass_loops_issue_the_mmas_the_plans_count():
 
 def test_the_counts_are_current_and_count_the_plans_mmas():
     """profiling/wavefronts.json was counted from today's kernel sources (rerun profiling/wavefronts.py
-    when this fails), and simt counted, per key tile of a prompt attention CTA, about the 4 warps x
+    when this fails), and simt counted, per key tile of a prompt attention CTA, about the 8 warps x
     (D / 2 + D / 2) mma.sync the model prices (the fit over its probes: warps whose rows end on the
     diagonal skip their last tile's MMAs, so the coefficient is within a few % of it)."""
     table = pricing.wavefront_table()
     assert table["sources"] == pricing.sources_digest(), "kernel sources changed: python profiling/wavefronts.py"
     for d in (128, 256):
         e = table["entries"][f"attention_prompt_bf16_d{d}"]
-        assert e["mma"][e["units"].index("tile")] == pytest.approx(4 * d, rel=0.05)
+        assert e["mma"][e["units"].index("tile")] == pytest.approx(8 * d, rel=0.05)
 
 
-def test_the_prompt_attentions_merge_takes_the_wavefronts_of_its_bytes():
-    """Its merge reads and writes rows of D + 8 floats, a float2 a lane (csrc/attention.cu: accs +
-    (g + 8 half) (D + 8) + 2 t4): a quad's 8 row groups land on distinct banks, pairs of them a row,
-    so simt counts the conflict-free access's wavefronts there (the 8-way conflict of rows of D
-    floats is gone), and none extra on the ldmatrix-fed tiles."""
+def test_the_prompt_attentions_shared_memory_is_its_tiles_alone():
+    """Its merged outputs live in global memory (part_acc), so simt counts no plain shared-memory
+    load or store in it: its wavefronts are the tiles' cp.async copies in and their ldmatrix reads,
+    none of them conflicted (the K/V and q rows' 16-byte pad)."""
     e = pricing.counted_entry("attention_prompt_bf16_d256")
     c = e["counted"]
-    assert c["store"][1] == c["store"][2] and c["load"][1] == c["load"][2] and c["ldmatrix"][1] == c["ldmatrix"][2]
+    assert c["store"][1] == c["load"][1] == 0 and c["ldmatrix"][1] > 0 and c["cp_async"][1] > 0
+    assert c["ldmatrix"][1] == c["ldmatrix"][2] and c["cp_async"][1] == c["cp_async"][2]

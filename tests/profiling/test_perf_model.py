@@ -190,7 +190,7 @@ def test_the_floor_is_the_hand_counted_flops_at_the_ceiling(tokens):
     is their FLOPs counted by hand at the mma.sync ceiling: at least that, and above it only by the
     tiles' padding (whole 128-column tiles of gdn's 16,480 outputs; attention CTAs of 64 items that
     hold 10 rows of 6 heads, whole 64-key tiles on the causal diagonal) and the last wave's quantisation (7,168 CTAs of q|k|v on 132 SMs: 54.3
-    waves; attention's 205 CTAs a launch on 264 slots, two per SM, of unequal keys: up to 11 % at 32k); every
+    waves; attention's CTAs of unequal keys); every
     one of their floors is at least its tensor limiter."""
     dev = pm.H200
     pr = pm.prompt(pm.shapes()["qwen3.5-27b"], tokens, dev)
