@@ -388,12 +388,13 @@ DSPARK_DEVICE void attention_combine(const int* __restrict__ row_indptr, const i
 
 // (MT, STAGES) per dtype and head dim: 16 MT items per CTA; dspark/ops/attention.py (CONFIGS)
 // holds the same table. One CTA per SM at D = 256 (shared memory), two below.
-#define DSPARK_ATTENTION_ENTRY(SUF, T, D, MT, STAGES, MINB)                                                       \
-  extern "C" __global__ void __launch_bounds__(kAttnThreads, MINB) attention_##SUF##_d##D(                       \
-      DSPARK_ATTENTION_PARAMS(T)) {                                                                               \
+#define DSPARK_ATTENTION_ENTRY_NAMED(NAME, T, D, MT, STAGES, MINB)                                              \
+  extern "C" __global__ void __launch_bounds__(kAttnThreads, MINB) NAME(DSPARK_ATTENTION_PARAMS(T)) {            \
     using T_ = T;                                                                                                 \
     attention_cta<T, D, MT, STAGES>(DSPARK_ATTENTION_ARGS);                                                       \
   }
+#define DSPARK_ATTENTION_ENTRY(SUF, T, D, MT, STAGES, MINB) \
+  DSPARK_ATTENTION_ENTRY_NAMED(attention_##SUF##_d##D, T, D, MT, STAGES, MINB)
 
 DSPARK_ATTENTION_ENTRY(f32, float, 64, 2, 2, 2)
 DSPARK_ATTENTION_ENTRY(f32, float, 128, 2, 2, 1)
@@ -404,6 +405,11 @@ DSPARK_ATTENTION_ENTRY(f16, f16_t, 256, 4, 2, 1)
 DSPARK_ATTENTION_ENTRY(bf16, bf16_t, 64, 4, 2, 2)
 DSPARK_ATTENTION_ENTRY(bf16, bf16_t, 128, 4, 2, 2)
 DSPARK_ATTENTION_ENTRY(bf16, bf16_t, 256, 4, 2, 1)
+// Where a CTA's shared memory is at most sm_80's 163 KB (SMALL_CONFIGS): D = 256 in one stage, f32 in one
+// m-tile. The same bits: an item's sums do not depend on its CTA's other items or on the prefetch depth.
+DSPARK_ATTENTION_ENTRY_NAMED(attention_f32_d256_m1s1, float, 256, 1, 1, 1)
+DSPARK_ATTENTION_ENTRY_NAMED(attention_f16_d256_m4s1, f16_t, 256, 4, 1, 1)
+DSPARK_ATTENTION_ENTRY_NAMED(attention_bf16_d256_m4s1, bf16_t, 256, 4, 1, 1)
 
 #define DSPARK_ATTENTION_COMBINE(SUF, T)                                                                         \
   extern "C" __global__ void attention_combine_##SUF(                                                            \

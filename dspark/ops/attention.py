@@ -51,6 +51,7 @@ from ..errors import CapacityError, DTypeError, ShapeError
 from . import host
 from .checks import Staged, require_dtype, require_indptr, require_ndim, require_shape
 from .kv_commit import require_kernel_buffers
+from .linear import shared_limit
 from .tables import PointerTable
 from .workspace import buffer
 
@@ -65,6 +66,10 @@ WINDOW_MODES = ("anchor", "row")   # block mode: the window from the anchor (all
 # csrc/attention.cu. f32 (CUDA cores) keeps 2 m-tiles; at D = 256 one stage (two do not fit).
 CONFIGS = {(4, 64): (2, 2), (4, 128): (2, 2), (4, 256): (2, 1),
            (2, 64): (4, 2), (2, 128): (4, 2), (2, 256): (4, 2)}
+# Where an sm_80 CTA's 163 KB (SHARED_LIMIT[80]) do not hold CONFIGS' shape (D = 256 on an A100): fewer
+# stages (and for f32 fewer items), entries attention_<dt>_d<D>_m<MT>s<STAGES>. A CTA's items and its
+# prefetch depth change no bit of an item's output.
+SMALL_CONFIGS = {(4, 256): (1, 1), (2, 256): (4, 1)}
 PROMPT_THREADS = 256      # attention_prompt (kAttnPromptThreads): 8 warps of 16 items each
 PROMPT_ITEMS = 128        # (row, head) items a prompt CTA holds: each K/V tile serves all of them
 PROMPT_MIN_ROWS = 64      # rows of one session from which "auto" takes the prompt kernel
@@ -342,9 +347,21 @@ class AttentionPlan:
         return self.combine_grid[0] * self.combine_grid[1] * self.slots * (self.head_dim + 2) * 4
 
 
-def shared_mem_bytes(itemsize: int, head_dim: int) -> int:
-    """Dynamic shared memory of one CTA (AttnLayout, csrc/attention.cuh)."""
+def config(itemsize: int, head_dim: int, limit: int = MAX_SHARED_MEM) -> tuple[int, int, str]:
+    """(m-tiles, stages, entry suffix) of the serial and split kernels: CONFIGS' where a CTA of it fits
+    `limit` bytes of shared memory (the device's, dspark.ops.linear.shared_limit), else SMALL_CONFIGS'."""
     mt, stages = CONFIGS[(itemsize, head_dim)]
+    if shared_mem_bytes(itemsize, head_dim) <= limit or (itemsize, head_dim) not in SMALL_CONFIGS:
+        return mt, stages, ""
+    mt, stages = SMALL_CONFIGS[(itemsize, head_dim)]
+    return mt, stages, f"_m{mt}s{stages}"
+
+
+def shared_mem_bytes(itemsize: int, head_dim: int, mt: int | None = None, stages: int | None = None) -> int:
+    """Dynamic shared memory of one CTA (AttnLayout, csrc/attention.cuh) of CONFIGS' shape, or of
+    (mt, stages)."""
+    if mt is None:
+        mt, stages = CONFIGS[(itemsize, head_dim)]
     items, pad = 16 * mt, 16 // itemsize
     row, prow = head_dim + pad, TILE + pad
     return itemsize * (2 * stages * TILE * row + items * (row + prow)) + 4 * (2 * WARPS + 4) * items
@@ -365,9 +382,9 @@ def prompt_acc_bytes(rows: int, hq: int, head_dim: int) -> int:
     return 4 * rows * hq * head_dim
 
 
-def max_gqa(itemsize: int, head_dim: int) -> int:
+def max_gqa(itemsize: int, head_dim: int, limit: int = MAX_SHARED_MEM) -> int:
     """The most query heads per kv head one CTA holds (one row's heads must share a CTA)."""
-    return 16 * CONFIGS[(itemsize, head_dim)][0]
+    return 16 * config(itemsize, head_dim, limit)[0]
 
 
 def reach_splits(lens, reach: int, *, mode: str = "causal", window: int = 0, window_mode: str = "anchor",
@@ -395,21 +412,22 @@ def _reach_splits(n: int, reach: int, mode: str, window: int, window_mode: str, 
 
 def launch_plan(lens, pos, *, hq: int, hkv: int, head_dim: int, dtype="bfloat16", mode: str = "causal",
                 window: int = 0, split: SplitRule | None = None, strategy: str = "auto", sms: int = SMS,
-                window_mode: str = "anchor", reach: int | None = None) -> AttentionPlan:
+                window_mode: str = "anchor", reach: int | None = None, limit: int = MAX_SHARED_MEM) -> AttentionPlan:
     """The launch plan of an attention call: sessions of `lens[b]` rows at positions `pos[b]`,
     Hq / Hkv heads of `head_dim`, storage `dtype`. Pure: nothing is allocated or launched, so a
     performance model can price a call (bytes, CTAs, their keys, launches) from shapes alone.
     `split` and `strategy` ("auto", "serial", "parallel", "prompt") are for tests and tuning; the
     result never depends on them. `reach`: size the grid for rows at any position up to it (a
     recorded or captured pass, whose positions move on while its grid stays: CTAs past the live keys
-    leave at once), not only for `pos`."""
+    leave at once), not only for `pos`. `limit`: the shared memory a CTA may take on the device
+    (`config`: an A100's 163 KB take SMALL_CONFIGS at D = 256)."""
     dtype = BF16 if isinstance(dtype, str) and dtype == "bfloat16" else np.dtype(dtype)
     kind = suffix(dtype, "dtype")
     check_strategy(strategy, dtype, mode)
     split = split or DEFAULT_SPLIT
     lens, pos = np.asarray(lens, np.int64).reshape(-1), np.asarray(pos, np.int64).reshape(-1)
     isz, g = dtype.itemsize, hq // hkv
-    mt, stages = CONFIGS[(isz, head_dim)]
+    mt, stages, entry = config(isz, head_dim, limit)
     prompt = strategy == "prompt" or (strategy == "auto" and isz == 2 and mode == "causal"
                                       and int(lens.max(initial=0)) >= PROMPT_MIN_ROWS)
     rows_per_cta = max(1, (PROMPT_ITEMS if prompt else 16 * mt) // g)
@@ -469,10 +487,10 @@ def launch_plan(lens, pos, *, hq: int, hkv: int, head_dim: int, dtype="bfloat16"
             stages=1, split=split, slots=0, combine_kernel=None, combine_grid=None, combine_block=None,
             max_splits=max_splits, cta_keys=cta_keys, idle_ctas=idle, bytes=by,
             flops=4 * head_dim * g * hkv * visible)
-    name = f"attention_{kind}_d{head_dim}"
+    name = f"attention_{kind}_d{head_dim}{entry}"
     return AttentionPlan(
         strategy="parallel" if parallel else "serial", head_dim=head_dim, kernel=name, grid=grid, block=(32 * WARPS,),
-        shared_mem=shared_mem_bytes(isz, head_dim), rows_per_cta=rows_per_cta, stages=stages, split=split,
+        shared_mem=shared_mem_bytes(isz, head_dim, mt, stages), rows_per_cta=rows_per_cta, stages=stages, split=split,
         slots=slots, combine_kernel=f"attention_combine_{kind}" if parallel else None,
         combine_grid=(rows, hq) if parallel else None, combine_block=(COMBINE_THREADS,) if parallel else None,
         max_splits=max_splits, cta_keys=cta_keys, idle_ctas=idle, bytes=by, flops=4 * head_dim * g * hkv * visible)
@@ -487,7 +505,7 @@ def check_strategy(strategy: str, dtype, mode: str) -> None:
 
 
 def validate(be, q, k_blk, v_blk, k_caches, v_caches, pos, row_indptr, mode, window, scale,
-             window_mode: str = "anchor") -> AttentionCall:
+             window_mode: str = "anchor", limit: int = MAX_SHARED_MEM) -> AttentionCall:
     require_ndim(q, 3, "q", "[rows, Hq, D]")
     suffix(q.dtype, "q")
     rows, hq, d = q.shape
@@ -501,8 +519,8 @@ def validate(be, q, k_blk, v_blk, k_caches, v_caches, pos, row_indptr, mode, win
         _require_same_dtype(a, q.dtype, name)
     if hkv == 0 or hq % hkv:
         raise ShapeError(f"q has {hq} heads: expected a multiple of the {hkv} kv heads of k_blk")
-    if hq // hkv > max_gqa(q.dtype.itemsize, d):
-        raise ShapeError(f"q has {hq // hkv} query heads per kv head: at most {max_gqa(q.dtype.itemsize, d)} "
+    if hq // hkv > max_gqa(q.dtype.itemsize, d, limit):
+        raise ShapeError(f"q has {hq // hkv} query heads per kv head: at most {max_gqa(q.dtype.itemsize, d, limit)} "
                          f"for {q.dtype} at head dim {d} (one row's heads share a CTA)")
     indptr = be.to_host(row_indptr)
     require_indptr(indptr, "row_indptr", rows)
@@ -566,11 +584,12 @@ def _require_same_dtype(a, dtype, what: str) -> None:
 
 
 def plan(call: AttentionCall, split: SplitRule | None = None, strategy: str = "auto",
-         reach: int | None = None) -> AttentionPlan:
-    """The launch plan of a validated call (launch_plan on its shapes)."""
+         reach: int | None = None, limit: int = MAX_SHARED_MEM) -> AttentionPlan:
+    """The launch plan of a validated call (launch_plan on its shapes) for a device whose CTAs take
+    `limit` bytes of shared memory."""
     return launch_plan(np.diff(call.indptr), call.pos, hq=call.hq, hkv=call.hkv, head_dim=call.head_dim,
                        dtype=call.dtype, mode=call.mode, window=call.window, split=split, strategy=strategy,
-                       window_mode=call.window_mode, reach=reach)
+                       window_mode=call.window_mode, reach=reach, limit=limit)
 
 
 # ---- the op -----------------------------------------------------------------------------------
@@ -614,7 +633,9 @@ def attention(be, q, k_blk, v_blk, k_caches, v_caches, pos, row_indptr, *, mode=
         k_caches, v_caches = list(k_caches.arrays), list(v_caches.arrays)
     else:
         k_caches, v_caches = adopt(be, k_caches=k_caches, v_caches=v_caches)
-    call = validate(be, q, k_blk, v_blk, k_caches, v_caches, pos, row_indptr, mode, window, scale, window_mode)
+    limit = shared_limit(be)
+    call = validate(be, q, k_blk, v_blk, k_caches, v_caches, pos, row_indptr, mode, window, scale, window_mode,
+                    limit)
     if out is None:
         out = be.xp.empty(q.shape, q.dtype)
     require_shape(out, q.shape, "out")
@@ -624,7 +645,7 @@ def attention(be, q, k_blk, v_blk, k_caches, v_caches, pos, row_indptr, *, mode=
                                  window=call.window, scale=call.scale, split=split,
                                  window_mode=window_mode, products=host.attention_products if host.NATIVE else NumpyProducts).astype(q.dtype)
         return out
-    launch = plan(call, split, strategy, reach)
+    launch = plan(call, split, strategy, reach, limit)
     if call.rows == 0:
         return out
     B, xp = call.sessions, be.xp

@@ -621,6 +621,44 @@ def test_plan_and_op_launch_the_same(simt, rng):
         assert launched == want
 
 
+class OnArch:
+    """simt's kernels as a device of `arch` reports them (its plans take that device's shared memory per
+    CTA), recording each launch's (entry, shared memory)."""
+
+    def __init__(self, kernels, arch):
+        self._kernels, self.arch, self.launched = kernels, arch, []
+
+    def __getattr__(self, name):
+        return getattr(self._kernels, name)
+
+    def get_function(self, name):
+        fn = self._kernels.get_function(name)
+
+        def launch(grid, block, args, shared_mem=0):
+            self.launched.append((name, shared_mem))
+            fn(grid, block, args, shared_mem=shared_mem)
+        return launch
+
+
+@pytest.mark.parametrize("dtype", [F32, BF16], ids=str)
+def test_an_a100s_plans_fit_its_shared_memory_and_give_the_same_bits(simt, rng, dtype):
+    """At D = 256 an A100's 163 KB a CTA do not hold the H200's tiles (183 KB for 16-bit K/V, 178 KB
+    for f32): its plans take SMALL_CONFIGS' entries (one stage; f32 one m-tile of items), and the prompt
+    kernel fits as it is. Every launch stays within SHARED_LIMIT[80], and each strategy's rows are
+    bitwise the H200 plan's."""
+    kernels = OnArch(simt.kernels, "sm_80")
+    a100 = replace(simt, kernels=kernels)
+    case = make_case(rng, dtype, 256, 12, 2, [3, 70], [400, 90])
+    for strategy in ("serial", "parallel", "prompt")[: 3 if dtype == BF16 else 2]:
+        kernels.launched.clear()
+        got = run(a100, case, split=SMALL, strategy=strategy)
+        assert kernels.launched and all(smem <= SHARED_LIMIT[80] for _, smem in kernels.launched), kernels.launched
+        if strategy != "prompt":
+            assert kernels.launched[0][0].endswith("_m1s1" if dtype == F32 else "_m4s1"), kernels.launched
+        np.testing.assert_array_equal(bits(got), bits(run(simt, case, split=SMALL, strategy=strategy)), strategy)
+    assert shared_mem_bytes(dtype.itemsize, 256) > SHARED_LIMIT[80]   # the H200's tile: why the A100 needs its own
+
+
 def test_kernel_refuses_a_plan_with_too_little_shared_memory(simt, rng):
     """The simt build checks the plan's shared memory against the kernel's layout."""
     case = make_case(rng, BF16, 64, 4, 4, [1], [10])

@@ -222,6 +222,24 @@ def test_every_tile_shape_is_resident_as_the_ptxas_report_lists_it():
     assert gemm.entry == f"linear_mma_bf16_a16_{p.shape}" and gemm.per_sm == listed[gemm.entry][1]
 
 
+def test_an_a100_launches_every_attention_plan_it_is_given():
+    """Every attention plan a device of sm_80's 163 KB a CTA takes (each storage type, head dim and
+    strategy) asks for at most that much shared memory, and the report lists its entry point with at
+    least one CTA per SM on sm_80 (the D = 256 tiles once asked 169 and 183 KB there)."""
+    from dspark.ops.attention import CONFIGS, launch_plan
+    limit = pm.linear_ops.SHARED_LIMIT[80]
+    report = (PROFILING / "ptxas_report.md").read_text()
+    section = report[report.index("### Residency of the tile shapes (NVRTC 13"):]
+    sm80 = {m.group(1): int(m.group(2))
+            for m in re.finditer(r"^\| `(\w+)` \|[^|]*\|[^|]*\|[^|]*\|[^|]*\| (\d+) \|[^|]*\|[^|]*\|$", section, re.M)}
+    for (isz, d) in CONFIGS:
+        dtype = np.float32 if isz == 4 else BF16
+        strategies = ("serial", "parallel", "prompt") if isz == 2 else ("serial", "parallel")
+        for strategy in strategies:
+            p = launch_plan([80], [500], hq=12, hkv=2, head_dim=d, dtype=dtype, strategy=strategy, limit=limit)
+            assert p.shared_mem <= limit and sm80[p.kernel] >= 1, (p.kernel, p.shared_mem)
+
+
 def test_the_seeds_pair_is_priced_with_each_drafter():
     """Qwen3.8-27B with DeepSpec's DFlash2 (five layers of 8 kv heads of 128, per-row windows of
     2048, a trimmed vocabulary under the selector) and DSpark: the DFlash2's drafter attention
