@@ -405,11 +405,15 @@ DSPARK_ATTENTION_ENTRY(f16, f16_t, 256, 4, 2, 1)
 DSPARK_ATTENTION_ENTRY(bf16, bf16_t, 64, 4, 2, 2)
 DSPARK_ATTENTION_ENTRY(bf16, bf16_t, 128, 4, 2, 2)
 DSPARK_ATTENTION_ENTRY(bf16, bf16_t, 256, 4, 2, 1)
-// Where a CTA's shared memory is at most sm_80's 163 KB (SMALL_CONFIGS): D = 256 in one stage, f32 in one
-// m-tile. The same bits: an item's sums do not depend on its CTA's other items or on the prefetch depth.
+// Where a device's shared memory per CTA does not hold the shapes above (SMALL_CONFIGS: sm_80's 163 KB at
+// D = 256, sm_86 / sm_89's 99 KB at f32 D = 128 and 16-bit D = 256): one stage, fewer m-tiles. The same
+// bits: an item's sums do not depend on its CTA's other items or on the prefetch depth.
+DSPARK_ATTENTION_ENTRY_NAMED(attention_f32_d128_m1s1, float, 128, 1, 1, 1)
 DSPARK_ATTENTION_ENTRY_NAMED(attention_f32_d256_m1s1, float, 256, 1, 1, 1)
 DSPARK_ATTENTION_ENTRY_NAMED(attention_f16_d256_m4s1, f16_t, 256, 4, 1, 1)
 DSPARK_ATTENTION_ENTRY_NAMED(attention_bf16_d256_m4s1, bf16_t, 256, 4, 1, 1)
+DSPARK_ATTENTION_ENTRY_NAMED(attention_f16_d256_m2s1, f16_t, 256, 2, 1, 1)
+DSPARK_ATTENTION_ENTRY_NAMED(attention_bf16_d256_m2s1, bf16_t, 256, 2, 1, 1)
 
 #define DSPARK_ATTENTION_COMBINE(SUF, T)                                                                         \
   extern "C" __global__ void attention_combine_##SUF(                                                            \

@@ -70,10 +70,10 @@ def tile_shapes() -> list[tuple[str, int, int, str]]:
         for name in dt:
             out.append((f"attention_{name}_d{d}", 32 * attention_ops.WARPS, attention_ops.shared_mem_bytes(isz, d),
                         "decode, verify, drafter"))
-            if (isz, d) in attention_ops.SMALL_CONFIGS:
-                mt, stages, entry = attention_ops.config(isz, d, linear_ops.SHARED_LIMIT[80])
-                out.append((f"attention_{name}_d{d}{entry}", 32 * attention_ops.WARPS,
-                            attention_ops.shared_mem_bytes(isz, d, mt, stages), "decode, verify, drafter on sm_80"))
+            for mt, stages in attention_ops.SMALL_CONFIGS.get((isz, d), ()):
+                out.append((f"attention_{name}_d{d}_m{mt}s{stages}", 32 * attention_ops.WARPS,
+                            attention_ops.shared_mem_bytes(isz, d, mt, stages),
+                            "decode, verify, drafter where the shape above does not fit"))
             if isz == 2:
                 out.append((f"attention_prompt_{name}_d{d}", attention_ops.PROMPT_THREADS,
                             attention_ops.prompt_shared_mem_bytes(isz, d), "prompt passes"))

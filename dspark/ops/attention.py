@@ -66,10 +66,11 @@ WINDOW_MODES = ("anchor", "row")   # block mode: the window from the anchor (all
 # csrc/attention.cu. f32 (CUDA cores) keeps 2 m-tiles; at D = 256 one stage (two do not fit).
 CONFIGS = {(4, 64): (2, 2), (4, 128): (2, 2), (4, 256): (2, 1),
            (2, 64): (4, 2), (2, 128): (4, 2), (2, 256): (4, 2)}
-# Where an sm_80 CTA's 163 KB (SHARED_LIMIT[80]) do not hold CONFIGS' shape (D = 256 on an A100): fewer
-# stages (and for f32 fewer items), entries attention_<dt>_d<D>_m<MT>s<STAGES>. A CTA's items and its
+# Where a device's shared memory per CTA (dspark.ops.linear.SHARED_LIMIT) does not hold CONFIGS' shape
+# (D = 256 on an A100's 163 KB; D = 128 f32 and D = 256 on sm_86 / sm_89's 99 KB), the first of these
+# that fits: fewer stages, fewer items, entries attention_<dt>_d<D>_m<MT>s<STAGES>. A CTA's items and its
 # prefetch depth change no bit of an item's output.
-SMALL_CONFIGS = {(4, 256): (1, 1), (2, 256): (4, 1)}
+SMALL_CONFIGS = {(4, 128): ((1, 1),), (4, 256): ((1, 1),), (2, 256): ((4, 1), (2, 1))}
 PROMPT_THREADS = 256      # attention_prompt (kAttnPromptThreads): 8 warps of 16 items each
 PROMPT_ITEMS = 128        # (row, head) items a prompt CTA holds: each K/V tile serves all of them
 PROMPT_MIN_ROWS = 64      # rows of one session from which "auto" takes the prompt kernel
@@ -349,12 +350,15 @@ class AttentionPlan:
 
 def config(itemsize: int, head_dim: int, limit: int = MAX_SHARED_MEM) -> tuple[int, int, str]:
     """(m-tiles, stages, entry suffix) of the serial and split kernels: CONFIGS' where a CTA of it fits
-    `limit` bytes of shared memory (the device's, dspark.ops.linear.shared_limit), else SMALL_CONFIGS'."""
-    mt, stages = CONFIGS[(itemsize, head_dim)]
-    if shared_mem_bytes(itemsize, head_dim) <= limit or (itemsize, head_dim) not in SMALL_CONFIGS:
-        return mt, stages, ""
-    mt, stages = SMALL_CONFIGS[(itemsize, head_dim)]
-    return mt, stages, f"_m{mt}s{stages}"
+    `limit` bytes of shared memory (the device's, dspark.ops.linear.shared_limit), else the first of
+    SMALL_CONFIGS' that does; CapacityError where none does."""
+    key = (itemsize, head_dim)
+    for i, (mt, stages) in enumerate((CONFIGS[key], *SMALL_CONFIGS.get(key, ()))):
+        if shared_mem_bytes(itemsize, head_dim, mt, stages) <= limit:
+            return mt, stages, f"_m{mt}s{stages}" if i else ""
+    raise CapacityError(f"head_dim={head_dim} over {itemsize}-byte K/V: the attention kernels need "
+                        f"{shared_mem_bytes(itemsize, head_dim, mt, stages)} bytes of shared memory a CTA, "
+                        f"this device gives {limit} (16-bit K/V take less)")
 
 
 def shared_mem_bytes(itemsize: int, head_dim: int, mt: int | None = None, stages: int | None = None) -> int:
@@ -420,7 +424,8 @@ def launch_plan(lens, pos, *, hq: int, hkv: int, head_dim: int, dtype="bfloat16"
     result never depends on them. `reach`: size the grid for rows at any position up to it (a
     recorded or captured pass, whose positions move on while its grid stays: CTAs past the live keys
     leave at once), not only for `pos`. `limit`: the shared memory a CTA may take on the device
-    (`config`: an A100's 163 KB take SMALL_CONFIGS at D = 256)."""
+    (`config`: an A100's 163 KB take SMALL_CONFIGS at D = 256; a prompt that would not fit walks
+    serially)."""
     dtype = BF16 if isinstance(dtype, str) and dtype == "bfloat16" else np.dtype(dtype)
     kind = suffix(dtype, "dtype")
     check_strategy(strategy, dtype, mode)
@@ -430,6 +435,12 @@ def launch_plan(lens, pos, *, hq: int, hkv: int, head_dim: int, dtype="bfloat16"
     mt, stages, entry = config(isz, head_dim, limit)
     prompt = strategy == "prompt" or (strategy == "auto" and isz == 2 and mode == "causal"
                                       and int(lens.max(initial=0)) >= PROMPT_MIN_ROWS)
+    if prompt and prompt_shared_mem_bytes(isz, head_dim) > limit:   # sm_86 / sm_89 at D = 256
+        if strategy == "prompt":
+            raise CapacityError(f"strategy='prompt' at head_dim={head_dim}: the prompt kernel needs "
+                                f"{prompt_shared_mem_bytes(isz, head_dim)} bytes of shared memory a CTA, "
+                                f"this device gives {limit}")
+        prompt = False
     rows_per_cta = max(1, (PROMPT_ITEMS if prompt else 16 * mt) // g)
     rows = int(lens.sum())
 

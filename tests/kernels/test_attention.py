@@ -15,8 +15,9 @@ import ml_dtypes
 import numpy as np
 import pytest
 
+from dspark.dtypes import suffix
 from dspark.errors import CapacityError, DTypeError, KernelArgumentError, ShapeError
-from dspark.ops.attention import (DEFAULT_SPLIT, SplitRule, attention, attention_ref, launch_plan, plan,
+from dspark.ops.attention import (DEFAULT_SPLIT, SplitRule, attention, attention_ref, config, launch_plan, plan,
                                   prompt_acc_bytes, prompt_shared_mem_bytes, shared_mem_bytes, validate)
 from dspark.ops.kv_commit import kv_commit
 from dspark.ops.linear import SHARED_LIMIT
@@ -640,23 +641,42 @@ class OnArch:
         return launch
 
 
-@pytest.mark.parametrize("dtype", [F32, BF16], ids=str)
-def test_an_a100s_plans_fit_its_shared_memory_and_give_the_same_bits(simt, rng, dtype):
-    """At D = 256 an A100's 163 KB a CTA do not hold the H200's tiles (183 KB for 16-bit K/V, 178 KB
-    for f32): its plans take SMALL_CONFIGS' entries (one stage; f32 one m-tile of items), and the prompt
-    kernel fits as it is. Every launch stays within SHARED_LIMIT[80], and each strategy's rows are
-    bitwise the H200 plan's."""
-    kernels = OnArch(simt.kernels, "sm_80")
-    a100 = replace(simt, kernels=kernels)
-    case = make_case(rng, dtype, 256, 12, 2, [3, 70], [400, 90])
-    for strategy in ("serial", "parallel", "prompt")[: 3 if dtype == BF16 else 2]:
+@pytest.mark.parametrize("arch,dtype,d", [("sm_80", F32, 256), ("sm_80", BF16, 256), ("sm_89", BF16, 256),
+                                          ("sm_89", F32, 128)], ids=str)
+def test_smaller_devices_plans_fit_their_shared_memory_and_give_the_same_bits(simt, rng, arch, dtype, d):
+    """Where a device's shared memory per CTA does not hold the H200's attention tiles (an A100's
+    163 KB at D = 256; sm_89's 99 KB at f32 D = 128 and 16-bit D = 256), its plans take SMALL_CONFIGS'
+    entries (one stage, fewer m-tiles), and a prompt that does not fit walks serially. Every launch
+    stays within the device's limit, and each strategy's rows are bitwise the H200 plan's."""
+    kernels = OnArch(simt.kernels, arch)
+    small = replace(simt, kernels=kernels)
+    limit = SHARED_LIMIT[int(arch[3:])]
+    case = make_case(rng, dtype, d, 12, 2, [3, 70], [400, 90])
+    for strategy in ("auto", "serial", "parallel"):
         kernels.launched.clear()
-        got = run(a100, case, split=SMALL, strategy=strategy)
-        assert kernels.launched and all(smem <= SHARED_LIMIT[80] for _, smem in kernels.launched), kernels.launched
-        if strategy != "prompt":
-            assert kernels.launched[0][0].endswith("_m1s1" if dtype == F32 else "_m4s1"), kernels.launched
+        got = run(small, case, split=SMALL, strategy=strategy)
+        assert kernels.launched and all(smem <= limit for _, smem in kernels.launched), kernels.launched
+        if strategy != "auto" or prompt_shared_mem_bytes(dtype.itemsize, d) > limit:   # not the prompt kernel
+            assert kernels.launched[0][0] == f"attention_{suffix(dtype, 'dtype')}_d{d}{config(dtype.itemsize, d, limit)[2]}"
+            assert config(dtype.itemsize, d, limit)[2], kernels.launched
         np.testing.assert_array_equal(bits(got), bits(run(simt, case, split=SMALL, strategy=strategy)), strategy)
-    assert shared_mem_bytes(dtype.itemsize, 256) > SHARED_LIMIT[80]   # the H200's tile: why the A100 needs its own
+    assert shared_mem_bytes(dtype.itemsize, d) > limit   # the H200's tile: why this device needs its own
+    if dtype == BF16 and prompt_shared_mem_bytes(2, d) > limit:
+        with pytest.raises(CapacityError, match="strategy='prompt' at head_dim=256"):
+            run(small, case, split=SMALL, strategy="prompt")
+    elif dtype == BF16:
+        np.testing.assert_array_equal(bits(run(small, case, split=SMALL, strategy="prompt")),
+                                      bits(run(simt, case, split=SMALL, strategy="prompt")))
+
+
+def test_a_device_too_small_for_f32_at_d256_is_refused_by_name(simt, rng):
+    """f32 K/V at D = 256 needs 155 KB a CTA even in one stage and one m-tile: on sm_89's 99 KB the op
+    refuses with a CapacityError naming head_dim, before any launch."""
+    kernels = OnArch(simt.kernels, "sm_89")
+    case = make_case(rng, F32, 256, 4, 2, [2], [30])
+    with pytest.raises(CapacityError, match="head_dim=256 over 4-byte K/V"):
+        run(replace(simt, kernels=kernels), case)
+    assert kernels.launched == []
 
 
 def test_kernel_refuses_a_plan_with_too_little_shared_memory(simt, rng):

@@ -238,6 +238,10 @@ def test_an_a100_launches_every_attention_plan_it_is_given():
         for strategy in strategies:
             p = launch_plan([80], [500], hq=12, hkv=2, head_dim=d, dtype=dtype, strategy=strategy, limit=limit)
             assert p.shared_mem <= limit and sm80[p.kernel] >= 1, (p.kernel, p.shared_mem)
+            if (isz, d) != (4, 256):   # sm_86 / sm_89's 99 KB: all but f32 at D = 256 (refused by name)
+                auto = launch_plan([80], [500], hq=12, hkv=2, head_dim=d, dtype=dtype, limit=pm.linear_ops.SHARED_LIMIT[89],
+                                   strategy="auto" if strategy == "prompt" else strategy)
+                assert auto.shared_mem <= pm.linear_ops.SHARED_LIMIT[89] and auto.kernel in sm80, auto.kernel
 
 
 def test_the_seeds_pair_is_priced_with_each_drafter():
