@@ -14,19 +14,16 @@
 //   out = 1 / (1 + exp(-(x + bias[0]))): the confidence head's c_k.
 //
 // Grid ceil(elements / 256), block 256. No reductions: exact functions of each input.
-#include "common.cuh"
+#include "activation.cuh"
 
 constexpr int kActThreads = 256;
-
-DSPARK_DEVICE float act_sigmoid(float x) { return 1.0f / (1.0f + expf(-x)); }
 
 extern "C" __global__ void __launch_bounds__(kActThreads)
     swiglu_f32(const float* __restrict__ gate_up, int rows, int F, float* __restrict__ out) {
   const int64_t i = (int64_t)blockIdx.x * kActThreads + threadIdx.x;
   if (i >= (int64_t)rows * F) return;
   const int64_t r = i / F, j = i - r * F;
-  const float g = gate_up[r * 2 * F + j], u = gate_up[r * 2 * F + F + j];
-  out[i] = (g * act_sigmoid(g)) * u;
+  out[i] = swiglu_value(gate_up[r * 2 * F + j], gate_up[r * 2 * F + F + j]);
 }
 
 template <typename T>

@@ -57,39 +57,49 @@ DSPARK_LINEAR_ENTRY(f32, float)
 // (dspark.ops.linear refuses 16-bit weights there).
 #include "linear_mma.cuh"
 
+// One entry of the tensor-core GEMM: NAME(x of XT, w of T, ...) running FN<T, CFG> over it (linear_mma:
+// x f32; linear_mma_a16: x already T; linear_mma_swiglu: x an MLP's gate|up, linear_mma.cuh's SWIGLU).
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 800
-#define DSPARK_LINEAR_MMA_BODY(T, CFG) __trap();
+#define DSPARK_LINEAR_MMA_CALL(FN, T, CFG) __trap();
 #else
-#define DSPARK_LINEAR_MMA_BODY(T, CFG) linear_mma<T, CFG>(x, w, rows, K, N, kchunk, grid_splits, out, part, tickets);
+#define DSPARK_LINEAR_MMA_CALL(FN, T, CFG) FN<T, CFG>(x, w, rows, K, N, kchunk, grid_splits, out, part, tickets);
 #endif
-
-#define DSPARK_LINEAR_MMA_ENTRY(SUF, T, BM, CFG)                                                               \
-  extern "C" __global__ void __launch_bounds__(CFG::THREADS) linear_mma_##SUF##_m##BM(                      \
-      const float* __restrict__ x, const T* __restrict__ w, int rows, int K, int N, int kchunk, int grid_splits, \
-      float* __restrict__ out, float* __restrict__ part, unsigned* __restrict__ tickets) {                   \
-    DSPARK_LINEAR_MMA_BODY(T, CFG)                                                                           \
+#define DSPARK_LINEAR_MMA_ENTRY(NAME, XT, FN, T, CFG)                                                           \
+  extern "C" __global__ void __launch_bounds__(CFG::THREADS) NAME(                                             \
+      const XT* __restrict__ x, const T* __restrict__ w, int rows, int K, int N, int kchunk, int grid_splits,   \
+      float* __restrict__ out, float* __restrict__ part, unsigned* __restrict__ tickets) {                     \
+    DSPARK_LINEAR_MMA_CALL(FN, T, CFG)                                                                         \
   }
 
 // linear_mma_<dt>_a16_<shape>(xh, w, ...): the prompt shapes over activations already rounded to the
 // weights' type (round_activations_<dt> below); the same bits as linear_mma_<dt>_<shape> over their f32.
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 800
-#define DSPARK_LINEAR_MMA_A16_BODY(T, CFG) __trap();
-#else
-#define DSPARK_LINEAR_MMA_A16_BODY(T, CFG) linear_mma_a16<T, CFG>(xh, w, rows, K, N, kchunk, grid_splits, out, part, tickets);
-#endif
-#define DSPARK_LINEAR_MMA_A16_ENTRY(SUF, T, BM, CFG)                                                           \
-  extern "C" __global__ void __launch_bounds__(CFG::THREADS) linear_mma_##SUF##_a16_m##BM(                  \
-      const T* __restrict__ xh, const T* __restrict__ w, int rows, int K, int N, int kchunk, int grid_splits, \
-      float* __restrict__ out, float* __restrict__ part, unsigned* __restrict__ tickets) {                   \
-    DSPARK_LINEAR_MMA_A16_BODY(T, CFG)                                                                       \
-  }
+DSPARK_LINEAR_MMA_ENTRY(linear_mma_bf16_a16_m64, bf16_t, linear_mma_a16, bf16_t, MmaGemmM64)
+DSPARK_LINEAR_MMA_ENTRY(linear_mma_bf16_a16_m128, bf16_t, linear_mma_a16, bf16_t, MmaGemmM128)
+DSPARK_LINEAR_MMA_ENTRY(linear_mma_bf16_a16_m128n256, bf16_t, linear_mma_a16, bf16_t, MmaGemmM128N256)
+DSPARK_LINEAR_MMA_ENTRY(linear_mma_f16_a16_m64, f16_t, linear_mma_a16, f16_t, MmaGemmM64)
+DSPARK_LINEAR_MMA_ENTRY(linear_mma_f16_a16_m128, f16_t, linear_mma_a16, f16_t, MmaGemmM128)
+DSPARK_LINEAR_MMA_ENTRY(linear_mma_f16_a16_m128n256, f16_t, linear_mma_a16, f16_t, MmaGemmM128N256)
 
-DSPARK_LINEAR_MMA_A16_ENTRY(bf16, bf16_t, 64, MmaGemmM64)
-DSPARK_LINEAR_MMA_A16_ENTRY(bf16, bf16_t, 128, MmaGemmM128)
-DSPARK_LINEAR_MMA_A16_ENTRY(bf16, bf16_t, 128n256, MmaGemmM128N256)
-DSPARK_LINEAR_MMA_A16_ENTRY(f16, f16_t, 64, MmaGemmM64)
-DSPARK_LINEAR_MMA_A16_ENTRY(f16, f16_t, 128, MmaGemmM128)
-DSPARK_LINEAR_MMA_A16_ENTRY(f16, f16_t, 128n256, MmaGemmM128N256)
+// round_swiglu_<dt>(gate_up f32 [rows, 2F], rows, F, out T [rows, F]): out = round_T(SiLU(gate) * up), the
+// activations swiglu_f32 writes rounded as round_activations rounds them, in one launch: what a prompt's
+// down product reads (linear_mma_<dt>_a16_<shape>; F % 4 == 0, so a thread's four never cross a row).
+template <typename T>
+DSPARK_DEVICE void round_swiglu(const float* __restrict__ gate_up, int rows, int F, T* __restrict__ out) {
+  const long long i = 4 * ((long long)blockIdx.x * blockDim.x + threadIdx.x);
+  if (i >= (long long)rows * F) return;
+  const long long r = i / F, j = i - r * F;
+  const float* g = gate_up + r * 2 * F + j;
+  float a[4];
+#pragma unroll
+  for (int e = 0; e < 4; ++e) a[e] = swiglu_value(g[e], g[F + e]);
+  *reinterpret_cast<uint2*>(out + i) = make_uint2(mma_pack2<T>(a[0], a[1]), mma_pack2<T>(a[2], a[3]));
+}
+extern "C" __global__ void round_swiglu_bf16(const float* __restrict__ gate_up, int rows, int F, bf16_t* __restrict__ out) {
+  round_swiglu<bf16_t>(gate_up, rows, F, out);
+}
+extern "C" __global__ void round_swiglu_f16(const float* __restrict__ gate_up, int rows, int F, f16_t* __restrict__ out) {
+  round_swiglu<f16_t>(gate_up, rows, F, out);
+}
 
 // round_activations_<dt>(x f32 [n], n, out T [n]): out = round_T(x) as the GEMM's A stage rounds it
 // (mma_pack2: from_float's bits), four a thread (n % 4 == 0, out 8-byte aligned; x read by float4
@@ -109,13 +119,25 @@ extern "C" __global__ void round_activations_f16(const float* __restrict__ x, lo
   round_activations<f16_t>(x, n, out);
 }
 
-DSPARK_LINEAR_MMA_ENTRY(bf16, bf16_t, 16, MmaGemmM16)
-DSPARK_LINEAR_MMA_ENTRY(bf16, bf16_t, 32, MmaGemmM32)
-DSPARK_LINEAR_MMA_ENTRY(bf16, bf16_t, 64, MmaGemmM64)
-DSPARK_LINEAR_MMA_ENTRY(bf16, bf16_t, 128, MmaGemmM128)
-DSPARK_LINEAR_MMA_ENTRY(bf16, bf16_t, 128n256, MmaGemmM128N256)
-DSPARK_LINEAR_MMA_ENTRY(f16, f16_t, 16, MmaGemmM16)
-DSPARK_LINEAR_MMA_ENTRY(f16, f16_t, 32, MmaGemmM32)
-DSPARK_LINEAR_MMA_ENTRY(f16, f16_t, 64, MmaGemmM64)
-DSPARK_LINEAR_MMA_ENTRY(f16, f16_t, 128, MmaGemmM128)
-DSPARK_LINEAR_MMA_ENTRY(f16, f16_t, 128n256, MmaGemmM128N256)
+DSPARK_LINEAR_MMA_ENTRY(linear_mma_bf16_m16, float, linear_mma, bf16_t, MmaGemmM16)
+DSPARK_LINEAR_MMA_ENTRY(linear_mma_bf16_m32, float, linear_mma, bf16_t, MmaGemmM32)
+DSPARK_LINEAR_MMA_ENTRY(linear_mma_bf16_m64, float, linear_mma, bf16_t, MmaGemmM64)
+DSPARK_LINEAR_MMA_ENTRY(linear_mma_bf16_m128, float, linear_mma, bf16_t, MmaGemmM128)
+DSPARK_LINEAR_MMA_ENTRY(linear_mma_bf16_m128n256, float, linear_mma, bf16_t, MmaGemmM128N256)
+DSPARK_LINEAR_MMA_ENTRY(linear_mma_f16_m16, float, linear_mma, f16_t, MmaGemmM16)
+DSPARK_LINEAR_MMA_ENTRY(linear_mma_f16_m32, float, linear_mma, f16_t, MmaGemmM32)
+DSPARK_LINEAR_MMA_ENTRY(linear_mma_f16_m64, float, linear_mma, f16_t, MmaGemmM64)
+DSPARK_LINEAR_MMA_ENTRY(linear_mma_f16_m128, float, linear_mma, f16_t, MmaGemmM128)
+DSPARK_LINEAR_MMA_ENTRY(linear_mma_f16_m128n256, float, linear_mma, f16_t, MmaGemmM128N256)
+
+// linear_mma_<dt>_swiglu_m<BM>(gate_up, w, ...): an MLP's down product over its gate|up product [rows, 2K]
+// (linear_mma.cuh's SWIGLU mode; K here is the down product's, half gate_up's width): bitwise the entry
+// without _swiglu over swiglu_f32's output, one launch and no f32 activations in memory.
+DSPARK_LINEAR_MMA_ENTRY(linear_mma_bf16_swiglu_m16, float, linear_mma_swiglu, bf16_t, MmaGemmM16)
+DSPARK_LINEAR_MMA_ENTRY(linear_mma_bf16_swiglu_m32, float, linear_mma_swiglu, bf16_t, MmaGemmM32)
+DSPARK_LINEAR_MMA_ENTRY(linear_mma_bf16_swiglu_m64, float, linear_mma_swiglu, bf16_t, MmaGemmM64)
+DSPARK_LINEAR_MMA_ENTRY(linear_mma_bf16_swiglu_m128, float, linear_mma_swiglu, bf16_t, MmaGemmM128)
+DSPARK_LINEAR_MMA_ENTRY(linear_mma_f16_swiglu_m16, float, linear_mma_swiglu, f16_t, MmaGemmM16)
+DSPARK_LINEAR_MMA_ENTRY(linear_mma_f16_swiglu_m32, float, linear_mma_swiglu, f16_t, MmaGemmM32)
+DSPARK_LINEAR_MMA_ENTRY(linear_mma_f16_swiglu_m64, float, linear_mma_swiglu, f16_t, MmaGemmM64)
+DSPARK_LINEAR_MMA_ENTRY(linear_mma_f16_swiglu_m128, float, linear_mma_swiglu, f16_t, MmaGemmM128)

@@ -27,18 +27,19 @@
 // The decode alone is fp8.cu's fp8_decode_e4m3 (its test, and a family small enough to rebuild fast).
 #include "linear_fp8.cuh"  // Fp8Stream, and MmaWeightsFp8 (shared with moe.cu)
 
-template <typename T, typename Cfg>
+template <typename T, typename Cfg, bool SWIGLU = false>
 DSPARK_DEVICE void linear_fp8(const float* __restrict__ x, const uint8_t* __restrict__ q,
                               const float* __restrict__ scale, int rows, int K, int N, int kchunk, int grid_splits,
                               float* __restrict__ out, float* __restrict__ part, unsigned* __restrict__ tickets) {
   const MmaWeightsFp8<T, Cfg> wt{q, scale, K, N, N % 8 == 0 && !(reinterpret_cast<unsigned long long>(q) & 7ull)};
-  mma_gemm<T, Cfg>(x, wt, rows, K, N, kchunk, grid_splits, out, part, tickets);
+  mma_gemm<T, Cfg, MmaWeightsFp8<T, Cfg>, false, SWIGLU>(x, wt, rows, K, N, kchunk, grid_splits, out, part, tickets);
 }
 
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 800
-#define DSPARK_LINEAR_FP8_BODY(PATH, T, CFG) __trap();
+#define DSPARK_LINEAR_FP8_BODY(PATH, T, CFG, SWIGLU) __trap();
 #else
-#define DSPARK_LINEAR_FP8_BODY(PATH, T, CFG) PATH<T, CFG>(x, q, scale, rows, K, N, kchunk, grid_splits, out, part, tickets);
+#define DSPARK_LINEAR_FP8_BODY(PATH, T, CFG, SWIGLU) \
+  PATH<T, CFG, SWIGLU>(x, q, scale, rows, K, N, kchunk, grid_splits, out, part, tickets);
 #endif
 
 // PATH: linear_fp8_stream (the decode shapes, BM 16 and 32) or linear_fp8 (the stage path). The decode
@@ -46,22 +47,32 @@ DSPARK_DEVICE void linear_fp8(const float* __restrict__ x, const uint8_t* __rest
 using Fp8StreamM16 = Fp8StreamConfig<16, 4, 8>;  // 4 warps of 64 columns: BN 256
 using Fp8StreamM32 = Fp8StreamConfig<32, 8, 4, 1>;  // 8 warps of 32 columns: BN 256 (ptxas left alone caps it at
                                                     // 128 registers and spills)
-#define DSPARK_LINEAR_FP8_ENTRY(SUF, T, BM, PATH, CFG)                                                         \
-  extern "C" __global__ void __launch_bounds__(CFG::THREADS, CFG::MIN_CTAS) linear_fp8_##SUF##_m##BM(       \
+#define DSPARK_LINEAR_FP8_ENTRY(NAME, T, PATH, CFG, SWIGLU)                                                  \
+  extern "C" __global__ void __launch_bounds__(CFG::THREADS, CFG::MIN_CTAS) NAME(                            \
       const float* __restrict__ x, const uint8_t* __restrict__ q, const float* __restrict__ scale, int rows,  \
       int K, int N, int kchunk, int grid_splits, float* __restrict__ out, float* __restrict__ part,           \
       unsigned* __restrict__ tickets) {                                                                      \
-    DSPARK_LINEAR_FP8_BODY(PATH, T, CFG)                                                                     \
+    DSPARK_LINEAR_FP8_BODY(PATH, T, CFG, SWIGLU)                                                             \
   }
 
-DSPARK_LINEAR_FP8_ENTRY(bf16, bf16_t, 16, linear_fp8_stream, Fp8StreamM16)
-DSPARK_LINEAR_FP8_ENTRY(bf16, bf16_t, 32, linear_fp8_stream, Fp8StreamM32)
-DSPARK_LINEAR_FP8_ENTRY(bf16, bf16_t, 64, linear_fp8, MmaGemmM64)
-DSPARK_LINEAR_FP8_ENTRY(bf16, bf16_t, 128, linear_fp8, MmaGemmM128)
-DSPARK_LINEAR_FP8_ENTRY(f16, f16_t, 16, linear_fp8_stream, Fp8StreamM16)
-DSPARK_LINEAR_FP8_ENTRY(f16, f16_t, 32, linear_fp8_stream, Fp8StreamM32)
-DSPARK_LINEAR_FP8_ENTRY(f16, f16_t, 64, linear_fp8, MmaGemmM64)
-DSPARK_LINEAR_FP8_ENTRY(f16, f16_t, 128, linear_fp8, MmaGemmM128)
+DSPARK_LINEAR_FP8_ENTRY(linear_fp8_bf16_m16, bf16_t, linear_fp8_stream, Fp8StreamM16, false)
+DSPARK_LINEAR_FP8_ENTRY(linear_fp8_bf16_m32, bf16_t, linear_fp8_stream, Fp8StreamM32, false)
+DSPARK_LINEAR_FP8_ENTRY(linear_fp8_bf16_m64, bf16_t, linear_fp8, MmaGemmM64, false)
+DSPARK_LINEAR_FP8_ENTRY(linear_fp8_bf16_m128, bf16_t, linear_fp8, MmaGemmM128, false)
+DSPARK_LINEAR_FP8_ENTRY(linear_fp8_f16_m16, f16_t, linear_fp8_stream, Fp8StreamM16, false)
+DSPARK_LINEAR_FP8_ENTRY(linear_fp8_f16_m32, f16_t, linear_fp8_stream, Fp8StreamM32, false)
+DSPARK_LINEAR_FP8_ENTRY(linear_fp8_f16_m64, f16_t, linear_fp8, MmaGemmM64, false)
+DSPARK_LINEAR_FP8_ENTRY(linear_fp8_f16_m128, f16_t, linear_fp8, MmaGemmM128, false)
+
+// linear_fp8_<dt>_swiglu_m<BM>(gate_up, q, scale, ...): an MLP's down product over its gate|up product,
+// the SwiGLU in the activation stage (dspark.ops.swiglu_linear). Not at 64 rows: there the held gate|up
+// take the shape from two CTAs per SM to one (154 registers against 125 on sm_90).
+DSPARK_LINEAR_FP8_ENTRY(linear_fp8_bf16_swiglu_m16, bf16_t, linear_fp8_stream, Fp8StreamM16, true)
+DSPARK_LINEAR_FP8_ENTRY(linear_fp8_bf16_swiglu_m32, bf16_t, linear_fp8_stream, Fp8StreamM32, true)
+DSPARK_LINEAR_FP8_ENTRY(linear_fp8_bf16_swiglu_m128, bf16_t, linear_fp8, MmaGemmM128, true)
+DSPARK_LINEAR_FP8_ENTRY(linear_fp8_f16_swiglu_m16, f16_t, linear_fp8_stream, Fp8StreamM16, true)
+DSPARK_LINEAR_FP8_ENTRY(linear_fp8_f16_swiglu_m32, f16_t, linear_fp8_stream, Fp8StreamM32, true)
+DSPARK_LINEAR_FP8_ENTRY(linear_fp8_f16_swiglu_m128, f16_t, linear_fp8, MmaGemmM128, true)
 
 // linear_place_columns(src [rows, width], rows, width, dst [rows, N], N, at): dst[r, at + c] = src[r, c],
 // one thread per entry: a run's product placed in its columns of a fused output (dspark.ops.linear.

@@ -259,23 +259,23 @@ DSPARK_DEVICE void fp8_stream_iteration(float (&acc)[C::MT][C::NT][4], uint32_t 
 // one) runs in trips of two iterations (a scale block), branch-free; the rest (a chunk's last iterations,
 // byte loads, unaligned activations) one by one with every bound checked. The trip loop is the one the
 // performance model reads (profiling/sass.py: the loop with the most MMAs).
-template <typename T, typename C>
+template <typename T, typename C, typename G = MmaGemm<T, C>>
 struct Fp8Stream {
-  const MmaGemm<T, C>& g;
+  const G& g;                 // MmaGemm<T, C>, or its SWIGLU mode (x an MLP's gate|up [rows, 2K])
   const Fp8Columns<C::NT>& src;
   const T* arow;              // the lane's ldmatrix row in stage 0
   const float* xs[C::A_VECS]; // the thread's x rows at the A tile's columns (null past `rows`)
   uint32_t raw[C::STEPS][4][C::WORDS];
-  float4 av[C::A_VECS];
+  float4 av[G::A_HELD];       // SWIGLU: the gate halves, then the up halves (MmaGemm::load_a's layout)
   float s;                    // the scale of the iteration the bytes in raw belong to
   const uint8_t* rp[4];       // the trip loop's next k-step rows
 
-  __device__ __forceinline__ Fp8Stream(const MmaGemm<T, C>& g_, const Fp8Columns<C::NT>& src_, const T* arow_)
+  __device__ __forceinline__ Fp8Stream(const G& g_, const Fp8Columns<C::NT>& src_, const T* arow_)
       : g(g_), src(src_), arow(arow_) {
 #pragma unroll
     for (int i = 0; i < C::A_VECS; ++i) {
       const int c = threadIdx.x + i * C::THREADS, r = g.r0 + c / (C::BK / 4);
-      xs[i] = r < g.rows ? g.x + (int64_t)r * g.K + 4 * (c % (C::BK / 4)) : nullptr;
+      xs[i] = r < g.rows ? g.x + (int64_t)r * g.K * (G::SWIGLU ? 2 : 1) + 4 * (c % (C::BK / 4)) : nullptr;
     }
   }
 
@@ -289,7 +289,11 @@ struct Fp8Stream {
 #pragma unroll
       for (int i = 0; i < C::A_VECS; ++i) {
         av[i] = make_float4(0.f, 0.f, 0.f, 0.f);
-        if (xs[i]) av[i] = *reinterpret_cast<const float4*>(xs[i] + k_next);
+        if constexpr (G::SWIGLU) av[C::A_VECS + i] = make_float4(0.f, 0.f, 0.f, 0.f);
+        if (xs[i]) {
+          av[i] = *reinterpret_cast<const float4*>(xs[i] + k_next);
+          if constexpr (G::SWIGLU) av[C::A_VECS + i] = *reinterpret_cast<const float4*>(xs[i] + g.K + k_next);
+        }
       }
     } else {
       g.load_a(k_next, av);  // a chunk's last iterations: every bound checked
@@ -327,7 +331,7 @@ struct Fp8Stream {
 // The decode-shape product: linear_fp8's order (linear_fp8.cu's header) in split mode only: the CTA
 // of column tile `tile` and K chunk `split` (blockIdx.x = tile * grid_splits + split, grid_splits ==
 // splits) runs its chunk (Fp8Stream::chunk); the partials are folded as linear_mma's split mode does.
-template <typename T, typename Cfg>
+template <typename T, typename Cfg, bool SWIGLU = false>
 DSPARK_DEVICE void linear_fp8_stream(const float* __restrict__ x, const uint8_t* __restrict__ q,
                                      const float* __restrict__ scale, int rows, int K, int N, int kchunk,
                                      int grid_splits, float* __restrict__ out, float* __restrict__ part,
@@ -342,7 +346,7 @@ DSPARK_DEVICE void linear_fp8_stream(const float* __restrict__ x, const uint8_t*
     simt::fault("linear_fp8 m" + std::to_string(C::BM) + ": the decode shapes run split mode only (grid_splits " +
                 std::to_string(grid_splits) + " for " + std::to_string(splits) + " chunks)");
 #endif
-  const MmaGemm<T, C> g{x, nullptr, rows, K, N, 0, row_tile * C::BM, tile * C::BN,
+  const MmaGemm<T, C, false, false, SWIGLU> g{x, nullptr, rows, K, N, 0, row_tile * C::BM, tile * C::BN,
                         K % 4 == 0 && !(reinterpret_cast<unsigned long long>(x) & 15ull), smem, nullptr};
   const int lane = threadIdx.x & 31, c = g.n0 + (threadIdx.x >> 5) * C::WN;
   const int lo = grid_splits == 1 ? 0 : split * kchunk, hi = min(K, lo + kchunk);
@@ -355,7 +359,7 @@ DSPARK_DEVICE void linear_fp8_stream(const float* __restrict__ x, const uint8_t*
       for (int e = 0; e < 4; ++e) acc[mt][nt][e] = 0.f;
   const Fp8Columns<C::NT> src{q, scale, K, N, c + C::NT * (lane >> 2), lane & 3,
                               N % C::NT == 0 && !(reinterpret_cast<unsigned long long>(q) & (C::NT - 1))};
-  Fp8Stream<T, C>(g, src, smem + (lane & 15) * C::A_ROW + 8 * (lane >> 4)).chunk(acc, lo, hi);
+  Fp8Stream<T, C, decltype(g)>(g, src, smem + (lane & 15) * C::A_ROW + 8 * (lane >> 4)).chunk(acc, lo, hi);
 
   const bool partial = grid_splits > 1 && splits > 1;
   float* dst = partial ? part + (int64_t)split * rows * N : out;

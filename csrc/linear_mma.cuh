@@ -48,7 +48,10 @@
 // CTA's in split mode). Both act elementwise outside the K loop: an RMSNorm's row scale (computed
 // before the product, as today's norm kernel does) goes in the prologue, a residual add or an
 // activation in the epilogue, and a row's K order stays the one above. Today both are the identity.
+// The one fused neighbour so far is an MLP's SwiGLU (MmaGemm's SWIGLU mode, linear_mma_<dt>_swiglu_m<BM>):
+// the down product reads gate|up [rows, 2K] and stages SiLU(gate) * up, the bits swiglu_f32 writes.
 #pragma once
+#include "activation.cuh"
 #include "common.cuh"
 #include "rowsplit.cuh"
 #include "tensor_core.cuh"
@@ -128,13 +131,19 @@ DSPARK_DEVICE uint32_t mma_pack2(float lo, float hi) {
 // grouped row). Output row row0 + r reads x row row0 + r, or x_rows[row0 + r] where the product
 // gathers its rows (Gather with a map: the grouped product's first projection reads each token's
 // row; Gather without one reads row0 + r, so one instantiation serves both grouped products).
+// SWIGLU: x is an MLP's gate|up product [rows, 2K] and the activations are SiLU(gate) * up of its
+// halves (activation.cuh's swiglu_value: bitwise what swiglu_f32 writes), so the down product reads
+// gate|up itself and no f32 activations are written and read back between two launches. Both halves
+// load with the tile's other loads and are combined where the stage is stored, after the tile's MMAs.
 // A16: the activations come as T already (xh, rounded by round_activations_<t> from the same f32, so the
 // stage holds the same values), copied into the stage by cp.async like the weights: half the bytes of
 // the f32 x through L2, and no register staging.
-template <typename T, typename Cfg, bool Gather = false, bool A16_ = false>
+template <typename T, typename Cfg, bool Gather = false, bool A16_ = false, bool SWIGLU_ = false>
 struct MmaGemm {
   using C = Cfg;
-  static constexpr bool A16 = A16_;
+  static constexpr bool A16 = A16_, SWIGLU = SWIGLU_;
+  static_assert(!(A16 && SWIGLU), "A16 tiles copy finished activations");
+  static constexpr int A_HELD = C::A_VECS * (SWIGLU ? 2 : 1);  // float4s a thread holds from load to store
   static constexpr int A_CHUNKS = C::BM * C::BK / 8 / C::THREADS;  // A16: 16-byte chunks per thread per tile
   const float* __restrict__ x;
   const int* __restrict__ x_rows;  // Gather: the x row of each output row
@@ -150,28 +159,41 @@ struct MmaGemm {
     return Gather && x_rows ? (int64_t)x_rows[row0 + r] : (int64_t)(row0 + r);
   }
 
-  // A tile kt (columns [k, k + BK)): thread-owned float4s of x, after the prologue.
-  __device__ __forceinline__ void load_a(int k, float4 (&v)[C::A_VECS]) const {
+  // A tile kt (columns [k, k + BK)): thread-owned float4s of x, after the prologue; SWIGLU: the gate
+  // halves in v[0 .. A_VECS) and the up halves in v[A_VECS ..), zero past rows and K (SiLU(0) * 0 = +0,
+  // the zero the other modes store there), combined by store_a.
+  __device__ __forceinline__ void load_a(int k, float4 (&v)[A_HELD]) const {
 #pragma unroll
     for (int i = 0; i < C::A_VECS; ++i) {
       const int c = threadIdx.x + i * C::THREADS, row = c / (C::BK / 4), col = k + 4 * (c % (C::BK / 4));
       const int r = r0 + row;
-      float e[4] = {0.f, 0.f, 0.f, 0.f};
+      float e[4] = {0.f, 0.f, 0.f, 0.f}, u[4] = {0.f, 0.f, 0.f, 0.f};
       if (r < rows) {
-        const float* p = x + x_row(r) * K + col;
+        const float* p = x + x_row(r) * (SWIGLU ? 2 * (int64_t)K : (int64_t)K) + col;
         if (x_vec) {
           if (col < K) {
             const float4 f = *reinterpret_cast<const float4*>(p);
             e[0] = f.x, e[1] = f.y, e[2] = f.z, e[3] = f.w;
+            if constexpr (SWIGLU) {
+              const float4 h = *reinterpret_cast<const float4*>(p + K);
+              u[0] = h.x, u[1] = h.y, u[2] = h.z, u[3] = h.w;
+            }
           }
         } else {
 #pragma unroll
           for (int j = 0; j < 4; ++j)
-            if (col + j < K) e[j] = p[j];
+            if (col + j < K) {
+              e[j] = p[j];
+              if constexpr (SWIGLU) u[j] = p[K + j];
+            }
         }
       }
+      if constexpr (SWIGLU) {
+        v[C::A_VECS + i] = make_float4(u[0], u[1], u[2], u[3]);
+      } else {
 #pragma unroll
-      for (int j = 0; j < 4; ++j) e[j] = r < rows && col + j < K ? mma_prologue(r, col + j, e[j]) : 0.f;
+        for (int j = 0; j < 4; ++j) e[j] = r < rows && col + j < K ? mma_prologue(r, col + j, e[j]) : 0.f;
+      }
       v[i] = make_float4(e[0], e[1], e[2], e[3]);
     }
   }
@@ -190,24 +212,30 @@ struct MmaGemm {
   }
 
   // Tile kt of A into `stage`: copied (A16), or loaded into v now and stored by store_a later.
-  __device__ __forceinline__ void start_a(int stage, int k, float4 (&v)[C::A_VECS]) const {
+  __device__ __forceinline__ void start_a(int stage, int k, float4 (&v)[A_HELD]) const {
     if constexpr (A16)
       copy_a(stage, k);
     else
       load_a(k, v);
   }
 
-  __device__ __forceinline__ void finish_a(int stage, const float4 (&v)[C::A_VECS]) const {
+  __device__ __forceinline__ void finish_a(int stage, const float4 (&v)[A_HELD]) const {
     if constexpr (!A16) store_a(stage, v);
   }
 
-  __device__ __forceinline__ void store_a(int stage, const float4 (&v)[C::A_VECS]) const {
+  __device__ __forceinline__ void store_a(int stage, const float4 (&v)[A_HELD]) const {
     T* dst = sa + stage * C::A_STAGE;
 #pragma unroll
     for (int i = 0; i < C::A_VECS; ++i) {
       const int c = threadIdx.x + i * C::THREADS, row = c / (C::BK / 4), col = 4 * (c % (C::BK / 4));
+      float4 a = v[i];
+      if constexpr (SWIGLU) {
+        const float4 u = v[C::A_VECS + i];
+        a = make_float4(swiglu_value(a.x, u.x), swiglu_value(a.y, u.y), swiglu_value(a.z, u.z),
+                        swiglu_value(a.w, u.w));
+      }
       *reinterpret_cast<uint2*>(dst + row * C::A_ROW + col) =
-          make_uint2(mma_pack2<T>(v[i].x, v[i].y), mma_pack2<T>(v[i].z, v[i].w));
+          make_uint2(mma_pack2<T>(a.x, a.y), mma_pack2<T>(a.z, a.w));
     }
   }
 };
@@ -300,8 +328,8 @@ DSPARK_DEVICE void mma_fold_partials(const float* __restrict__ part, float* __re
 // tile's CTAs to arrive at tickets[row_tile * col_tiles + tile]. The order of every output is the
 // header's, whatever the tile. (The ticket's address is formed after the K loop: formed before it,
 // ptxas gives the 16-row shape 74 more registers.)
-template <typename T, typename Cfg, bool Gather, typename Wt, bool A16>
-DSPARK_DEVICE void mma_tile(const MmaGemm<T, Cfg, Gather, A16>& g, const Wt& wt, int kchunk, int grid_splits, int split,
+template <typename T, typename Cfg, bool Gather, typename Wt, bool A16, bool SWIGLU>
+DSPARK_DEVICE void mma_tile(const MmaGemm<T, Cfg, Gather, A16, SWIGLU>& g, const Wt& wt, int kchunk, int grid_splits, int split,
                             float* __restrict__ out, float* __restrict__ part, int part_rows,
                             unsigned* __restrict__ tickets, int row_tile, int tile, int col_tiles) {
   using C = Cfg;
@@ -328,7 +356,7 @@ DSPARK_DEVICE void mma_tile(const MmaGemm<T, Cfg, Gather, A16>& g, const Wt& wt,
           total[mt][nt][c] = -0.f;
       }
 
-  float4 av[C::A_VECS];
+  float4 av[MmaGemm<T, Cfg, Gather, A16, SWIGLU>::A_HELD];
   typename Wt::Held held;
 #pragma unroll
   for (int s = 0; s < C::STAGES - 1; ++s) {
@@ -416,7 +444,7 @@ DSPARK_DEVICE void mma_check_launch() {
 }
 
 // The whole product over weight source Wt: the CTA's tile and K chunk from its block index.
-template <typename T, typename Cfg, typename Wt, bool A16 = false>
+template <typename T, typename Cfg, typename Wt, bool A16 = false, bool SWIGLU = false>
 DSPARK_DEVICE void mma_gemm(const float* __restrict__ x, const Wt& wt, int rows, int K, int N, int kchunk,
                             int grid_splits, float* __restrict__ out, float* __restrict__ part,
                             unsigned* __restrict__ tickets, const T* __restrict__ xh = nullptr) {
@@ -432,7 +460,7 @@ DSPARK_DEVICE void mma_gemm(const float* __restrict__ x, const Wt& wt, int rows,
     row_tile = first + id % per_group % in_group;
     tile = id % per_group / in_group;
   }
-  const MmaGemm<T, C, false, A16> g{x, nullptr, rows, K, N, 0, row_tile * C::BM, tile * C::BN,
+  const MmaGemm<T, C, false, A16, SWIGLU> g{x, nullptr, rows, K, N, 0, row_tile * C::BM, tile * C::BN,
                                     K % 4 == 0 && !(reinterpret_cast<unsigned long long>(x) & 15ull), smem,
                                     smem + C::STAGES * C::A_STAGE, xh};
   mma_tile<T, C, false>(g, wt, kchunk, grid_splits, split, out, part, rows, tickets, row_tile, tile, col_tiles);
@@ -444,6 +472,17 @@ DSPARK_DEVICE void linear_mma(const float* __restrict__ x, const T* __restrict__
                               unsigned* __restrict__ tickets) {
   const MmaWeights16<T, Cfg> wt{w, K, N, N % 8 == 0 && !(reinterpret_cast<unsigned long long>(w) & 15ull)};
   mma_gemm<T, Cfg>(x, wt, rows, K, N, kchunk, grid_splits, out, part, tickets);
+}
+
+// The down product of an MLP over its gate|up product [rows, 2K] (SWIGLU above): bitwise linear_mma over
+// swiglu_f32's output.
+template <typename T, typename Cfg>
+DSPARK_DEVICE void linear_mma_swiglu(const float* __restrict__ gate_up, const T* __restrict__ w, int rows, int K,
+                                     int N, int kchunk, int grid_splits, float* __restrict__ out,
+                                     float* __restrict__ part, unsigned* __restrict__ tickets) {
+  const MmaWeights16<T, Cfg> wt{w, K, N, N % 8 == 0 && !(reinterpret_cast<unsigned long long>(w) & 15ull)};
+  mma_gemm<T, Cfg, MmaWeights16<T, Cfg>, false, true>(gate_up, wt, rows, K, N, kchunk, grid_splits, out, part,
+                                                      tickets);
 }
 
 // The same product over activations already rounded to T (linear_mma.cuh's A16: the prompt shapes; the

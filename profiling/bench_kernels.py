@@ -63,6 +63,7 @@ from dspark.ops.sampling import (Filters, Streams, accept_plan, filtered_probs, 
 from dspark.ops.norm import add_rmsnorm, embed_rmsnorm, rmsnorm
 from dspark.ops.rope import Heads, Rotary, qk_prepare
 from dspark.ops.snapshot import checkpoint_select_layers, snapshot_save
+from dspark.ops.swiglu_linear import swiglu_linear
 from dspark.philox import Tag
 from dspark.ops.attention import launch_plan
 import perf_model as pm
@@ -499,8 +500,9 @@ def linear_benches(be, s: Sizes) -> Iterator[Bench]:
     projections (gate|up fused, down) over plain batched decode's rows (B), a verify's (B * vt) and
     a prompt pass's: bytes from the plan's min_bytes (the weights once, x, out), 2 rows K N flops;
     predicted time and occupancy as perf_model.linear prices them."""
-    return gemm_benches(be, s, "linear", "linear_mma", 2,
-                        lambda k, n: randn(be, (k, n), BF16, scale=float(1 / np.sqrt(k))))
+    yield from gemm_benches(be, s, "linear", "linear_mma", 2,
+                            lambda k, n: randn(be, (k, n), BF16, scale=float(1 / np.sqrt(k))))
+    yield from swiglu_linear_benches(be, s)
 
 
 def gemm_benches(be, s: Sizes, family: str, entry: str, wb: int, weights) -> Iterator[Bench]:
@@ -517,6 +519,23 @@ def gemm_benches(be, s: Sizes, family: str, entry: str, wb: int, weights) -> Ite
             yield Bench(family, case, {"proj": proj, "B": B, "rows": rows, "K": k, "N": n, "S": plan.splits},
                         plan.min_bytes, 2 * rows * k * n, tuple(sorted(m.entry for m in model)),
                         lambda b, x=x, w=w, o=out: linear(b, x, w, out=o), model)
+
+
+def swiglu_linear_benches(be, s: Sizes) -> Iterator[Bench]:
+    """The MLP's down product over its gate|up product (dspark.ops.swiglu_linear: linear_mma_bf16_swiglu_<shape>,
+    or round_swiglu_bf16 and the a16 tiles for a prompt) over linear_benches' rows: bytes the down product's
+    min_bytes with gate|up for x (twice the activations), predicted as perf_model.linear(swiglu=True) prices it;
+    beside linear's down rows, what taking SwiGLU into the product costs it."""
+    d, f = s.d_model, s.mlp_hidden
+    w = randn(be, (f, d), BF16, scale=float(1 / np.sqrt(f)))
+    cases = [("decode", B, B) for B in s.plain_batches] + [("verify", B, B * s.vt) for B in s.batches]
+    for case, B, rows in cases + [("prompt", 1, s.prompt_rows)]:
+        gate_up, out = randn(be, (rows, 2 * f)), be.xp.empty((rows, d), np.float32)
+        plan = linear_plan(rows, f, d, 2)
+        model = pm.linear("bench", "down", rows, f, d, 2, pm.H200, swiglu=True)
+        yield Bench("linear", f"{case} (SwiGLU)", {"proj": "down", "B": B, "rows": rows, "K": f, "N": d, "S": plan.splits},
+                    plan.min_bytes + F32 * rows * f, 2 * rows * f * d, tuple(sorted(m.entry for m in model)),
+                    lambda b, g=gate_up, o=out: swiglu_linear(b, g, w, out=o), model)
 
 
 # ---- linear_fp8: the same GEMMs on FP8 weights (e4m3 and a scale per 128 x 128 block) ---------------------
@@ -649,6 +668,7 @@ NOT_BENCHMARKED = {"selftest", "fp8"}  # the simt runtime's own checks; the e4m3
 RATIOS = (
     ("verify / decode", ("attention", "verify"), ("attention", "decode"), ("B", "ctx")),
     ("linear verify / decode", ("linear", "verify"), ("linear", "decode"), ("proj", "B")),
+    ("SwiGLU down / down", ("linear", "verify (SwiGLU)"), ("linear", "verify"), ("proj", "B")),
     ("fp8 / bf16 GEMM", ("linear_fp8", "decode"), ("linear", "decode"), ("proj", "B")),
     ("verify+checkpoints / decode", ("gdn_scan", "verify"), ("gdn_scan", "decode"), ("B",)),
     ("greedy_accept / argmax_rows", ("argmax", "greedy_accept"), ("argmax", "argmax_rows"), ("B",)),

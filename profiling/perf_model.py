@@ -87,6 +87,7 @@ from dspark.ops import gdn as gdn_ops
 from dspark.ops import gdn_chunk as chunk_ops
 from dspark.ops import linear as linear_ops
 from dspark.ops import norm as norm_ops
+from dspark.ops import swiglu_linear as swiglu_ops
 from dspark.ops import snapshot as snapshot_ops
 from dspark.models.cache import cache_bytes
 from dspark.ops.attention import PROMPT_ITEMS, TILE, launch_plan, prompt_acc_bytes
@@ -300,7 +301,7 @@ def even(total: float, ctas: int) -> np.ndarray:
 
 
 # ---- GEMMs (dspark.ops.linear) ---------------------------------------------------------------------------
-def linear(phase, name, rows, k, n, wb, dev, kind="weights") -> list[Kernel]:
+def linear(phase, name, rows, k, n, wb, dev, kind="weights", swiglu: bool = False) -> list[Kernel]:
     """The GEMM of [rows, K] @ [K, N] stored with wb bytes per element, from its launch plan
     (dspark.ops.linear.linear_plan), one launch. f32 weights: linear_f32, the weights once per
     16-row tile, the K-split partials written and read back by the last CTA of each column tile,
@@ -311,31 +312,45 @@ def linear(phase, name, rows, k, n, wb, dev, kind="weights") -> list[Kernel]:
     a prompt (fold mode, `prompt_gemm`) reads each wave's tiles from DRAM once. FP8 weights (wb 1):
     linear_fp8_bf16_m<BM>, the same tiles and modes (fp8_plan: its K chunk a multiple of the
     128-row scale block), the weights at 1 byte each plus 4 per scale (fp8_linear_plan), priced
-    as compiled (its registers, its SASS loop: the in-register decode is in it)."""
+    as compiled (its registers, its SASS loop: the in-register decode is in it).
+    `swiglu`: an MLP's down product over its gate|up product (dspark.ops.swiglu_linear): 16-bit and FP8
+    weights take the SwiGLU into the activation stage (linear_mma_bf16_swiglu_<shape>,
+    linear_fp8_bf16_swiglu_<shape>: both halves read, twice the x bytes) or a 16-bit prompt's rounding
+    (round_swiglu_bf16: gate|up read, the bf16 activations written); elsewhere (f32 weights, the wide f32
+    tile, FP8 at 64 rows) swiglu_f32 runs before the product."""
+    how = swiglu and wb in (1, 2) and swiglu_ops.fusion(
+        (linear_ops.fp8_plan if wb == 1 else linear_ops.mma_plan)(rows, k, n), k, fp8=wb == 1)
+    if swiglu and not how:
+        return [swiglu_kernel(phase, rows, k, dev)] + linear(phase, name, rows, k, n, wb, dev, kind)
+    xw = 2 if how else 1   # f32 x read per product input: gate and up where the stage takes SwiGLU
     if wb in (1, 2):   # 1: FP8 (e4m3 and a scale per 128 x 128 block), bf16 activations: linear_fp8_bf16_m<BM>
         if wb == 1:
             p, plan = linear_ops.fp8_plan(rows, k, n), linear_ops.fp8_linear_plan(rows, k, n)
-            entry = f"linear_fp8_bf16_{p.shape}"
+            entry = f"linear_fp8_bf16_{'swiglu_' if how else ''}{p.shape}"
         else:
             p, plan = linear_ops.mma_plan(rows, k, n), linear_ops.mma_linear_plan(rows, k, n)
-            entry = f"linear_mma_bf16_{p.shape}"
+            entry = f"linear_mma_bf16_{'swiglu_' if how == 'stage' else ''}{p.shape}"
         if p.grid_splits == 1 and p.m_tiles > 1:
             if wb == 2 and linear_ops.a16(p, k):   # the activations rounded once, the tiles copy them as bf16
-                rounding = elementwise(phase, f"{name} x to bf16", "round_activations_bf16", -(-rows * k // 4),
-                                       6 * rows * k, rows * k, dev, linear_ops.ROUND_THREADS)
+                rounding = (elementwise(phase, f"{name} SwiGLU to bf16", "round_swiglu_bf16", -(-rows * k // 4),
+                                        10 * rows * k, 5 * rows * k, dev, linear_ops.ROUND_THREADS) if how else
+                            elementwise(phase, f"{name} x to bf16", "round_activations_bf16", -(-rows * k // 4),
+                                        6 * rows * k, rows * k, dev, linear_ops.ROUND_THREADS))
                 return [dataclasses.replace(rounding, kind=kind),
                         prompt_gemm(phase, name, kind, p, plan, rows, k, n, f"linear_mma_bf16_a16_{p.shape}", dev, wb,
                                     x_bytes=2)]
-            return [prompt_gemm(phase, name, kind, p, plan, rows, k, n, entry, dev, wb)]
-        # x ([rows, K] f32, at most 128 x 17408 x 4 = 8.9 MB) stays in L2 across the column tiles: DRAM
-        # sees it once, not once per column tile as the plan's bytes (what the CTAs load, through L2) count it
-        dram = plan.bytes - (p.n_tiles - 1) * 4 * rows * k
+            return [prompt_gemm(phase, name, kind, p, plan, rows, k, n, entry, dev, wb, x_bytes=4 * xw)]
+        # x ([rows, K] f32, at most 128 x 17408 x 4 = 8.9 MB; twice that as gate|up) stays in L2 across the
+        # column tiles: DRAM sees it once, not once per column tile as the plan's bytes (what the CTAs
+        # load, through L2) count it
+        loaded = plan.bytes + (xw - 1) * p.n_tiles * 4 * rows * k
+        dram = loaded - (p.n_tiles - 1) * 4 * xw * rows * k
         iters = -(-min(p.kchunk, k) // p.bk)
-        work = Work(entry, p.threads, p.shared_mem, even(dram, p.ctas), l2=even(plan.bytes, p.ctas),
+        work = Work(entry, p.threads, p.shared_mem, even(dram, p.ctas), l2=even(loaded, p.ctas),
                     mma=plan.notes["mma_flops"] / MMA_FLOPS / p.ctas, iterations=iters,
                     units={"cta": 1.0, "iteration": float(iters)})
         return [kernel_of(phase, name, kind, work, dev, flops=plan.notes["mma_flops"],
-                          mma_flops=plan.notes["mma_flops"], min_bytes=plan.min_bytes)]
+                          mma_flops=plan.notes["mma_flops"], min_bytes=plan.min_bytes + (xw - 1) * 4 * rows * k)]
     p = linear_ops.linear_plan(rows, k, n, wb)
     (run,) = p.launches
     # the plan's shared memory is the kernel's static array (launched with none dynamic): compiled() has it
@@ -404,8 +419,7 @@ def layers(shape: Shape, ph: str, rows: int, dev: Device, attention, gdn) -> lis
             layer += moe_kernels(shape, ph, rows, dev)
         else:
             layer += linear(ph, "mlp gate|up", rows, d, 2 * c.mlp_hidden, pb, dev)
-            layer.append(swiglu_kernel(ph, rows, c.mlp_hidden, dev))
-            layer += linear(ph, "mlp down", rows, c.mlp_hidden, d, pb, dev)
+            layer += linear(ph, "mlp down", rows, c.mlp_hidden, d, pb, dev, swiglu=True)
         layer.append(row_norm(ph, "residual + norm", "add_rmsnorm_f32", rows, d, dev, reads=2,
                               writes=2 + taps / len(c.layers)))
         out += scaled(layer, count, f"x{count} {kind}{' moe' if ffn == 'moe' else ''} layers")
@@ -497,8 +511,7 @@ def moe_kernels(shape: Shape, ph, rows, dev: Device) -> list[Kernel]:
     out.append(grouped_kernel(ph, "moe experts down", rows, I, d, shape, dev, gather=False))
     if Is:
         out += linear(ph, "moe shared gate|up", rows, d, 2 * Is, pb, dev)
-        out.append(swiglu_kernel(ph, rows, Is, dev))
-        out += linear(ph, "moe shared down", rows, Is, d, pb, dev)
+        out += linear(ph, "moe shared down", rows, Is, d, pb, dev, swiglu=True)
     out.append(elementwise(ph, "moe combine", "moe_combine_f32", rows * d,
                            F32 * (P * d + 2 * P + rows * d * (3 if Is else 1)), 2 * P * d, dev,
                            threads=moe_ops.COMBINE_THREADS))
@@ -728,8 +741,7 @@ def drafter_pass(shape: Shape, B: int, context: int, dev: Device, reach: int | N
                                  dev), 2, "two sides")
         out.append(row_norm(ph, "drafter residual + norm", "add_rmsnorm_f32", rows, d, dev, reads=2, writes=2))
         out += linear(ph, "drafter gate|up", rows, d, 2 * dc.mlp_hidden, db, dev)
-        out.append(swiglu_kernel(ph, rows, dc.mlp_hidden, dev))
-        out += linear(ph, "drafter down", rows, dc.mlp_hidden, d, db, dev)
+        out += linear(ph, "drafter down", rows, dc.mlp_hidden, d, db, dev, swiglu=True)
         out.append(row_norm(ph, "drafter residual + norm", "add_rmsnorm_f32", rows, d, dev, reads=2, writes=2))
     nd = dc.drafts
     if dc.harvest != "shifted":  # the draft rows of each block, before the LM head

@@ -81,6 +81,7 @@ def child() -> list[dict]:
     from dspark.ops.attention import launch_plan
     from dspark.ops.fp8 import Fp8Matrix, scale_grid
     from dspark.ops.linear import linear
+    from dspark.ops.swiglu_linear import swiglu_linear
     be = dspark.get_backend("simt")
     k = be.kernels
     assert k.counts_shared_accesses, "not the counting build"
@@ -122,6 +123,27 @@ def child() -> list[dict]:
                 units = {"cta": float(p.ctas), "iteration": float(p.ctas * iters)}
                 take(counts, lambda c, e=entry, u=units: u if c.kernel.startswith(e) else None,
                      f"{label} m{bm} K={kk} {'split' if p.grid_splits > 1 else 'fold'}")
+    rng_swiglu = np.random.default_rng(5)   # the down products' SwiGLU stage: the linear_mma probes' tiles over gate|up
+    for bm in linear_ops.MMA_CONFIGS:
+        for kk, split in ((256, False), (1024, False), (1024, True)):
+            rows, n = bm, 256
+            gate_up = rng_swiglu.standard_normal((rows, 2 * kk), np.float32)
+            w = (rng_swiglu.standard_normal((kk, n), np.float32) * 0.05).astype(pm.BF16)
+            w8 = Fp8Matrix(rng_swiglu.integers(0, 0x70, (kk, n)).astype(np.uint8),
+                           np.ones(scale_grid(kk, n), np.float32), np.dtype(pm.BF16))
+            for entry, plan_of, weights in (("linear_mma_bf16_swiglu", linear_ops.mma_plan, w),
+                                            ("linear_fp8_bf16_swiglu", linear_ops.fp8_plan, w8)):
+                fp8 = entry.startswith("linear_fp8")
+                if fp8 and bm == 64:
+                    continue   # FP8: no SwiGLU entry at 64 rows
+                mode = split or fp8 and bm in linear_ops.FP8_STREAM   # the FP8 decode shapes run split mode only
+                p = plan_of(rows, kk, n, bm=bm, split=mode)
+                with k.counting() as counts:
+                    swiglu_linear(be, gate_up, weights, bm=bm, split=mode)
+                iters = -(-min(p.kchunk, kk) // p.bk) if p.grid_splits > 1 else -(-kk // p.bk)
+                units = {"cta": float(p.ctas), "iteration": float(p.ctas * iters)}
+                take(counts, lambda c, u=units, e=entry: u if c.kernel.startswith(e) else None,
+                     f"{entry} m{bm} K={kk} {'split' if p.grid_splits > 1 else 'fold'}")
     rng_wide = np.random.default_rng(4)   # prompts (two row tiles, one chunk): the 128-row tile and the wide one,
     for bm, wide in ((64, False), (128, False), (128, True)):   # over x rounded once (K on 8) and over the f32 x
         for kk in (256, 448, 252, 444):

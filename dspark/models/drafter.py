@@ -36,7 +36,7 @@ import numpy as np
 from ..cost_prior import adopt, weight_format
 from ..errors import ShapeError, TokenRangeError
 from ..memory import Memory
-from ..ops.activation import sigmoid_bias, swiglu
+from ..ops.activation import sigmoid_bias
 from ..ops.argmax import argmax_rows, markov_chain, raise_on_nan
 from ..ops.attention import attention
 from ..ops.heads import confidence_features, gather_rows, logit_scale
@@ -44,6 +44,7 @@ from ..ops.kv_commit import kv_commit
 from ..ops.linear import linear
 from ..ops.norm import add_rmsnorm, embed_rmsnorm
 from ..ops.rope import Heads, Rotary, qk_prepare
+from ..ops.swiglu_linear import swiglu_linear
 from ..ops.tables import PointerTable
 from ..ops.workspace import Inputs, Workspace, fixed
 
@@ -334,8 +335,7 @@ class DsparkDrafter:
             if c.conv_kernel:
                 a, out_kernel = self._conv_prepare(h, p + "mlp_conv.", B)
             gate_up = linear(be, a, w[p + "mlp.w_gate_up"], out=ws.take("mlp.gate_up", rows, (2 * c.mlp_hidden,)), ws=ws)
-            act = swiglu(be, gate_up, out=ws.take("mlp.act", rows, (c.mlp_hidden,)))
-            y = linear(be, act, w[p + "mlp.w_down"], out=ws.take("sublayer", rows, (d,)), ws=ws)
+            y = swiglu_linear(be, gate_up, w[p + "mlp.w_down"], out=ws.take("sublayer", rows, (d,)), ws=ws)
             if c.conv_kernel:
                 y = self._conv(y, out_kernel, w[p + "mlp_conv.base"][1], B)
             add_rmsnorm(be, x, y, norms[i + 1], eps[i + 1], out=h)  # the next norm1, or the final norm

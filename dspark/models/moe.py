@@ -39,6 +39,7 @@ from ..ops.activation import swiglu
 from ..ops.fp8 import Fp8Matrix, Fp8Stack
 from ..ops.linear import linear
 from ..ops.moe import KERNEL_DTYPES, combine, grouped_linear, grouped_plan, grouped_rows, route
+from ..ops.swiglu_linear import swiglu_linear
 from .config import TrunkConfig
 
 EXPERT_PARTS = ("w_gate", "w_up", "w_down")
@@ -138,7 +139,6 @@ def moe_ffn(trunk, h, p: str, layer: int, ws):
     shared_y = gate = None
     if shared:
         sg = linear(be, h, w[p + "moe.shared.w_gate_up"], out=ws.take("moe.shared.gate_up", rows, (2 * shared,)), ws=ws)
-        sa = swiglu(be, sg, out=ws.take("moe.shared.act", rows, (shared,)))
-        shared_y = linear(be, sa, w[p + "moe.shared.w_down"], out=ws.take("moe.shared.y", rows, (d,)), ws=ws)
+        shared_y = swiglu_linear(be, sg, w[p + "moe.shared.w_down"], out=ws.take("moe.shared.y", rows, (d,)), ws=ws)
         gate = (logits, E)
     return combine(be, y, r, shared=shared_y, gate=gate, out=ws.take("sublayer", rows, (d,)))

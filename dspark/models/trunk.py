@@ -30,7 +30,7 @@ import numpy as np
 
 from ..dtypes import BF16
 from ..errors import CapacityError, ShapeError, TokenRangeError
-from ..ops.activation import attn_gate, swiglu
+from ..ops.activation import attn_gate
 from ..ops.attention import attention
 from ..ops.checks import Staged
 from ..ops.dense import silu
@@ -42,6 +42,7 @@ from ..ops.linear import linear
 from ..ops.norm import add_rmsnorm, embed_rmsnorm, rmsnorm
 from ..ops.rope import Heads, Rotary, qk_prepare
 from ..ops.snapshot import checkpoint_select_layers
+from ..ops.swiglu_linear import swiglu_linear
 from ..ops.tables import PointerTable
 from ..ops.workspace import Inputs, Workspace
 from ..params import PROMPT_CHUNK
@@ -333,8 +334,7 @@ class HybridTrunk:
             else:
                 gate_up = linear(be, h, w[p + "mlp.w_gate_up"], out=ws.take("mlp.gate_up", rows, (2 * c.mlp_hidden,)),
                                  ws=ws)
-                act = swiglu(be, gate_up, out=ws.take("mlp.act", rows, (c.mlp_hidden,)))
-                y = linear(be, act, w[p + "mlp.w_down"], out=ws.take("sublayer", rows, (d,)), ws=ws)
+                y = swiglu_linear(be, gate_up, w[p + "mlp.w_down"], out=ws.take("sublayer", rows, (d,)), ws=ws)
             add_rmsnorm(be, x, y, norms[i + 1], eps, out=h, tap=tap_at.get(i))  # h: the next norm1, or the final norm
         if logits == "last":  # each session's last row (row-invariant products: the same bits as "all")
             lens = np.diff(indptr)

@@ -31,15 +31,19 @@ def swiglu_ref(gate_up):
     return dense.swiglu(gate_up[:, :F], gate_up[:, F:])
 
 
+def gate_up_width(gate_up) -> int:
+    """F of gate_up [rows, 2F] f32 = [gate | up], after its checks."""
+    require_ndim(gate_up, 2, "gate_up", "[rows, 2F]")
+    require_dtype(gate_up, F32, "gate_up")
+    if gate_up.shape[1] % 2:
+        raise ShapeError(f"gate_up has {gate_up.shape[1]} columns: expected an even number, [gate | up]")
+    return gate_up.shape[1] // 2
+
+
 def swiglu(be, gate_up, out=None):
     """(g * sigmoid(g)) * u for gate_up [rows, 2F] f32 = [g | u] -> out [rows, F] f32."""
     gate_up, out = adopt(be, gate_up=gate_up, out=out, writes=("out",))
-    require_ndim(gate_up, 2, "gate_up", "[rows, 2F]")
-    require_dtype(gate_up, F32, "gate_up")
-    rows, two_f = gate_up.shape
-    if two_f % 2:
-        raise ShapeError(f"gate_up has {two_f} columns: expected an even number, [gate | up]")
-    F = two_f // 2
+    rows, F = gate_up.shape[0] if gate_up.ndim else 0, gate_up_width(gate_up)
     out = be.xp.empty((rows, F), F32) if out is None else out
     require_shape(out, (rows, F), "out")
     require_dtype(out, F32, "out")

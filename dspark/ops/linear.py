@@ -411,10 +411,12 @@ def round_activations(be, x, out) -> None:
                     (x, np.int64(n), out))
 
 
-def launch_mma(be, entry: str, p: MmaPlan, x, weights: tuple, out, ws) -> None:
+def launch_mma(be, entry: str, p: MmaPlan, x, weights: tuple, out, ws, k: int | None = None) -> None:
     """One launch of a tensor-core GEMM entry (`entry`_m<bm>: linear_mma's or linear_fp8's, which
-    differ in their weight arguments alone) over x [rows, K] into out [rows, N] by plan p."""
-    (rows, k), n = x.shape, out.shape[1]
+    differ in their weight arguments alone) over x [rows, K] into out [rows, N] by plan p; `k`: the
+    product's K where x is wider (the SwiGLU entries' gate|up, [rows, 2K])."""
+    rows, n = x.shape[0], out.shape[1]
+    k = x.shape[1] if k is None else k
     part = buffer(be, ws, f"linear.part.{p.splits * n}", rows, (p.splits * n,)) if p.grid_splits > 1 \
         else fixed(be, ws, "linear.part", (1,))
     tickets, _ = rowsplit.scratch(be, p.m_tiles * p.n_tiles, ws=ws)

@@ -597,36 +597,11 @@ def test_verify_reads_each_kv_head_once(numpy_backend, rng, hq, hkv, d, dtype):
             assert p.bytes["kv"] == 2 * hkv * sum(70 + n for n in lens) * d * dtype.itemsize
 
 
-def test_plan_and_op_launch_the_same(simt, rng):
-    """The op launches what launch_plan says: kernels, grids, blocks and shared memory."""
-    launched = []
+class Recording:
+    """simt's kernels recording each launch's (entry, grid, block, shared memory); with `arch`, as a
+    device of that architecture reports them (its plans take that device's shared memory per CTA)."""
 
-    class Recorder:
-        def get_function(self, name):
-            fn = simt.kernels.get_function(name)
-
-            def launch(grid, block, args, shared_mem=0):
-                launched.append((name, tuple(grid), tuple(block), shared_mem))
-                fn(grid, block, args, shared_mem=shared_mem)
-            return launch
-
-    case = make_case(rng, BF16, 256, 12, 2, [3, 1], [400, 90])
-    for strategy in ("serial", "parallel", "prompt"):
-        launched.clear()
-        attention(replace(simt, kernels=Recorder()), *case.args(), strategy=strategy)
-        p = launch_plan([3, 1], [400, 90], hq=12, hkv=2, head_dim=256, dtype=BF16, strategy=strategy)
-        smem = prompt_shared_mem_bytes(2, 256) if strategy == "prompt" else shared_mem_bytes(2, 256)
-        want = [(p.kernel, p.grid, p.block, smem)]
-        if p.combine_kernel:
-            want.append((p.combine_kernel, p.combine_grid, p.combine_block, 0))
-        assert launched == want
-
-
-class OnArch:
-    """simt's kernels as a device of `arch` reports them (its plans take that device's shared memory per
-    CTA), recording each launch's (entry, shared memory)."""
-
-    def __init__(self, kernels, arch):
+    def __init__(self, kernels, arch=None):
         self._kernels, self.arch, self.launched = kernels, arch, []
 
     def __getattr__(self, name):
@@ -636,9 +611,25 @@ class OnArch:
         fn = self._kernels.get_function(name)
 
         def launch(grid, block, args, shared_mem=0):
-            self.launched.append((name, shared_mem))
+            self.launched.append((name, tuple(grid), tuple(block), shared_mem))
             fn(grid, block, args, shared_mem=shared_mem)
         return launch
+
+
+def test_plan_and_op_launch_the_same(simt, rng):
+    """The op launches what launch_plan says: kernels, grids, blocks and shared memory."""
+    kernels = Recording(simt.kernels)
+    launched = kernels.launched
+    case = make_case(rng, BF16, 256, 12, 2, [3, 1], [400, 90])
+    for strategy in ("serial", "parallel", "prompt"):
+        launched.clear()
+        attention(replace(simt, kernels=kernels), *case.args(), strategy=strategy)
+        p = launch_plan([3, 1], [400, 90], hq=12, hkv=2, head_dim=256, dtype=BF16, strategy=strategy)
+        smem = prompt_shared_mem_bytes(2, 256) if strategy == "prompt" else shared_mem_bytes(2, 256)
+        want = [(p.kernel, p.grid, p.block, smem)]
+        if p.combine_kernel:
+            want.append((p.combine_kernel, p.combine_grid, p.combine_block, 0))
+        assert launched == want
 
 
 @pytest.mark.parametrize("arch,dtype,d", [("sm_80", F32, 256), ("sm_80", BF16, 256), ("sm_89", BF16, 256),
@@ -648,14 +639,14 @@ def test_smaller_devices_plans_fit_their_shared_memory_and_give_the_same_bits(si
     163 KB at D = 256; sm_89's 99 KB at f32 D = 128 and 16-bit D = 256), its plans take SMALL_CONFIGS'
     entries (one stage, fewer m-tiles), and a prompt that does not fit walks serially. Every launch
     stays within the device's limit, and each strategy's rows are bitwise the H200 plan's."""
-    kernels = OnArch(simt.kernels, arch)
+    kernels = Recording(simt.kernels, arch)
     small = replace(simt, kernels=kernels)
     limit = SHARED_LIMIT[int(arch[3:])]
     case = make_case(rng, dtype, d, 12, 2, [3, 70], [400, 90])
     for strategy in ("auto", "serial", "parallel"):
         kernels.launched.clear()
         got = run(small, case, split=SMALL, strategy=strategy)
-        assert kernels.launched and all(smem <= limit for _, smem in kernels.launched), kernels.launched
+        assert kernels.launched and all(smem <= limit for *_, smem in kernels.launched), kernels.launched
         if strategy != "auto" or prompt_shared_mem_bytes(dtype.itemsize, d) > limit:   # not the prompt kernel
             assert kernels.launched[0][0] == f"attention_{suffix(dtype, 'dtype')}_d{d}{config(dtype.itemsize, d, limit)[2]}"
             assert config(dtype.itemsize, d, limit)[2], kernels.launched
@@ -672,7 +663,7 @@ def test_smaller_devices_plans_fit_their_shared_memory_and_give_the_same_bits(si
 def test_a_device_too_small_for_f32_at_d256_is_refused_by_name(simt, rng):
     """f32 K/V at D = 256 needs 155 KB a CTA even in one stage and one m-tile: on sm_89's 99 KB the op
     refuses with a CapacityError naming head_dim, before any launch."""
-    kernels = OnArch(simt.kernels, "sm_89")
+    kernels = Recording(simt.kernels, "sm_89")
     case = make_case(rng, F32, 256, 4, 2, [2], [30])
     with pytest.raises(CapacityError, match="head_dim=256 over 4-byte K/V"):
         run(replace(simt, kernels=kernels), case)

@@ -444,7 +444,7 @@ def test_fp8_linears_are_priced_at_one_byte_and_their_scales():
     mine = pm.trunk_pass(fp8, 1, 8192, 1, pm.H200, verify=False)
     theirs = pm.trunk_pass(bf16, 1, 8192, 1, pm.H200, verify=False)
     gemms = [k for k in mine if k.entry.startswith("linear_fp8")]
-    assert {k.entry for k in gemms} == {"linear_fp8_bf16_m16"}
+    assert {k.entry for k in gemms} == {"linear_fp8_bf16_m16", "linear_fp8_bf16_swiglu_m16"}   # mlp down: SwiGLU inside
     shapes_of = {"attn q|k|v": (c.d_model, (2 * c.attn_heads + 2 * c.attn_kv_heads) * c.head_dim),
                  "attn o": (c.attn_heads * c.head_dim, c.d_model), "gdn in q|k|v|z (fp8)": (c.d_model, qkvz),
                  "gdn out": (H * c.gdn_dv, c.d_model), "mlp gate|up": (c.d_model, 2 * c.mlp_hidden),
@@ -452,8 +452,10 @@ def test_fp8_linears_are_priced_at_one_byte_and_their_scales():
     for k in gemms:
         name, layers = re.match(r"(.+) \(x(\d+) ", k.name).groups()
         K, N = shapes_of[name]
-        per_layer = K * N + 4 * -(-K // 128) * -(-N // 128) + 4 * (K + N)   # q, scales, x and out
+        x = 2 * K if "swiglu" in k.entry else K   # the down product reads gate|up
+        per_layer = K * N + 4 * -(-K // 128) * -(-N // 128) + 4 * (x + N)   # q, scales, x and out
         assert k.min_bytes == int(layers) * per_layer, k.name
+        assert ("swiglu" in k.entry) == (name == "mlp down"), k.name
     by_name = {k.name: k for k in theirs}
     for k in mine:
         if k.name.startswith(("lm head", "embedding")):
@@ -560,8 +562,8 @@ def test_fp8_moe_experts_and_shared_expert_are_priced_at_one_byte_the_router_at_
             K, N = shapes_of[part]
             saved = int(layers) * int(D) * (K * N - 4 * -(-K // 128) * -(-N // 128))   # 2 bytes a weight -> 1 + scales
             assert theirs[name].min_bytes - k.min_bytes == saved, name
-        elif name.startswith("moe shared"):
-            assert k.entry == "linear_fp8_bf16_m16", name
+        elif name.startswith("moe shared"):   # its down product takes the SwiGLU into its stage
+            assert k.entry == f"linear_fp8_bf16_{'swiglu_' if 'down' in name else ''}m16", name
         elif name.startswith("moe router"):
             assert k.entry == theirs[name].entry == "linear_mma_bf16_m16" and k.min_bytes == theirs[name].min_bytes
     assert any(n.startswith("moe experts gate|up") for n in mine) and any(n.startswith("moe shared") for n in mine)

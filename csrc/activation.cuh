@@ -1,0 +1,10 @@
+// The gates' arithmetic, shared by the elementwise kernels (activation.cu) and the products that take
+// SwiGLU into their activation stage (linear_mma.cuh's SwiGLU mode): one definition, so a fused
+// product's activations are bitwise the ones swiglu_f32 writes (-fmad=false: nothing contracted).
+#pragma once
+#include "common.cuh"
+
+DSPARK_DEVICE float act_sigmoid(float x) { return 1.0f / (1.0f + expf(-x)); }
+
+// SiLU(g) * u, in that order: the MLP's activation of gate g and up u.
+DSPARK_DEVICE float swiglu_value(float g, float u) { return (g * act_sigmoid(g)) * u; }
