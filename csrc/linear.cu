@@ -141,3 +141,29 @@ DSPARK_LINEAR_MMA_ENTRY(linear_mma_f16_swiglu_m16, float, linear_mma_swiglu, f16
 DSPARK_LINEAR_MMA_ENTRY(linear_mma_f16_swiglu_m32, float, linear_mma_swiglu, f16_t, MmaGemmM32)
 DSPARK_LINEAR_MMA_ENTRY(linear_mma_f16_swiglu_m64, float, linear_mma_swiglu, f16_t, MmaGemmM64)
 DSPARK_LINEAR_MMA_ENTRY(linear_mma_f16_swiglu_m128, float, linear_mma_swiglu, f16_t, MmaGemmM128)
+
+// linear_mma_<dt>_gated_m<BM>(o, w, ..., gate, gate_stride, gate_head, head_dim): an attention's output
+// projection over its output o [rows, K] as T and its gates, or none (linear_mma.cuh's GATED mode):
+// bitwise the entry without _gated over attn_gate_<dt>'s output, one launch and no f32 copy of o.
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 800
+#define DSPARK_LINEAR_MMA_GATED_CALL(T, CFG) __trap();
+#else
+#define DSPARK_LINEAR_MMA_GATED_CALL(T, CFG) \
+  linear_mma_gated<T, CFG>(x, w, rows, K, N, kchunk, grid_splits, out, part, tickets, gate, gate_stride, gate_head, head_dim);
+#endif
+#define DSPARK_LINEAR_MMA_GATED_ENTRY(NAME, T, CFG)                                                             \
+  extern "C" __global__ void __launch_bounds__(CFG::THREADS) NAME(                                             \
+      const T* __restrict__ x, const T* __restrict__ w, int rows, int K, int N, int kchunk, int grid_splits,   \
+      float* __restrict__ out, float* __restrict__ part, unsigned* __restrict__ tickets,                       \
+      const float* __restrict__ gate, long long gate_stride, int gate_head, int head_dim) {                    \
+    DSPARK_LINEAR_MMA_GATED_CALL(T, CFG)                                                                       \
+  }
+
+DSPARK_LINEAR_MMA_GATED_ENTRY(linear_mma_bf16_gated_m16, bf16_t, MmaGemmM16)
+DSPARK_LINEAR_MMA_GATED_ENTRY(linear_mma_bf16_gated_m32, bf16_t, MmaGemmM32)
+DSPARK_LINEAR_MMA_GATED_ENTRY(linear_mma_bf16_gated_m64, bf16_t, MmaGemmM64)
+DSPARK_LINEAR_MMA_GATED_ENTRY(linear_mma_bf16_gated_m128, bf16_t, MmaGemmM128)
+DSPARK_LINEAR_MMA_GATED_ENTRY(linear_mma_f16_gated_m16, f16_t, MmaGemmM16)
+DSPARK_LINEAR_MMA_GATED_ENTRY(linear_mma_f16_gated_m32, f16_t, MmaGemmM32)
+DSPARK_LINEAR_MMA_GATED_ENTRY(linear_mma_f16_gated_m64, f16_t, MmaGemmM64)
+DSPARK_LINEAR_MMA_GATED_ENTRY(linear_mma_f16_gated_m128, f16_t, MmaGemmM128)

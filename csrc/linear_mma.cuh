@@ -48,8 +48,9 @@
 // CTA's in split mode). Both act elementwise outside the K loop: an RMSNorm's row scale (computed
 // before the product, as today's norm kernel does) goes in the prologue, a residual add or an
 // activation in the epilogue, and a row's K order stays the one above. Today both are the identity.
-// The one fused neighbour so far is an MLP's SwiGLU (MmaGemm's SWIGLU mode, linear_mma_<dt>_swiglu_m<BM>):
-// the down product reads gate|up [rows, 2K] and stages SiLU(gate) * up, the bits swiglu_f32 writes.
+// Two neighbours are fused so far: an MLP's SwiGLU (MmaGemm's SWIGLU mode, linear_mma_<dt>_swiglu_m<BM>:
+// the down product reads gate|up [rows, 2K] and stages SiLU(gate) * up, the bits swiglu_f32 writes) and
+// the attention's output gate (GATED, linear_mma_<dt>_gated_m<BM>: o as T and its gates, attn_gate's bits).
 #pragma once
 #include "activation.cuh"
 #include "common.cuh"
@@ -135,15 +136,18 @@ DSPARK_DEVICE uint32_t mma_pack2(float lo, float hi) {
 // halves (activation.cuh's swiglu_value: bitwise what swiglu_f32 writes), so the down product reads
 // gate|up itself and no f32 activations are written and read back between two launches. Both halves
 // load with the tile's other loads and are combined where the stage is stored, after the tile's MMAs.
+// GATED: the activations are an attention's output o [rows, K] as T, each widened and, where the model
+// gates it, times the sigmoid of its gate (head h = k / head_dim's gate at gate[row * gate_stride +
+// h * gate_head + k % head_dim]): activation.cuh's act_sigmoid, bitwise what attn_gate_<t> writes.
 // A16: the activations come as T already (xh, rounded by round_activations_<t> from the same f32, so the
 // stage holds the same values), copied into the stage by cp.async like the weights: half the bytes of
 // the f32 x through L2, and no register staging.
-template <typename T, typename Cfg, bool Gather = false, bool A16_ = false, bool SWIGLU_ = false>
+template <typename T, typename Cfg, bool Gather = false, bool A16_ = false, bool SWIGLU_ = false, bool GATED_ = false>
 struct MmaGemm {
   using C = Cfg;
-  static constexpr bool A16 = A16_, SWIGLU = SWIGLU_;
-  static_assert(!(A16 && SWIGLU), "A16 tiles copy finished activations");
-  static constexpr int A_HELD = C::A_VECS * (SWIGLU ? 2 : 1);  // float4s a thread holds from load to store
+  static constexpr bool A16 = A16_, SWIGLU = SWIGLU_, GATED = GATED_;
+  static_assert(A16 + SWIGLU + GATED <= 1, "one activation source");
+  static constexpr int A_HELD = C::A_VECS * (SWIGLU || GATED ? 2 : 1);  // float4s a thread holds from load to store
   static constexpr int A_CHUNKS = C::BM * C::BK / 8 / C::THREADS;  // A16: 16-byte chunks per thread per tile
   const float* __restrict__ x;
   const int* __restrict__ x_rows;  // Gather: the x row of each output row
@@ -154,6 +158,10 @@ struct MmaGemm {
   T* sa;              // A stages
   T* sb;              // B stages
   const T* __restrict__ xh = nullptr;  // A16: the activations [rows, K] as T (K % 8 == 0)
+  const T* __restrict__ xo = nullptr;  // GATED: the attention's output [rows, K]
+  const float* __restrict__ gate = nullptr;  // GATED: the gates (none: o widened alone)
+  long long gate_stride = 0;
+  int gate_head = 0, head_dim = 1;
 
   __device__ __forceinline__ int64_t x_row(int r) const {
     return Gather && x_rows ? (int64_t)x_rows[row0 + r] : (int64_t)(row0 + r);
@@ -168,7 +176,33 @@ struct MmaGemm {
       const int c = threadIdx.x + i * C::THREADS, row = c / (C::BK / 4), col = k + 4 * (c % (C::BK / 4));
       const int r = r0 + row;
       float e[4] = {0.f, 0.f, 0.f, 0.f}, u[4] = {0.f, 0.f, 0.f, 0.f};
-      if (r < rows) {
+      if constexpr (GATED) {  // o's bits held as they load (store_a widens them): the loads stay in flight
+        if (r < rows && x_vec) {  // 8 bytes of o, 16 of gates, all in one head (head_dim % 4 == 0)
+          const int64_t xr = x_row(r);
+          if (col < K) {
+            const uint2 b = *reinterpret_cast<const uint2*>(xo + xr * K + col);
+            e[0] = __uint_as_float(b.x & 0xffffu), e[1] = __uint_as_float(b.x >> 16);
+            e[2] = __uint_as_float(b.y & 0xffffu), e[3] = __uint_as_float(b.y >> 16);
+            if (gate) {
+              const int h = col / head_dim;
+              const float4 g =
+                  *reinterpret_cast<const float4*>(gate + xr * gate_stride + (int64_t)h * gate_head + (col - h * head_dim));
+              u[0] = g.x, u[1] = g.y, u[2] = g.z, u[3] = g.w;
+            }
+          }
+        } else if (r < rows) {
+          const int64_t xr = x_row(r);
+#pragma unroll
+          for (int j = 0; j < 4; ++j)
+            if (col + j < K) {
+              e[j] = __uint_as_float(xo[xr * K + col + j].bits);
+              if (gate) {
+                const int h = (col + j) / head_dim;
+                u[j] = gate[xr * gate_stride + (int64_t)h * gate_head + (col + j - h * head_dim)];
+              }
+            }
+        }
+      } else if (r < rows) {
         const float* p = x + x_row(r) * (SWIGLU ? 2 * (int64_t)K : (int64_t)K) + col;
         if (x_vec) {
           if (col < K) {
@@ -188,7 +222,7 @@ struct MmaGemm {
             }
         }
       }
-      if constexpr (SWIGLU) {
+      if constexpr (SWIGLU || GATED) {
         v[C::A_VECS + i] = make_float4(u[0], u[1], u[2], u[3]);
       } else {
 #pragma unroll
@@ -223,6 +257,13 @@ struct MmaGemm {
     if constexpr (!A16) store_a(stage, v);
   }
 
+  // GATED: o's bits as load_a holds them (zero past rows and K), widened as attn_gate widens them.
+  static __device__ __forceinline__ float gated_widen(float held) {
+    T t;
+    t.bits = (uint16_t)__float_as_uint(held);
+    return to_float(t);
+  }
+
   __device__ __forceinline__ void store_a(int stage, const float4 (&v)[A_HELD]) const {
     T* dst = sa + stage * C::A_STAGE;
 #pragma unroll
@@ -233,6 +274,14 @@ struct MmaGemm {
         const float4 u = v[C::A_VECS + i];
         a = make_float4(swiglu_value(a.x, u.x), swiglu_value(a.y, u.y), swiglu_value(a.z, u.z),
                         swiglu_value(a.w, u.w));
+      }
+      if constexpr (GATED) {
+        a = make_float4(gated_widen(a.x), gated_widen(a.y), gated_widen(a.z), gated_widen(a.w));
+        if (gate) {
+          const float4 u = v[C::A_VECS + i];
+          a = make_float4(a.x * act_sigmoid(u.x), a.y * act_sigmoid(u.y), a.z * act_sigmoid(u.z),
+                          a.w * act_sigmoid(u.w));
+        }
       }
       *reinterpret_cast<uint2*>(dst + row * C::A_ROW + col) =
           make_uint2(mma_pack2<T>(a.x, a.y), mma_pack2<T>(a.z, a.w));
@@ -328,8 +377,8 @@ DSPARK_DEVICE void mma_fold_partials(const float* __restrict__ part, float* __re
 // tile's CTAs to arrive at tickets[row_tile * col_tiles + tile]. The order of every output is the
 // header's, whatever the tile. (The ticket's address is formed after the K loop: formed before it,
 // ptxas gives the 16-row shape 74 more registers.)
-template <typename T, typename Cfg, bool Gather, typename Wt, bool A16, bool SWIGLU>
-DSPARK_DEVICE void mma_tile(const MmaGemm<T, Cfg, Gather, A16, SWIGLU>& g, const Wt& wt, int kchunk, int grid_splits, int split,
+template <typename T, typename Cfg, bool Gather, typename Wt, bool A16, bool SWIGLU, bool GATED>
+DSPARK_DEVICE void mma_tile(const MmaGemm<T, Cfg, Gather, A16, SWIGLU, GATED>& g, const Wt& wt, int kchunk, int grid_splits, int split,
                             float* __restrict__ out, float* __restrict__ part, int part_rows,
                             unsigned* __restrict__ tickets, int row_tile, int tile, int col_tiles) {
   using C = Cfg;
@@ -356,7 +405,7 @@ DSPARK_DEVICE void mma_tile(const MmaGemm<T, Cfg, Gather, A16, SWIGLU>& g, const
           total[mt][nt][c] = -0.f;
       }
 
-  float4 av[MmaGemm<T, Cfg, Gather, A16, SWIGLU>::A_HELD];
+  float4 av[MmaGemm<T, Cfg, Gather, A16, SWIGLU, GATED>::A_HELD];
   typename Wt::Held held;
 #pragma unroll
   for (int s = 0; s < C::STAGES - 1; ++s) {
@@ -443,11 +492,22 @@ DSPARK_DEVICE void mma_check_launch() {
 #endif
 }
 
+// GATED's source: o, its gates (or none) and where head h's are.
+template <typename T>
+struct MmaGateSource {
+  const T* o = nullptr;
+  const float* gate = nullptr;
+  long long stride = 0;
+  int head = 0, dim = 1;
+  bool vec = false;  // 8-byte loads of o and 16-byte loads of gates (uniform over the launch)
+};
+
 // The whole product over weight source Wt: the CTA's tile and K chunk from its block index.
-template <typename T, typename Cfg, typename Wt, bool A16 = false, bool SWIGLU = false>
+template <typename T, typename Cfg, typename Wt, bool A16 = false, bool SWIGLU = false, bool GATED = false>
 DSPARK_DEVICE void mma_gemm(const float* __restrict__ x, const Wt& wt, int rows, int K, int N, int kchunk,
                             int grid_splits, float* __restrict__ out, float* __restrict__ part,
-                            unsigned* __restrict__ tickets, const T* __restrict__ xh = nullptr) {
+                            unsigned* __restrict__ tickets, const T* __restrict__ xh = nullptr,
+                            const MmaGateSource<T>& gs = {}) {
   using C = Cfg;
   DSPARK_DYNAMIC_SMEM(T, smem);
   mma_check_launch<C>();
@@ -460,9 +520,11 @@ DSPARK_DEVICE void mma_gemm(const float* __restrict__ x, const Wt& wt, int rows,
     row_tile = first + id % per_group % in_group;
     tile = id % per_group / in_group;
   }
-  const MmaGemm<T, C, false, A16, SWIGLU> g{x, nullptr, rows, K, N, 0, row_tile * C::BM, tile * C::BN,
-                                    K % 4 == 0 && !(reinterpret_cast<unsigned long long>(x) & 15ull), smem,
-                                    smem + C::STAGES * C::A_STAGE, xh};
+  const MmaGemm<T, C, false, A16, SWIGLU, GATED> g{x, nullptr, rows, K, N, 0, row_tile * C::BM, tile * C::BN,
+                                                    GATED ? gs.vec
+                                                          : K % 4 == 0 && !(reinterpret_cast<unsigned long long>(x) & 15ull),
+                                                    smem, smem + C::STAGES * C::A_STAGE, xh, gs.o, gs.gate, gs.stride,
+                                                    gs.head, gs.dim};
   mma_tile<T, C, false>(g, wt, kchunk, grid_splits, split, out, part, rows, tickets, row_tile, tile, col_tiles);
 }
 
@@ -483,6 +545,23 @@ DSPARK_DEVICE void linear_mma_swiglu(const float* __restrict__ gate_up, const T*
   const MmaWeights16<T, Cfg> wt{w, K, N, N % 8 == 0 && !(reinterpret_cast<unsigned long long>(w) & 15ull)};
   mma_gemm<T, Cfg, MmaWeights16<T, Cfg>, false, true>(gate_up, wt, rows, K, N, kchunk, grid_splits, out, part,
                                                       tickets);
+}
+
+// An attention's output projection over o [rows, K] as T and its gates (GATED above): bitwise linear_mma
+// over attn_gate_<t>'s output.
+template <typename T, typename Cfg>
+DSPARK_DEVICE void linear_mma_gated(const T* __restrict__ o, const T* __restrict__ w, int rows, int K, int N,
+                                    int kchunk, int grid_splits, float* __restrict__ out, float* __restrict__ part,
+                                    unsigned* __restrict__ tickets, const float* __restrict__ gate,
+                                    long long gate_stride, int gate_head, int head_dim) {
+  const MmaWeights16<T, Cfg> wt{w, K, N, N % 8 == 0 && !(reinterpret_cast<unsigned long long>(w) & 15ull)};
+  const bool vec = K % 4 == 0 && !(reinterpret_cast<unsigned long long>(o) & 7ull) &&
+                   (!gate || (!(reinterpret_cast<unsigned long long>(gate) & 15ull) && gate_stride % 4 == 0 &&
+                              gate_head % 4 == 0 && head_dim % 4 == 0));
+  mma_gemm<T, Cfg, MmaWeights16<T, Cfg>, false, false, true>(nullptr, wt, rows, K, N, kchunk, grid_splits, out, part,
+                                                             tickets, nullptr,
+                                                             MmaGateSource<T>{o, gate, gate_stride, gate_head, head_dim,
+                                                                              vec});
 }
 
 // The same product over activations already rounded to T (linear_mma.cuh's A16: the prompt shapes; the

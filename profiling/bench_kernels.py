@@ -64,6 +64,7 @@ from dspark.ops.norm import add_rmsnorm, embed_rmsnorm, rmsnorm
 from dspark.ops.rope import Heads, Rotary, qk_prepare
 from dspark.ops.snapshot import checkpoint_select_layers, snapshot_save
 from dspark.ops.swiglu_linear import swiglu_linear
+from dspark.ops.gate_linear import attn_gate_linear
 from dspark.philox import Tag
 from dspark.ops.attention import launch_plan
 import perf_model as pm
@@ -503,6 +504,7 @@ def linear_benches(be, s: Sizes) -> Iterator[Bench]:
     yield from gemm_benches(be, s, "linear", "linear_mma", 2,
                             lambda k, n: randn(be, (k, n), BF16, scale=float(1 / np.sqrt(k))))
     yield from swiglu_linear_benches(be, s)
+    yield from gate_linear_benches(be, s)
 
 
 def gemm_benches(be, s: Sizes, family: str, entry: str, wb: int, weights) -> Iterator[Bench]:
@@ -536,6 +538,25 @@ def swiglu_linear_benches(be, s: Sizes) -> Iterator[Bench]:
         yield Bench("linear", f"{case} (SwiGLU)", {"proj": "down", "B": B, "rows": rows, "K": f, "N": d, "S": plan.splits},
                     plan.min_bytes + F32 * rows * f, 2 * rows * f * d, tuple(sorted(m.entry for m in model)),
                     lambda b, g=gate_up, o=out: swiglu_linear(b, g, w, out=o), model)
+
+
+def gate_linear_benches(be, s: Sizes) -> Iterator[Bench]:
+    """An attention's output projection over its bf16 output and gates (dspark.ops.gate_linear:
+    linear_mma_bf16_gated_<shape>; a prompt keeps attn_gate and the a16 tiles) over a decode's and a
+    verify's rows: bytes the product's min_bytes with o (2 bytes) and its gates (4) for x, predicted as
+    perf_model.linear(gate=...) prices it."""
+    hq, D, d = s.hkv * s.gqa, s.head_dim, s.d_model
+    k = hq * D
+    w = randn(be, (k, d), BF16, scale=float(1 / np.sqrt(k)))
+    cases = [("decode", B, B) for B in s.plain_batches] + [("verify", B, B * s.vt) for B in s.batches]
+    for case, B, rows in cases:
+        o, qg, out = randn(be, (rows, hq, D), BF16), randn(be, (rows, 2 * k)), be.xp.empty((rows, d), np.float32)
+        plan = linear_plan(rows, k, d, 2)
+        model = pm.linear("bench", "attn o", rows, k, d, 2, pm.H200, gate=(2, True))
+        yield Bench("linear", f"{case} (gated)", {"proj": "attn o", "B": B, "rows": rows, "K": k, "N": d,
+                                                  "S": plan.splits},
+                    plan.min_bytes + 2 * rows * k, 2 * rows * k * d, tuple(sorted(m.entry for m in model)),
+                    lambda b, o=o, g=qg, out=out: attn_gate_linear(b, o, w, (g, D, 2 * D), out=out), model)
 
 
 # ---- linear_fp8: the same GEMMs on FP8 weights (e4m3 and a scale per 128 x 128 block) ---------------------

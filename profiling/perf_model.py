@@ -88,6 +88,7 @@ from dspark.ops import gdn_chunk as chunk_ops
 from dspark.ops import linear as linear_ops
 from dspark.ops import norm as norm_ops
 from dspark.ops import swiglu_linear as swiglu_ops
+from dspark.ops import gate_linear as gate_ops
 from dspark.ops import snapshot as snapshot_ops
 from dspark.models.cache import cache_bytes
 from dspark.ops.attention import PROMPT_ITEMS, TILE, launch_plan, prompt_acc_bytes
@@ -301,7 +302,7 @@ def even(total: float, ctas: int) -> np.ndarray:
 
 
 # ---- GEMMs (dspark.ops.linear) ---------------------------------------------------------------------------
-def linear(phase, name, rows, k, n, wb, dev, kind="weights", swiglu: bool = False) -> list[Kernel]:
+def linear(phase, name, rows, k, n, wb, dev, kind="weights", swiglu: bool = False, gate=None) -> list[Kernel]:
     """The GEMM of [rows, K] @ [K, N] stored with wb bytes per element, from its launch plan
     (dspark.ops.linear.linear_plan), one launch. f32 weights: linear_f32, the weights once per
     16-row tile, the K-split partials written and read back by the last CTA of each column tile,
@@ -317,19 +318,25 @@ def linear(phase, name, rows, k, n, wb, dev, kind="weights", swiglu: bool = Fals
     weights take the SwiGLU into the activation stage (linear_mma_bf16_swiglu_<shape>,
     linear_fp8_bf16_swiglu_<shape>: both halves read, twice the x bytes) or a 16-bit prompt's rounding
     (round_swiglu_bf16: gate|up read, the bf16 activations written); elsewhere (f32 weights, the wide f32
-    tile, FP8 at 64 rows) swiglu_f32 runs before the product."""
+    tile, FP8 at 64 rows) swiglu_f32 runs before the product.
+    `gate`: (o's bytes an element, gated) of an attention's output projection over its output o
+    (dspark.ops.gate_linear): 16-bit weights over o of their type take o's widening and its gate into the
+    stage (linear_mma_bf16_gated_<shape>: o and its gates read for x); elsewhere attn_gate_<t> runs first."""
+    if gate is not None and not (wb == 2 and gate[0] == 2 and gate_ops.fusion(linear_ops.mma_plan(rows, k, n), k)):
+        return [attn_gate_kernel(phase, rows, k, gate[0], gate[1], dev)] + linear(phase, name, rows, k, n, wb, dev, kind)
     how = swiglu and wb in (1, 2) and swiglu_ops.fusion(
         (linear_ops.fp8_plan if wb == 1 else linear_ops.mma_plan)(rows, k, n), k, fp8=wb == 1)
     if swiglu and not how:
         return [swiglu_kernel(phase, rows, k, dev)] + linear(phase, name, rows, k, n, wb, dev, kind)
-    xw = 2 if how else 1   # f32 x read per product input: gate and up where the stage takes SwiGLU
+    # bytes of x read per product input: f32; gate and up where the stage takes SwiGLU; o and its gate
+    xb = 2 * F32 if how else gate[0] + (F32 if gate[1] else 0) if gate else F32
     if wb in (1, 2):   # 1: FP8 (e4m3 and a scale per 128 x 128 block), bf16 activations: linear_fp8_bf16_m<BM>
         if wb == 1:
             p, plan = linear_ops.fp8_plan(rows, k, n), linear_ops.fp8_linear_plan(rows, k, n)
             entry = f"linear_fp8_bf16_{'swiglu_' if how else ''}{p.shape}"
         else:
             p, plan = linear_ops.mma_plan(rows, k, n), linear_ops.mma_linear_plan(rows, k, n)
-            entry = f"linear_mma_bf16_{'swiglu_' if how == 'stage' else ''}{p.shape}"
+            entry = f"linear_mma_bf16_{'swiglu_' if how == 'stage' else 'gated_' if gate else ''}{p.shape}"
         if p.grid_splits == 1 and p.m_tiles > 1:
             if wb == 2 and linear_ops.a16(p, k):   # the activations rounded once, the tiles copy them as bf16
                 rounding = (elementwise(phase, f"{name} SwiGLU to bf16", "round_swiglu_bf16", -(-rows * k // 4),
@@ -339,18 +346,18 @@ def linear(phase, name, rows, k, n, wb, dev, kind="weights", swiglu: bool = Fals
                 return [dataclasses.replace(rounding, kind=kind),
                         prompt_gemm(phase, name, kind, p, plan, rows, k, n, f"linear_mma_bf16_a16_{p.shape}", dev, wb,
                                     x_bytes=2)]
-            return [prompt_gemm(phase, name, kind, p, plan, rows, k, n, entry, dev, wb, x_bytes=4 * xw)]
+            return [prompt_gemm(phase, name, kind, p, plan, rows, k, n, entry, dev, wb, x_bytes=xb)]
         # x ([rows, K] f32, at most 128 x 17408 x 4 = 8.9 MB; twice that as gate|up) stays in L2 across the
         # column tiles: DRAM sees it once, not once per column tile as the plan's bytes (what the CTAs
         # load, through L2) count it
-        loaded = plan.bytes + (xw - 1) * p.n_tiles * 4 * rows * k
-        dram = loaded - (p.n_tiles - 1) * 4 * xw * rows * k
+        loaded = plan.bytes + (xb - F32) * p.n_tiles * rows * k
+        dram = loaded - (p.n_tiles - 1) * xb * rows * k
         iters = -(-min(p.kchunk, k) // p.bk)
         work = Work(entry, p.threads, p.shared_mem, even(dram, p.ctas), l2=even(loaded, p.ctas),
                     mma=plan.notes["mma_flops"] / MMA_FLOPS / p.ctas, iterations=iters,
                     units={"cta": 1.0, "iteration": float(iters)})
         return [kernel_of(phase, name, kind, work, dev, flops=plan.notes["mma_flops"],
-                          mma_flops=plan.notes["mma_flops"], min_bytes=plan.min_bytes + (xw - 1) * 4 * rows * k)]
+                          mma_flops=plan.notes["mma_flops"], min_bytes=plan.min_bytes + (xb - F32) * rows * k)]
     p = linear_ops.linear_plan(rows, k, n, wb)
     (run,) = p.launches
     # the plan's shared memory is the kernel's static array (launched with none dynamic): compiled() has it
@@ -386,8 +393,9 @@ def kv_itemsize(c: TrunkConfig) -> int:
 
 def layers(shape: Shape, ph: str, rows: int, dev: Device, attention, gdn) -> list[Kernel]:
     """The embedding and its norm, then each layer as dspark.models.trunk.run_pass issues it: its
-    products (linear), one kernel of glue between them each (q/k norm + RoPE, the output gate,
-    SwiGLU), the residual add + next RMSNorm twice; the mixer's own kernels from `attention()` (the
+    products (linear), the q/k norm + RoPE between them, the output gate and SwiGLU inside the products
+    that take them (linear's `gate` and `swiglu`: their own kernels where those do not), the residual
+    add + next RMSNorm twice; the mixer's own kernels from `attention()` (the
     attention kernels) and `gdn()` (between the gdn's two products)."""
     c, wb, pb, out = shape.trunk, shape.weight_bytes, shape.proj_bytes(), []
     d, kv_isz = c.d_model, kv_itemsize(c)
@@ -407,9 +415,8 @@ def layers(shape: Shape, ph: str, rows: int, dev: Device, attention, gdn) -> lis
             layer.append(qk_prepare_kernel(ph, rows, c.attn_heads, c.attn_kv_heads, c.head_dim, nq + 2 * nkv,
                                            c.rope_dim, kv_isz, dev, q_norm=c.qk_norm, k_norm=c.qk_norm))
             layer += attention()
-            if c.attn_gate or kv_isz != F32:
-                layer.append(attn_gate_kernel(ph, rows, c.attn_heads * c.head_dim, kv_isz, c.attn_gate, dev))
-            layer += linear(ph, "attn o", rows, c.attn_heads * c.head_dim, d, pb, dev)
+            layer += linear(ph, "attn o", rows, c.attn_heads * c.head_dim, d, pb, dev,
+                            gate=(kv_isz, c.attn_gate) if c.attn_gate or kv_isz != F32 else None)
         else:
             layer = gdn_in(ph, rows, d, C + H * dv, 2 * H, shape, dev)
             layer += gdn()
@@ -497,7 +504,7 @@ def moe_kernels(shape: Shape, ph, rows, dev: Device) -> list[Kernel]:
     """A sparse MoE FFN as dspark.models.moe.moe_ffn issues it: the router (and the shared expert's
     gate) as one GEMM, moe_route_f32 (a warp per row: the logits read, ids, weights and the grouping
     written), the grouped gate|up product over the rows' experts, SwiGLU over the grouped rows, the
-    grouped down product, the shared expert (gate|up, SwiGLU, down), and moe_combine_f32. In an FP8
+    grouped down product, the shared expert (gate|up, then down with SwiGLU inside), and moe_combine_f32. In an FP8
     trunk the experts and the shared expert are e4m3 (proj_bytes), the router and its gate 16-bit."""
     from dspark.ops import moe as moe_ops
     c, wb, pb = shape.trunk, shape.weight_bytes, shape.proj_bytes()

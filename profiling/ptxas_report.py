@@ -51,6 +51,8 @@ def tile_shapes() -> list[tuple[str, int, int, str]]:
                         serves.replace("16-bit", f"FP8 ({dt} activations)")))
             out.append((f"linear_mma_{dt}_swiglu_m{bm}", 32 * warps, linear_ops.mma_shared_mem(bm),
                         serves.replace("16-bit weights", "MLP down, SwiGLU in the stage")))
+            out.append((f"linear_mma_{dt}_gated_m{bm}", 32 * warps, linear_ops.mma_shared_mem(bm),
+                        serves.replace("16-bit weights", "attention output, its gate in the stage")))
             if bm != 64:
                 out.append((f"linear_fp8_{dt}_swiglu_m{bm}", 32 * linear_ops.FP8_CONFIGS[bm][2],
                              linear_ops.fp8_shared_mem(bm), serves.replace("16-bit weights", "FP8 MLP down, SwiGLU in the stage")))

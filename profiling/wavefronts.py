@@ -82,6 +82,7 @@ def child() -> list[dict]:
     from dspark.ops.fp8 import Fp8Matrix, scale_grid
     from dspark.ops.linear import linear
     from dspark.ops.swiglu_linear import swiglu_linear
+    from dspark.ops.gate_linear import attn_gate_linear
     be = dspark.get_backend("simt")
     k = be.kernels
     assert k.counts_shared_accesses, "not the counting build"
@@ -144,6 +145,20 @@ def child() -> list[dict]:
                 units = {"cta": float(p.ctas), "iteration": float(p.ctas * iters)}
                 take(counts, lambda c, u=units, e=entry: u if c.kernel.startswith(e) else None,
                      f"{entry} m{bm} K={kk} {'split' if p.grid_splits > 1 else 'fold'}")
+    rng_gated = np.random.default_rng(6)   # the output projection's gated stage: the same tiles over o and its gates
+    for bm in linear_ops.MMA_CONFIGS:
+        for kk, split in ((256, False), (1024, False), (1024, True)):
+            rows, n, D = bm, 256, 128
+            o = (rng_gated.standard_normal((rows, kk // D, D), np.float32)).astype(pm.BF16)
+            qg = rng_gated.standard_normal((rows, 2 * kk), np.float32)
+            w = (rng_gated.standard_normal((kk, n), np.float32) * 0.05).astype(pm.BF16)
+            p = linear_ops.mma_plan(rows, kk, n, bm=bm, split=split)
+            with k.counting() as counts:
+                attn_gate_linear(be, o, w, (qg, D, 2 * D), bm=bm, split=split)
+            iters = -(-min(p.kchunk, kk) // p.bk) if p.grid_splits > 1 else -(-kk // p.bk)
+            units = {"cta": float(p.ctas), "iteration": float(p.ctas * iters)}
+            take(counts, lambda c, u=units: u if c.kernel.startswith("linear_mma_bf16_gated") else None,
+                 f"linear_mma_bf16_gated m{bm} K={kk} {'split' if p.grid_splits > 1 else 'fold'}")
     rng_wide = np.random.default_rng(4)   # prompts (two row tiles, one chunk): the 128-row tile and the wide one,
     for bm, wide in ((64, False), (128, False), (128, True)):   # over x rounded once (K on 8) and over the f32 x
         for kk in (256, 448, 252, 444):

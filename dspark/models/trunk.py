@@ -30,10 +30,10 @@ import numpy as np
 
 from ..dtypes import BF16
 from ..errors import CapacityError, ShapeError, TokenRangeError
-from ..ops.activation import attn_gate
 from ..ops.attention import attention
 from ..ops.checks import Staged
 from ..ops.dense import silu
+from ..ops.gate_linear import attn_gate_linear
 from ..ops.fp8 import E4M3
 from ..ops import gdn_chunk
 from ..ops.gdn import ProjLayout, gdn_layer
@@ -373,9 +373,9 @@ class HybridTrunk:
         o = attention(be, q, k, v, tables.k[ia], tables.v[ia], inp["pos"], inp["indptr"], mode="causal",
                       out=ws.take("attn.o", rows, (H, D), kv_dtype), capacity=inp["capacity"], reach=reach, ws=ws,
                       split=self.attention_split)
-        if c.attn_gate or kv_dtype != np.float32:  # per head [q (D) | gate (D)], as Qwen3.5's q_proj writes them
-            o = attn_gate(be, o, (qkv, D, 2 * D) if c.attn_gate else None, out=ws.take("attn.o32", rows, (H * D,)))
-        return linear(be, o.reshape(rows, H * D), w[p + "attn.wo"], out=ws.take("sublayer", rows, (c.d_model,)), ws=ws)
+        # per head [q (D) | gate (D)], as Qwen3.5's q_proj writes them; o widened (and gated) in the product's stage
+        return attn_gate_linear(be, o, w[p + "attn.wo"], (qkv, D, 2 * D) if c.attn_gate else None,
+                                out=ws.take("sublayer", rows, (c.d_model,)), ws=ws)
 
     def _gdn(self, h, p, tables, ig, inp, out, commit, record, checkpoints, ws, prompt=None):
         c, w = self.config, self.w

@@ -68,18 +68,12 @@ def gates_of(src, first: int, head_stride: int, heads: int, D: int):
                     axis=1)
 
 
-def attn_gate(be, o, gates=None, out=None):
-    """o [rows, heads, D] (f32/f16/bf16) widened to f32, times sigmoid(gate) where the model gates
-    its attention output -> out [rows, heads * D] f32. gates = (src [rows, width] f32, first
-    column, head stride): head h's gate is src[:, first + h * head_stride :][:, :D] (Qwen3.5's gate
-    follows each head's query in the q projection: first D, stride 2 D); None: no gate."""
-    o, out = adopt(be, o=o, out=out, writes=("out",))
+def gate_source(be, o, gates):
+    """(src, first column, head stride) of attn_gate's `gates` for o [rows, heads, D] (src None: no
+    gate), after the checks of both."""
     require_ndim(o, 3, "o", "[rows, heads, D]")
-    suf = suffix(o.dtype, "o")
+    suffix(o.dtype, "o")
     rows, heads, D = o.shape
-    out = be.xp.empty((rows, heads * D), F32) if out is None else out
-    require_shape(out, (rows, heads * D), "out")
-    require_dtype(out, F32, "out")
     src, first, stride = (None, 0, 0) if gates is None else gates
     if src is not None:
         src = adopt(be, gates=src)
@@ -88,6 +82,21 @@ def attn_gate(be, o, gates=None, out=None):
         if src.shape[0] != rows or first < 0 or stride < D or first + (heads - 1) * stride + D > src.shape[1]:
             raise ShapeError(f"gates has shape {tuple(src.shape)}: expected {rows} rows holding {heads} heads of {D} "
                              f"from column {first}, every {stride}")
+    return src, first, stride
+
+
+def attn_gate(be, o, gates=None, out=None):
+    """o [rows, heads, D] (f32/f16/bf16) widened to f32, times sigmoid(gate) where the model gates
+    its attention output -> out [rows, heads * D] f32. gates = (src [rows, width] f32, first
+    column, head stride): head h's gate is src[:, first + h * head_stride :][:, :D] (Qwen3.5's gate
+    follows each head's query in the q projection: first D, stride 2 D); None: no gate."""
+    o, out = adopt(be, o=o, out=out, writes=("out",))
+    src, first, stride = gate_source(be, o, gates)
+    suf = suffix(o.dtype, "o")
+    rows, heads, D = o.shape
+    out = be.xp.empty((rows, heads * D), F32) if out is None else out
+    require_shape(out, (rows, heads * D), "out")
+    require_dtype(out, F32, "out")
     if be.kernels is None:
         gate = None if src is None else gates_of(src, first, stride, heads, D)
         out[...] = attn_gate_ref(o, gate).reshape(rows, heads * D)

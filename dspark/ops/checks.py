@@ -24,6 +24,18 @@ def require_shape(a, shape: tuple, what: str) -> None:
         raise ShapeError(f"{what} has shape {tuple(a.shape)}: expected {tuple(shape)}")
 
 
+def require_weights_for(w, k: int, rows: int, out, source: str) -> int:
+    """N of a product's weights w [K, N] (any matrix `linear` takes) for K input columns, after the
+    checks of w and of out (None, or f32 [rows, N]); `source` names the input in the message."""
+    if getattr(w, "ndim", 0) != 2 or w.shape[0] != k:
+        raise ShapeError(f"w has shape {tuple(getattr(w, 'shape', ()))}: expected ({k}, N) for {source}")
+    n = w.shape[1]
+    if out is not None:
+        require_shape(out, (rows, n), "out")
+        require_dtype(out, np.float32, "out")
+    return n
+
+
 def output(be, out, shape: tuple, dtype, what: str = "out"):
     """`out` checked for `shape` and `dtype`, or a fresh array of them when None."""
     out = be.xp.empty(shape, dtype) if out is None else out

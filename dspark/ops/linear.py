@@ -411,10 +411,11 @@ def round_activations(be, x, out) -> None:
                     (x, np.int64(n), out))
 
 
-def launch_mma(be, entry: str, p: MmaPlan, x, weights: tuple, out, ws, k: int | None = None) -> None:
+def launch_mma(be, entry: str, p: MmaPlan, x, weights: tuple, out, ws, k: int | None = None, extra: tuple = ()) -> None:
     """One launch of a tensor-core GEMM entry (`entry`_m<bm>: linear_mma's or linear_fp8's, which
     differ in their weight arguments alone) over x [rows, K] into out [rows, N] by plan p; `k`: the
-    product's K where x is wider (the SwiGLU entries' gate|up, [rows, 2K])."""
+    product's K where x is wider (the SwiGLU entries' gate|up, [rows, 2K]); `extra`: arguments after
+    the common ones (the gated entries' gates)."""
     rows, n = x.shape[0], out.shape[1]
     k = x.shape[1] if k is None else k
     part = buffer(be, ws, f"linear.part.{p.splits * n}", rows, (p.splits * n,)) if p.grid_splits > 1 \
@@ -422,7 +423,7 @@ def launch_mma(be, entry: str, p: MmaPlan, x, weights: tuple, out, ws, k: int | 
     tickets, _ = rowsplit.scratch(be, p.m_tiles * p.n_tiles, ws=ws)
     rowsplit.launch(be, f"{entry}_{p.shape}", p.grid, p.threads,
                     (x, *weights, np.int32(rows), np.int32(k), np.int32(n), np.int32(p.kchunk),
-                     np.int32(p.grid_splits), out, part, tickets), shared_mem=p.shared_mem)
+                     np.int32(p.grid_splits), out, part, tickets, *extra), shared_mem=p.shared_mem)
 
 
 @dataclass(frozen=True)

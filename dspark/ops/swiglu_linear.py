@@ -24,10 +24,9 @@ import numpy as np
 
 from ..arrays import adopt
 from ..dtypes import suffix
-from ..errors import ShapeError
 from . import rowsplit
 from .activation import gate_up_width, swiglu
-from .checks import require_dtype, require_ndim, require_shape
+from .checks import require_dtype, require_shape, require_weights_for
 from .fp8 import Fp8Matrix, scale_grid
 from .linear import (ROUND_THREADS, ColumnRuns, MmaPlan, a16, fp8_plan, launch_mma, linear, mma_plan, shared_limit,
                      tensor_cores)
@@ -76,13 +75,7 @@ def swiglu_linear(be, gate_up, w, out=None, *, bm: int | None = None, split: boo
     forced = {"bm": bm, "split": split, "wide": wide}
     gate_up, out = adopt(be, gate_up=gate_up, out=out, writes=("out",))
     rows, k = gate_up.shape[0] if gate_up.ndim else 0, gate_up_width(gate_up)
-    if getattr(w, "ndim", 0) != 2 or w.shape[0] != k:
-        raise ShapeError(f"w has shape {tuple(getattr(w, 'shape', ()))}: expected ({k}, N) for gate_up of shape "
-                         f"{tuple(gate_up.shape)} (half its columns)")
-    n = w.shape[1]
-    if out is not None:
-        require_shape(out, (rows, n), "out")
-        require_dtype(out, F32, "out")
+    n = require_weights_for(w, k, rows, out, f"gate_up of shape {tuple(gate_up.shape)} (half its columns)")
     if be.kernels is not None and not isinstance(w, ColumnRuns | Fp8Matrix):
         w = adopt(be, w=w)
     if isinstance(w, Fp8Matrix):   # linear_fp8's checks, before anything runs
