@@ -23,25 +23,29 @@ from ..dtypes import suffix
 from .activation import attn_gate, gate_source
 from .checks import require_weights_for
 from .fp8 import Fp8Matrix
-from .linear import ColumnRuns, a16, launch_mma, linear, mma_plan, shared_limit, tensor_cores
+from .linear import STAGE_SHAPES, ColumnRuns, a16, launch_mma, linear, mma_plan, shared_limit, tensor_cores
 from .workspace import buffer
 
 F32 = np.float32
-FUSED_SHAPES = ("m16", "m32", "m64", "m128")  # linear_mma_<dt>_gated_<shape>: linear.cu's entries
+def _plan(be, o_dtype, w, rows: int, k: int, n: int, forced: dict):
+    """The tensor-core plan of o [rows, K] of o_dtype against w [K, N] on `be` where o is of w's 16-bit
+    type (the gated entries read o as the weights' type), else None."""
+    if be.kernels is None or isinstance(w, ColumnRuns | Fp8Matrix) or w.dtype.itemsize != 2 \
+            or np.dtype(o_dtype) != np.dtype(w.dtype) or not tensor_cores(be) or not rows or not n:
+        return None
+    return mma_plan(rows, k, n, limit=shared_limit(be), **forced)
 
 
 def fused(be, o_dtype, w, rows: int, k: int, n: int, **forced) -> bool:
     """Whether attn_gate_linear runs o [rows, K] of o_dtype against w [K, N] in one launch on `be`.
     `forced`: mma_plan's bm / split / wide."""
-    if be.kernels is None or isinstance(w, ColumnRuns | Fp8Matrix) or w.dtype.itemsize != 2 \
-            or np.dtype(o_dtype) != np.dtype(w.dtype) or not tensor_cores(be) or not rows or not n:
-        return False
-    return fusion(mma_plan(rows, k, n, limit=shared_limit(be), **forced), k)
+    p = _plan(be, o_dtype, w, rows, k, n, forced)
+    return p is not None and fusion(p, k)
 
 
 def fusion(p, k: int) -> bool:
     """Whether a 16-bit output projection of K by plan p (mma_plan's) takes the gate in its stage."""
-    return not a16(p, k) and p.shape in FUSED_SHAPES
+    return not a16(p, k) and p.shape in STAGE_SHAPES
 
 
 def attn_gate_linear(be, o, w, gates=None, out=None, *, bm: int | None = None, split: bool | None = None,
@@ -60,7 +64,8 @@ def attn_gate_linear(be, o, w, gates=None, out=None, *, bm: int | None = None, s
     if src is None and o.dtype == F32:   # nothing to gate or widen
         return linear(be, o.reshape(rows, k), w, out=out, ws=ws, **plan)
     n = require_weights_for(w, k, rows, out, f"o of shape {tuple(o.shape)} (heads * D rows)")
-    if not fused(be, o.dtype, w, rows, k, n, **forced):
+    p = _plan(be, o.dtype, w, rows, k, n, forced)
+    if p is None or not fusion(p, k):
         o32 = attn_gate(be, o, None if src is None else (src, first, stride),
                         out=buffer(be, ws, f"attn.o32.{k}", rows, (k,)))
         return linear(be, o32, w, out=out, ws=ws, **plan)
@@ -68,7 +73,6 @@ def attn_gate_linear(be, o, w, gates=None, out=None, *, bm: int | None = None, s
     o, w = xp.ascontiguousarray(o), xp.ascontiguousarray(w)
     out = xp.empty((rows, n), F32) if out is None else out
     gate = None if src is None else xp.ascontiguousarray(src).reshape(-1)[first:]
-    launch_mma(be, f"linear_mma_{suffix(w.dtype, 'w')}_gated", mma_plan(rows, k, n, limit=shared_limit(be), **forced),
-               o.reshape(rows, k), (w,), out, ws,
+    launch_mma(be, f"linear_mma_{suffix(w.dtype, 'w')}_gated", p, o.reshape(rows, k), (w,), out, ws,
                extra=(gate, np.int64(0 if src is None else src.shape[1]), np.int32(stride), np.int32(D)))
     return out

@@ -89,6 +89,9 @@ MMA_TARGET_CTAS = 264  # two per SM of an H200: the most CTAs the K split aims a
 SMS = 132              # an H200's SMs: the split prefers CTA counts that fill whole waves of them
 # linear_numpy (f32 product of the widened weights) vs the 16-bit kernels: the activations'
 # rounding to bf16 (8 significant bits: relative 2^-9) dominates, relative to |x| @ |w|.
+# linear.cu's tile shapes with a fused activation stage (linear_mma_<dt>_swiglu_<shape>, _gated_<shape>):
+# all but the wide prompt tile
+STAGE_SHAPES = ("m16", "m32", "m64", "m128")
 MMA_TOLERANCE = {np.dtype(np.float16): 2.0**-11 + 1e-5, BF16: 2.0**-8 + 1e-5}
 
 

@@ -28,27 +28,30 @@ from . import rowsplit
 from .activation import gate_up_width, swiglu
 from .checks import require_dtype, require_shape, require_weights_for
 from .fp8 import Fp8Matrix, scale_grid
-from .linear import (ROUND_THREADS, ColumnRuns, MmaPlan, a16, fp8_plan, launch_mma, linear, mma_plan, shared_limit,
+from .linear import (ROUND_THREADS, STAGE_SHAPES, ColumnRuns, MmaPlan, a16, fp8_plan, launch_mma, linear, mma_plan, shared_limit,
                      tensor_cores)
 from .workspace import buffer
 
 F32 = np.float32
-FUSED_SHAPES = ("m16", "m32", "m64", "m128")  # linear_mma_<dt>_swiglu_<shape>: linear.cu's entries
 FP8_FUSED_SHAPES = ("m16", "m32", "m128")      # linear_fp8_<dt>_swiglu_<shape>: linear_fp8.cu's
+
+
+def _plan(be, w, rows: int, k: int, n: int, forced: dict) -> MmaPlan | None:
+    """The tensor-core plan the product of w [K, N] would launch on `be` (fp8_plan's for FP8 weights),
+    or None where it runs no tensor-core GEMM (the numpy backend, f32 weights, a ColumnRuns)."""
+    if be.kernels is None or isinstance(w, ColumnRuns) or not tensor_cores(be) or not rows or not n:
+        return None
+    if isinstance(w, Fp8Matrix):
+        return fp8_plan(rows, k, n, **_fp8_forced(forced)) if np.dtype(w.compute).itemsize == 2 else None
+    return mma_plan(rows, k, n, limit=shared_limit(be), **forced) if w.dtype.itemsize == 2 else None
 
 
 def fused(be, w, rows: int, k: int, n: int, **forced) -> str | None:
     """How swiglu_linear runs gate_up [rows, 2K] against w [K, N] on backend `be`: "stage" (one launch,
     SwiGLU in the activation stage), "round" (round_swiglu, then the a16 tiles) or None (swiglu, then
     linear). `forced`: mma_plan's bm / split / wide."""
-    if be.kernels is None or isinstance(w, ColumnRuns) or not tensor_cores(be) or not rows or not n:
-        return None
-    if isinstance(w, Fp8Matrix):
-        return fusion(fp8_plan(rows, k, n, **_fp8_forced(forced)), k, fp8=True) \
-            if np.dtype(w.compute).itemsize == 2 else None
-    if w.dtype.itemsize != 2:
-        return None
-    return fusion(mma_plan(rows, k, n, limit=shared_limit(be), **forced), k)
+    p = _plan(be, w, rows, k, n, forced)
+    return None if p is None else fusion(p, k, fp8=isinstance(w, Fp8Matrix))
 
 
 def fusion(p: MmaPlan, k: int, fp8: bool = False) -> str | None:
@@ -59,7 +62,7 @@ def fusion(p: MmaPlan, k: int, fp8: bool = False) -> str | None:
         return "stage" if p.shape in FP8_FUSED_SHAPES else None
     if a16(p, k):
         return "round"
-    return "stage" if p.shape in FUSED_SHAPES else None
+    return "stage" if p.shape in STAGE_SHAPES else None
 
 
 def _fp8_forced(forced: dict) -> dict:
@@ -82,7 +85,8 @@ def swiglu_linear(be, gate_up, w, out=None, *, bm: int | None = None, split: boo
         require_dtype(w.q, np.uint8, "w.q")
         require_dtype(w.scale, F32, "w.scale")
         require_shape(w.scale, scale_grid(k, n), "w.scale")
-    how = fused(be, w, rows, k, n, **forced)
+    p = _plan(be, w, rows, k, n, forced)
+    how = None if p is None else fusion(p, k, fp8=isinstance(w, Fp8Matrix))
     if how is None:
         act = swiglu(be, gate_up, out=buffer(be, ws, f"mlp.act.{k}", rows, (k,)))
         return linear(be, act, w, out=out, ws=ws, **({} if be.kernels is None else forced))
@@ -91,13 +95,11 @@ def swiglu_linear(be, gate_up, w, out=None, *, bm: int | None = None, split: boo
     out = xp.empty((rows, n), F32) if out is None else out
     if isinstance(w, Fp8Matrix):
         q, scale = adopt(be, q=w.q, scale=w.scale)
-        launch_mma(be, f"linear_fp8_{suffix(w.compute, 'w.compute')}_swiglu",
-                   fp8_plan(rows, k, n, **_fp8_forced(forced)), gate_up,
+        launch_mma(be, f"linear_fp8_{suffix(w.compute, 'w.compute')}_swiglu", p, gate_up,
                    (xp.ascontiguousarray(q), xp.ascontiguousarray(scale)), out, ws, k=k)
         return out
     w = xp.ascontiguousarray(w)
     suf = suffix(w.dtype, "w")
-    p = mma_plan(rows, k, n, limit=shared_limit(be), **forced)
     if how == "stage":
         launch_mma(be, f"linear_mma_{suf}_swiglu", p, gate_up, (w,), out, ws, k=k)
     else:
