@@ -39,6 +39,15 @@ struct bf16_t {
   uint16_t bits;
 };
 
+// A load served by L2, past this SM's L1: data that another CTA of the launch wrote before a
+// ticket (L1 is not coherent between SMs). The host build has one memory.
+DSPARK_DEVICE float load_l2(const float* p) {
+#if defined(DSPARK_SIMT)
+  return *p;
+#else
+  return __ldcg(p);
+#endif
+}
 DSPARK_DEVICE float dspark_inf() { return __int_as_float(0x7f800000); }
 DSPARK_DEVICE bool dspark_isnan(float x) { return x != x; }
 

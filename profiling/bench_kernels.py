@@ -409,6 +409,7 @@ def norm_benches(be, s: Sizes) -> Iterator[Bench]:
             writes = 1 if case == "rmsnorm" else 2
             yield Bench("norm", case, {"B": B, "rows": rows, "n": d}, int(F32 * ((reads + writes) * rows * d + d)),
                         3 * rows * d, (entry,), run,
+                        pm.rmsnorm_kernel("bench", case, rows, d, pm.H200) if case == "rmsnorm" else
                         pm.row_norm("bench", case, entry, rows, d, pm.H200, reads=reads, writes=writes))
 
 

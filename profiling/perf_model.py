@@ -571,19 +571,36 @@ def trunk_pass(shape: Shape, B: int, context: int, cols: int, dev: Device, *, ve
     return out
 
 
-def row_norm(phase, name, entry, rows, n, dev: Device, *, reads: float, writes: float, launches=1) -> Kernel:
-    """A warp-per-row norm kernel (csrc/norm.cu) over `rows` rows of n: `reads` / `writes` rows of
-    n f32 (a 16-bit embedding row counts half), the weight once; a warp per row, 8 rows per CTA."""
-    ctas = -(-rows // norm_ops.WARPS)
-    k = planned(phase, name, "other", even(F32 * rows * n * (reads + writes) + launches * F32 * n, ctas), 3 * rows * n,
-                32 * norm_ops.WARPS, 0, dev, entry)
-    k.launches = launches
-    return k
+def row_norm(phase, name, entry, rows, n, dev: Device, *, reads: float, writes: float) -> Kernel:
+    """A row step of csrc/norm.cu (add_rmsnorm_f32, embed_rmsnorm_<dt>) over `rows` rows of n: the new
+    x from `reads` rows of n f32 (a 16-bit embedding row counts half) and `writes` rows written (x,
+    the norm, a tap's share). Grid (rows, norm.row_chunks(n)): each CTA its chunk's bytes, every load
+    in flight at once (one DRAM round trip); the row's last CTA also reads the row back from L2
+    (staged for the sum, a piece of ROW_PIECE at a time, and read again for the norm where the row
+    is more than one piece), the weight from L2, and writes the norm, after a chain: the ticket's
+    and its pieces' L2 round trips, and warp 0's n / 32 dependent adds."""
+    chunks = norm_ops.row_chunks(n)
+    cols = np.minimum(norm_ops.ROW_CHUNK, n - norm_ops.ROW_CHUNK * np.arange(chunks))
+    cta = np.tile(F32 * cols * (reads + writes - 1), rows)       # the add: all but the norm's write
+    tail = np.zeros((rows, chunks))
+    tail[:, -1] = 1.0                                           # one CTA a row (which one arrives last is moot)
+    tail = tail.ravel()
+    dram = cta + tail * F32 * n
+    dram[-1] += F32 * n                                         # the weight, from DRAM once
+    pieces = -(-n // norm_ops.ROW_PIECE)
+    trips = 1 + pieces * (1 if pieces == 1 else 2)                # the ticket; the pieces staged (and reread)
+    l2 = dram + tail * F32 * n * (3 if pieces > 1 else 2)
+    chain = tail * (trips * dev.l2_latency + -(-n // 32) * FMA_LATENCY / dev.clock)
+    work = Work(entry, norm_ops.ROW_THREADS, 0, dram, l2=l2, f32_flops=tail * 3.0 * n, chain=chain)
+    return kernel_of(phase, name, "other", work, dev, flops=3 * rows * n)
 
 
 def rmsnorm_kernel(phase, name, rows, n, dev: Device, launches=1) -> Kernel:
-    """rmsnorm_f32 over `rows` rows of n (in `launches` calls)."""
-    return row_norm(phase, name, "rmsnorm_f32", rows, n, dev, reads=1, writes=1, launches=launches)
+    """rmsnorm_f32 over `rows` rows of n (in `launches` calls): a warp a row, its bytes and flops."""
+    k = planned(phase, name, "other", even(F32 * rows * n * 2 + launches * F32 * n, rows), 3 * rows * n,
+                32 * norm_ops.WARPS, 0, dev, "rmsnorm_f32")
+    k.launches = launches
+    return k
 
 
 def elementwise(phase, name, entry, outputs: int, nbytes: float, flops: float, dev: Device, threads=256) -> Kernel:
@@ -774,7 +791,7 @@ def drafter_pass(shape: Shape, B: int, context: int, dev: Device, reach: int | N
     keep = dc.block  # a full accept ingests every row
     taps = len(dc.taps or t.tap_layers)
     out += linear("ingest", "drafter fc", B * keep, taps * d, d, db, dev)
-    out.append(row_norm("ingest", "drafter fc norm", "add_rmsnorm_f32", B * keep, d, dev, reads=1, writes=2))
+    out.append(row_norm("ingest", "drafter fc norm", "add_rmsnorm_f32", B * keep, d, dev, reads=1, writes=1))
     for _ in range(dc.layers):
         out += linear("ingest", "drafter k|v", B * keep, d, 2 * nkv, db, dev)
         out.append(qk_prepare_kernel("ingest", B * keep, 0, dc.kv_heads, dc.head_dim, 2 * nkv, dc.head_dim, F32, dev,
@@ -846,12 +863,13 @@ def round_moves(shape: Shape, vts, keeps, rollback: str = "checkpoint", ingest=N
 # CuPy array ops of the plain path (op by op), counted on the CuPy contract path
 # (tests/profiling/test_perf_model.py recounts them): a round's and a plain decode step's, whatever
 # the layers (the layers' glue is kernels: dspark.ops.norm, activation, rope, heads). Recorded
-# passes (launches "eager" or "graph") have none. A prompt pass's (never recorded): per gdn layer
+# passes (launches "eager" or "graph") have none. Each unrecorded pass zeroes its workspace's row
+# tickets once (the products' and the row norms'). A prompt pass's (never recorded): per gdn layer
 # (the chunked gdn's inputs made contiguous, its gated output norm) and the last pass's last-row
 # gather (PROMPT_GLUE).
-LAUNCH_GLUE = {"round": 16, "step": 5}
+LAUNCH_GLUE = {"round": 19, "step": 6}
 UPLOADS = {"round": 3, "step": 1}   # a recorded round's inputs blocks (draft, verify, commit); a step's
-PROMPT_GLUE = {"gdn": 9, "pass": 4, "last": 2}
+PROMPT_GLUE = {"gdn": 9, "pass": 5, "last": 2}
 
 
 def array_ops(mode: str, spec: bool) -> int:

@@ -80,6 +80,7 @@ class Device:
     # Hopper microbenchmarks) and takes some 20 itself
     barrier_cycles: int = 60
     dram_latency: float = 0.8e-6   # assumed: a DRAM round trip on Hopper is 0.5-0.8 us (microbenchmarks)
+    l2_latency: float = 0.25e-6    # assumed: an L2 hit is some 260-500 cycles away (microbenchmarks; far partition)
     # assumed: the DRAM bandwidth one SM can pull alone: some 80 KB of loads in flight over that round trip
     sm_bw: float = 100e9
     # Host time of one launch, s: RESULTS "The launch host cost, measured" (CPU, 2 cores, `python

@@ -258,7 +258,7 @@ class DsparkDrafter:
         c, w, be = self.config, self.w, self.be
         rows, nkv = taps.shape[0], c.kv_heads * c.head_dim
         f = linear(be, taps, w["fc"], out=ws.take("ctx.fc", rows, (c.d_model,)), ws=ws)
-        add_rmsnorm(be, f, None, w["fc_norm"], c.norm_eps, out=f)
+        add_rmsnorm(be, f, None, w["fc_norm"], c.norm_eps, out=f, ws=ws)
         ks, vs = [], []
         for i in range(c.layers):
             kv_rows = linear(be, f, w[f"layers.{i}.attn.wkv"], out=ws.take("ctx.kv", rows, (2 * nkv,)), ws=ws)
@@ -310,7 +310,7 @@ class DsparkDrafter:
         norms = [w[f"layers.{i}.norm1"] for i in range(c.layers)] + [self.final_norm]
         eps = [c.norm_eps] * c.layers + [self.final_eps]
         x, h = ws.take("x", rows, (d,)), ws.take("h", rows, (d,))
-        embed_rmsnorm(be, self.embed, inp["ids"], norms[0], eps[0], x=x, out=h, scale=c.embed_scale)
+        embed_rmsnorm(be, self.embed, inp["ids"], norms[0], eps[0], x=x, out=h, scale=c.embed_scale, ws=ws)
         for i in range(c.layers):
             p = f"layers.{i}."
             a = h
@@ -330,7 +330,7 @@ class DsparkDrafter:
             y = linear(be, o.reshape(rows, -1), w[p + "attn.wo"], out=ws.take("sublayer", rows, (d,)), ws=ws)
             if c.conv_kernel:
                 y = self._conv(y, out_kernel, w[p + "attn_conv.base"][1], B)
-            add_rmsnorm(be, x, y, w[p + "norm2"], c.norm_eps, out=h)
+            add_rmsnorm(be, x, y, w[p + "norm2"], c.norm_eps, out=h, ws=ws)
             a = h
             if c.conv_kernel:
                 a, out_kernel = self._conv_prepare(h, p + "mlp_conv.", B)
@@ -338,7 +338,7 @@ class DsparkDrafter:
             y = swiglu_linear(be, gate_up, w[p + "mlp.w_down"], out=ws.take("sublayer", rows, (d,)), ws=ws)
             if c.conv_kernel:
                 y = self._conv(y, out_kernel, w[p + "mlp_conv.base"][1], B)
-            add_rmsnorm(be, x, y, norms[i + 1], eps[i + 1], out=h)  # the next norm1, or the final norm
+            add_rmsnorm(be, x, y, norms[i + 1], eps[i + 1], out=h, ws=ws)  # the next norm1, or the final norm
         hidden = h
         if harvest and c.harvest != "shifted":
             hidden = gather_rows(be, h, inp["draft_rows"], out=ws.take("hidden", B * c.drafts, (d,)))

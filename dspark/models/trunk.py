@@ -317,7 +317,7 @@ class HybridTrunk:
         tap_at = {layer: (out.taps, i * d) for i, layer in enumerate(taps)}
         norms = [w[f"layers.{i}.norm1"] for i in range(len(c.layers))] + [w["final_norm"]]
         x, h = ws.take("x", rows, (d,)), ws.take("h", rows, (d,))
-        embed_rmsnorm(be, w["embed"], inp["ids"], norms[0], eps, x=x, out=h, tap=tap_at.get(-1))
+        embed_rmsnorm(be, w["embed"], inp["ids"], norms[0], eps, x=x, out=h, tap=tap_at.get(-1), ws=ws)
         ia = ig = 0
         ffn = c.ffn_kinds
         for i, kind in enumerate(c.layers):
@@ -328,14 +328,14 @@ class HybridTrunk:
             else:
                 y = self._gdn(h, p, tables, ig, inp, out, commit, record_gdn, checkpoints, ws, prompt)
                 ig += 1
-            add_rmsnorm(be, x, y, w[p + "norm2"], eps, out=h)
+            add_rmsnorm(be, x, y, w[p + "norm2"], eps, out=h, ws=ws)
             if ffn[i] == "moe":
                 y = moe_ffn(self, h, p, i, ws)
             else:
                 gate_up = linear(be, h, w[p + "mlp.w_gate_up"], out=ws.take("mlp.gate_up", rows, (2 * c.mlp_hidden,)),
                                  ws=ws)
                 y = swiglu_linear(be, gate_up, w[p + "mlp.w_down"], out=ws.take("sublayer", rows, (d,)), ws=ws)
-            add_rmsnorm(be, x, y, norms[i + 1], eps, out=h, tap=tap_at.get(i))  # h: the next norm1, or the final norm
+            add_rmsnorm(be, x, y, norms[i + 1], eps, out=h, tap=tap_at.get(i), ws=ws)  # h: the next norm1, or the final norm
         if logits == "last":  # each session's last row (row-invariant products: the same bits as "all")
             lens = np.diff(indptr)
             h = h[be.xp.asarray(indptr[1:][lens > 0] - 1)]

@@ -15,7 +15,11 @@ array_equal); it and the numpy formula agree within a few ulp.
 The layer boundary: `add_rmsnorm` adds the sublayer's output to the residual stream x in place and
 normalises the new x for the next sublayer in one launch (and copies x to a tap column block when
 the layer is tapped); `embed_rmsnorm` gathers the first x from the embedding (f32, f16 or bf16,
-widened exactly) and normalises it. Both sum exactly as rmsnorm_f32 does.
+widened exactly) and normalises it. Both sum exactly as rmsnorm_f32 does, over ceil(n / ROW_CHUNK)
+CTAs a row: each writes its chunk of the new x with all its loads in flight at once (the one-warp
+kernel waited out a round trip an entry), so a verify's few rows move their bytes on many SMs,
+and the last of a row's CTAs to arrive (a ticket a row, zero at rest) stages the row from L2 and
+norms it.
 """
 
 from __future__ import annotations
@@ -25,11 +29,27 @@ import numpy as np
 from ..arrays import adopt
 from ..dtypes import suffix, to_f32
 from ..errors import ShapeError
-from . import host
+from . import host, rowsplit
 from .checks import host_and_device, require_dtype, require_ndim, require_shape
 
 F32 = np.float32
 WARPS = 1   # rows per CTA (kNormWarps): a verify's few rows on as many SMs
+ROW_THREADS, ROW_CHUNK = 256, 1024  # add_ and embed_rmsnorm: a CTA's threads, the columns it writes (kRow*)
+ROW_PIECE = 8192                    # floats the row's last CTA stages at once (kRowPiece)
+
+
+def row_chunks(n: int) -> int:
+    """CTAs a row of n takes in add_ and embed_rmsnorm (their grid's y)."""
+    return max(1, -(-n // ROW_CHUNK))
+
+
+def _row_step(be, kernel: str, args: tuple, rows: int, n: int, ws) -> None:
+    """Launch a row kernel (grid (rows, row_chunks(n))) with its tickets: `rows` of them, zero at
+    rest, from the workspace `ws` (what a recorded pass keeps) or the row-split pool."""
+    if rows and n:
+        tickets = ws.take("norm.tickets", rows, (), np.uint32, zero=True) if ws is not None else \
+            rowsplit.scratch(be, rows)[0]
+        rowsplit.launch(be, kernel, (rows, row_chunks(n)), ROW_THREADS, (*args, tickets))
 
 
 def _butterfly(p: np.ndarray) -> np.ndarray:
@@ -113,15 +133,11 @@ def add_rmsnorm_ref(x, y, weight, eps: float):
     return x, rmsnorm_ref(x, weight, eps)
 
 
-def _norm_call(be, fn: str, args: tuple, rows: int) -> None:
-    if rows:
-        be.kernels.get_function(fn)((-(-rows // WARPS),), (32 * WARPS,), args)
-
-
-def add_rmsnorm(be, x, y, weight, eps: float, out=None, tap=None):
+def add_rmsnorm(be, x, y, weight, eps: float, out=None, tap=None, ws=None):
     """x <- x + y in place (y None: x as it is), then out = RMSNorm of the new x; with tap =
     (taps, column) the new x is also copied to taps[:, column : column + n]. x, y [rows, n] f32 (x
-    C-contiguous: it is written), weight [n] f32."""
+    C-contiguous: it is written), weight [n] f32; out may be x. `ws`: the workspace the row tickets
+    come from (dspark.ops.workspace; default the row-split pool)."""
     x, y, weight, out = adopt(be, x=x, y=y, weight=weight, out=out, writes=("x", "out"))
     tap = None if tap is None else (adopt(be, taps=tap[0], writes=("taps",)), tap[1])
     require_ndim(x, 2, "x", "[rows, n]")
@@ -147,14 +163,15 @@ def add_rmsnorm(be, x, y, weight, eps: float, out=None, tap=None):
     if not x.flags.c_contiguous:
         raise ShapeError("x: expected a C-contiguous array (it is written in place)")
     y = None if y is None else be.xp.ascontiguousarray(y)
-    _norm_call(be, "add_rmsnorm_f32", (x, y, weight, np.int32(rows), np.int32(n), F32(eps), out, tap_ptr, stride), rows)
+    _row_step(be, "add_rmsnorm_f32", (x, y, weight, np.int32(rows), np.int32(n), F32(eps), out, tap_ptr, stride),
+              rows, n, ws)
     return out
 
 
-def embed_rmsnorm(be, table, ids, weight, eps: float, x=None, out=None, scale: float = 1.0, tap=None):
-    """x = widen(table[ids]) * scale [rows, n] f32, then out = RMSNorm(x); the tap copy as in
-    add_rmsnorm. table [V, n] f32/f16/bf16; ids int32 [rows], host or Staged (validated on the host,
-    read by the kernel from the device). Returns (x, out)."""
+def embed_rmsnorm(be, table, ids, weight, eps: float, x=None, out=None, scale: float = 1.0, tap=None, ws=None):
+    """x = widen(table[ids]) * scale [rows, n] f32, then out = RMSNorm(x); the tap copy and `ws` as
+    in add_rmsnorm. table [V, n] f32/f16/bf16; ids int32 [rows], host or Staged (validated on the
+    host, read by the kernel from the device). Returns (x, out)."""
     table, weight, x, out = adopt(be, table=table, weight=weight, x=x, out=out, writes=("x", "out"))
     tap = None if tap is None else (adopt(be, taps=tap[0], writes=("taps",)), tap[1])
     require_ndim(table, 2, "table", "[V, n]")
@@ -181,6 +198,6 @@ def embed_rmsnorm(be, table, ids, weight, eps: float, x=None, out=None, scale: f
         if tap is not None:
             tap[0][:, tap[1] : tap[1] + n] = x
         return x, out
-    _norm_call(be, f"embed_rmsnorm_{suf}", (xp.ascontiguousarray(table), dev_ids, np.int32(rows), np.int32(n),
-                                             F32(scale), weight, F32(eps), x, out, tap_ptr, stride), rows)
+    _row_step(be, f"embed_rmsnorm_{suf}", (xp.ascontiguousarray(table), dev_ids, np.int32(rows), np.int32(n),
+                                            F32(scale), weight, F32(eps), x, out, tap_ptr, stride), rows, n, ws)
     return x, out

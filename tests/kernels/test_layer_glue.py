@@ -24,7 +24,9 @@ from dspark.ops.argmax import argmax_rows_ref, markov_chain_ref
 from dspark.ops.heads import markov_logits, markov_logits_ref
 from dspark.ops.heads import (confidence_features, confidence_features_ref, gather_rows, logit_scale,
                               logit_scale_ref)
+from dspark.ops import norm
 from dspark.ops.norm import add_rmsnorm, add_rmsnorm_ref, embed_rmsnorm, rmsnorm_ref
+from dspark.ops.workspace import Workspace
 from dspark.ops.rope import Heads, Rotary, qk_prepare, qk_prepare_ref, row_positions
 from tests.conftest import poison
 
@@ -62,10 +64,44 @@ def test_add_rmsnorm_is_the_add_then_the_norm_bitwise(kbe, rng, rows, n):
     np.testing.assert_array_equal(be.to_host(out1)[0], want[-1])      # a row alone: the same bits
 
 
-@pytest.mark.parametrize("dtype", [np.float32, np.float16, BF16])
-def test_embed_rmsnorm_gathers_widens_and_norms_bitwise(kbe, rng, dtype):
+@pytest.mark.parametrize("rows, n", [(2, 1025), (5, 2048), (1, 4097 + 1024)])
+def test_add_rmsnorm_across_chunks_is_the_norm_of_the_whole_new_row(kbe, rng, rows, n):
+    """A row over several CTAs (ROW_CHUNK columns each; a last chunk of one column; past a staged piece): the row's last
+    CTA norms every chunk's new x (a norm taken before the other chunks wrote would see their old x,
+    which y moves far), in place over x as the drafter's fc norm runs it, and the tickets are put back."""
     be = kbe
-    V, n, rows = 77, 96, 11
+    assert norm.row_chunks(n) > 1
+    x = rng.standard_normal((rows, n)).astype(F32)
+    y = (rng.standard_normal((rows, n)) * 50).astype(F32)
+    w = rng.standard_normal(n).astype(F32)
+    ws = Workspace(be, rows)
+    xd = be.asarray(x.copy())
+    got = add_rmsnorm(be, xd, be.asarray(y), be.asarray(w), 1e-6, out=xd, ws=ws)  # out is x
+    want_x, want = add_rmsnorm_ref(x, y, w, 1e-6)
+    np.testing.assert_array_equal(be.to_host(got), want)
+    assert not be.to_host(ws.take("norm.tickets", rows, (), np.uint32)).any()  # zero at rest for the next launch
+    xd, out = be.asarray(x.copy()), poison(be.xp, (rows, n), F32)
+    add_rmsnorm(be, xd, None, be.asarray(w), 1e-6, out=out, ws=ws)      # no residual: the norm of x as it is
+    np.testing.assert_array_equal(be.to_host(out), add_rmsnorm_ref(x, None, w, 1e-6)[1])
+    np.testing.assert_array_equal(be.to_host(xd), x)
+
+
+def test_add_rmsnorm_refuses_bad_input_and_leaves_x_untouched(simt, rng):
+    be = simt
+    x, w = be.asarray(rng.standard_normal((3, 600)).astype(F32)), be.asarray(rng.standard_normal(600).astype(F32))
+    before, out = be.to_host(x).copy(), poison(be.xp, (3, 600), F32)
+    with pytest.raises(ShapeError, match=r"y has shape \(3, 599\): expected \(3, 600\)"):
+        add_rmsnorm(be, x, be.asarray(np.ones((3, 599), F32)), w, 1e-6, out=out)
+    with pytest.raises(ShapeError, match=r"out has shape \(2, 600\): expected \(3, 600\)"):
+        add_rmsnorm(be, x, be.asarray(np.ones((3, 600), F32)), w, 1e-6, out=poison(be.xp, (2, 600), F32))
+    np.testing.assert_array_equal(be.to_host(x), before)
+    assert np.isnan(be.to_host(out)).all()
+
+
+@pytest.mark.parametrize("dtype, n", [(np.float32, 96), (np.float16, 96), (BF16, 96), (BF16, 1100)])
+def test_embed_rmsnorm_gathers_widens_and_norms_bitwise(kbe, rng, dtype, n):
+    be = kbe
+    V, rows = 77, 11
     table = rng.standard_normal((V, n)).astype(F32).astype(dtype)
     ids = rng.integers(0, V, rows).astype(np.int32)
     w = rng.standard_normal(n).astype(F32)
