@@ -101,6 +101,40 @@ extern "C" __global__ void round_swiglu_f16(const float* __restrict__ gate_up, i
   round_swiglu<f16_t>(gate_up, rows, F, out);
 }
 
+// round_gate_<dt>(o T [rows, heads * D], gate f32 or null, rows, heads, D, gate_stride, gate_head,
+//                 out T [rows, heads * D]): out = round_T(widen(o) * act_sigmoid(g)), g the gate
+// attn_gate_<dt> reads (Qwen3.5's, after each head's query), or round_T(widen(o)) without one: the
+// activations attn_gate writes, rounded as round_activations rounds them, in one launch (what a
+// prompt's output projection reads: linear_mma_<dt>_a16_<shape>). D % 4 == 0, so a thread's four
+// never cross a head.
+template <typename T>
+DSPARK_DEVICE void round_gate(const T* __restrict__ o, const float* __restrict__ gate, int rows, int heads, int D,
+                              long long gate_stride, int gate_head, T* __restrict__ out) {
+  const long long i = 4 * ((long long)blockIdx.x * blockDim.x + threadIdx.x);
+  const long long width = (long long)heads * D;
+  if (i >= rows * width) return;
+  float a[4];
+#pragma unroll
+  for (int e = 0; e < 4; ++e) a[e] = to_float(o[i + e]);
+  if (gate) {
+    const long long r = i / width, c = i - r * width, h = c / D;
+    const float* g = gate + r * gate_stride + h * gate_head + (c - h * D);
+#pragma unroll
+    for (int e = 0; e < 4; ++e) a[e] = a[e] * act_sigmoid(g[e]);
+  }
+  *reinterpret_cast<uint2*>(out + i) = make_uint2(mma_pack2<T>(a[0], a[1]), mma_pack2<T>(a[2], a[3]));
+}
+extern "C" __global__ void round_gate_bf16(const bf16_t* __restrict__ o, const float* __restrict__ gate, int rows,
+                                           int heads, int D, long long gate_stride, int gate_head,
+                                           bf16_t* __restrict__ out) {
+  round_gate<bf16_t>(o, gate, rows, heads, D, gate_stride, gate_head, out);
+}
+extern "C" __global__ void round_gate_f16(const f16_t* __restrict__ o, const float* __restrict__ gate, int rows,
+                                          int heads, int D, long long gate_stride, int gate_head,
+                                          f16_t* __restrict__ out) {
+  round_gate<f16_t>(o, gate, rows, heads, D, gate_stride, gate_head, out);
+}
+
 // round_activations_<dt>(x f32 [n], n, out T [n]): out = round_T(x) as the GEMM's A stage rounds it
 // (mma_pack2: from_float's bits), four a thread (n % 4 == 0, out 8-byte aligned; x read by float4
 // where it is 16-byte aligned); what the a16 entries read.

@@ -543,7 +543,7 @@ def swiglu_linear_benches(be, s: Sizes) -> Iterator[Bench]:
 
 def gate_linear_benches(be, s: Sizes) -> Iterator[Bench]:
     """An attention's output projection over its bf16 output and gates (dspark.ops.gate_linear:
-    linear_mma_bf16_gated_<shape>; a prompt keeps attn_gate and the a16 tiles) over a decode's and a
+    linear_mma_bf16_gated_<shape>; a prompt's round_gate and the a16 tiles) over a decode's and a
     verify's rows: bytes the product's min_bytes with o (2 bytes) and its gates (4) for x, predicted as
     perf_model.linear(gate=...) prices it."""
     hq, D, d = s.hkv * s.gqa, s.head_dim, s.d_model
@@ -553,7 +553,7 @@ def gate_linear_benches(be, s: Sizes) -> Iterator[Bench]:
     for case, B, rows in cases:
         o, qg, out = randn(be, (rows, hq, D), BF16), randn(be, (rows, 2 * k)), be.xp.empty((rows, d), np.float32)
         plan = linear_plan(rows, k, d, 2)
-        model = pm.linear("bench", "attn o", rows, k, d, 2, pm.H200, gate=(2, True))
+        model = pm.linear("bench", "attn o", rows, k, d, 2, pm.H200, gate=(2, True, D))
         yield Bench("linear", f"{case} (gated)", {"proj": "attn o", "B": B, "rows": rows, "K": k, "N": d,
                                                   "S": plan.splits},
                     plan.min_bytes + 2 * rows * k, 2 * rows * k * d, tuple(sorted(m.entry for m in model)),

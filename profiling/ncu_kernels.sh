@@ -38,7 +38,7 @@ if [[ $MODE == verify ]]; then
   exit 0
 fi
 "$NCU_BIN" --clock-control none --launch-skip 20 --launch-count 40 \
-  --kernel-name 'regex:^(attention|kv_commit|gdn_scan|gdn_conv|gdn_chunk|snapshot|checkpoint|argmax|greedy_accept|markov_chain|sample|spec_accept|pick_accept|philox|rmsnorm|add_rmsnorm|embed_rmsnorm|linear|round_activations|round_swiglu|moe|swiglu|attn_gate|sigmoid_bias|qk_prepare|gather_rows|logit_scale|confidence_features|markov_logits)' \
+  --kernel-name 'regex:^(attention|kv_commit|gdn_scan|gdn_conv|gdn_chunk|snapshot|checkpoint|argmax|greedy_accept|markov_chain|sample|spec_accept|pick_accept|philox|rmsnorm|add_rmsnorm|embed_rmsnorm|linear|round_activations|round_swiglu|round_gate|moe|swiglu|attn_gate|sigmoid_bias|qk_prepare|gather_rows|logit_scale|confidence_features|markov_logits)' \
   --section SpeedOfLight --section Occupancy --section LaunchStats \
   -o "$OUT/dspark_kernels" -f "$PY" profiling/session_workload.py --backend cuda --requests 4 --tokens 64
 "$NCU_BIN" --import "$OUT/dspark_kernels.ncu-rep" --page details --csv > "$OUT/ncu_kernels.csv"

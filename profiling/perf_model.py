@@ -319,10 +319,13 @@ def linear(phase, name, rows, k, n, wb, dev, kind="weights", swiglu: bool = Fals
     linear_fp8_bf16_swiglu_<shape>: both halves read, twice the x bytes) or a 16-bit prompt's rounding
     (round_swiglu_bf16: gate|up read, the bf16 activations written); elsewhere (f32 weights, the wide f32
     tile, FP8 at 64 rows) swiglu_f32 runs before the product.
-    `gate`: (o's bytes an element, gated) of an attention's output projection over its output o
+    `gate`: (o's bytes an element, gated, head_dim) of an attention's output projection over its output o
     (dspark.ops.gate_linear): 16-bit weights over o of their type take o's widening and its gate into the
-    stage (linear_mma_bf16_gated_<shape>: o and its gates read for x); elsewhere attn_gate_<t> runs first."""
-    if gate is not None and not (wb == 2 and gate[0] == 2 and gate_ops.fusion(linear_ops.mma_plan(rows, k, n), k)):
+    stage (linear_mma_bf16_gated_<shape>: o and its gates read for x) or a prompt's rounding
+    (round_gate_bf16: o and its gates read, the bf16 activations written); elsewhere attn_gate_<t> runs
+    first."""
+    if gate is not None and not (wb == 2 and gate[0] == 2
+                                 and gate_ops.fusion(linear_ops.mma_plan(rows, k, n), k, gate[2])):
         return [attn_gate_kernel(phase, rows, k, gate[0], gate[1], dev)] + linear(phase, name, rows, k, n, wb, dev, kind)
     how = swiglu and wb in (1, 2) and swiglu_ops.fusion(
         (linear_ops.fp8_plan if wb == 1 else linear_ops.mma_plan)(rows, k, n), k, fp8=wb == 1)
@@ -341,6 +344,9 @@ def linear(phase, name, rows, k, n, wb, dev, kind="weights", swiglu: bool = Fals
             if wb == 2 and linear_ops.a16(p, k):   # the activations rounded once, the tiles copy them as bf16
                 rounding = (elementwise(phase, f"{name} SwiGLU to bf16", "round_swiglu_bf16", -(-rows * k // 4),
                                         10 * rows * k, 5 * rows * k, dev, linear_ops.ROUND_THREADS) if how else
+                            elementwise(phase, f"{name} gate to bf16", "round_gate_bf16", -(-rows * k // 4),
+                                        (4 + (F32 if gate[1] else 0)) * rows * k, (4 if gate[1] else 0) * rows * k,
+                                        dev, linear_ops.ROUND_THREADS) if gate else
                             elementwise(phase, f"{name} x to bf16", "round_activations_bf16", -(-rows * k // 4),
                                         6 * rows * k, rows * k, dev, linear_ops.ROUND_THREADS))
                 return [dataclasses.replace(rounding, kind=kind),
@@ -416,7 +422,7 @@ def layers(shape: Shape, ph: str, rows: int, dev: Device, attention, gdn) -> lis
                                            c.rope_dim, kv_isz, dev, q_norm=c.qk_norm, k_norm=c.qk_norm))
             layer += attention()
             layer += linear(ph, "attn o", rows, c.attn_heads * c.head_dim, d, pb, dev,
-                            gate=(kv_isz, c.attn_gate) if c.attn_gate or kv_isz != F32 else None)
+                            gate=(kv_isz, c.attn_gate, c.head_dim) if c.attn_gate or kv_isz != F32 else None)
         else:
             layer = gdn_in(ph, rows, d, C + H * dv, 2 * H, shape, dev)
             layer += gdn()

@@ -9,9 +9,12 @@ tests compare the two bitwise on simt):
   batched rows: all but a prompt's): one launch. Each CTA reads o as stored and its gates where it read
   the activations, and multiplies them where it rounds them to the weights' type; the f32 copy of o is
   never written.
+* A prompt's a16 tiles (activations rounded once, copied by cp.async) over o of the weights' type and
+  heads of D % 4 == 0: `round_gate_<dt>` writes the rounded activations from o and its gates (no f32 o),
+  then the a16 entry: two launches where there were three.
 * o f32 without gates: `linear` over o itself.
-* Anything else (a prompt's a16 tiles, FP8 or f32 weights, o of another type, the numpy backend):
-  `attn_gate` into the workspace, then `linear`.
+* Anything else (FP8 or f32 weights, o of another type, the numpy backend): `attn_gate` into the
+  workspace, then `linear`.
 """
 
 from __future__ import annotations
@@ -23,7 +26,9 @@ from ..dtypes import suffix
 from .activation import attn_gate, gate_source
 from .checks import require_weights_for
 from .fp8 import Fp8Matrix
-from .linear import STAGE_SHAPES, ColumnRuns, a16, launch_mma, linear, mma_plan, shared_limit, tensor_cores
+from . import rowsplit
+from .linear import (ROUND_THREADS, STAGE_SHAPES, ColumnRuns, a16, launch_mma, linear, mma_plan, shared_limit,
+                     tensor_cores)
 from .workspace import buffer
 
 F32 = np.float32
@@ -36,16 +41,21 @@ def _plan(be, o_dtype, w, rows: int, k: int, n: int, forced: dict):
     return mma_plan(rows, k, n, limit=shared_limit(be), **forced)
 
 
-def fused(be, o_dtype, w, rows: int, k: int, n: int, **forced) -> bool:
-    """Whether attn_gate_linear runs o [rows, K] of o_dtype against w [K, N] in one launch on `be`.
-    `forced`: mma_plan's bm / split / wide."""
+def fused(be, o_dtype, w, rows: int, k: int, n: int, head_dim: int, **forced) -> str | None:
+    """How attn_gate_linear runs o [rows, K] of o_dtype (heads of head_dim) against w [K, N] on `be`:
+    "stage" (one launch, the gate in the activation stage), "round" (round_gate, then the a16 tiles)
+    or None (attn_gate, then linear). `forced`: mma_plan's bm / split / wide."""
     p = _plan(be, o_dtype, w, rows, k, n, forced)
-    return p is not None and fusion(p, k)
+    return None if p is None else fusion(p, k, head_dim)
 
 
-def fusion(p, k: int) -> bool:
-    """Whether a 16-bit output projection of K by plan p (mma_plan's) takes the gate in its stage."""
-    return not a16(p, k) and p.shape in STAGE_SHAPES
+def fusion(p, k: int, head_dim: int) -> str | None:
+    """Where a 16-bit output projection of K (heads of head_dim) by plan p (mma_plan's) takes the gate
+    (`fused`'s answers): the a16 tiles' rounding (four columns a thread, never across a head), the
+    activation stage of the shapes that have a gated entry, or nowhere."""
+    if a16(p, k):
+        return "round" if head_dim % 4 == 0 else None
+    return "stage" if p.shape in STAGE_SHAPES else None
 
 
 def attn_gate_linear(be, o, w, gates=None, out=None, *, bm: int | None = None, split: bool | None = None,
@@ -65,7 +75,8 @@ def attn_gate_linear(be, o, w, gates=None, out=None, *, bm: int | None = None, s
         return linear(be, o.reshape(rows, k), w, out=out, ws=ws, **plan)
     n = require_weights_for(w, k, rows, out, f"o of shape {tuple(o.shape)} (heads * D rows)")
     p = _plan(be, o.dtype, w, rows, k, n, forced)
-    if p is None or not fusion(p, k):
+    how = None if p is None else fusion(p, k, D)
+    if how is None:
         o32 = attn_gate(be, o, None if src is None else (src, first, stride),
                         out=buffer(be, ws, f"attn.o32.{k}", rows, (k,)))
         return linear(be, o32, w, out=out, ws=ws, **plan)
@@ -73,6 +84,14 @@ def attn_gate_linear(be, o, w, gates=None, out=None, *, bm: int | None = None, s
     o, w = xp.ascontiguousarray(o), xp.ascontiguousarray(w)
     out = xp.empty((rows, n), F32) if out is None else out
     gate = None if src is None else xp.ascontiguousarray(src).reshape(-1)[first:]
-    launch_mma(be, f"linear_mma_{suffix(w.dtype, 'w')}_gated", p, o.reshape(rows, k), (w,), out, ws,
-               extra=(gate, np.int64(0 if src is None else src.shape[1]), np.int32(stride), np.int32(D)))
+    gate_stride = np.int64(0 if src is None else src.shape[1])
+    suf = suffix(w.dtype, "w")
+    if how == "stage":
+        launch_mma(be, f"linear_mma_{suf}_gated", p, o.reshape(rows, k), (w,), out, ws,
+                   extra=(gate, gate_stride, np.int32(stride), np.int32(D)))
+        return out
+    xh = buffer(be, ws, f"linear.x16.{suf}.{k}", rows, (k,), w.dtype)
+    rowsplit.launch(be, f"round_gate_{suf}", -(-rows * k // (4 * ROUND_THREADS)), ROUND_THREADS,
+                    (o, gate, np.int32(rows), np.int32(heads), np.int32(D), gate_stride, np.int32(stride), xh))
+    launch_mma(be, f"linear_mma_{suf}_a16", p, xh, (w,), out, ws)
     return out

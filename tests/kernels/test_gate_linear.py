@@ -50,8 +50,9 @@ def two_launches(be, o, qg, w, gated=True, **plan):
 def test_every_tile_shape_and_mode_gives_the_bits_of_the_gate_then_the_product(simt, rng, dtype):
     """Gated and not (o widened alone); heads of D off 4 and on 8; gates whose rows are 16-byte aligned
     (vector loads of o and gates) or not (scalar loads); rows crossing the m-tiles; N off 8; one K chunk
-    or several. A prompt's a16 tiles keep the two launches."""
-    for rows, heads, D, n, pad in ((150, 3, 13, 77, 3), (9, 4, 64, 300, 0), (40, 2, 40, 130, 3), (40, 2, 40, 130, 0)):
+    or several; a prompt's a16 tiles through round_gate (D % 4 == 0) or the two launches (D off 4)."""
+    for rows, heads, D, n, pad in ((150, 3, 13, 77, 3), (150, 3, 24, 77, 3), (9, 4, 64, 300, 0), (40, 2, 40, 130, 3),
+                                   (40, 2, 40, 130, 0)):
         o, qg, w = inputs(rng, rows, heads, D, n, dtype, pad)
         k = heads * D
         for gated in (True, False):
@@ -59,16 +60,17 @@ def test_every_tile_shape_and_mode_gives_the_bits_of_the_gate_then_the_product(s
             ways = set()
             for bm in MMA_CONFIGS:
                 for split in (False, True):
-                    ways.add(fused(simt, o.dtype, w, rows, k, n, bm=bm, split=split))
+                    ways.add(fused(simt, o.dtype, w, rows, k, n, D, bm=bm, split=split))
                     got = fused_run(simt, o, qg, w, gated, bm=bm, split=split)
                     assert_bits(got, want, f"rows={rows} heads={heads} D={D} gated={gated} bm={bm} split={split}")
-            assert True in ways, (rows, k)
+            assert "stage" in ways and ("round" in ways) == (rows == 150 and D % 4 == 0), (rows, k, ways)
 
 
 def test_gates_of_0_half_and_1_give_the_product_of_the_gated_rows(simt, rng):
     """Within csrc/linear.cu alone (what a private build of the family holds): gates of -inf, 0 and +inf
-    make the sigmoid exactly 0, 1/2 and 1 on any backend, so the gated stage must give the plain product
-    of o times them, computed on the host, bitwise, each head with its own gates."""
+    make the sigmoid exactly 0, 1/2 and 1 on any backend, so the gated stage, and a prompt's rounding,
+    must give the plain product of o times them, computed on the host, bitwise, each head with its own
+    gates."""
     rows, heads, D, n = 9, 3, 24, 70
     for pad in (3, 0):   # gates' rows off 16 bytes (scalar loads) and on (vector loads)
         o, qg, w = inputs(rng, rows, heads, D, n, BF16, pad)
@@ -77,8 +79,15 @@ def test_gates_of_0_half_and_1_give_the_product_of_the_gated_rows(simt, rng):
         scale = np.where(gates == np.inf, 1.0, np.where(gates == 0, 0.5, 0.0)).astype(np.float32)
         want = two_launches_of(simt, (to_f32(o) * scale).reshape(rows, -1), w)
         for bm in (16, 32):
-            assert fused(simt, o.dtype, w, rows, heads * D, n, bm=bm)
+            assert fused(simt, o.dtype, w, rows, heads * D, n, D, bm=bm) == "stage"
             assert_bits(fused_run(simt, o, qg, w, bm=bm), want, f"bm={bm} pad={pad}")
+    rows = 200   # a prompt's rows: round_gate, then the a16 tiles
+    o, qg, w = inputs(rng, rows, heads, D, n, BF16)
+    qg[...] = rng.choice(np.array([-np.inf, 0.0, np.inf], np.float32), qg.shape)
+    gates = np.stack([qg[:, D + h * 2 * D : D + h * 2 * D + D] for h in range(heads)], axis=1)
+    scale = np.where(gates == np.inf, 1.0, np.where(gates == 0, 0.5, 0.0)).astype(np.float32)
+    assert fused(simt, o.dtype, w, rows, heads * D, n, D) == "round"
+    assert_bits(fused_run(simt, o, qg, w), two_launches_of(simt, (to_f32(o) * scale).reshape(rows, -1), w), "prompt")
 
 
 def two_launches_of(be, o32, w):
@@ -89,26 +98,29 @@ def two_launches_of(be, o32, w):
 
 def test_the_fused_plans_take_one_launch(rng):
     """Counted on the cuda path (the contract stand-in): a decode's and a verify's output projection is
-    one launch and no attn_gate; a prompt's keeps attn_gate, the rounding and the a16 tiles; f32 o
-    without gates is the product alone. Each gives the two launches' bits."""
+    one launch and no attn_gate; a prompt's is round_gate and the a16 tiles (attn_gate, the rounding and
+    the tiles where D is off 4); f32 o without gates is the product alone. Each gives the two launches'
+    bits."""
     be = contract.backend()
-    cases = ((1, BF16, True, ["linear_mma_bf16_gated_m16"]),
-             (18, np.float16, False, ["linear_mma_f16_gated_m32"]),
-             (300, BF16, True, ["attn_gate_bf16", "linear_mma_bf16_a16_m128n256", "round_activations_bf16"]),
-             (3, np.float32, False, ["linear_f32"]))
-    for rows, dtype, gated, entries in cases:
-        o, qg, w = inputs(rng, rows, 2, 32, 40, dtype)
+    cases = ((1, BF16, True, 2, 32, ["linear_mma_bf16_gated_m16"]),
+             (18, np.float16, False, 2, 32, ["linear_mma_f16_gated_m32"]),
+             (300, BF16, True, 2, 32, ["linear_mma_bf16_a16_m128n256", "round_gate_bf16"]),
+             (300, np.float16, False, 2, 32, ["linear_mma_f16_a16_m128n256", "round_gate_f16"]),
+             (300, BF16, True, 4, 30, ["attn_gate_bf16", "linear_mma_bf16_a16_m128n256", "round_activations_bf16"]),
+             (3, np.float32, False, 2, 32, ["linear_f32"]))
+    for rows, dtype, gated, heads, D, entries in cases:
+        o, qg, w = inputs(rng, rows, heads, D, 40, dtype)
         want = two_launches(be, o, qg, w, gated)
         with profile.counting() as c:
             got = fused_run(be, o, qg, w, gated)
-        assert sorted(c.by_name.elements()) == entries, (rows, dtype, dict(c.by_name))
-        assert_bits(got, want, f"{rows} rows {np.dtype(dtype)}")
+        assert sorted(c.by_name.elements()) == entries, (rows, dtype, D, dict(c.by_name))
+        assert_bits(got, want, f"{rows} rows {np.dtype(dtype)} D={D}")
 
 
 @pytest.mark.parametrize("dtype", HALF, ids=["f16", "bf16"])
 def test_a_row_alone_equals_the_row_in_launches_of_any_rows(simt, rng, dtype):
     """Row invariance: each row of launches of 1, 2, 7, 16, 17, 64 and 300 rows (the 16-, 32- and 64-row
-    stages, and a prompt's launches) is bitwise the row computed alone."""
+    stages, and a prompt's rounding) is bitwise the row computed alone."""
     heads, D, n = 3, 40, 40
     o, qg, w = inputs(rng, 300, heads, D, n, dtype)
     alone = np.concatenate([fused_run(simt, o[i : i + 1], qg[i : i + 1], w) for i in range(300)])
@@ -117,10 +129,10 @@ def test_a_row_alone_equals_the_row_in_launches_of_any_rows(simt, rng, dtype):
     for rows in (1, 2, 7, 16, 17, 64, 300):
         start = int(rng.integers(0, 300 - rows + 1))
         for split in (True, False):
-            shapes.add((mma_plan(rows, heads * D, n).bm, fused(simt, o.dtype, w, rows, heads * D, n, split=split)))
+            shapes.add((mma_plan(rows, heads * D, n).bm, fused(simt, o.dtype, w, rows, heads * D, n, D, split=split)))
             got = fused_run(simt, o[start : start + rows], qg[start : start + rows], w, split=split)
             assert_bits(got, alone[start : start + rows], f"{rows} rows from {start}, split={split}")
-    assert {bm for bm, one in shapes if one} == {16, 32, 64} and (128, False) in shapes   # 300 rows: a prompt's
+    assert {bm for bm, how in shapes if how == "stage"} == {16, 32, 64} and (128, "round") in shapes  # 300: a prompt's
 
 
 def test_the_numpy_backend_is_the_gate_then_its_product(rng):
