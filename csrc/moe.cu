@@ -263,7 +263,9 @@ extern "C" __global__ void __launch_bounds__(kLinearWarps * 32)
                            blockIdx.x % splits, out, part, part_rows, tickets + blockIdx.y * col_tiles + tile);
 }
 
-template <typename T, typename Cfg>
+// SWIGLU: x is the grouped rows' gate|up product [P, 2K] and the product runs over SiLU(gate) * up
+// (linear_mma.cuh's SWIGLU stage): an expert's down product without swiglu_f32's launch.
+template <typename T, typename Cfg, bool SWIGLU>
 DSPARK_DEVICE void moe_linear_mma(const float* __restrict__ x, const int* __restrict__ x_rows, const T* __restrict__ w,
                                   const int* counts, const int* offsets, const int* items, const int* stats, int K,
                                   int N, int kchunk, int grid_splits, float* __restrict__ out, float* __restrict__ part,
@@ -275,7 +277,7 @@ DSPARK_DEVICE void moe_linear_mma(const float* __restrict__ x, const int* __rest
   const MoeItem it = moe_item(counts, offsets, items, C::BM);
   const int tile = blockIdx.x / grid_splits, col_tiles = (N + C::BN - 1) / C::BN;
   const T* we = w + (int64_t)it.e * K * N;
-  const MmaGemm<T, C, true> g{x, x_rows, it.rows, K, N, it.row0, 0, tile * C::BN,
+  const MmaGemm<T, C, true, false, SWIGLU> g{x, x_rows, it.rows, K, N, it.row0, 0, tile * C::BN,
                               K % 4 == 0 && !(reinterpret_cast<unsigned long long>(x) & 15ull), smem,
                               smem + C::STAGES * C::A_STAGE};
   const MmaWeights16<T, C> wt{we, K, N, N % 8 == 0 && !(reinterpret_cast<unsigned long long>(we) & 15ull)};
@@ -284,7 +286,7 @@ DSPARK_DEVICE void moe_linear_mma(const float* __restrict__ x, const int* __rest
 }
 
 // The FP8 experts' product: moe_linear_mma's item and tile, linear_fp8's weights.
-template <typename T, typename Cfg>
+template <typename T, typename Cfg, bool SWIGLU>
 DSPARK_DEVICE void moe_linear_fp8(const float* __restrict__ x, const int* __restrict__ x_rows,
                                   const uint8_t* __restrict__ q, const float* __restrict__ scale, const int* counts,
                                   const int* offsets, const int* items, const int* stats, int K, int N, int kchunk,
@@ -298,7 +300,7 @@ DSPARK_DEVICE void moe_linear_fp8(const float* __restrict__ x, const int* __rest
   const int tile = blockIdx.x / grid_splits, col_tiles = (N + C::BN - 1) / C::BN;
   const int64_t grid = (int64_t)((K + kFp8Block - 1) / kFp8Block) * ((N + kFp8Block - 1) / kFp8Block);
   const uint8_t* qe = q + (int64_t)it.e * K * N;
-  const MmaGemm<T, C, true> g{x, x_rows, it.rows, K, N, it.row0, 0, tile * C::BN,
+  const MmaGemm<T, C, true, false, SWIGLU> g{x, x_rows, it.rows, K, N, it.row0, 0, tile * C::BN,
                               K % 4 == 0 && !(reinterpret_cast<unsigned long long>(x) & 15ull), smem,
                               smem + C::STAGES * C::A_STAGE};
   const MmaWeightsFp8<T, C> wt{qe, scale + it.e * grid, K, N,
@@ -308,43 +310,48 @@ DSPARK_DEVICE void moe_linear_fp8(const float* __restrict__ x, const int* __rest
 }
 
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 800
-#define DSPARK_MOE_MMA_BODY(T, CFG) __trap();
-#define DSPARK_MOE_FP8_BODY(T, CFG) __trap();
+#define DSPARK_MOE_MMA_BODY(T, CFG, SWIGLU) __trap();
+#define DSPARK_MOE_FP8_BODY(T, CFG, SWIGLU) __trap();
 #else
-#define DSPARK_MOE_MMA_BODY(T, CFG) \
-  moe_linear_mma<T, CFG>(x, x_rows, w, counts, offsets, items, stats, K, N, kchunk, grid_splits, out, part, part_rows, tickets);
-#define DSPARK_MOE_FP8_BODY(T, CFG) \
-  moe_linear_fp8<T, CFG>(x, x_rows, q, scale, counts, offsets, items, stats, K, N, kchunk, grid_splits, out, part, \
-                         part_rows, tickets);
+#define DSPARK_MOE_MMA_BODY(T, CFG, SWIGLU) \
+  moe_linear_mma<T, CFG, SWIGLU>(x, x_rows, w, counts, offsets, items, stats, K, N, kchunk, grid_splits, out, part, \
+                                 part_rows, tickets);
+#define DSPARK_MOE_FP8_BODY(T, CFG, SWIGLU) \
+  moe_linear_fp8<T, CFG, SWIGLU>(x, x_rows, q, scale, counts, offsets, items, stats, K, N, kchunk, grid_splits, out, \
+                                 part, part_rows, tickets);
 #endif
 
 // The tile shapes of the grouped product: 16 rows (decode, verify: an expert's rows of a few sessions)
 // and 128 (prompts), dspark/ops/moe.py's MMA_TILES; bf16 weights only (the MoE checkpoints' dtype:
-// every entry costs each compile of this family, and an f16 MoE is refused at load on the kernels).
-#define DSPARK_MOE_MMA_ENTRY(SUF, T, BM, CFG)                                                                     \
-  extern "C" __global__ void __launch_bounds__(CFG::THREADS) moe_linear_mma_##SUF##_m##BM(                        \
+// every entry costs each compile of this family, and an f16 MoE is refused at load on the kernels);
+// _swiglu_: the experts' down product over their gate|up rows (SWIGLU above), at 16 rows only: a
+// prompt's 128-row tiles would read both f32 halves once per column tile, where swiglu_f32 writes half.
+#define DSPARK_MOE_MMA_ENTRY(NAME, T, CFG, SWIGLU)                                                                \
+  extern "C" __global__ void __launch_bounds__(CFG::THREADS) NAME(                                                \
       const float* __restrict__ x, const int* __restrict__ x_rows, const T* __restrict__ w,                      \
       const int* __restrict__ counts, const int* __restrict__ offsets, const int* __restrict__ items,             \
       const int* __restrict__ stats, int K, int N, int kchunk, int grid_splits, float* __restrict__ out,          \
       float* __restrict__ part, int part_rows, unsigned* __restrict__ tickets) {                                  \
-    DSPARK_MOE_MMA_BODY(T, CFG)                                                                                   \
+    DSPARK_MOE_MMA_BODY(T, CFG, SWIGLU)                                                                           \
   }
 
-DSPARK_MOE_MMA_ENTRY(bf16, bf16_t, 16, MmaGemmM16)
-DSPARK_MOE_MMA_ENTRY(bf16, bf16_t, 128, MmaGemmM128)
+DSPARK_MOE_MMA_ENTRY(moe_linear_mma_bf16_m16, bf16_t, MmaGemmM16, false)
+DSPARK_MOE_MMA_ENTRY(moe_linear_mma_bf16_m128, bf16_t, MmaGemmM128, false)
+DSPARK_MOE_MMA_ENTRY(moe_linear_mma_bf16_swiglu_m16, bf16_t, MmaGemmM16, true)
 
 // FP8 experts: the same two tiles, bf16 activations only (an FP8 MoE computes in bf16 on the kernels).
-#define DSPARK_MOE_FP8_ENTRY(SUF, T, BM, CFG)                                                                     \
-  extern "C" __global__ void __launch_bounds__(CFG::THREADS) moe_linear_fp8_##SUF##_m##BM(                        \
+#define DSPARK_MOE_FP8_ENTRY(NAME, T, CFG, SWIGLU)                                                                \
+  extern "C" __global__ void __launch_bounds__(CFG::THREADS) NAME(                                                \
       const float* __restrict__ x, const int* __restrict__ x_rows, const uint8_t* __restrict__ q,                 \
       const float* __restrict__ scale, const int* __restrict__ counts, const int* __restrict__ offsets,           \
       const int* __restrict__ items, const int* __restrict__ stats, int K, int N, int kchunk, int grid_splits,    \
       float* __restrict__ out, float* __restrict__ part, int part_rows, unsigned* __restrict__ tickets) {         \
-    DSPARK_MOE_FP8_BODY(T, CFG)                                                                                   \
+    DSPARK_MOE_FP8_BODY(T, CFG, SWIGLU)                                                                           \
   }
 
-DSPARK_MOE_FP8_ENTRY(bf16, bf16_t, 16, MmaGemmM16)
-DSPARK_MOE_FP8_ENTRY(bf16, bf16_t, 128, MmaGemmM128)
+DSPARK_MOE_FP8_ENTRY(moe_linear_fp8_bf16_m16, bf16_t, MmaGemmM16, false)
+DSPARK_MOE_FP8_ENTRY(moe_linear_fp8_bf16_m128, bf16_t, MmaGemmM128, false)
+DSPARK_MOE_FP8_ENTRY(moe_linear_fp8_bf16_swiglu_m16, bf16_t, MmaGemmM16, true)
 
 // ---- the combine ------------------------------------------------------------------------------------
 extern "C" __global__ void __launch_bounds__(kMoeCombineThreads)

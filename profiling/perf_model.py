@@ -478,9 +478,10 @@ def grouped_iterations(plan, ctas: list[dict]) -> np.ndarray:
                        // bk) for c in ctas], np.float64)
 
 
-def grouped_kernel(ph, name, rows, K, N, shape: Shape, dev: Device, *, gather: bool) -> Kernel:
+def grouped_kernel(ph, name, rows, K, N, shape: Shape, dev: Device, *, gather: bool, swiglu: bool = False) -> Kernel:
     """One grouped expert product (dspark.ops.moe.grouped_linear, moe_linear_mma_bf16_m<BM>; FP8
-    experts moe_linear_fp8_bf16_m<BM>, linear_fp8's K chunk) over the rows' P = rows k entries: the
+    experts moe_linear_fp8_bf16_m<BM>, linear_fp8's K chunk; `swiglu`: the down product over the
+    gate|up rows, moe_linear_<kind>_bf16_swiglu_m<BM>, both halves read) over the rows' P = rows k entries: the
     plan's CTA map for a routing of distinct_experts experts, each CTA's DRAM bytes its expert's
     weights of its K chunk and column tile (read once a launch for all of that expert's rows in the
     tile; FP8: a byte each and the f32 scales of its blocks) and its rows of x, its MMAs over whole
@@ -494,24 +495,29 @@ def grouped_kernel(ph, name, rows, K, N, shape: Shape, dev: Device, *, gather: b
     g = moe_ops.group_ref(synthetic_routing(rows, k, distinct_experts(shape, rows)), E, plan.tile_rows)
     ctas = plan.ctas(g)
     part = 2 * 4 * plan.tile_rows if plan.grid_splits > 1 else 0
-    dram = np.array([cta["w_bytes"] + cta["x_bytes"] + cta["rows"] * min(plan.cols, N) * 4
+    halves = 2 if swiglu else 1
+    dram = np.array([cta["w_bytes"] + halves * cta["x_bytes"] + cta["rows"] * min(plan.cols, N) * 4
                      + part * min(plan.cols, N) for cta in ctas], np.float64)
     iters = grouped_iterations(plan, ctas)
     mma_flops = 2.0 * plan.tile_rows * plan.cols * linear_ops.MMA_CONFIGS[plan.tile_rows][1] * iters
-    work = Work(plan.entry, plan.threads, plan.shared_mem, dram, mma=mma_flops / MMA_FLOPS, iterations=iters,
+    entry = plan.entry.replace("_bf16_", "_bf16_swiglu_") if swiglu else plan.entry
+    work = Work(entry, plan.threads, plan.shared_mem, dram, mma=mma_flops / MMA_FLOPS, iterations=iters,
                 units={"cta": 1.0, "iteration": iters})
     P = rows * k
     w_once = sum(plan.expert_bytes(g).values())
     return kernel_of(ph, f"{name} ({g.distinct} experts)", "weights", work, dev, flops=float(mma_flops.sum()),
-                     mma_flops=float(mma_flops.sum()), min_bytes=w_once + 4 * (rows if gather else P) * K + 4 * P * N)
+                     mma_flops=float(mma_flops.sum()),
+                     min_bytes=w_once + 4 * halves * (rows if gather else P) * K + 4 * P * N)
 
 
 def moe_kernels(shape: Shape, ph, rows, dev: Device) -> list[Kernel]:
     """A sparse MoE FFN as dspark.models.moe.moe_ffn issues it: the router (and the shared expert's
     gate) as one GEMM, moe_route_f32 (a warp per row: the logits read, ids, weights and the grouping
-    written), the grouped gate|up product over the rows' experts, SwiGLU over the grouped rows, the
-    grouped down product, the shared expert (gate|up, then down with SwiGLU inside), and moe_combine_f32. In an FP8
-    trunk the experts and the shared expert are e4m3 (proj_bytes), the router and its gate 16-bit."""
+    written), the grouped gate|up product over the rows' experts, the grouped down product with the
+    SwiGLU in its 16-row stage (f32 experts and a prompt's 128-row tiles: swiglu_f32 over the grouped
+    rows, then the product), the shared
+    expert (gate|up, then down with SwiGLU inside), and moe_combine_f32. In an FP8 trunk the experts and
+    the shared expert are e4m3 (proj_bytes), the router and its gate 16-bit."""
     from dspark.ops import moe as moe_ops
     c, wb, pb = shape.trunk, shape.weight_bytes, shape.proj_bytes()
     d, E, k, I, Is = c.d_model, c.experts, c.expert_top_k, c.expert_hidden, c.shared_expert_hidden
@@ -520,8 +526,10 @@ def moe_kernels(shape: Shape, ph, rows, dev: Device) -> list[Kernel]:
     out.append(planned(ph, "moe route", "other", even(F32 * (rows * E + 4 * P), -(-rows // moe_ops.ROUTE_WARPS)),
                        6 * rows * E, moe_ops.ROUTE_THREADS, 0, dev, "moe_route_f32"))
     out.append(grouped_kernel(ph, "moe experts gate|up", rows, d, 2 * I, shape, dev, gather=True))
-    out.append(swiglu_kernel(ph, P, I, dev))
-    out.append(grouped_kernel(ph, "moe experts down", rows, I, d, shape, dev, gather=False))
+    fused = moe_ops.swiglu_fused(moe_ops.grouped_plan(rows, k, E, I, d, shape.proj_bytes()).tile_rows, shape.proj_bytes())
+    if not fused:
+        out.append(swiglu_kernel(ph, P, I, dev))
+    out.append(grouped_kernel(ph, "moe experts down", rows, I, d, shape, dev, gather=False, swiglu=fused))
     if Is:
         out += linear(ph, "moe shared gate|up", rows, d, 2 * Is, pb, dev)
         out += linear(ph, "moe shared down", rows, Is, d, pb, dev, swiglu=True)

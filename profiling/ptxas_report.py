@@ -69,9 +69,10 @@ def tile_shapes() -> list[tuple[str, int, int, str]]:
     out.append(("moe_linear_f32", linear_ops.THREADS, 0, "grouped experts, f32"))
     for bm in moe_ops.MMA_TILES:
         for kind, what in (("mma", "bf16"), ("fp8", "FP8 (bf16 activations)")):
-            out.append((f"moe_linear_{kind}_bf16_m{bm}", 32 * linear_ops.MMA_CONFIGS[bm][2],
-                        linear_ops.mma_shared_mem(bm),
-                        f"grouped experts, {what}, {'<= 16 rows an expert' if bm == 16 else 'prompts'}"))
+            for stage, down in (("", ""),) + ((("swiglu_", ", the down product over gate and up"),) if bm == 16 else ()):
+                out.append((f"moe_linear_{kind}_bf16_{stage}m{bm}", 32 * linear_ops.MMA_CONFIGS[bm][2],
+                            linear_ops.mma_shared_mem(bm),
+                            f"grouped experts, {what}{down}, {'<= 16 rows an expert' if bm == 16 else 'prompts'}"))
     for (isz, d), _ in attention_ops.CONFIGS.items():
         dt = {4: ("f32",), 2: ("bf16", "f16")}[isz]
         for name in dt:

@@ -35,10 +35,9 @@ import numpy as np
 
 from .. import profile
 from ..errors import DTypeError
-from ..ops.activation import swiglu
 from ..ops.fp8 import Fp8Matrix, Fp8Stack
 from ..ops.linear import linear
-from ..ops.moe import KERNEL_DTYPES, combine, grouped_linear, grouped_plan, grouped_rows, route
+from ..ops.moe import KERNEL_DTYPES, combine, grouped_linear, grouped_plan, route
 from ..ops.swiglu_linear import swiglu_linear
 from .config import TrunkConfig
 
@@ -132,8 +131,7 @@ def moe_ffn(trunk, h, p: str, layer: int, ws):
     # where a launch has run when it returns: the CPU backends.
     start = time.perf_counter() if be.name != "cuda" and profile.timing_experts() else None
     gate_up = grouped_linear(be, h, w_gate_up, r, gather=True, name="moe.gate_up", ws=ws)
-    act = swiglu(be, gate_up, out=grouped_rows(be, ws, "moe.act", r.P, k, (c.expert_hidden,)))
-    y = grouped_linear(be, act, w_down, r, gather=False, name="moe.down", ws=ws)
+    y = grouped_linear(be, gate_up, w_down, r, gather=False, swiglu=True, name="moe.down", ws=ws)
     if start is not None:
         profile.expert_seconds(time.perf_counter() - start)
     shared_y = gate = None

@@ -16,7 +16,10 @@ product and the combine, with their NumPy twins and the grouped product's launch
   reads the union of their experts once. FP8 experts (dspark.ops.fp8.Fp8Stack: e4m3 bytes and
   128 x 128 block scales per expert) dequantize in registers exactly as linear_fp8 does, with its K
   chunk (a multiple of the scale block): a row's expert output is bitwise linear_fp8 of the row by
-  that expert's matrix; `grouped_linear_ref` is the twin.
+  that expert's matrix; `grouped_linear_ref` is the twin. With `swiglu` the down product reads
+  the grouped rows' gate|up and takes SiLU(gate) * up in the tile's activation stage
+  (moe_linear_<kind>_bf16_swiglu_m16, csrc/linear_mma.cuh's SWIGLU mode): bitwise swiglu_f32 then
+  the product, one launch fewer (f32 experts, a prompt's 128-row tiles and numpy keep the two steps).
 * `combine` (moe_combine_f32): a row's k outputs weighted and added in increasing expert id from 0
   (fixed by the row alone), then the shared expert times the sigmoid of its gate where the model has
   one. `combine_ref` is its twin, bit for bit without the shared gate's exp.
@@ -43,6 +46,8 @@ from ..arrays import adopt
 from ..dtypes import BF16, suffix
 from ..errors import DTypeError, ShapeError
 from . import dense, product, rowsplit
+from .activation import gate_up_width
+from .activation import swiglu as swiglu_op
 from .checks import require_dtype, require_ndim, require_shape
 from .fp8 import BLOCK as FP8_BLOCK, Fp8Stack, scale_grid
 from .linear import FP8_ALIGN, MMA_CONFIGS, MMA_TARGET_CTAS, ROW_TILE, THREADS as LINEAR_THREADS, \
@@ -225,6 +230,12 @@ def grouped_plan(rows: int, top_k: int, experts: int, K: int, N: int, itemsize: 
                        splits, kchunk, splits if split else 1, items, 32 * warps, mma_shared_mem(bm))
 
 
+def swiglu_fused(tile_rows: int, itemsize: int) -> bool:
+    """Whether a grouped down product of `tile_rows` row tiles over experts of `itemsize` bytes takes
+    its SwiGLU in the activation stage (16-bit and FP8 experts, the 16-row tile)."""
+    return itemsize in (1, 2) and tile_rows == MMA_TILES[0]
+
+
 # ---- the ops ---------------------------------------------------------------------------------------
 @dataclass
 class Routing:
@@ -315,10 +326,24 @@ def _fixed(be, ws, name, shape, dtype):
     return be.xp.empty(shape, dtype) if ws is None else ws.fixed(name, shape, dtype)
 
 
-def grouped_linear(be, x, w, routing: Routing, *, gather: bool, out=None, ws=None, name: str = "moe.grouped"):
+def grouped_linear(be, x, w, routing: Routing, *, gather: bool, out=None, ws=None, name: str = "moe.grouped",
+                   swiglu: bool = False):
     """Grouped row g of expert e: x[src[g]] @ w[e] (`gather`: x [rows, K], a pass's rows) or x[g] @
     w[e] (x [P, K], already grouped) -> out f32 [P, N], for w [E, K, N] f32 / f16 / bf16, or an
-    Fp8Stack (bf16 compute on the kernels)."""
+    Fp8Stack (bf16 compute on the kernels). `swiglu`: x is the grouped rows' gate|up [P, 2K] and the
+    product runs over SwiGLU(x), bitwise `activation.swiglu` then the product: 16-bit and FP8 experts
+    in the 16-row tile's activation stage (moe_linear_<kind>_bf16_swiglu_m16: one launch); f32
+    experts, a prompt's 128-row tiles (which would read both f32 halves once per column tile) and
+    numpy by those two steps (the activations in the workspace's `name`.act)."""
+    if swiglu:
+        if gather:
+            raise ShapeError("gather: the SwiGLU product reads grouped rows (gather=False)")
+        gate_up = adopt(be, gate_up=x)
+        width = gate_up_width(gate_up)
+        itemsize = 1 if isinstance(w, Fp8Stack) else np.dtype(adopt(be, w=w).dtype).itemsize
+        if be.kernels is None or not swiglu_fused(routing.tile_rows, itemsize):
+            act = swiglu_op(be, gate_up, out=grouped_rows(be, ws, f"{name}.act", routing.P, routing.top_k, (width,)))
+            return grouped_linear(be, act, w, routing, gather=False, out=out, ws=ws, name=name)
     fp8 = isinstance(w, Fp8Stack)
     if fp8:
         x, q, scale, out = adopt(be, x=x, q=w.q, scale=w.scale, out=out, writes=("out",))
@@ -337,9 +362,11 @@ def grouped_linear(be, x, w, routing: Routing, *, gather: bool, out=None, ws=Non
     if E != routing.experts:
         raise ShapeError(f"w has {E} experts: the routing has {routing.experts}")
     want_rows = routing.rows if gather else P
-    if x.shape != (want_rows, K):
-        raise ShapeError(f"x has shape {tuple(x.shape)}: expected ({want_rows}, {K})"
-                         + (" (the pass's rows, gathered)" if gather else " (the grouped rows)"))
+    width = 2 * K if swiglu else K
+    if x.shape != (want_rows, width):
+        raise ShapeError(f"x has shape {tuple(x.shape)}: expected ({want_rows}, {width})"
+                         + (" (the pass's rows, gathered)" if gather else " (the grouped rows' gate|up)" if swiglu
+                            else " (the grouped rows)"))
     out = grouped_rows(be, ws, name, P, routing.top_k, (N,)) if out is None else out
     require_shape(out, (P, N), "out")
     require_dtype(out, F32, "out")
@@ -379,7 +406,8 @@ def grouped_linear(be, x, w, routing: Routing, *, gather: bool, out=None, ws=Non
     else:
         args = (*common, np.int32(K), np.int32(N), np.int32(plan.kchunk), np.int32(plan.grid_splits), out, part,
                 np.int32(P), tickets)
-    rowsplit.launch(be, plan.entry, plan.grid, plan.threads, args, shared_mem=plan.shared_mem)
+    entry = plan.entry.replace("_bf16_", "_bf16_swiglu_") if swiglu else plan.entry
+    rowsplit.launch(be, entry, plan.grid, plan.threads, args, shared_mem=plan.shared_mem)
     return out
 
 

@@ -161,6 +161,55 @@ def test_fp8_grouped_rows_are_linear_fp8_by_their_expert(simt, numpy_backend, rn
             assert np.array_equal(out[at], dense), f"{be.name} expert {e}"
 
 
+# (rows, E, K, N): one row, a few (BM 16), an expert past a tile (BM 128), K in two chunks (split mode)
+SWIGLU_SHAPES = [(1, 16, 40, 70), (7, 16, 64, 40), (20, 19, 40, 264), (2, 16, 600, 24)]
+
+
+@pytest.mark.parametrize("dtype", [BF16, FP8, np.float32], ids=["bf16", "fp8", "f32"])
+@pytest.mark.parametrize("rows,E,K,N", SWIGLU_SHAPES)
+def test_the_down_product_over_gate_up_is_swiglu_then_the_product(simt, rng, rows, E, K, N, dtype):
+    """grouped_linear(swiglu=True) over the grouped rows' gate|up is bitwise `activation.swiglu` then
+    the grouped product: 16-bit and FP8 experts in the tile's stage, f32 experts by the two steps;
+    gates of -100 (SiLU's -0) among them."""
+    from dspark.ops.activation import swiglu
+    k = 4
+    w = experts(rng, E, K, N, dtype)
+    plan = moe.grouped_plan(rows, k, E, K, N, itemsize_of(w))
+    r = routed(simt, rng.standard_normal((rows, E)).astype(np.float32), k, tile_rows=plan.tile_rows)
+    gate_up = (rng.standard_normal((rows * k, 2 * K)) * 3).astype(np.float32)
+    gate_up[rng.random((rows * k, 2 * K)) < 0.05] = -100.0
+    want = moe.grouped_linear(simt, swiglu(simt, gate_up), w, r, gather=False, out=poison(np, (rows * k, N), np.float32))
+    got = moe.grouped_linear(simt, gate_up, w, r, gather=False, swiglu=True, out=poison(np, (rows * k, N), np.float32))
+    assert np.array_equal(got.view(np.uint32), want.view(np.uint32))
+
+
+def test_the_moe_down_product_takes_its_swiglu_in_one_launch(rng):
+    """Counted on the cuda path (the contract stand-in): bf16 and FP8 experts' down product over gate|up
+    is one launch at 16 rows an expert, no swiglu_f32; f32 experts and a prompt's 128-row tiles keep
+    swiglu_f32 then the product. Each the two steps' bits; gather with swiglu refused."""
+    from dspark import profile
+    from dspark.backends import contract
+    from dspark.ops.activation import swiglu
+    be = contract.backend()
+    E, K, N, k = 16, 64, 40, 4
+    for rows, dtype, entries in ((3, BF16, ["moe_linear_mma_bf16_swiglu_m16"]),
+                                 (3, FP8, ["moe_linear_fp8_bf16_swiglu_m16"]),
+                                 (3, np.float32, ["moe_linear_f32", "swiglu_f32"]),
+                                 (20, BF16, ["moe_linear_mma_bf16_m128", "swiglu_f32"])):
+        gate_up = rng.standard_normal((rows * k, 2 * K)).astype(np.float32)
+        w = experts(rng, E, K, N, dtype)
+        plan = moe.grouped_plan(rows, k, E, K, N, itemsize_of(w))
+        w = Fp8Stack(be.asarray(w.q), be.asarray(w.scale), w.compute) if dtype == FP8 else be.asarray(w)
+        r = routed(be, rng.standard_normal((rows, E)).astype(np.float32), k, tile_rows=plan.tile_rows)
+        want = be.to_host(moe.grouped_linear(be, swiglu(be, be.asarray(gate_up)), w, r, gather=False))
+        with profile.counting() as c:
+            got = be.to_host(moe.grouped_linear(be, be.asarray(gate_up), w, r, gather=False, swiglu=True))
+        assert sorted(c.by_name.elements()) == entries, (dtype, dict(c.by_name))
+        assert np.array_equal(got.view(np.uint32), want.view(np.uint32)), dtype
+    with pytest.raises(ShapeError, match="gather: the SwiGLU product reads grouped rows"):
+        moe.grouped_linear(be, be.asarray(gate_up), w, r, gather=True, swiglu=True)
+
+
 def block(be, h, router, w_gate_up, w_down, k, shared):
     """One MoE block through the ops, for a backend whose arrays are host arrays (numpy, simt): the
     router's logits (and the shared expert's gate beside them) and the SwiGLU by their row-invariant
