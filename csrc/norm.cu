@@ -1,6 +1,6 @@
-// norm: RMSNorm over the last axis of a row, one warp per row, in one fixed order; with the
-// residual add before it and the embedding gather before the first one (the trunk's and drafter's
-// layer boundaries: one launch where the glue took three).
+// norm: RMSNorm over the last axis of a row in one fixed order: alone (a warp per row), and with the
+// residual add before it or the embedding gather before the first one (the trunk's and drafter's
+// layer boundaries, a row over several CTAs: one launch where the glue took three).
 //
 // rmsnorm_f32(x [rows, n], weight [n], rows, n, eps, out [rows, n])
 //   grid.x = rows, block 32: block i normalises row i (a row per CTA: the few rows of a decode step or

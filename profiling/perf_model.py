@@ -500,8 +500,7 @@ def grouped_kernel(ph, name, rows, K, N, shape: Shape, dev: Device, *, gather: b
                      + part * min(plan.cols, N) for cta in ctas], np.float64)
     iters = grouped_iterations(plan, ctas)
     mma_flops = 2.0 * plan.tile_rows * plan.cols * linear_ops.MMA_CONFIGS[plan.tile_rows][1] * iters
-    entry = plan.entry.replace("_bf16_", "_bf16_swiglu_") if swiglu else plan.entry
-    work = Work(entry, plan.threads, plan.shared_mem, dram, mma=mma_flops / MMA_FLOPS, iterations=iters,
+    work = Work(plan.entry_of(swiglu), plan.threads, plan.shared_mem, dram, mma=mma_flops / MMA_FLOPS, iterations=iters,
                 units={"cta": 1.0, "iteration": iters})
     P = rows * k
     w_once = sum(plan.expert_bytes(g).values())

@@ -179,6 +179,10 @@ class GroupedPlan:
     def P(self) -> int:
         return self.rows * self.top_k
 
+    def entry_of(self, swiglu: bool) -> str:
+        """The entry this plan launches: the down product over gate|up (`swiglu`) has its own."""
+        return self.entry.replace("_bf16_", "_bf16_swiglu_") if swiglu else self.entry
+
     def ctas(self, grouping: Grouping) -> list[dict]:
         """The CTAs that do work for this routing (the map's items x column tiles x splits), each with
         its expert, tile, column tile, split, and the bytes it reads: the weights of its chunk (once
@@ -406,8 +410,7 @@ def grouped_linear(be, x, w, routing: Routing, *, gather: bool, out=None, ws=Non
     else:
         args = (*common, np.int32(K), np.int32(N), np.int32(plan.kchunk), np.int32(plan.grid_splits), out, part,
                 np.int32(P), tickets)
-    entry = plan.entry.replace("_bf16_", "_bf16_swiglu_") if swiglu else plan.entry
-    rowsplit.launch(be, entry, plan.grid, plan.threads, args, shared_mem=plan.shared_mem)
+    rowsplit.launch(be, plan.entry_of(swiglu), plan.grid, plan.threads, args, shared_mem=plan.shared_mem)
     return out
 
 
