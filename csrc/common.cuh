@@ -48,6 +48,15 @@ DSPARK_DEVICE float load_l2(const float* p) {
   return __ldcg(p);
 #endif
 }
+// v, with its arithmetic hidden from the optimizer: an empty asm that may change it. For a value
+// computed once before a loop that ptxas would otherwise re-derive inside it (linear_mma's column
+// tiles). The host build returns v.
+DSPARK_DEVICE int opaque_int(int v) {
+#if !defined(DSPARK_SIMT)
+  asm volatile("" : "+r"(v));
+#endif
+  return v;
+}
 DSPARK_DEVICE float dspark_inf() { return __int_as_float(0x7f800000); }
 DSPARK_DEVICE bool dspark_isnan(float x) { return x != x; }
 

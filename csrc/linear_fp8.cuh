@@ -37,14 +37,14 @@ struct MmaWeightsFp8 {
     float s;
   };
 
-  __device__ __forceinline__ void fetch(T*, int k, int n0, Held& h) const {
+  __device__ __forceinline__ void fetch(T*, int k, int n0, int n1, Held& h) const {
     const int col = 8 * (threadIdx.x % (C::BN / 8)), n = n0 + col;
-    h.s = n < N ? fp8_block_scale(scale, k, n, N) : 0.f;
+    h.s = n < n1 ? fp8_block_scale(scale, k, n, N) : 0.f;
 #pragma unroll
     for (int i = 0; i < C::B_VECS; ++i) {
       const int kk = k + (threadIdx.x + i * C::THREADS) / (C::BN / 8);
       h.raw[i] = make_uint2(0u, 0u);
-      if (kk < K && n < N) {
+      if (kk < K && n < n1) {
         const uint8_t* p = q + (int64_t)kk * N + n;
         if (vec) {
           h.raw[i] = *reinterpret_cast<const uint2*>(p);
@@ -52,8 +52,8 @@ struct MmaWeightsFp8 {
           uint32_t lo = 0u, hi = 0u;
 #pragma unroll
           for (int j = 0; j < 4; ++j) {
-            if (n + j < N) lo |= (uint32_t)p[j] << (8 * j);
-            if (n + 4 + j < N) hi |= (uint32_t)p[4 + j] << (8 * j);
+            if (n + j < n1) lo |= (uint32_t)p[j] << (8 * j);
+            if (n + 4 + j < n1) hi |= (uint32_t)p[4 + j] << (8 * j);
           }
           h.raw[i] = make_uint2(lo, hi);
         }
@@ -347,6 +347,7 @@ DSPARK_DEVICE void linear_fp8_stream(const float* __restrict__ x, const uint8_t*
                 std::to_string(grid_splits) + " for " + std::to_string(splits) + " chunks)");
 #endif
   const MmaGemm<T, C, false, false, SWIGLU> g{x, nullptr, rows, K, N, 0, row_tile * C::BM, tile * C::BN,
+                        min(N, (tile + 1) * C::BN),
                         K % 4 == 0 && !(reinterpret_cast<unsigned long long>(x) & 15ull), smem, nullptr};
   const int lane = threadIdx.x & 31, c = g.n0 + (threadIdx.x >> 5) * C::WN;
   const int lo = grid_splits == 1 ? 0 : split * kchunk, hi = min(K, lo + kchunk);
@@ -375,6 +376,6 @@ DSPARK_DEVICE void linear_fp8_stream(const float* __restrict__ x, const uint8_t*
         if (r < rows && n < N) dst[(int64_t)r * N + n] = partial ? v : mma_epilogue(r, n, v);
       }
   if (!partial) return;
-  mma_fold_partials<C::BN>(part, out, tickets + row_tile * col_tiles + tile, splits, rows, N, g.r0,
-                           min(C::BM, rows - g.r0), g.n0);
+  mma_fold_partials(part, out, tickets + row_tile * col_tiles + tile, splits, rows, N, g.r0, min(C::BM, rows - g.r0),
+                    g.n0, g.n1);
 }

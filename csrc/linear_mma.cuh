@@ -14,7 +14,9 @@
 // the accumulator (simt/tensor_core.h states the emulation, within 18 * 2^-23 of it per instruction).
 //
 // linear_mma_<dt>_m<BM>(x, w, rows, K, N, kchunk, grid_splits, out, part, tickets)
-//   A CTA owns a tile of BM rows x BN columns; grid (column tiles * grid_splits, row tiles).
+//   A CTA owns a tile of BM rows x at most BN columns; grid (column tiles * grid_splits, row tiles), N's
+//   groups of 8 columns dealt evenly over the column tiles (mma_tile_column: the plan may take more
+//   tiles than ceil(N / BN), so that a launch of few rows fills the SMs in whole waves).
 //   grid_splits == 1 ("fold"): the CTA walks all of K and folds each chunk's partial into its running
 //     sum in registers at the chunk's end (the prompt pass: no partials leave the SM); CTAs take
 //     their tiles in groups of kMmaGroupRows row tiles (L2 reuse).
@@ -60,11 +62,13 @@
 // SHARED_TOTAL: the running total of the K chunks kept in shared memory, each thread's own elements
 // (a fold reads and writes only what the thread wrote), not in registers beside the accumulators:
 // that lets a warp hold twice the outputs (the prompt's 128 x 256 tile, 64 x 64 a warp).
-template <int BM_, int BN_, int BK_, int WARPS_M_, int WARPS_N_, int STAGES_, bool SHARED_TOTAL_ = false>
+template <int BM_, int BN_, int BK_, int WARPS_M_, int WARPS_N_, int STAGES_, bool SHARED_TOTAL_ = false,
+          int MIN_CTAS_ = 0>
 struct MmaGemmConfig {
   static constexpr int BM = BM_, BN = BN_, BK = BK_, WARPS_M = WARPS_M_, WARPS_N = WARPS_N_, STAGES = STAGES_;
   static constexpr bool SHARED_TOTAL = SHARED_TOTAL_;
-  static constexpr int WARPS = WARPS_M * WARPS_N, THREADS = 32 * WARPS, MIN_CTAS = 0;  // __launch_bounds__: none
+  static constexpr int WARPS = WARPS_M * WARPS_N, THREADS = 32 * WARPS;
+  static constexpr int MIN_CTAS = MIN_CTAS_;  // __launch_bounds__' CTAs an SM (0: no register cap)
   static constexpr int WM = BM / WARPS_M, WN = BN / WARPS_N, MT = WM / 16, NT = WN / 8;
   static constexpr int A_ROW = BK + 8, B_ROW = BN + 8;  // shared-memory row strides, in elements
   static constexpr int A_STAGE = BM * A_ROW, B_STAGE = BK * B_ROW;
@@ -154,6 +158,7 @@ struct MmaGemm {
   int rows, K, N;
   int row0;           // the block's first output row
   int r0, n0;         // the tile's first row (in the block) and column
+  int n1;             // the tile's column end (at most n0 + BN and N): mma_tile_column
   bool x_vec;         // float4 loads of x (uniform over the launch)
   T* sa;              // A stages
   T* sb;              // B stages
@@ -289,7 +294,7 @@ struct MmaGemm {
   }
 };
 
-// Where a B tile (rows [k, k + BK) of w, columns [n0, n0 + BN), zero outside [0, K) x [0, N)) comes
+// Where a B tile (rows [k, k + BK) of w, columns [n0, n0 + BN), zero outside [0, K) x [n0, n1)) comes
 // from. `fetch` starts the tile's loads for a stage, `place` finishes them into it once the MMAs of
 // the current tile are issued (the A tile's register staging, one tile ahead). 16-bit weights:
 // cp.async straight into shared memory, nothing held. (FP8 weights: linear_fp8.cu's MmaWeightsFp8,
@@ -302,21 +307,21 @@ struct MmaWeights16 {
   bool vec;  // 16-byte chunks of w (N % 8 == 0 and w 16-byte aligned)
   struct Held {};
 
-  __device__ __forceinline__ void fetch(T* stage, int k, int n0, Held&) const {
+  __device__ __forceinline__ void fetch(T* stage, int k, int n0, int n1, Held&) const {
 #pragma unroll
     for (int i = 0; i < C::B_VECS; ++i) {
       const int c = threadIdx.x + i * C::THREADS, kr = c / (C::BN / 8), col = 8 * (c % (C::BN / 8));
       const int kk = k + kr, n = n0 + col;
       T* d = stage + kr * C::B_ROW + col;
       if (vec) {
-        const bool valid = kk < K && n < N;  // N % 8 == 0: a chunk is wholly in or out
+        const bool valid = kk < K && n < n1;  // N % 8 == 0, so n1 too: a chunk is wholly in or out
         cp_async16(d, valid ? w + (int64_t)kk * N + n : w, valid);
       } else {
 #pragma unroll
         for (int j = 0; j < 8; ++j) {
           T v;
           v.bits = 0;
-          if (kk < K && n + j < N) v = w[(int64_t)kk * N + n + j];
+          if (kk < K && n + j < n1) v = w[(int64_t)kk * N + n + j];
           d[j] = v;
         }
       }
@@ -355,12 +360,11 @@ DSPARK_DEVICE void mma_tile_steps(float (&acc)[Cfg::MT][Cfg::NT][4], const T* sa
 
 // Split mode's end: once every CTA of the tile wrote its chunk's partial (part[c][r][n], part_rows
 // rows per chunk), the last to arrive at `ticket` adds them in index order from -0 into out for the
-// tile's output rows [r_first, r_first + nr) and columns [n0, n0 + BN): the header's order.
-template <int BN>
+// tile's output rows [r_first, r_first + nr) and columns [n0, n1): the header's order.
 DSPARK_DEVICE void mma_fold_partials(const float* __restrict__ part, float* __restrict__ out, unsigned* ticket,
-                                     int splits, int part_rows, int N, int r_first, int nr, int n0) {
+                                     int splits, int part_rows, int N, int r_first, int nr, int n0, int n1) {
   if (!split_arrive(ticket, (unsigned)splits, /*all_wrote=*/true)) return;
-  const int nc = min(BN, N - n0);
+  const int nc = n1 - n0;
   for (int i = threadIdx.x; i < nr * nc; i += blockDim.x) {
     const int r = r_first + i / nc, n = n0 + i % nc;
     const volatile float* p = part + (int64_t)r * N + n;  // other CTAs' partials: from L2
@@ -410,7 +414,7 @@ DSPARK_DEVICE void mma_tile(const MmaGemm<T, Cfg, Gather, A16, SWIGLU, GATED>& g
 #pragma unroll
   for (int s = 0; s < C::STAGES - 1; ++s) {
     if (s < iters) {
-      wt.fetch(g.sb + s * C::B_STAGE, k_lo + s * C::BK, g.n0, held);
+      wt.fetch(g.sb + s * C::B_STAGE, k_lo + s * C::BK, g.n0, g.n1, held);
       g.start_a(s, k_lo + s * C::BK, av);
       g.finish_a(s, av);
       wt.place(g.sb + s * C::B_STAGE, held);
@@ -429,7 +433,7 @@ DSPARK_DEVICE void mma_tile(const MmaGemm<T, Cfg, Gather, A16, SWIGLU, GATED>& g
       __syncthreads();  // tile it is in shared memory; tile it - 1 is consumed everywhere
       const int next = it + C::STAGES - 1, k = k_lo + it * C::BK;
       if (next < iters) {
-        wt.fetch(g.sb + (next % C::STAGES) * C::B_STAGE, k_lo + next * C::BK, g.n0, held);
+        wt.fetch(g.sb + (next % C::STAGES) * C::B_STAGE, k_lo + next * C::BK, g.n0, g.n1, held);
         g.start_a(next % C::STAGES, k_lo + next * C::BK, av);
       }
       cp_async_commit();
@@ -475,11 +479,11 @@ DSPARK_DEVICE void mma_tile(const MmaGemm<T, Cfg, Gather, A16, SWIGLU, GATED>& g
           v = shared_total[((mt * C::NT + nt) * 4 + c) * C::THREADS + threadIdx.x];
         else
           v = total[mt][nt][c];
-        if (r < rows && n < N) dst[(int64_t)(g.row0 + r) * N + n] = partial ? v : mma_epilogue(g.row0 + r, n, v);
+        if (r < rows && n < g.n1) dst[(int64_t)(g.row0 + r) * N + n] = partial ? v : mma_epilogue(g.row0 + r, n, v);
       }
   if (!partial) return;
-  mma_fold_partials<C::BN>(part, out, tickets + row_tile * col_tiles + tile, splits, part_rows, N,
-                                  g.row0 + g.r0, min(C::BM, rows - g.r0), g.n0);
+  mma_fold_partials(part, out, tickets + row_tile * col_tiles + tile, splits, part_rows, N, g.row0 + g.r0,
+                    min(C::BM, rows - g.r0), g.n0, g.n1);
 }
 
 template <typename Cfg>
@@ -502,7 +506,20 @@ struct MmaGateSource {
   bool vec = false;  // 8-byte loads of o and 16-byte loads of gates (uniform over the launch)
 };
 
-// The whole product over weight source Wt: the CTA's tile and K chunk from its block index.
+// The first column of column tile t of `col_tiles` over N: N's groups of 8 columns dealt out evenly
+// (t groups / col_tiles of them before it). Any count from ceil(N / BN) up gives tiles of at most BN
+// columns with every 16-byte weight chunk in one tile, so the plan (dspark.ops.linear.mma_plan) picks the
+// count whose CTAs fill the SMs in whole waves. No column enters another's sum: the bits are the same
+// for every count.
+// (Opaque to ptxas: the 16-row shape takes 236 registers where it needs 156 when it can see the
+// division, whose use it spreads into the K loop.)
+DSPARK_DEVICE int mma_tile_column(int t, int col_tiles, int N) {
+  const unsigned groups = ((unsigned)N + 7u) / 8u;  // t groups < 2^32: a 32-bit division
+  return opaque_int(min(N, (int)(8u * ((unsigned)t * groups / (unsigned)col_tiles))));
+}
+
+// The whole product over weight source Wt: the CTA's tile and K chunk from its block index; the grid's
+// column tiles (gridDim.x / grid_splits) split N as mma_tile_column deals it.
 template <typename T, typename Cfg, typename Wt, bool A16 = false, bool SWIGLU = false, bool GATED = false>
 DSPARK_DEVICE void mma_gemm(const float* __restrict__ x, const Wt& wt, int rows, int K, int N, int kchunk,
                             int grid_splits, float* __restrict__ out, float* __restrict__ part,
@@ -511,7 +528,7 @@ DSPARK_DEVICE void mma_gemm(const float* __restrict__ x, const Wt& wt, int rows,
   using C = Cfg;
   DSPARK_DYNAMIC_SMEM(T, smem);
   mma_check_launch<C>();
-  const int col_tiles = (N + C::BN - 1) / C::BN;
+  const int col_tiles = gridDim.x / grid_splits;
   int tile = blockIdx.x / grid_splits, row_tile = blockIdx.y;
   const int split = blockIdx.x % grid_splits;
   if (grid_splits == 1) {  // fold: CTAs in groups of kMmaGroupRows row tiles, column tile by column tile
@@ -520,7 +537,9 @@ DSPARK_DEVICE void mma_gemm(const float* __restrict__ x, const Wt& wt, int rows,
     row_tile = first + id % per_group % in_group;
     tile = id % per_group / in_group;
   }
-  const MmaGemm<T, C, false, A16, SWIGLU, GATED> g{x, nullptr, rows, K, N, 0, row_tile * C::BM, tile * C::BN,
+  const MmaGemm<T, C, false, A16, SWIGLU, GATED> g{x, nullptr, rows, K, N, 0, row_tile * C::BM,
+                                                    mma_tile_column(tile, col_tiles, N),
+                                                    mma_tile_column(tile + 1, col_tiles, N),
                                                     GATED ? gs.vec
                                                           : K % 4 == 0 && !(reinterpret_cast<unsigned long long>(x) & 15ull),
                                                     smem, smem + C::STAGES * C::A_STAGE, xh, gs.o, gs.gate, gs.stride,

@@ -278,6 +278,7 @@ DSPARK_DEVICE void moe_linear_mma(const float* __restrict__ x, const int* __rest
   const int tile = blockIdx.x / grid_splits, col_tiles = (N + C::BN - 1) / C::BN;
   const T* we = w + (int64_t)it.e * K * N;
   const MmaGemm<T, C, true, false, SWIGLU> g{x, x_rows, it.rows, K, N, it.row0, 0, tile * C::BN,
+                              min(N, (tile + 1) * C::BN),
                               K % 4 == 0 && !(reinterpret_cast<unsigned long long>(x) & 15ull), smem,
                               smem + C::STAGES * C::A_STAGE};
   const MmaWeights16<T, C> wt{we, K, N, N % 8 == 0 && !(reinterpret_cast<unsigned long long>(we) & 15ull)};
@@ -301,6 +302,7 @@ DSPARK_DEVICE void moe_linear_fp8(const float* __restrict__ x, const int* __rest
   const int64_t grid = (int64_t)((K + kFp8Block - 1) / kFp8Block) * ((N + kFp8Block - 1) / kFp8Block);
   const uint8_t* qe = q + (int64_t)it.e * K * N;
   const MmaGemm<T, C, true, false, SWIGLU> g{x, x_rows, it.rows, K, N, it.row0, 0, tile * C::BN,
+                              min(N, (tile + 1) * C::BN),
                               K % 4 == 0 && !(reinterpret_cast<unsigned long long>(x) & 15ull), smem,
                               smem + C::STAGES * C::A_STAGE};
   const MmaWeightsFp8<T, C> wt{qe, scale + it.e * grid, K, N,

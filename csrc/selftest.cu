@@ -75,6 +75,13 @@ extern "C" __global__ void selftest_indexing(float* __restrict__ out) {
               100 * threadIdx.z);
 }
 
+// The order blocks start in: the k-th block of the launch to arrive writes its linear index to order[k]
+// (*arrivals zero beforehand).
+extern "C" __global__ void selftest_arrival(unsigned* __restrict__ arrivals, int* __restrict__ order) {
+  if (threadIdx.x == 0)
+    order[atomicAdd(arrivals, 1u)] = (int)(blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z));
+}
+
 // Dynamic shared memory: reverse n floats within the block.
 extern "C" __global__ void selftest_dynamic_smem(const float* __restrict__ in, float* __restrict__ out, int n) {
   DSPARK_DYNAMIC_SMEM(float, buf);

@@ -72,7 +72,7 @@ PYBIND11_MODULE(_simt, m) {
         py::arg("shared_mem"));
   m.def("kernels", &kernels, "name -> [(code, elem_size, is_const)] as the compiler deduced them");
   m.def("set_schedule", &simt::set_schedule, py::arg("seed"),
-        "0: threads in index order between barriers; otherwise a random order from this seed");
+        "0: blocks in index order, threads in index order between barriers; otherwise both in a random order from this seed");
   m.def("schedule_seed", &simt::schedule_seed);
   m.def("set_counting", &simt::set_counting, py::arg("on"),
         "count each launch's shared-memory wavefronts and mma.sync (the counting build only)");

@@ -639,12 +639,18 @@ void launch(const Entry& entry, dim3 grid, dim3 block, void** params, size_t sha
     t.tid = dim3((unsigned)(i % block.x), (unsigned)((i / block.x) % block.y), (unsigned)(i / ((size_t)block.x * block.y)));
     g.warps[t.warp].existing |= 1u << t.lane;
   }
-  for (unsigned z = 0; z < grid.z; ++z)
-    for (unsigned y = 0; y < grid.y; ++y)
-      for (unsigned x = 0; x < grid.x; ++x) {
-        g.block_idx = dim3(x, y, z);
-        run_block();
-      }
+  // Blocks one after another: in index order, or (schedule seed) in a random order, as a GPU's CTAs
+  // start and finish in any order, so a kernel whose result depends on which CTA came first (partials
+  // added as they complete, say) shows.
+  const size_t blocks = (size_t)grid.x * grid.y * grid.z;
+  std::vector<size_t> order(blocks);
+  for (size_t i = 0; i < blocks; ++i) order[i] = i;
+  if (g.seed)
+    for (size_t i = blocks; i > 1; --i) std::swap(order[i - 1], order[(size_t)(g.rng() % i)]);
+  for (size_t i : order) {
+    g.block_idx = dim3((unsigned)(i % grid.x), (unsigned)(i / grid.x % grid.y), (unsigned)(i / ((size_t)grid.x * grid.y)));
+    run_block();
+  }
   g.entry = nullptr;
 }
 

@@ -1,8 +1,8 @@
 // simt: run unmodified CUDA C++ kernel sources on the CPU.
 //
 // Each CUDA thread of a block is a fiber on one host thread; blocks run one after
-// another, so `__shared__` can simply be a function-local `static` (one block owns it at a
-// time). Barriers (`__syncthreads*`) and warp ops (`__shfl*`, votes, `__syncwarp`) are
+// another (in index order, or in a random order under a schedule seed), so `__shared__` can simply
+// be a function-local `static` (one block owns it at a time). Barriers (`__syncthreads*`) and warp ops (`__shfl*`, votes, `__syncwarp`) are
 // scheduling points: a fiber that reaches one parks until every thread it waits for arrives.
 // Between barriers the scheduler runs fibers in index order, or in a fresh random order per
 // launch when asked (see set_schedule), so a missing barrier changes the result.

@@ -1,8 +1,8 @@
 """The `simt` executor: csrc/ kernels compiled for the host, one fiber per CUDA thread.
 
 `get_function(name)` returns a callable with CuPy's RawKernel convention. Run under
-`simt_build.asan_env()` to load an AddressSanitizer build, and DSPARK_SIMT_SCHEDULE=<seed> (or `schedule(seed)`) to run threads in
-a random order between barriers. Under `simt_build.counting_env()` (the counting build), `counting()`
+`simt_build.asan_env()` to load an AddressSanitizer build, and DSPARK_SIMT_SCHEDULE=<seed> (or `schedule(seed)`) to run a
+launch's blocks, and its threads between barriers, in a random order. Under `simt_build.counting_env()` (the counting build), `counting()`
 counts each launch's shared-memory wavefronts and mma.sync (LaunchCounts).
 """
 
@@ -121,7 +121,8 @@ class SimtExecutor:
 
     @contextlib.contextmanager
     def schedule(self, seed: int):
-        """Run threads in a random order (from `seed`) between barriers inside the block."""
+        """Run each launch's blocks, and the threads between barriers inside a block, in a random order
+        (from `seed`)."""
         old = self._module.schedule_seed()
         self._module.set_schedule(int(seed))
         try:

@@ -169,6 +169,21 @@ def fp8_shared_mem(bm: int) -> int:
     return 2 * stages * bm * (FP8_STREAM_STAGE_K + 8)
 
 
+def wave_fill(ctas: int) -> float:
+    """How fully `ctas` CTAs fill whole waves of SMS SMs, one CTA an SM a wave: 1.0 when every SM
+    holds as many as every other."""
+    return ctas / (SMS * -(-ctas // SMS))
+
+
+def whole_wave_tiles(tiles: int, grid_splits: int) -> int:
+    """Column tiles for a launch of one row tile (csrc/linear_mma.cuh's mma_tile_column deals N's
+    groups of 8 columns over them): from `tiles` (ceil(N / BN)) up to twice as many, each at least half
+    a tile wide, the count whose CTAs (tiles x grid_splits) fill the SMs' whole waves best (wave_fill),
+    the fewest on a tie. Columns never share a sum, so the count moves no bit; the K split, which
+    does, stays mma_split_plan's."""
+    return max(range(tiles, 2 * tiles + 1), key=lambda t: (wave_fill(t * grid_splits), -t))
+
+
 def mma_split_plan(k: int, n: int, align: int = MMA_ALIGN) -> tuple[int, int]:
     """(splits, kchunk) of the tensor-core GEMM over w [K, N]. The column tiles of few rows
     (MMA_SPLIT_TILE) times the chunks stay within MMA_TARGET_CTAS (one row tile streams the
@@ -181,8 +196,7 @@ def mma_split_plan(k: int, n: int, align: int = MMA_ALIGN) -> tuple[int, int]:
     for want in range(1, max(1, min(MMA_TARGET_CTAS // tiles_n, k // MIN_CHUNK)) + 1):
         kchunk = max(align, -(-(-(-k // want)) // align) * align)
         splits = max(1, -(-k // kchunk))
-        ctas = tiles_n * splits
-        best = max(best, (ctas / (SMS * -(-ctas // SMS)), splits, kchunk))
+        best = max(best, (wave_fill(tiles_n * splits), splits, kchunk))
     return best[1], best[2]
 
 
@@ -200,12 +214,15 @@ def shared_limit(be) -> int:
 
 def mma_plan(rows: int, k: int, n: int, *, bm: int | None = None, split: bool | None = None,
              wide: bool | None = None, align: int = MMA_ALIGN, configs: dict = MMA_CONFIGS,
-             shared_mem=mma_shared_mem, wide_configs: dict = MMA_WIDE, limit: int = SHARED_LIMIT[90]) -> MmaPlan:
+             shared_mem=mma_shared_mem, wide_configs: dict = MMA_WIDE, limit: int = SHARED_LIMIT[90],
+             whole_waves: bool = True) -> MmaPlan:
     """The tensor-core GEMM's launch for x [rows, K] @ w [K, N]: the smallest row tile that holds
     the rows (at most 128); a tile's chunks in one CTA each while the tiles alone would leave an
     H200 short of TARGET_CTAS, else folded in one CTA; a prompt's tile twice as wide (`wide_configs`:
     half the activations' re-reads through L2 per flop) where the device's shared memory per CTA
-    (`limit`, shared_limit) holds it. `bm`, `split` and
+    (`limit`, shared_limit) holds it; a launch of one row tile (decode, verify) in as many column tiles
+    as fill the SMs' whole waves (whole_wave_tiles; `whole_waves` False keeps ceil(N / BN): linear_fp8's
+    decode shapes place their columns by BN). `bm`, `split` and
     `wide` force a shape or mode (tests); the bits never depend on them. `align`: the K chunk's
     (mma_split_plan); `configs` and `shared_mem`: the kernel's tile shapes (linear_mma's, or
     linear_fp8's: fp8_plan, which has no wide tile)."""
@@ -225,8 +242,12 @@ def mma_plan(rows: int, k: int, n: int, *, bm: int | None = None, split: bool | 
                          f"BM in {tuple(wide_configs)}")
     tiles = wide_configs if wide else configs
     bn, bk, warps, _ = tiles[bm]
+    grid_splits = splits if split else 1
+    n_tiles = max(1, -(-n // bn))
+    if whole_waves and m_tiles == 1:
+        n_tiles = whole_wave_tiles(n_tiles, grid_splits)
     return MmaPlan(bm, bn, bk, 32 * warps, mma_shared_mem(bm, tiles) if wide else shared_mem(bm), m_tiles,
-                   max(1, -(-n // bn)), splits, kchunk, splits if split else 1)
+                   n_tiles, splits, kchunk, grid_splits)
 
 
 def fp8_plan(rows: int, k: int, n: int, *, bm: int | None = None, split: bool | None = None) -> MmaPlan:
@@ -240,7 +261,7 @@ def fp8_plan(rows: int, k: int, n: int, *, bm: int | None = None, split: bool | 
             raise ValueError(f"split=False with bm={bm}: linear_fp8's decode shapes run split mode only")
         split = True
     return mma_plan(rows, k, n, bm=bm, split=split, align=FP8_ALIGN, configs=FP8_CONFIGS, shared_mem=fp8_shared_mem,
-                    wide_configs={})
+                    wide_configs={}, whole_waves=False)
 
 
 # ---- NumPy ------------------------------------------------------------------------------------------

@@ -4,6 +4,7 @@ at every tile shape and mode; within TOLERANCE (f32) and MMA_TOLERANCE (16-bit, 
 rounding) of the numpy backend's BLAS chunks; row-invariant bitwise, a row alone equal to the same
 row in launches of 1 to 300 rows; refusing bad input before it writes anything."""
 
+import dataclasses
 from types import SimpleNamespace
 
 import numpy as np
@@ -12,9 +13,9 @@ import pytest
 from dspark.backends import contract
 from dspark.dtypes import BF16
 from dspark.errors import DTypeError, ShapeError
-from dspark.ops.linear import (MMA_CONFIGS, MMA_TOLERANCE, MMA_WIDE, SHARED_LIMIT, TOLERANCE, a16, chunking, linear,
-                               linear_mma_ref, linear_numpy, linear_ref, mma_plan, mma_shared_mem, mma_split_plan,
-                               shared_limit, split_plan, tiles)
+from dspark.ops.linear import (MMA_CONFIGS, MMA_TOLERANCE, MMA_WIDE, SHARED_LIMIT, TOLERANCE, a16, chunking, launch_mma,
+                               linear, linear_mma_ref, linear_numpy, linear_ref, mma_plan, mma_shared_mem,
+                               mma_split_plan, shared_limit, split_plan, tiles, whole_wave_tiles)
 from tests.conftest import poison
 
 DTYPES = [np.float32, np.float16, BF16]
@@ -91,6 +92,27 @@ def test_every_mma_tile_shape_and_mode_gives_the_same_bits(simt, rng, dtype):
             for split in (False, True):
                 assert_bits(run_mma(simt, x, w, bm=bm, split=split), want, f"K={k} bm={bm} split={split}")
         assert a16(mma_plan(150, k, 77, bm=128, split=False), k) == (k % 8 == 0)
+
+
+@pytest.mark.parametrize("dtype", HALF, ids=["f16", "bf16"])
+def test_any_column_tile_count_gives_the_same_bits(simt, rng, dtype):
+    """The kernel deals N's groups of 8 columns over the grid's column tiles (mma_tile_column), and a
+    launch of one row tile takes as many as fill the SMs' whole waves (whole_wave_tiles: up to twice
+    ceil(N / BN)): every count gives the same bits, tiles of uneven width, N off 8 (scalar weight
+    loads) and on it, a tile count past the groups (empty tiles), split mode and fold mode."""
+    for rows, k, n in ((3, 1000, 513), (16, 330, 1000), (5, 64, 8), (17, 96, 264)):
+        x, w = inputs(rng, rows, k, n, dtype)
+        for split in (False, True):
+            p = mma_plan(rows, k, n, split=split)
+            base = -(-n // p.bn)
+            assert base <= p.n_tiles <= 2 * base and p.m_tiles == 1
+            want = linear_mma_ref(x, w, p.kchunk)
+            for t in sorted({base, base + 1, 2 * base, p.n_tiles, 3 * base + 2}):
+                out = poison(np, (rows, n), np.float32)
+                launch_mma(simt, f"linear_mma_{'bf16' if dtype is BF16 else 'f16'}", dataclasses.replace(p, n_tiles=t),
+                           x, (w,), out, None)
+                assert_bits(out, want, f"{rows}x{k}x{n} split={split} tiles={t}")
+    assert whole_wave_tiles(136, 1) == 264 and whole_wave_tiles(8, 16) == 8
 
 
 @pytest.mark.parametrize("dtype", HALF, ids=["f16", "bf16"])
@@ -212,9 +234,12 @@ def test_unaligned_and_ragged_weights(simt, rng):
 def test_randomised_schedule(simt, rng):
     """Barriers guard the warps' shared sums (f32) and the pipeline's stages (16-bit: cp.async
     copies land at a random point up to their wait): a random thread order between barriers
-    changes nothing."""
-    for rows, dtype in ((11, np.float32), (11, BF16), (70, BF16)):
-        x, w = inputs(rng, rows, 600, 300, dtype)
+    changes nothing. The CTAs run in a random order too: at K 1000 a column tile's three K chunks
+    take a CTA each (split mode), and their partials are added in chunk order whichever CTA
+    finishes first (three, since two partials add the same either way)."""
+    for rows, k, dtype in ((11, 600, np.float32), (11, 600, BF16), (70, 600, BF16), (3, 1000, np.float32),
+                           (3, 1000, BF16)):
+        x, w = inputs(rng, rows, k, 300, dtype)
         expect = twin(x, w)
         for _ in range(2):
             with simt.kernels.schedule(seed=int(rng.integers(1, 2**31))):

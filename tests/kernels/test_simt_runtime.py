@@ -63,6 +63,26 @@ def test_3d_grid_and_block_indexing(simt):
     np.testing.assert_array_equal(out, (b * 1000 + t).astype(f32))
 
 
+def test_blocks_run_in_a_random_order_under_a_schedule(simt):
+    """A GPU starts and finishes CTAs in any order: under a schedule seed simt runs a launch's blocks
+    in a random permutation (a kernel that adds partials as its CTAs complete gives other bits), in
+    index order without one."""
+    grid = (5, 3, 2)
+
+    def arrivals():
+        order = poison(np, 30, np.int32)
+        simt.kernels.get_function("selftest_arrival")(grid, (32,), (np.zeros(1, np.uint32), order))
+        return order
+
+    np.testing.assert_array_equal(arrivals(), np.arange(30))
+    with simt.kernels.schedule(seed=3):
+        orders = [arrivals() for _ in range(3)]
+    for order in orders:
+        np.testing.assert_array_equal(np.sort(order), np.arange(30))
+    assert not any(np.array_equal(order, np.arange(30)) for order in orders)
+    assert not np.array_equal(orders[0], orders[1])
+
+
 @pytest.mark.parametrize("n,threads", [(1, 32), (100, 64), (5000, 1024), (58112, 512)])
 def test_dynamic_shared_memory(simt, rng, n, threads):
     x = rng.standard_normal(n).astype(f32)

@@ -302,6 +302,34 @@ def test_every_prompt_kernel_is_at_or_above_its_limiters():
             assert k.time >= k.bytes / dev.bw * (1 - 1e-9) and k.floor == max(k.limits.values()), k.name
 
 
+def test_every_decode_and_verify_product_fills_whole_waves(monkeypatch):
+    """Every 16-bit product of one row tile that the bf16 pairs' rounds run (Qwen3-8B, Qwen3.5-27B,
+    Qwen3.8-27B with each drafter; decode, verify and drafter rows at B = 1 and 2) fills whole waves of
+    an H200's SMs: its CTAs over 132 x their waves (linear.wave_fill) at least 0.96. The K split stays
+    mma_split_plan's (K, N) alone (the bits); the column tiles make up the rest (whole_wave_tiles), at
+    most twice ceil(N / BN). 0.96, not 1: sixteen K chunks times 8 or 16 column tiles give 128 or 256
+    CTAs, and no count up to twice as many tiles reaches a multiple of 132."""
+    lo = pm.linear_ops
+    seen, real = set(), lo.mma_plan
+
+    def recording(rows, k, n, **kw):
+        plan = real(rows, k, n, **kw)
+        if kw.get("configs", lo.MMA_CONFIGS) is lo.MMA_CONFIGS and plan.m_tiles == 1:
+            seen.add((rows, k, n))
+        return plan
+
+    monkeypatch.setattr(lo, "mma_plan", recording)
+    for name in ("qwen3-8b", "qwen3.5-27b", "qwen3.8-27b-dflash2", "qwen3.8-27b-dspark"):
+        for batch in (1, 2):
+            pm.spec_round(pm.shapes()[name], batch, 8192, 8)
+    assert {(1, 5120, 34816), (8, 5120, 34816), (16, 4096, 24576), (16, 5120, 2048)} <= seen and len(seen) > 40
+    for rows, k, n in sorted(seen):
+        p = real(rows, k, n)
+        base = -(-n // p.bn)
+        assert (p.splits, p.kchunk) == lo.mma_split_plan(k, n) and base <= p.n_tiles <= 2 * base, (rows, k, n)
+        assert lo.wave_fill(p.ctas) >= 0.96, f"{rows} x {k} x {n}: {p.ctas} CTAs"
+
+
 def test_a_kernels_mmas_add_up_to_its_flops():
     """The tensor limiter prices the MMAs a Work gives each CTA; a kernel's flops are counted apart.
     They must agree: the chunked gdn's preparation (a CTA per chunk and value head) once gave each
