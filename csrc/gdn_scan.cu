@@ -41,6 +41,7 @@
 //
 // Nothing depends on how many columns or sessions share a launch, so a verify column is bitwise
 // equal to the decode step at the same position, and replay equals checkpoint select.
+#include "activation.cuh"
 #include "common.cuh"
 #include "gdn.cuh"
 
@@ -221,7 +222,7 @@ DSPARK_DEVICE void gdn_scan(const float* __restrict__ proj, long long ld, int mi
     __syncthreads();
     for (int j = threadIdx.x; j < dv; j += blockDim.x) {
       const float z = in[z_off + h * dv + j];
-      oc[j] = ((oc[j] / r_norm) * o_norm[j]) * (z * (1.0f / (1.0f + expf(-z))));
+      oc[j] = silu_gate((oc[j] / r_norm) * o_norm[j], z);
     }
     __syncthreads();  // r_norm is rewritten by the next column
   }

@@ -8,6 +8,12 @@
 //   x[l]^2, x[l + 32]^2, ... in that order, then warp_sum's xor butterfly (offsets 16 .. 1) gives
 //   every lane the row's total s; r = sqrt(s / n + eps) and out[j] = (x[j] / r) * weight[j].
 //
+// rmsnorm_gated_f32(x [rows, n], gates [tokens, ld], ld, column, heads, weight [n], rows, n, eps, out [rows, n])
+//   The gdn's gated output norm over a prompt's o [tokens, heads, n] (rows = tokens heads): rmsnorm_f32's
+//   row, each output times SiLU of its gate, out[j] = ((x[j] / r) * weight[j]) * (z[j] * sigmoid(z[j]))
+//   (activation.cuh's silu_gate), the gates of row i read where the projection holds them, at
+//   gates[i / heads][column + (i % heads) n + j]. Bitwise the decode scan's gated norm (gdn_scan.cu, D).
+//
 // add_rmsnorm_f32(x [rows, n], y [rows, n] or null, weight, rows, n, eps, out, tap or null, tap_stride,
 //                 tickets [rows])
 //   The residual stream's step: x[j] <- x[j] + y[j] (f32, in place), then out = rmsnorm(x) exactly as
@@ -32,30 +38,50 @@
 // depend on how many rows share the call. Here the order is a function of n alone. Multiplies and
 // adds are never contracted (-fmad=false), so the NumPy twins (dspark.ops.norm.rmsnorm_ref and
 // add_rmsnorm_ref) reproduce every bit.
+#include "activation.cuh"
 #include "common.cuh"
 #include "reduce.cuh"
 #include "rowsplit.cuh"
 
 constexpr int kNormWarps = 1;  // rows (warps) per CTA
 
-// out[0..n) = (x / sqrt(sum x^2 / n + eps)) * weight by one whole warp, lanes in order.
+// out[0..n) = gate(j, (x / sqrt(sum x^2 / n + eps)) * weight) by one whole warp, lanes in order.
+template <typename Gate>
 DSPARK_DEVICE void norm_row(const float* __restrict__ xr, const float* __restrict__ weight, int n, float eps,
-                            float* __restrict__ yr, int lane) {
+                            float* __restrict__ yr, int lane, Gate gate) {
   float ss = 0.f;
   for (int j = lane; j < n; j += 32) {
     const float v = xr[j];
     ss += v * v;
   }
   const float r = sqrtf(warp_sum(ss) / (float)n + eps);
-  for (int j = lane; j < n; j += 32) yr[j] = (xr[j] / r) * weight[j];
+  for (int j = lane; j < n; j += 32) yr[j] = gate(j, (xr[j] / r) * weight[j]);
 }
+
+struct NoGate {
+  __device__ __forceinline__ float operator()(int, float v) const { return v; }
+};
+
+struct SiluGate {  // v * SiLU(z[j])
+  const float* __restrict__ zr;
+  __device__ __forceinline__ float operator()(int j, float v) const { return silu_gate(v, zr[j]); }
+};
 
 extern "C" __global__ void __launch_bounds__(kNormWarps * 32)
     rmsnorm_f32(const float* __restrict__ x, const float* __restrict__ weight, int rows, int n, float eps,
                 float* __restrict__ out) {
   const int row = blockIdx.x * kNormWarps + (threadIdx.x >> 5), lane = threadIdx.x & 31;
   if (row >= rows) return;  // whole warps leave together: the butterfly below sees full warps
-  norm_row(x + (int64_t)row * n, weight, n, eps, out + (int64_t)row * n, lane);
+  norm_row(x + (int64_t)row * n, weight, n, eps, out + (int64_t)row * n, lane, NoGate{});
+}
+
+extern "C" __global__ void __launch_bounds__(kNormWarps * 32)
+    rmsnorm_gated_f32(const float* __restrict__ x, const float* __restrict__ gates, long long ld, long long column,
+                      int heads, const float* __restrict__ weight, int rows, int n, float eps, float* __restrict__ out) {
+  const int row = blockIdx.x * kNormWarps + (threadIdx.x >> 5), lane = threadIdx.x & 31;
+  if (row >= rows) return;
+  const float* __restrict__ zr = gates + (int64_t)(row / heads) * ld + column + (int64_t)(row % heads) * n;
+  norm_row(x + (int64_t)row * n, weight, n, eps, out + (int64_t)row * n, lane, SiluGate{zr});
 }
 
 constexpr int kRowThreads = 256;                // the row kernels' CTA (dspark.ops.norm.ROW_THREADS)

@@ -11,7 +11,8 @@ For each mutant the runner
   an error, never a kill;
 * applies it to a private copy of the tree (never in place) and runs its `kill` tests there with
   `pytest -x`, PYTHONPATH pointing at the copy. A kernel mutant is rebuilt for simt as a private
-  build of its family alone (dspark.backends.simt_build, DSPARK_SIMT_MODULE); the same tests
+  build of its family alone (or its families: `family` may name several, space-separated)
+  (dspark.backends.simt_build, DSPARK_SIMT_MODULE); the same tests
   first pass on an unmutated build of that family, so a kill is the mutant's doing. A native
   mutant (class "native", csrc/cpu) rebuilds the copy's dspark._cpu, restored afterwards;
 * counts it killed when a kill test fails, survived when they all pass, and an error otherwise
@@ -183,8 +184,9 @@ def first_failure(output: str) -> str:
 
 
 def build_family(tree: Path, cache: Path, family: str) -> str:
-    """A private simt build of one kernel family from the copy's csrc/; returns its path."""
-    r = subprocess.run([sys.executable, "-m", "dspark.backends.simt_build", "--families", family], cwd=tree,
+    """A private simt build of one kernel family (or several, space-separated: a test that runs a
+    second family's kernel beside the mutated one) from the copy's csrc/; returns its path."""
+    r = subprocess.run([sys.executable, "-m", "dspark.backends.simt_build", "--families", *family.split()], cwd=tree,
                        env=child_env(tree, cache), capture_output=True, text=True)
     if r.returncode:
         raise RuntimeError(f"simt build of {family} failed:\n{(r.stdout + r.stderr)[-3000:]}")

@@ -616,6 +616,15 @@ def rmsnorm_kernel(phase, name, rows, n, dev: Device, launches=1) -> Kernel:
     return k
 
 
+def gated_norm_kernel(phase, name, tokens, heads, n, dev: Device) -> Kernel:
+    """rmsnorm_gated_f32 over tokens x heads rows of n (dspark.ops.norm.rmsnorm_gated): a warp a row,
+    o and its gates read (the gates where the projection holds them), the output written; the norm's 3
+    flops an entry and SiLU's gate (an exp, an add, a division, two products)."""
+    rows = tokens * heads
+    return planned(phase, name, "other", even(F32 * rows * n * 3 + F32 * n, rows), 8 * rows * n,
+                   32 * norm_ops.WARPS, 0, dev, "rmsnorm_gated_f32")
+
+
 def elementwise(phase, name, entry, outputs: int, nbytes: float, flops: float, dev: Device, threads=256) -> Kernel:
     """A kernel of one thread per output (csrc/activation.cu, csrc/heads.cu)."""
     return planned(phase, name, "other", even(nbytes, -(-outputs // threads)), flops, threads, 0, dev, entry)
@@ -878,11 +887,11 @@ def round_moves(shape: Shape, vts, keeps, rollback: str = "checkpoint", ingest=N
 # the layers (the layers' glue is kernels: dspark.ops.norm, activation, rope, heads). Recorded
 # passes (launches "eager" or "graph") have none. Each unrecorded pass zeroes its workspace's row
 # tickets once (the products' and the row norms'). A prompt pass's (never recorded): per gdn layer
-# (the chunked gdn's inputs made contiguous, its gated output norm) and the last pass's last-row
-# gather (PROMPT_GLUE).
+# (the chunked gdn's inputs made contiguous: three copies) and the last pass's last-row gather
+# (PROMPT_GLUE).
 LAUNCH_GLUE = {"round": 19, "step": 6}
 UPLOADS = {"round": 3, "step": 1}   # a recorded round's inputs blocks (draft, verify, commit); a step's
-PROMPT_GLUE = {"gdn": 9, "pass": 5, "last": 2}
+PROMPT_GLUE = {"gdn": 3, "pass": 5, "last": 2}
 
 
 def array_ops(mode: str, spec: bool) -> int:
@@ -1042,9 +1051,8 @@ def prompt_gdn(phase, H: int, dk: int, dv: int, k_heads, rows: int, dev: Device)
 def prompt_pass(shape: Shape, start: int, rows: int, dev: Device, *, last: bool) -> list[Kernel]:
     """Every kernel of one prompt pass of `rows` tokens after `start` (one session), as
     dspark.models.trunk.run_pass issues it with a PromptPlan: `layers` with prompt attention, and
-    the chunked gdn with its inputs made contiguous and its gated output norm (rmsnorm_f32, then the
-    z gate: CuPy array ops at the copy bandwidth); the K/V rows committed; the last pass's LM head on
-    its last row."""
+    the chunked gdn with its inputs made contiguous (CuPy copies at the copy bandwidth) and its gated
+    output norm (rmsnorm_gated_f32); the K/V rows committed; the last pass's LM head on its last row."""
     c, wb, ph = shape.trunk, shape.weight_bytes, "prompt"
     H, dv, C = c.gdn_heads, c.gdn_dv, c.gdn_channels
     attn_layers = c.layers.count("attn")
@@ -1055,8 +1063,7 @@ def prompt_pass(shape: Shape, start: int, rows: int, dev: Device, *, last: bool)
     def gdn():
         return [roofline(ph, "gdn inputs contiguous (glue)", "other", 2 * F32 * rows * (C + 2 * H), 0, dev),
                 *prompt_gdn(ph, H, c.gdn_dk, dv, c.gdn_k_heads or None, rows, dev),
-                rmsnorm_kernel(ph, "gdn o_norm", rows * H, dv, dev),
-                roofline(ph, "z gate (glue)", "other", 4 * rows * 3 * H * dv, 0, dev)]
+                gated_norm_kernel(ph, "gdn gated o_norm", rows, H, dv, dev)]
     out = layers(shape, ph, rows, dev, attention, gdn)
     if attn_layers:
         out.append(commit_kernel(ph, "kv_commit", 1, attn_layers, rows,

@@ -32,14 +32,13 @@ from ..dtypes import BF16
 from ..errors import CapacityError, ShapeError, TokenRangeError
 from ..ops.attention import attention
 from ..ops.checks import Staged
-from ..ops.dense import silu
 from ..ops.gate_linear import attn_gate_linear
 from ..ops.fp8 import E4M3
 from ..ops import gdn_chunk
 from ..ops.gdn import ProjLayout, gdn_layer
 from ..ops.kv_commit import kv_commit
 from ..ops.linear import linear
-from ..ops.norm import add_rmsnorm, embed_rmsnorm, rmsnorm
+from ..ops.norm import add_rmsnorm, embed_rmsnorm, rmsnorm_gated
 from ..ops.rope import Heads, Rotary, qk_prepare
 from ..ops.snapshot import checkpoint_select_layers
 from ..ops.swiglu_linear import swiglu_linear
@@ -426,8 +425,7 @@ class HybridTrunk:
             s, r = plan.seq_rows, plan.chunk_rows
             o[s] = self._scan(p, proj[s], tables.states[ig], tables.convs[ig], plan.seq_indptr)
             o[r] = chunks(mixed[r], a[r], b[r], plan.chunk_indptr)
-        z = proj[:, L.z : L.z + H * dv].reshape(-1, H, dv)
-        return rmsnorm(self.be, o, w[p + "gdn.o_norm"], c.norm_eps) * silu(z)
+        return rmsnorm_gated(self.be, o, proj, w[p + "gdn.o_norm"], c.norm_eps, column=L.z)
 
     def replay(self, caches: list[Cache], tp: TrunkPass, starts, keep, *, ws=None, inp=None) -> None:
         """Advance each session's gdn state by the first keep[b] columns a verify recorded for

@@ -176,7 +176,7 @@ def wave_fill(ctas: int) -> float:
 
 
 def whole_wave_tiles(tiles: int, grid_splits: int) -> int:
-    """Column tiles for a launch of one row tile (csrc/linear_mma.cuh's mma_tile_column deals N's
+    """Column tiles for a launch of one 16-row tile (csrc/linear_mma.cuh's mma_tile_column deals N's
     groups of 8 columns over them): from `tiles` (ceil(N / BN)) up to twice as many, each at least half
     a tile wide, the count whose CTAs (tiles x grid_splits) fill the SMs' whole waves best (wave_fill),
     the fewest on a tie. Columns never share a sum, so the count moves no bit; the K split, which
@@ -220,9 +220,11 @@ def mma_plan(rows: int, k: int, n: int, *, bm: int | None = None, split: bool | 
     the rows (at most 128); a tile's chunks in one CTA each while the tiles alone would leave an
     H200 short of TARGET_CTAS, else folded in one CTA; a prompt's tile twice as wide (`wide_configs`:
     half the activations' re-reads through L2 per flop) where the device's shared memory per CTA
-    (`limit`, shared_limit) holds it; a launch of one row tile (decode, verify) in as many column tiles
-    as fill the SMs' whole waves (whole_wave_tiles; `whole_waves` False keeps ceil(N / BN): linear_fp8's
-    decode shapes place their columns by BN). `bm`, `split` and
+    (`limit`, shared_limit) holds it; a launch of one 16-row tile (decode and verify of one or two
+    sessions) in as many column tiles as fill the SMs' whole waves (whole_wave_tiles; a 32-row tile
+    reads twice the activations a column tile, and more tiles would make it bound by those re-reads
+    through L2; `whole_waves` False keeps ceil(N / BN): linear_fp8's decode shapes place their columns
+    by BN). `bm`, `split` and
     `wide` force a shape or mode (tests); the bits never depend on them. `align`: the K chunk's
     (mma_split_plan); `configs` and `shared_mem`: the kernel's tile shapes (linear_mma's, or
     linear_fp8's: fp8_plan, which has no wide tile)."""
@@ -244,7 +246,7 @@ def mma_plan(rows: int, k: int, n: int, *, bm: int | None = None, split: bool | 
     bn, bk, warps, _ = tiles[bm]
     grid_splits = splits if split else 1
     n_tiles = max(1, -(-n // bn))
-    if whole_waves and m_tiles == 1:
+    if whole_waves and m_tiles == 1 and bm == 16:
         n_tiles = whole_wave_tiles(n_tiles, grid_splits)
     return MmaPlan(bm, bn, bk, 32 * warps, mma_shared_mem(bm, tiles) if wide else shared_mem(bm), m_tiles,
                    n_tiles, splits, kchunk, grid_splits)

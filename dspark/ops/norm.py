@@ -12,6 +12,10 @@ and cuda backends run `rmsnorm_f32`, one warp per row, lane l summing x[l]^2, x[
 xor butterfly. `rmsnorm_ref` is its NumPy twin, bit for bit (the kernel tests compare them with
 array_equal); it and the numpy formula agree within a few ulp.
 
+The gdn's gated output norm of a prompt (`rmsnorm_gated`): rmsnorm_f32's rows, each output times
+SiLU of its gate, the gates read where the layer's projection holds them, in one launch (an RMSNorm and
+six array operations before): bitwise the decode scan's gated norm.
+
 The layer boundary: `add_rmsnorm` adds the sublayer's output to the residual stream x in place and
 normalises the new x for the next sublayer in one launch (and copies x to a tap column block when
 the layer is tapped); `embed_rmsnorm` gathers the first x from the embedding (f32, f16 or bf16,
@@ -29,7 +33,7 @@ import numpy as np
 from ..arrays import adopt
 from ..dtypes import suffix, to_f32
 from ..errors import ShapeError
-from . import host, rowsplit
+from . import dense, host, rowsplit
 from .checks import host_and_device, require_dtype, require_ndim, require_shape
 
 F32 = np.float32
@@ -110,6 +114,48 @@ def rmsnorm(be, x, weight, eps: float, out=None):
     if rows:
         be.kernels.get_function("rmsnorm_f32")((-(-rows // WARPS),), (32 * WARPS,),
                                                (x, weight, np.int32(rows), np.int32(n), F32(eps), out))
+    return out
+
+
+def rmsnorm_gated_ref(x, z, weight, eps: float) -> np.ndarray:
+    """rmsnorm_gated's arithmetic on host arrays, z [tokens, heads, n] the gates: rmsnorm_ref, then
+    times SiLU(z) (dspark.ops.dense's formula), bitwise the kernel's up to the last bit of exp (the
+    host's libm against expf)."""
+    with np.errstate(over="ignore", invalid="ignore"):   # exp overflows to inf, -inf * 0 is NaN: as on the device
+        return rmsnorm_ref(x, weight, eps) * dense.silu(np.asarray(z, F32))
+
+
+def rmsnorm_gated(be, x, gates, weight, eps: float, out=None, *, column: int = 0):
+    """out = RMSNorm(x) * SiLU(z) of x [tokens, heads, n] f32 (C-contiguous), z the gates that
+    gates [tokens, width] f32 (C-contiguous) holds at columns [column, column + heads n) of each token:
+    the gdn's projection, read in place (dspark.models.trunk's prompt gdn). One launch of
+    rmsnorm_gated_f32 (a warp a row of n); the numpy backend keeps its formula."""
+    x, gates, weight, out = adopt(be, x=x, gates=gates, weight=weight, out=out, writes=("out",))
+    require_ndim(x, 3, "x", "[tokens, heads, n]")
+    require_dtype(x, F32, "x")
+    tokens, heads, n = x.shape
+    require_ndim(gates, 2, "gates", "[tokens, width]")
+    require_dtype(gates, F32, "gates")
+    if gates.shape[0] != tokens or not 0 <= column <= gates.shape[1] - heads * n:
+        raise ShapeError(f"gates has shape {tuple(gates.shape)}: expected {tokens} rows holding {heads} x {n} "
+                         f"gates from column {column}")
+    require_shape(weight, (n,), "weight")
+    require_dtype(weight, F32, "weight")
+    if out is None:
+        out = be.xp.empty(x.shape, F32)
+    require_shape(out, x.shape, "out")
+    require_dtype(out, F32, "out")
+    z = gates[:, column : column + heads * n].reshape(tokens, heads, n)
+    if be.kernels is None:
+        out[...] = numpy_rmsnorm(x, weight, eps) * dense.silu(z)
+        return out
+    x, gates = be.xp.ascontiguousarray(x), be.xp.ascontiguousarray(gates)
+    rows = tokens * heads
+    if rows:
+        be.kernels.get_function("rmsnorm_gated_f32")(
+            (-(-rows // WARPS),), (32 * WARPS,),
+            (x, gates, np.int64(gates.shape[1]), np.int64(column), np.int32(heads), weight, np.int32(rows),
+             np.int32(n), F32(eps), out))
     return out
 
 

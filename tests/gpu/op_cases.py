@@ -175,7 +175,8 @@ def _norms(rng):
     return {"x": rng.standard_normal((5, 70)).astype(F32), "y": rng.standard_normal((5, 70)).astype(F32),
             "weight": rng.standard_normal(70).astype(F32), "out": np.full((5, 70), np.nan, F32),
             "taps": np.full((5, 140), np.nan, F32), "table": rng.standard_normal((30, 70)).astype(F32),
-            "ids": rng.integers(0, 30, 5).astype(I32)}
+            "ids": rng.integers(0, 30, 5).astype(I32), "o": rng.standard_normal((5, 2, 35)).astype(F32),
+            "o_weight": rng.standard_normal(35).astype(F32), "o_out": np.full((5, 2, 35), np.nan, F32)}
 
 
 def _gates(rng):
@@ -329,6 +330,8 @@ CASES = [
     Case("attn_gate", _gates, lambda be, a: activation.attn_gate(be, a["o"], (a["q2"], 64, 128), out=a["gated"]),
          ("gated",)),
     Case("rmsnorm", _norms, lambda be, a: norm.rmsnorm(be, a["x"], a["weight"], 1e-6, out=a["out"]), ("out",)),
+    Case("rmsnorm_gated", _norms, lambda be, a: norm.rmsnorm_gated(be, a["o"], a["x"], a["o_weight"], 1e-6,
+                                                                   out=a["o_out"], column=0), ("o_out",)),
     Case("sigmoid_bias", _gates, lambda be, a: activation.sigmoid_bias(be, a["c"], a["bias"], out=a["conf"]),
          ("conf",)),
     Case("qk_prepare", _rope, _rope_run, ("q", "k", "v")),
@@ -344,7 +347,7 @@ OPS = {"argmax_rows", "greedy_accept", "markov_chain", "linear", "linear_fp8", "
        "snapshot_restore", "checkpoint_select", "sample_filtered", "filtered_probs", "speculative_accept",
        "coupled_accept", "pick_accept", "philox_random", "gdn_layer", "checkpoint_select_layers", "add_rmsnorm",
        "embed_rmsnorm", "swiglu", "attn_gate", "sigmoid_bias", "qk_prepare", "confidence_features", "gather_rows",
-       "logit_scale", "rmsnorm", "markov_logits"}
+       "logit_scale", "rmsnorm", "rmsnorm_gated", "markov_logits"}
 # every public op of dspark.ops, covered by CASES
 
 

@@ -97,7 +97,7 @@ def test_every_mma_tile_shape_and_mode_gives_the_same_bits(simt, rng, dtype):
 @pytest.mark.parametrize("dtype", HALF, ids=["f16", "bf16"])
 def test_any_column_tile_count_gives_the_same_bits(simt, rng, dtype):
     """The kernel deals N's groups of 8 columns over the grid's column tiles (mma_tile_column), and a
-    launch of one row tile takes as many as fill the SMs' whole waves (whole_wave_tiles: up to twice
+    launch of one 16-row tile takes as many as fill the SMs' whole waves (whole_wave_tiles: up to twice
     ceil(N / BN)): every count gives the same bits, tiles of uneven width, N off 8 (scalar weight
     loads) and on it, a tile count past the groups (empty tiles), split mode and fold mode."""
     for rows, k, n in ((3, 1000, 513), (16, 330, 1000), (5, 64, 8), (17, 96, 264)):
