@@ -62,13 +62,11 @@
 // SHARED_TOTAL: the running total of the K chunks kept in shared memory, each thread's own elements
 // (a fold reads and writes only what the thread wrote), not in registers beside the accumulators:
 // that lets a warp hold twice the outputs (the prompt's 128 x 256 tile, 64 x 64 a warp).
-template <int BM_, int BN_, int BK_, int WARPS_M_, int WARPS_N_, int STAGES_, bool SHARED_TOTAL_ = false,
-          int MIN_CTAS_ = 0>
+template <int BM_, int BN_, int BK_, int WARPS_M_, int WARPS_N_, int STAGES_, bool SHARED_TOTAL_ = false>
 struct MmaGemmConfig {
   static constexpr int BM = BM_, BN = BN_, BK = BK_, WARPS_M = WARPS_M_, WARPS_N = WARPS_N_, STAGES = STAGES_;
   static constexpr bool SHARED_TOTAL = SHARED_TOTAL_;
-  static constexpr int WARPS = WARPS_M * WARPS_N, THREADS = 32 * WARPS;
-  static constexpr int MIN_CTAS = MIN_CTAS_;  // __launch_bounds__' CTAs an SM (0: no register cap)
+  static constexpr int WARPS = WARPS_M * WARPS_N, THREADS = 32 * WARPS, MIN_CTAS = 0;  // __launch_bounds__: none
   static constexpr int WM = BM / WARPS_M, WN = BN / WARPS_N, MT = WM / 16, NT = WN / 8;
   static constexpr int A_ROW = BK + 8, B_ROW = BN + 8;  // shared-memory row strides, in elements
   static constexpr int A_STAGE = BM * A_ROW, B_STAGE = BK * B_ROW;
