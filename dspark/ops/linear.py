@@ -46,6 +46,7 @@ summation order to be a function of the shapes alone, never of `rows`:
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -175,6 +176,7 @@ def wave_fill(ctas: int) -> float:
     return ctas / (SMS * -(-ctas // SMS))
 
 
+@functools.lru_cache(maxsize=None)   # a search over up to `tiles` counts: once per shape, not per launch
 def whole_wave_tiles(tiles: int, grid_splits: int) -> int:
     """Column tiles for a launch of one 16-row tile (csrc/linear_mma.cuh's mma_tile_column deals N's
     groups of 8 columns over them): from `tiles` (ceil(N / BN)) up to twice as many, each at least half
